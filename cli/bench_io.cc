@@ -1,0 +1,219 @@
+// ckpt-tool bench io: saves and loads synthetic state through the real store (ranks as threads)
+// and, in the same run and directory, measures the raw O_DIRECT sequential write and read
+// bandwidth that bounds them (DESIGN.md §8). Prints both figures, both bounds and the ratios.
+#include <atomic>
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/checkpoint_store.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "libckpt/aligned_buffer.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kPieceBytes = uint64_t{64} << 20;  // Each rank writes its range as pieces.
+constexpr uint64_t kRawIoBytes = uint64_t{8} << 20;
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Fills with values shaped like trained weights: random mantissas, few distinct exponents.
+void FillState(std::span<float> out, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < out.size(); i += 2) {
+    uint64_t r = rng();
+    for (size_t k = 0; k < 2 && i + k < out.size(); ++k) {
+      uint32_t bits = static_cast<uint32_t>(r >> (32 * k));
+      uint32_t exponent = 120 + (bits & 3);
+      uint32_t f = ((bits >> 31) << 31) | (exponent << 23) | ((bits >> 2) & 0x7fffff);
+      std::memcpy(&out[i + k], &f, 4);
+    }
+  }
+}
+
+struct RawBounds {
+  double write_gbps = 0;
+  double read_gbps = 0;
+};
+
+// Sequential O_DIRECT write (large appends, then Sync) and read of `bytes` through the Env.
+absl::StatusOr<RawBounds> MeasureRawBounds(Env* env, const std::string& dir, uint64_t bytes,
+                                           bool progress) {
+  const std::string path = JoinPath(dir, ".ckpt-bench-raw.tmp");
+  CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer buf, internal::AlignedBuffer::Create(kRawIoBytes));
+  FillState(std::span(reinterpret_cast<float*>(buf.data()), kRawIoBytes / 4), 7);
+  RawBounds out;
+  {
+    ProgressBar bar("raw write", bytes, progress);
+    CKPT_ASSIGN_OR_RETURN(auto file, env->NewWritableFile(path, FileOptions{.direct_io = true}));
+    Clock::time_point start = Clock::now();
+    for (uint64_t done = 0; done < bytes; done += kRawIoBytes) {
+      CKPT_RETURN_IF_ERROR(file->Append(buf.span().first(std::min(kRawIoBytes, bytes - done))));
+      bar.Update(done);
+    }
+    CKPT_RETURN_IF_ERROR(file->Sync());
+    CKPT_RETURN_IF_ERROR(file->Close());
+    out.write_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  }
+  {
+    ProgressBar bar("raw read ", bytes, progress);
+    CKPT_ASSIGN_OR_RETURN(auto file, env->NewRandomAccessFile(path, FileOptions{.direct_io = true}));
+    Clock::time_point start = Clock::now();
+    for (uint64_t done = 0; done < bytes; done += kRawIoBytes) {
+      CKPT_RETURN_IF_ERROR(file->Read(done, buf.span().first(std::min(kRawIoBytes, bytes - done))));
+      bar.Update(done);
+    }
+    out.read_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  }
+  CKPT_RETURN_IF_ERROR(env->RemoveFile(path));
+  return out;
+}
+
+struct RankRange {
+  uint64_t begin;
+  uint64_t count;
+};
+
+RankRange RangeOf(int rank, int ranks, uint64_t elems) {
+  uint64_t lo = elems * static_cast<uint64_t>(rank) / static_cast<uint64_t>(ranks);
+  uint64_t hi = elems * static_cast<uint64_t>(rank + 1) / static_cast<uint64_t>(ranks);
+  return {lo, hi - lo};
+}
+
+// Runs fn(rank) on `ranks` threads and returns the first error.
+absl::Status RunRanks(int ranks, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> results(static_cast<size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 1; r < ranks; ++r) threads.emplace_back([&, r] { results[r] = fn(r); });
+  results[0] = fn(0);
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) CKPT_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+struct Figures {
+  uint64_t step = 0;
+  double save_gbps = 0;
+  double load_gbps = 0;
+};
+
+absl::StatusOr<Figures> SaveAndLoad(const BenchIoArgs& args, const std::string& root, uint64_t bytes,
+                                    const std::vector<float>& state) {
+  const uint64_t elems = state.size();
+  StoreOptions options;
+  if (args.zstd_level.has_value()) {
+    options.codec = formats::Codec::kZstd;
+    options.zstd_level = *args.zstd_level;
+  }
+  std::vector<std::unique_ptr<CheckpointStore>> stores;
+  for (int r = 0; r < args.ranks; ++r) {
+    StoreOptions o = options;
+    o.primary = r == 0;
+    CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, o));
+    stores.push_back(std::move(store));
+  }
+  Figures fig;
+  fig.step = stores[0]->latest_step().value_or(0) + 1;
+  ThreadGroup group(args.ranks);
+  std::atomic<uint64_t> progress_bytes{0};
+  const uint64_t piece_elems = kPieceBytes / 4;
+  {
+    ProgressBar bar("save     ", bytes, !args.json);
+    Clock::time_point start = Clock::now();
+    absl::Status s = RunRanks(args.ranks, [&](int rank) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(auto txn, stores[rank]->BeginSave(fig.step, group.member(rank)));
+      RankRange range = RangeOf(rank, args.ranks, elems);
+      absl::Status local = txn->DeclareTensor({"state", formats::DType::kF32, {elems}});
+      for (uint64_t done = 0; local.ok() && done < range.count; done += piece_elems) {
+        uint64_t n = std::min(piece_elems, range.count - done);
+        local = txn->WritePiece("state", range.begin + done, n,
+                                std::as_bytes(std::span(state).subspan(range.begin + done, n)));
+        uint64_t total = progress_bytes += n * 4;
+        if (rank == 0) bar.Update(total);
+      }
+      absl::Status committed = txn->Commit();  // Collective even after a local failure.
+      return local.ok() ? committed : local;
+    });
+    CKPT_RETURN_IF_ERROR(s);
+    fig.save_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  }
+  CKPT_ASSIGN_OR_RETURN(auto reader, stores[0]->OpenStep(fig.step));
+  std::vector<float> loaded(elems);
+  progress_bytes = 0;
+  {
+    ProgressBar bar("load     ", bytes, !args.json);
+    Clock::time_point start = Clock::now();
+    CKPT_RETURN_IF_ERROR(RunRanks(args.ranks, [&](int rank) -> absl::Status {
+      RankRange range = RangeOf(rank, args.ranks, elems);
+      for (uint64_t done = 0; done < range.count; done += piece_elems) {
+        uint64_t n = std::min(piece_elems, range.count - done);
+        CKPT_RETURN_IF_ERROR(reader->ReadRange(
+            "state", range.begin + done, n,
+            std::as_writable_bytes(std::span(loaded).subspan(range.begin + done, n))));
+        uint64_t total = progress_bytes += n * 4;
+        if (rank == 0) bar.Update(total);
+      }
+      return absl::OkStatus();
+    }));
+    fig.load_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  }
+  if (std::memcmp(loaded.data(), state.data(), bytes) != 0) {
+    return absl::DataLossError("loaded state differs from the saved state");
+  }
+  return fig;
+}
+
+}  // namespace
+
+int RunBenchIo(const BenchIoArgs& args) {
+  absl::StatusOr<uint64_t> size = ParseByteSize(args.size);
+  if (!size.ok()) return ReportError("bench io", size.status());
+  const uint64_t bytes = *size / 4 * 4;
+  if (bytes == 0) return ReportError("bench io", absl::InvalidArgumentError("--size must be at least 4 bytes"));
+  Env* env = Env::Default();
+  absl::StatusOr<bool> is_dir = env->IsDirectory(args.dir);
+  if (!is_dir.ok() || !*is_dir) {
+    return ReportError("bench io", absl::NotFoundError(args.dir + ": not a directory"));
+  }
+  absl::StatusOr<RawBounds> bounds = MeasureRawBounds(env, args.dir, bytes, !args.json);
+  if (!bounds.ok()) return ReportError("bench io: raw bound", bounds.status());
+  std::vector<float> state(bytes / 4);
+  FillState(state, 42);
+  const std::string root = JoinPath(args.dir, "ckpt-bench");
+  absl::StatusOr<Figures> fig = SaveAndLoad(args, root, bytes, state);
+  if (!fig.ok()) return ReportError("bench io", fig.status());
+  if (!args.keep) {
+    RemoveRecursively(env, root).IgnoreError();  // Best effort: only benchmark output.
+  }
+  const double save_ratio = fig->save_gbps / bounds->write_gbps;
+  const double load_ratio = fig->load_gbps / bounds->read_gbps;
+  const std::string env_name = DefaultEnvFallbackReason().empty() ? "uring" : "posix";
+  if (args.json) {
+    PrintJson({{"dir", args.dir}, {"root", root}, {"step", fig->step}, {"kept", args.keep},
+               {"size_bytes", bytes}, {"ranks", args.ranks}, {"env", env_name},
+               {"codec", args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw"},
+               {"save_gbps", fig->save_gbps}, {"write_bound_gbps", bounds->write_gbps}, {"save_ratio", save_ratio},
+               {"load_gbps", fig->load_gbps}, {"read_bound_gbps", bounds->read_gbps}, {"load_ratio", load_ratio}});
+  } else {
+    std::cout << absl::StrFormat(
+        "state %s, %d rank(s), %s env, codec %s\n"
+        "save  %6.2f GB/s   O_DIRECT write bound %6.2f GB/s   ratio %.2f\n"
+        "load  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n",
+        FormatBytes(bytes), args.ranks, env_name,
+        args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw", fig->save_gbps,
+        bounds->write_gbps, save_ratio, fig->load_gbps, bounds->read_gbps, load_ratio);
+    if (args.keep) std::cout << "kept step " << fig->step << " in " << root << "\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli

@@ -1,0 +1,47 @@
+// The subcommands of ckpt-tool. Each Run* returns the process exit code (see common.h).
+#ifndef CKPT_CLI_COMMANDS_H_
+#define CKPT_CLI_COMMANDS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace ckpt::cli {
+
+struct InspectArgs {
+  std::string root;
+  std::optional<uint64_t> step;
+  bool json = false;
+};
+int RunInspect(const InspectArgs& args);
+
+struct VerifyArgs {
+  std::string root;
+  std::optional<uint64_t> step;
+  bool all = false;
+  bool json = false;
+};
+int RunVerify(const VerifyArgs& args);
+
+struct GcArgs {
+  std::string root;
+  uint64_t keep_last = 0;
+  uint64_t keep_every = 0;
+  bool dry_run = false;
+  bool json = false;
+};
+int RunGc(const GcArgs& args);
+
+struct BenchIoArgs {
+  std::string dir;
+  std::string size = "256M";
+  int ranks = 1;
+  std::optional<int> zstd_level;
+  bool keep = false;
+  bool json = false;
+};
+int RunBenchIo(const BenchIoArgs& args);
+
+}  // namespace ckpt::cli
+
+#endif  // CKPT_CLI_COMMANDS_H_

@@ -1,0 +1,80 @@
+#include "cli/common.h"
+
+#include <unistd.h>
+
+#include <iostream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace ckpt::cli {
+
+int ReportError(absl::string_view context, const absl::Status& status) {
+  std::cerr << "ckpt-tool: " << context << ": " << status.message() << "\n";
+  return kExitUsage;
+}
+
+absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
+  uint64_t multiplier = 1;
+  absl::string_view digits = text;
+  if (!digits.empty()) {
+    switch (absl::ascii_toupper(static_cast<unsigned char>(digits.back()))) {
+      case 'K': multiplier = uint64_t{1} << 10; break;
+      case 'M': multiplier = uint64_t{1} << 20; break;
+      case 'G': multiplier = uint64_t{1} << 30; break;
+      case 'T': multiplier = uint64_t{1} << 40; break;
+      default: break;
+    }
+    if (multiplier != 1) digits.remove_suffix(1);
+  }
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(digits, &value) || value > UINT64_MAX / multiplier) {
+    return absl::InvalidArgumentError(absl::StrCat("not a byte size: \"", text, "\""));
+  }
+  return value * multiplier;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+void PrintJson(const nlohmann::json& value) {
+  std::cout << value.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+}
+
+bool StderrIsTerminal() { return ::isatty(STDERR_FILENO) == 1; }
+
+ProgressBar::ProgressBar(std::string label, uint64_t total, bool enabled)
+    : label_(std::move(label)), total_(total), enabled_(enabled && StderrIsTerminal()) {}
+
+ProgressBar::~ProgressBar() { Finish(); }
+
+void ProgressBar::Update(uint64_t done) {
+  if (!enabled_ || finished_) return;
+  int percent = total_ == 0 ? 100 : static_cast<int>(done * 100 / total_);
+  if (percent == last_percent_) return;
+  last_percent_ = percent;
+  constexpr int kWidth = 30;
+  int filled = percent * kWidth / 100;
+  std::cerr << "\r" << label_ << " [" << std::string(static_cast<size_t>(filled), '#')
+            << std::string(static_cast<size_t>(kWidth - filled), ' ') << "] " << percent << "%"
+            << std::flush;
+}
+
+void ProgressBar::Finish() {
+  if (!enabled_ || finished_) return;
+  Update(total_);
+  finished_ = true;
+  std::cerr << "\n";
+}
+
+}  // namespace ckpt::cli

@@ -1,0 +1,52 @@
+// Shared pieces of ckpt-tool's subcommands: exit codes, output and progress.
+#ifndef CKPT_CLI_COMMON_H_
+#define CKPT_CLI_COMMON_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace ckpt::cli {
+
+// Exit codes shared by every subcommand.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitDamage = 1;  // Damage or invalid input found.
+inline constexpr int kExitUsage = 2;   // Bad usage, or the root cannot be read.
+
+// Prints "ckpt-tool: <context>: <status>" to stderr and returns kExitUsage.
+int ReportError(absl::string_view context, const absl::Status& status);
+
+// Parses "123", "4K", "2M", "2G", "1T" (powers of 1024).
+absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
+std::string FormatBytes(uint64_t bytes);
+
+void PrintJson(const nlohmann::json& value);
+
+// A one-line progress bar on stderr, drawn only when stderr is a terminal. Not thread-safe.
+class ProgressBar {
+ public:
+  ProgressBar(std::string label, uint64_t total, bool enabled);
+  ~ProgressBar();
+  void SetTotal(uint64_t total) { total_ = total; }
+  void Update(uint64_t done);
+  void Finish();
+
+ private:
+  std::string label_;
+  uint64_t total_;
+  bool enabled_;
+  int last_percent_ = -1;
+  bool finished_ = false;
+};
+
+bool StderrIsTerminal();
+
+}  // namespace ckpt::cli
+
+#endif  // CKPT_CLI_COMMON_H_

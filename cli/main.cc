@@ -1,0 +1,59 @@
+// ckpt-tool: inspect, verify, gc and benchmark checkpoint stores. The only place CLI11 appears;
+// its exceptions stay here.
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+
+int main(int argc, char** argv) {
+  using namespace ckpt::cli;
+  CLI::App app{"ckpt-tool: inspect, verify and maintain ckpt checkpoint stores"};
+  app.require_subcommand(1);
+
+  InspectArgs inspect;
+  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Show steps, LATEST, tensors, pieces, files, chunks and blobs");
+  inspect_cmd->add_option("root", inspect.root, "Checkpoint root directory")->required();
+  inspect_cmd->add_option("--step", inspect.step, "Show this step (default: the one LATEST names)");
+  inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
+
+  VerifyArgs verify;
+  CLI::App* verify_cmd = app.add_subcommand("verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
+  verify_cmd->add_option("root", verify.root, "Checkpoint root directory")->required();
+  CLI::Option* step_opt = verify_cmd->add_option("--step", verify.step, "Verify this step");
+  verify_cmd->add_flag("--all", verify.all, "Verify every step")->excludes(step_opt);
+  verify_cmd->add_flag("--json", verify.json, "Print one JSON object");
+
+  GcArgs gc;
+  CLI::App* gc_cmd = app.add_subcommand("gc", "Delete old steps (never the one LATEST names)");
+  gc_cmd->add_option("root", gc.root, "Checkpoint root directory")->required();
+  gc_cmd->add_option("--keep-last", gc.keep_last, "Keep the newest K steps")->required()->check(CLI::PositiveNumber);
+  gc_cmd->add_option("--keep-every", gc.keep_every, "Also keep steps that are multiples of N");
+  gc_cmd->add_flag("--dry-run", gc.dry_run, "Only print what would be deleted");
+  gc_cmd->add_flag("--json", gc.json, "Print one JSON object");
+
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmarks against the bound measured in the same run");
+  bench_cmd->require_subcommand(1);
+  BenchIoArgs bench_io;
+  CLI::App* io_cmd = bench_cmd->add_subcommand("io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
+  io_cmd->add_option("--dir", bench_io.dir, "Directory to benchmark in (must exist)")->required();
+  io_cmd->add_option("--size", bench_io.size, "Bytes of state, e.g. 2G")->required();
+  io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")->check(CLI::Range(1, 256));
+  io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")->check(CLI::Range(1, 19));
+  io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");
+  io_cmd->add_flag("--json", bench_io.json, "Print one JSON object");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);
+    return code == 0 ? kExitOk : kExitUsage;
+  }
+  if (inspect_cmd->parsed()) return RunInspect(inspect);
+  if (verify_cmd->parsed()) return RunVerify(verify);
+  if (gc_cmd->parsed()) return RunGc(gc);
+  if (io_cmd->parsed()) return RunBenchIo(bench_io);
+  std::cerr << app.help();
+  return kExitUsage;
+}

@@ -1,0 +1,17 @@
+# CKPT_CUDA: AUTO enables CUDA when a CUDA compiler and the toolkit are both found; ON requires
+# them; OFF never looks. Sets CKPT_HAVE_CUDA for the rest of the build (STYLE.md §7).
+set(CKPT_HAVE_CUDA OFF)
+if(NOT CKPT_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    find_package(CUDAToolkit QUIET)
+  endif()
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+    enable_language(CUDA)
+    set(CKPT_HAVE_CUDA ON)
+  elseif(CKPT_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "CKPT_CUDA=ON but no CUDA compiler or toolkit was found")
+  endif()
+endif()
+message(STATUS "ckpt: CUDA backend ${CKPT_HAVE_CUDA} (CKPT_CUDA=${CKPT_CUDA})")

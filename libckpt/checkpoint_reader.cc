@@ -1,0 +1,194 @@
+#include "ckpt/checkpoint_reader.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "libckpt/aligned_buffer.h"
+#include "libckpt/checksum.h"
+#include "libckpt/coding.h"
+#include "libckpt/filename.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt {
+
+using formats::ChunkInfo;
+
+// One chunk to read and the slice of its raw bytes that goes to `out`.
+struct CheckpointReader::ChunkRead {
+  uint32_t file;
+  uint64_t chunk;
+  uint64_t raw_offset;  // Within the chunk's raw bytes.
+  uint64_t length;
+  std::byte* out;
+};
+
+CheckpointReader::CheckpointReader(std::string dir, const StoreOptions& options, Env* env)
+    : dir_(std::move(dir)), options_(options), env_(env) {}
+
+CheckpointReader::~CheckpointReader() = default;
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
+    const std::string& step_dir, const StoreOptions& options) {
+  Env* env = options.env != nullptr ? options.env : Env::Default();
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader(step_dir, options, env));
+  const std::string manifest_path = JoinPath(step_dir, internal::kManifestName);
+  CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env, manifest_path));
+  CKPT_ASSIGN_OR_RETURN(reader->manifest_, formats::ParseManifest(AsBytes(bytes), manifest_path));
+  for (const formats::DataFileInfo& f : reader->manifest_.files) {
+    const std::string path = JoinPath(step_dir, f.name);
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                          env->NewRandomAccessFile(path, FileOptions{.direct_io = options.direct_io}));
+    if (file->size() != f.size_bytes) {
+      return absl::DataLossError(absl::StrCat(path, ": is ", file->size(), " bytes, MANIFEST says ",
+                                              f.size_bytes));
+    }
+    CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer header,
+                          internal::AlignedBuffer::Create(formats::kDataFileHeaderBytes));
+    CKPT_RETURN_IF_ERROR(file->Read(0, header.span()));
+    CKPT_ASSIGN_OR_RETURN(formats::DataFileHeader h, formats::DecodeDataFileHeader(header.span(), path));
+    if (h.rank != f.rank || h.step != reader->manifest_.step ||
+        h.world_size != reader->manifest_.world_size) {
+      return absl::DataLossError(absl::StrCat(path, ": header names rank ", h.rank, " step ", h.step,
+                                              ", MANIFEST says rank ", f.rank, " step ",
+                                              reader->manifest_.step));
+    }
+    reader->files_.push_back(std::move(file));
+  }
+  return reader;
+}
+
+absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(absl::string_view name) const {
+  for (const formats::TensorInfo& t : manifest_.tensors) {
+    if (t.name == name) return &t;
+  }
+  return absl::NotFoundError(absl::StrCat(dir_, ": no tensor \"", name, "\""));
+}
+
+absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
+                                            std::vector<std::byte>* scratch) const {
+  const formats::DataFileInfo& f = manifest_.files[read.file];
+  const ChunkInfo& c = f.chunks[read.chunk];
+  const std::string path = JoinPath(dir_, f.name);
+  const uint64_t extent = formats::ChunkExtentBytes(c.stored_bytes);
+  // Over-allocate so the aligned window fits inside the vector.
+  scratch->resize(extent + internal::kDirectIoAlignment);
+  auto addr = reinterpret_cast<uintptr_t>(scratch->data());
+  std::byte* buf = scratch->data() + (RoundUp(addr, internal::kDirectIoAlignment) - addr);
+  std::span<std::byte> bytes(buf, extent);
+  CKPT_RETURN_IF_ERROR(files_[read.file]->Read(c.offset, bytes));
+  if (Checksum(bytes) != c.checksum) {
+    return absl::DataLossError(absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset,
+                                            " fails its checksum"));
+  }
+  CKPT_ASSIGN_OR_RETURN(formats::ChunkHeader h, formats::DecodeChunkHeader(bytes, path, c.offset));
+  if (h.codec != c.codec || h.raw_bytes != c.raw_bytes || h.stored_bytes != c.stored_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset,
+                                            " disagrees with MANIFEST"));
+  }
+  std::span<const std::byte> payload = bytes.subspan(formats::kChunkHeaderBytes, c.stored_bytes);
+  if (c.codec == formats::Codec::kRaw) {
+    std::memcpy(read.out, payload.data() + read.raw_offset, read.length);
+    return absl::OkStatus();
+  }
+  std::vector<std::byte> raw(c.raw_bytes);
+  CKPT_RETURN_IF_ERROR(formats::DecodeChunkPayload(c.codec, payload, raw, path, c.offset));
+  std::memcpy(read.out, raw.data() + read.raw_offset, read.length);
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
+  const size_t threads = std::min<size_t>(std::max(1, options_.read_threads), reads.size());
+  if (threads <= 1) {
+    std::vector<std::byte> scratch;
+    for (const ChunkRead& r : reads) CKPT_RETURN_IF_ERROR(ReadOneChunk(r, &scratch));
+    return absl::OkStatus();
+  }
+  // Several chunks in flight at once keep the device busy while others are checksummed.
+  std::atomic<size_t> next{0};
+  absl::Mutex mu;
+  absl::Status status;
+  std::atomic<bool> failed{false};
+  auto worker = [&] {
+    std::vector<std::byte> scratch;
+    for (size_t i = next++; i < reads.size() && !failed; i = next++) {
+      absl::Status s = ReadOneChunk(reads[i], &scratch);
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        status.Update(s);
+        failed = true;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return status;
+}
+
+absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begin, uint64_t count,
+                                         std::span<std::byte> out) const {
+  CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* t, FindTensor(tensor));
+  const uint32_t index = static_cast<uint32_t>(t - manifest_.tensors.data());
+  const uint64_t numel = t->numel();
+  const uint64_t esize = formats::DTypeSize(t->dtype);
+  if (begin > numel || count > numel - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", tensor,
+                                                   "\" lies outside its ", numel, " elements"));
+  }
+  if (out.size() != count * esize) {
+    return absl::InvalidArgumentError(absl::StrCat("output for \"", tensor, "\" has ", out.size(),
+                                                   " bytes, expected ", count * esize));
+  }
+  const uint64_t end = begin + count;
+  std::vector<const formats::PieceInfo*> pieces;
+  for (const formats::PieceInfo& p : manifest_.pieces) {
+    if (p.tensor == index && p.begin < end && begin < p.begin + p.count) pieces.push_back(&p);
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  std::vector<ChunkRead> reads;
+  uint64_t covered = begin;
+  for (const formats::PieceInfo* p : pieces) {
+    if (p->begin > covered) break;
+    const uint64_t lo = std::max(begin, p->begin);
+    const uint64_t hi = std::min(end, p->begin + p->count);
+    for (uint64_t j = (lo - p->begin) / p->chunk_elems; j * p->chunk_elems + p->begin < hi; ++j) {
+      const uint64_t chunk_lo = p->begin + j * p->chunk_elems;
+      const uint64_t a = std::max(lo, chunk_lo);
+      const uint64_t b = std::min(hi, chunk_lo + p->chunk_elems);
+      reads.push_back({p->file, p->first_chunk + j, (a - chunk_lo) * esize, (b - a) * esize,
+                       out.data() + (a - begin) * esize});
+    }
+    covered = hi;
+  }
+  if (covered < end) {
+    return absl::NotFoundError(absl::StrCat(dir_, ": no piece holds element ", covered, " of \"",
+                                            tensor, "\""));
+  }
+  return ReadChunks(reads);
+}
+
+absl::StatusOr<std::string> CheckpointReader::ReadBlob(absl::string_view name, uint32_t rank) const {
+  for (const formats::BlobInfo& b : manifest_.blobs) {
+    if (b.name != name || b.rank != rank) continue;
+    std::string out(b.size_bytes, '\0');
+    std::vector<ChunkRead> reads;
+    uint64_t pos = 0;
+    for (uint64_t j = 0; j < b.chunk_count; ++j) {
+      const ChunkInfo& c = manifest_.files[b.file].chunks[b.first_chunk + j];
+      reads.push_back({b.file, b.first_chunk + j, 0, c.raw_bytes,
+                       reinterpret_cast<std::byte*>(out.data()) + pos});
+      pos += c.raw_bytes;
+    }
+    CKPT_RETURN_IF_ERROR(ReadChunks(reads));
+    return out;
+  }
+  return absl::NotFoundError(absl::StrCat(dir_, ": rank ", rank, " stored no blob \"", name, "\""));
+}
+
+}  // namespace ckpt

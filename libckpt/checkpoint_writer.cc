@@ -1,0 +1,373 @@
+// Save protocol (DESIGN.md §3). R ranks; rank 0 runs on the primary store handle.
+// 1. Begin, collective: rank 0 checks that the step is newer than LATEST and that no save is
+//    in flight, creates <root>/.staging-step-N-<nonce>/ and broadcasts its name or its error
+//    (then every rank fails BeginSave). Recovery deletes staging directories, so a crash
+//    anywhere before step 8 leaves exactly the previous state.
+// 2. Each rank creates rank-r.data in the staging directory and writes the file header, then
+//    each chunk (header, payload, zero padding to 4 KiB) while computing its XXH3-64: the
+//    bytes are checksummed once, on their way out, never re-read.
+// 3. Commit, each rank: Sync and Close its data file (its bytes must be durable before any
+//    manifest points at them); write rank-r.part (its tensors, pieces, blobs, chunk checksums
+//    and file size); Sync; Close.
+// 4. Vote (AllGather): "ok <XXH3 of the part>" or "no <code> <message>". Any "no" aborts.
+// 5. Rank 0, all votes ok: read every part, check it against its digest, merge the parts into
+//    one manifest and validate it (declarations agree; pieces do not overlap across ranks).
+// 6. Rank 0: write MANIFEST; Sync; Close; remove the parts; SyncDir(staging), so the data
+//    files' names, MANIFEST and the removals survive a crash.
+// 7. Rank 0: rename staging -> step-N; SyncDir(root). The step now exists but is unpublished:
+//    recovery removes steps newer than LATEST.
+// 8. Rank 0: LATEST.tmp (Append, Sync, Close), rename to LATEST, SyncDir(root). The commit
+//    point: from here the new step is the state.
+// 9. Rank 0 broadcasts the outcome and every rank returns it. When rank 0 fails before step 8
+//    it removes the staging or step directory (best effort; recovery removes what remains).
+// 10. Rank 0 applies retention. Its failure is logged, not returned: the step is committed.
+#include "ckpt/checkpoint_writer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "ckpt/checkpoint_store.h"
+#include "libckpt/checksum.h"
+#include "libckpt/coding.h"
+#include "libckpt/filename.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt {
+namespace {
+
+using formats::ChunkInfo;
+using formats::Manifest;
+
+constexpr size_t kHashSliceBytes = 256 << 10;
+constexpr std::byte kZeros[formats::kBlockBytes] = {};
+
+std::string EncodeFailure(const absl::Status& s) {
+  return absl::StrCat(static_cast<int>(s.code()), " ", s.message());
+}
+
+// Inverse of EncodeFailure; a malformed message becomes kInternal.
+absl::Status DecodeFailure(absl::string_view text) {
+  std::pair<absl::string_view, absl::string_view> parts =
+      absl::StrSplit(text, absl::MaxSplits(' ', 1));
+  int code = 0;
+  if (!absl::SimpleAtoi(parts.first, &code) || code <= 0 || code > 16) {
+    return absl::InternalError(absl::StrCat("malformed outcome: ", text));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), parts.second);
+}
+
+bool SameDeclaration(const formats::TensorInfo& a, const formats::TensorInfo& b) {
+  return a.dtype == b.dtype && a.shape == b.shape;
+}
+
+}  // namespace
+
+SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinator, uint64_t step,
+                                 std::string staging_dir, absl::Status begin_error)
+    : store_(store),
+      env_(store->env()),
+      coordinator_(coordinator),
+      step_(step),
+      staging_dir_(std::move(staging_dir)),
+      error_(std::move(begin_error)) {
+  const uint32_t rank = static_cast<uint32_t>(coordinator_->rank());
+  part_.step = step;
+  part_.world_size = static_cast<uint32_t>(coordinator_->size());
+  part_.files.push_back({internal::DataFileName(rank), rank, 0, {}});
+  if (!error_.ok()) return;
+  // Step 2: the data file and its header.
+  const std::string path = JoinPath(staging_dir_, internal::DataFileName(rank));
+  absl::StatusOr<std::unique_ptr<WritableFile>> file =
+      env_->NewWritableFile(path, FileOptions{.direct_io = store_->options().direct_io});
+  if (!file.ok()) {
+    Fail(file.status()).IgnoreError();  // Kept in error_; reported by Commit.
+    return;
+  }
+  file_ = std::move(file).value();
+  formats::DataFileHeader header{step, rank, part_.world_size};
+  Fail(file_->Append(AsBytes(formats::EncodeDataFileHeader(header)))).IgnoreError();
+}
+
+SaveTransaction::~SaveTransaction() {
+  // Destruction without Commit is an abort; the others are waiting for this rank's vote.
+  if (!ended_) Abort().IgnoreError();  // Destructors never report.
+}
+
+absl::Status SaveTransaction::Fail(absl::Status s) {
+  error_.Update(s);
+  return s;
+}
+
+absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
+  if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  if (!formats::IsValidName(spec.name)) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid tensor name \"", spec.name, "\""));
+  }
+  for (const formats::TensorInfo& t : part_.tensors) {
+    if (t.name == spec.name) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", spec.name, "\" declared twice"));
+    }
+  }
+  formats::Manifest probe;
+  probe.tensors.push_back({spec.name, spec.dtype, spec.shape});
+  absl::Status valid = formats::ValidateManifest(probe, spec.name);
+  if (!valid.ok()) return absl::InvalidArgumentError(valid.message());
+  part_.tensors.push_back({spec.name, spec.dtype, spec.shape});
+  return absl::OkStatus();
+}
+
+absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info) {
+  const StoreOptions& options = store_->options();
+  std::string compressed;
+  std::span<const std::byte> payload = raw;
+  formats::Codec codec = formats::Codec::kRaw;
+  if (options.codec == formats::Codec::kZstd) {
+    CKPT_ASSIGN_OR_RETURN(compressed, formats::CompressZstd(raw, options.zstd_level));
+    if (compressed.size() < raw.size()) {  // Incompressible chunks stay raw.
+      payload = AsBytes(compressed);
+      codec = formats::Codec::kZstd;
+    }
+  }
+  info->offset = file_->size();
+  info->raw_bytes = raw.size();
+  info->stored_bytes = payload.size();
+  info->codec = codec;
+  StreamingChecksum sum;
+  std::string header = formats::EncodeChunkHeader({codec, raw.size(), payload.size()});
+  sum.Update(AsBytes(header));
+  CKPT_RETURN_IF_ERROR(file_->Append(AsBytes(header)));
+  // Checksum a slice, then append it while it is still in cache.
+  for (size_t pos = 0; pos < payload.size(); pos += kHashSliceBytes) {
+    std::span<const std::byte> slice = payload.subspan(pos, std::min(kHashSliceBytes, payload.size() - pos));
+    sum.Update(slice);
+    CKPT_RETURN_IF_ERROR(file_->Append(slice));
+  }
+  uint64_t pad = formats::ChunkExtentBytes(payload.size()) - formats::kChunkHeaderBytes - payload.size();
+  std::span<const std::byte> zeros(kZeros, pad);
+  sum.Update(zeros);
+  CKPT_RETURN_IF_ERROR(file_->Append(zeros));
+  info->checksum = sum.Digest();
+  return absl::OkStatus();
+}
+
+absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
+                                         std::span<const std::byte> data) {
+  if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  CKPT_RETURN_IF_ERROR(error_);
+  auto it = std::find_if(part_.tensors.begin(), part_.tensors.end(),
+                         [&](const formats::TensorInfo& t) { return t.name == tensor; });
+  if (it == part_.tensors.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", tensor, "\" was not declared"));
+  }
+  const uint32_t index = static_cast<uint32_t>(it - part_.tensors.begin());
+  const uint64_t numel = it->numel();
+  const uint64_t esize = formats::DTypeSize(it->dtype);
+  if (count == 0 || begin > numel || count > numel - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor,
+                                                   "\" lies outside its ", numel, " elements"));
+  }
+  if (data.size() != count * esize) {
+    return absl::InvalidArgumentError(absl::StrCat("piece of \"", tensor, "\" has ", data.size(),
+                                                   " bytes, expected ", count * esize));
+  }
+  for (const formats::PieceInfo& p : part_.pieces) {
+    if (p.tensor == index && begin < p.begin + p.count && p.begin < begin + count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor, "\" overlaps another"));
+    }
+  }
+  formats::PieceInfo piece;
+  piece.tensor = index;
+  piece.rank = part_.files[0].rank;
+  piece.begin = begin;
+  piece.count = count;
+  piece.file = 0;
+  piece.chunk_elems = std::max<uint64_t>(1, store_->options().chunk_bytes / esize);
+  std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
+  piece.first_chunk = chunks.size();
+  for (uint64_t done = 0; done < count; done += piece.chunk_elems) {
+    uint64_t n = std::min(piece.chunk_elems, count - done);
+    ChunkInfo info;
+    absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info);
+    if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " tensor ", tensor)));
+    chunks.push_back(info);
+  }
+  piece.chunk_count = chunks.size() - piece.first_chunk;
+  part_.pieces.push_back(piece);
+  return absl::OkStatus();
+}
+
+absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const std::byte> data) {
+  if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  CKPT_RETURN_IF_ERROR(error_);
+  if (!formats::IsValidName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("invalid blob name \"", name, "\""));
+  }
+  for (const formats::BlobInfo& b : part_.blobs) {
+    if (b.name == name) return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" written twice"));
+  }
+  formats::BlobInfo blob{std::string(name), part_.files[0].rank, 0, data.size(), 0, 0};
+  std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
+  blob.first_chunk = chunks.size();
+  const uint64_t chunk_bytes = std::max<uint64_t>(1, store_->options().chunk_bytes);
+  for (uint64_t done = 0; done < data.size(); done += chunk_bytes) {
+    ChunkInfo info;
+    absl::Status s = AppendChunk(data.subspan(done, std::min(chunk_bytes, data.size() - done)), &info);
+    if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " blob ", name)));
+    chunks.push_back(info);
+  }
+  blob.chunk_count = chunks.size() - blob.first_chunk;
+  part_.blobs.push_back(std::move(blob));
+  return absl::OkStatus();
+}
+
+// Step 3: make this rank's data durable and describe it in its part.
+absl::Status SaveTransaction::FinishLocal(std::string* vote) {
+  CKPT_RETURN_IF_ERROR(error_);
+  CKPT_RETURN_IF_ERROR(file_->Sync());
+  CKPT_RETURN_IF_ERROR(file_->Close());
+  part_.files[0].size_bytes = file_->size();
+  CKPT_RETURN_IF_ERROR(formats::ValidateManifest(part_, "this rank's part"));
+  const std::string part = formats::EncodeManifest(part_, formats::ManifestKind::kRankPart);
+  const std::string path = JoinPath(staging_dir_, internal::PartFileName(part_.files[0].rank));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, env_->NewWritableFile(path, FileOptions{}));
+  absl::Status s = out->Append(AsBytes(part));
+  if (s.ok()) s = out->Sync();
+  s.Update(out->Close());
+  CKPT_RETURN_IF_ERROR(s);
+  *vote = absl::StrFormat("ok %016x", Checksum(AsBytes(part)));
+  return absl::OkStatus();
+}
+
+absl::Status SaveTransaction::Commit() { return Finish(/*vote_yes=*/true); }
+
+absl::Status SaveTransaction::Abort() {
+  absl::Status outcome = Finish(/*vote_yes=*/false);
+  // The step was abandoned as asked; only a broken group is worth reporting.
+  if (outcome.code() == absl::StatusCode::kAborted || outcome.ok()) return absl::OkStatus();
+  return outcome;
+}
+
+absl::Status SaveTransaction::Finish(bool vote_yes) {
+  if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  ended_ = true;
+  const int rank = coordinator_->rank();
+  if (!vote_yes) error_.Update(absl::AbortedError(absl::StrCat("save aborted by rank ", rank)));
+  std::string vote;
+  absl::Status local = FinishLocal(&vote);
+  if (!local.ok()) {
+    if (file_ != nullptr) file_->Close().IgnoreError();  // Already failing; the file is garbage.
+    vote = absl::StrCat("no ", EncodeFailure(local));
+  }
+  absl::StatusOr<std::vector<std::string>> votes = coordinator_->AllGather(vote);
+  absl::Status outcome;
+  if (rank == 0) {
+    outcome = votes.ok() ? CommitAsRoot(*votes) : votes.status();
+    if (!outcome.ok()) {
+      // Best effort: recovery removes whatever this leaves behind.
+      const std::string step_dir = JoinPath(store_->root(), internal::StepDirName(step_));
+      RemoveRecursively(env_, staging_dir_).IgnoreError();
+      if (store_->latest_step() != step_) RemoveRecursively(env_, step_dir).IgnoreError();
+      env_->SyncDir(store_->root()).IgnoreError();
+    }
+  }
+  if (votes.ok()) {
+    absl::StatusOr<std::string> result =
+        coordinator_->Broadcast(outcome.ok() ? "ok" : EncodeFailure(outcome), 0);
+    if (!result.ok()) {
+      outcome.Update(result.status());
+    } else if (rank != 0) {
+      outcome = *result == "ok" ? absl::OkStatus() : DecodeFailure(*result);
+    }
+  } else {
+    outcome.Update(votes.status());
+  }
+  store_->OnSaveEnded();
+  if (!outcome.ok()) return outcome;
+  store_->OnCommitted(step_);
+  if (rank == 0 && store_->options().retention.keep_last > 0) {
+    absl::StatusOr<std::vector<uint64_t>> removed = store_->ApplyRetention(store_->options().retention);
+    if (!removed.ok()) store_->Log(absl::StrCat("retention after step ", step_, ": ", removed.status().message()));
+  }
+  return absl::OkStatus();
+}
+
+// Steps 5-8, on rank 0.
+absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes) {
+  Manifest merged;
+  merged.step = step_;
+  merged.world_size = static_cast<uint32_t>(votes.size());
+  std::map<std::string, uint32_t> tensor_index;
+  for (size_t r = 0; r < votes.size(); ++r) {
+    absl::string_view vote = votes[r];
+    if (!absl::ConsumePrefix(&vote, "ok ")) {
+      absl::ConsumePrefix(&vote, "no ");
+      absl::Status why = DecodeFailure(vote);
+      return absl::Status(why.code(), absl::StrCat("rank ", r, " voted no: ", why.message()));
+    }
+    const std::string path = JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
+    CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env_, path));
+    if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != vote) {
+      return absl::DataLossError(absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
+    }
+    CKPT_ASSIGN_OR_RETURN(Manifest part, formats::ParseManifest(AsBytes(bytes), path, formats::ManifestKind::kRankPart));
+    std::vector<uint32_t> remap;
+    for (const formats::TensorInfo& t : part.tensors) {
+      auto [it, inserted] = tensor_index.emplace(t.name, static_cast<uint32_t>(merged.tensors.size()));
+      if (inserted) {
+        merged.tensors.push_back(t);
+      } else if (!SameDeclaration(merged.tensors[it->second], t)) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" is declared differently by rank ", r, " and an earlier rank"));
+      }
+      remap.push_back(it->second);
+    }
+    const uint32_t file_index = static_cast<uint32_t>(merged.files.size());
+    for (formats::DataFileInfo& f : part.files) merged.files.push_back(std::move(f));
+    for (formats::PieceInfo p : part.pieces) {
+      p.tensor = remap[p.tensor];
+      p.file += file_index;
+      merged.pieces.push_back(p);
+    }
+    for (formats::BlobInfo b : part.blobs) {
+      b.file += file_index;
+      merged.blobs.push_back(std::move(b));
+    }
+  }
+  absl::Status valid = formats::ValidateManifest(merged, "merged manifest");
+  if (!valid.ok()) return absl::InvalidArgumentError(valid.message());
+  return Publish(merged);
+}
+
+absl::Status SaveTransaction::Publish(const Manifest& manifest) {
+  // Step 6.
+  const std::string encoded = formats::EncodeManifest(manifest);
+  {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                          env_->NewWritableFile(JoinPath(staging_dir_, internal::kManifestName), FileOptions{}));
+    absl::Status s = out->Append(AsBytes(encoded));
+    if (s.ok()) s = out->Sync();
+    s.Update(out->Close());
+    CKPT_RETURN_IF_ERROR(s);
+  }
+  for (uint32_t r = 0; r < manifest.world_size; ++r) {
+    CKPT_RETURN_IF_ERROR(env_->RemoveFile(JoinPath(staging_dir_, internal::PartFileName(r))));
+  }
+  CKPT_RETURN_IF_ERROR(env_->SyncDir(staging_dir_));
+  // Step 7.
+  const std::string step_dir = JoinPath(store_->root(), internal::StepDirName(step_));
+  CKPT_RETURN_IF_ERROR(env_->RenameFile(staging_dir_, step_dir));
+  CKPT_RETURN_IF_ERROR(env_->SyncDir(store_->root()));
+  // Step 8: the commit point.
+  CKPT_RETURN_IF_ERROR(WriteFileAtomically(
+      env_, JoinPath(store_->root(), internal::kLatestName), formats::EncodeLatest(step_)));
+  store_->OnCommitted(step_);
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

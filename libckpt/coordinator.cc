@@ -1,0 +1,84 @@
+#include "ckpt/coordinator.h"
+
+#include <map>
+
+#include "absl/synchronization/mutex.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt {
+
+absl::StatusOr<std::string> Coordinator::Broadcast(absl::string_view value, int root) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                        AllGather(rank() == root ? value : absl::string_view()));
+  if (root < 0 || static_cast<size_t>(root) >= all.size()) {
+    return absl::InvalidArgumentError("broadcast root outside the group");
+  }
+  return std::move(all[static_cast<size_t>(root)]);
+}
+
+absl::Status Coordinator::Barrier() { return AllGather("").status(); }
+
+// Round r of AllGather: ranks deposit into `slots`; the last to arrive publishes the round's
+// result under its generation, and each rank takes its copy and releases it.
+struct ThreadGroup::State {
+  explicit State(int n) : size(n), slots(static_cast<size_t>(n)) {}
+  const int size;
+  absl::Mutex mu;
+  uint64_t generation = 0;
+  int arrived = 0;
+  std::vector<std::string> slots;
+  struct Result {
+    std::vector<std::string> values;
+    int readers_left;
+  };
+  std::map<uint64_t, Result> results;
+};
+
+class ThreadGroup::Member : public Coordinator {
+ public:
+  Member(State* state, int rank) : state_(state), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return state_->size; }
+
+  absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view mine) override {
+    State& s = *state_;
+    absl::MutexLock lock(&s.mu);
+    const uint64_t my_generation = s.generation;
+    s.slots[static_cast<size_t>(rank_)] = std::string(mine);
+    if (++s.arrived == s.size) {
+      s.results[my_generation] = {std::move(s.slots), s.size};
+      s.slots.assign(static_cast<size_t>(s.size), std::string());
+      s.arrived = 0;
+      ++s.generation;
+    } else {
+      s.mu.Await(absl::Condition(
+          +[](std::pair<State*, uint64_t>* arg) { return arg->first->generation != arg->second; },
+          new_pair(&s, my_generation)));
+    }
+    auto it = s.results.find(my_generation);
+    std::vector<std::string> out = it->second.values;
+    if (--it->second.readers_left == 0) s.results.erase(it);
+    return out;
+  }
+
+ private:
+  std::pair<State*, uint64_t>* new_pair(State* s, uint64_t g) {
+    pending_ = {s, g};
+    return &pending_;
+  }
+  State* state_;
+  int rank_;
+  std::pair<State*, uint64_t> pending_;
+};
+
+ThreadGroup::ThreadGroup(int size) : state_(std::make_unique<State>(size)) {
+  for (int r = 0; r < size; ++r) members_.push_back(std::make_unique<Member>(state_.get(), r));
+}
+
+ThreadGroup::~ThreadGroup() = default;
+
+int ThreadGroup::size() const { return state_->size; }
+
+Coordinator* ThreadGroup::member(int rank) { return members_[static_cast<size_t>(rank)].get(); }
+
+}  // namespace ckpt

@@ -1,0 +1,89 @@
+#include "ckpt/env.h"
+
+#include <mutex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "libckpt/status_macros.h"
+#include "libckpt/coding.h"
+
+namespace ckpt {
+namespace {
+
+struct DefaultEnvState {
+  std::unique_ptr<Env> env;
+  std::string fallback_reason;
+};
+
+DefaultEnvState& DefaultState() {
+  // Probed once; intentionally leaked so the Env outlives every static destructor that uses it.
+  static DefaultEnvState* state = [] {
+    auto* s = new DefaultEnvState;
+    absl::StatusOr<std::unique_ptr<Env>> uring = NewUringEnv();
+    if (uring.ok()) {
+      s->env = std::move(uring).value();
+    } else {
+      s->fallback_reason = std::string(uring.status().message());
+      s->env = NewPosixEnv();
+    }
+    return s;
+  }();
+  return *state;
+}
+
+}  // namespace
+
+Env* Env::Default() { return DefaultState().env.get(); }
+
+std::string DefaultEnvFallbackReason() { return DefaultState().fallback_reason; }
+
+std::string JoinPath(absl::string_view dir, absl::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return absl::StrCat(dir, name);
+  return absl::StrCat(dir, "/", name);
+}
+
+std::string Dirname(absl::string_view path) {
+  while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
+  size_t slash = path.rfind('/');
+  if (slash == absl::string_view::npos) return ".";
+  if (slash == 0) return "/";
+  return std::string(path.substr(0, slash));
+}
+
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                        env->NewRandomAccessFile(path, FileOptions{}));
+  std::string data(file->size(), '\0');
+  CKPT_RETURN_IF_ERROR(file->Read(
+      0, std::span<std::byte>(reinterpret_cast<std::byte*>(data.data()), data.size())));
+  return data;
+}
+
+absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data) {
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                        env->NewWritableFile(tmp, FileOptions{}));
+  absl::Status status = file->Append(AsBytes(data));
+  if (status.ok()) status = file->Sync();
+  status.Update(file->Close());
+  if (status.ok()) status = env->RenameFile(tmp, path);
+  if (!status.ok()) {
+    // Best effort: a leftover tmp file is harmless garbage that recovery ignores.
+    env->RemoveFile(tmp).IgnoreError();
+    return status;
+  }
+  return env->SyncDir(Dirname(path));
+}
+
+absl::Status RemoveRecursively(Env* env, const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(path));
+  if (!is_dir) return env->RemoveFile(path);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> children, env->GetChildren(path));
+  for (const std::string& child : children) {
+    CKPT_RETURN_IF_ERROR(RemoveRecursively(env, JoinPath(path, child)));
+  }
+  return env->RemoveDir(path);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,61 @@
+// CheckpointReader: reads element ranges of tensors and blobs of one committed step.
+#ifndef CKPT_CHECKPOINT_READER_H_
+#define CKPT_CHECKPOINT_READER_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ckpt/env.h"
+#include "ckpt/formats/manifest.h"
+#include "ckpt/options.h"
+
+namespace ckpt {
+
+// Holds a step's validated manifest and open data files. Every chunk a read touches is
+// checksummed before its bytes are used. Safe for concurrent use.
+class CheckpointReader {
+ public:
+  // Opens the step directory `step_dir`: parses and validates MANIFEST, opens every data file
+  // and checks its header and size. kNotFound if MANIFEST is missing; kDataLoss (naming the
+  // file and offset) for any damage. Uses options.env, direct_io and read_threads.
+  static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& step_dir,
+                                                                const StoreOptions& options);
+  ~CheckpointReader();
+
+  const formats::Manifest& manifest() const { return manifest_; }
+  uint64_t step() const { return manifest_.step; }
+  const std::string& dir() const { return dir_; }
+  // kNotFound for an unknown name.
+  absl::StatusOr<const formats::TensorInfo*> FindTensor(absl::string_view name) const;
+
+  // Reads elements [begin, begin + count) of `tensor` into `out` (count elements of its
+  // dtype), from whichever ranks' pieces hold them. kNotFound for an unknown tensor or when no
+  // piece holds part of the range; kInvalidArgument for a range outside the tensor or a
+  // size mismatch; kDataLoss naming file, chunk and offset when a chunk fails its checksum.
+  // `out` is unspecified after a failure.
+  absl::Status ReadRange(absl::string_view tensor, uint64_t begin, uint64_t count,
+                         std::span<std::byte> out) const;
+  // Reads a whole blob. kNotFound if rank `rank` stored no blob `name`.
+  absl::StatusOr<std::string> ReadBlob(absl::string_view name, uint32_t rank = 0) const;
+
+ private:
+  struct ChunkRead;
+  CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
+  absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
+  absl::Status ReadOneChunk(const ChunkRead& read, std::vector<std::byte>* scratch) const;
+
+  const std::string dir_;
+  const StoreOptions options_;
+  Env* const env_;
+  formats::Manifest manifest_;
+  std::vector<std::unique_ptr<RandomAccessFile>> files_;  // Parallel to manifest_.files.
+};
+
+}  // namespace ckpt
+
+#endif  // CKPT_CHECKPOINT_READER_H_

@@ -1,0 +1,89 @@
+// SaveTransaction: one rank's side of writing one checkpoint step. See checkpoint_writer.cc for
+// the commit protocol.
+#ifndef CKPT_CHECKPOINT_WRITER_H_
+#define CKPT_CHECKPOINT_WRITER_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+#include "ckpt/coordinator.h"
+#include "ckpt/env.h"
+#include "ckpt/formats/manifest.h"
+#include "ckpt/options.h"
+
+namespace ckpt {
+
+class CheckpointStore;
+
+struct TensorSpec {
+  std::string name;
+  formats::DType dtype = formats::DType::kF32;
+  std::vector<uint64_t> shape;  // Global shape; {} is a scalar.
+};
+
+// Writes this rank's pieces and blobs of one step straight into its data file in the staging
+// directory, checksumming each chunk as it is written. Nothing is visible to readers until
+// Commit() succeeds on every rank. Every rank of the job must end the transaction with exactly
+// one Commit() or Abort() (destruction without either counts as Abort()), because both are
+// collective: a "no" from any rank aborts the step everywhere. Not thread-safe.
+class SaveTransaction {
+ public:
+  ~SaveTransaction();
+  SaveTransaction(const SaveTransaction&) = delete;  // Owns a file and a place in a vote.
+  SaveTransaction& operator=(const SaveTransaction&) = delete;
+
+  uint64_t step() const { return step_; }
+
+  // Declares a tensor. Ranks that declare the same name must agree on dtype and shape (checked
+  // at Commit). kInvalidArgument for a bad name, dtype or shape, or a second declaration here.
+  absl::Status DeclareTensor(const TensorSpec& spec);
+  // Writes elements [begin, begin + count) of a declared tensor from `data` (count elements of
+  // its dtype). kInvalidArgument for an undeclared tensor, a range outside it, an empty range or
+  // a size mismatch (the transaction stays usable); an IO error (kResourceExhausted for ENOSPC
+  // or EDQUOT) poisons the transaction, which then votes no.
+  absl::Status WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
+                          std::span<const std::byte> data);
+  // Stores opaque bytes under `name` (unique per rank). Errors as WritePiece.
+  absl::Status WriteBlob(absl::string_view name, std::span<const std::byte> data);
+
+  // Collective. Finishes this rank's file, votes, and (rank 0) commits. Returns OK on every
+  // rank when the step is durable and LATEST names it; otherwise the same failure on every rank
+  // (the first error of the rank that failed, annotated with that rank) and the previous
+  // checkpoint is untouched. kFailedPrecondition if the transaction has already ended.
+  absl::Status Commit();
+  // Collective. Votes no, so the step is abandoned on every rank and its staging directory
+  // removed. Returns why the others ended, or OK.
+  absl::Status Abort();
+
+ private:
+  friend class CheckpointStore;
+  SaveTransaction(CheckpointStore* store, Coordinator* coordinator, uint64_t step,
+                  std::string staging_dir, absl::Status begin_error);
+
+  absl::Status AppendChunk(std::span<const std::byte> raw, formats::ChunkInfo* info);
+  absl::Status Fail(absl::Status s);
+  absl::Status FinishLocal(std::string* vote);
+  absl::Status Finish(bool vote_yes);
+  absl::Status CommitAsRoot(const std::vector<std::string>& votes);
+  absl::Status Publish(const formats::Manifest& manifest);
+
+  CheckpointStore* store_;
+  Env* env_;
+  Coordinator* coordinator_;
+  std::unique_ptr<Coordinator> own_coordinator_;
+  const uint64_t step_;
+  const std::string staging_dir_;
+  std::unique_ptr<WritableFile> file_;
+  formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
+  absl::Status error_;      // First local error; the rank votes no when set.
+  bool ended_ = false;
+};
+
+}  // namespace ckpt
+
+#endif  // CKPT_CHECKPOINT_WRITER_H_

@@ -1,0 +1,168 @@
+// ckpt::Env is the only door to files and directories (STYLE.md §3). Every entry point of the
+// library takes an Env through its Options, so tests can substitute MemEnv or a
+// FaultInjectionEnv and lose, tear or fail any call.
+//
+// Durability contract, which every Env implements and FaultInjectionEnv enforces:
+//   * bytes appended to a WritableFile are durable only after its Sync() returns OK;
+//   * a created, renamed or removed directory entry is durable only after SyncDir() of the
+//     directory that holds it returns OK.
+#ifndef CKPT_ENV_H_
+#define CKPT_ENV_H_
+
+#include "absl/strings/string_view.h"
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace ckpt {
+
+// Hints for opening a file. An Env that cannot honour a hint ignores it.
+struct FileOptions {
+  // Bypass the page cache (O_DIRECT) for large sequential transfers. Appends and reads of any
+  // size and alignment stay correct; aligned ones (4 KiB offsets, lengths and addresses) are
+  // the fast path.
+  bool direct_io = false;
+};
+
+// A file being written from the start. Not thread-safe: one writer per file.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+
+  // Appends `data`. An Env may complete the write asynchronously; an error of an earlier
+  // Append is then reported by a later Append, Sync or Close. Returns kResourceExhausted on
+  // ENOSPC/EDQUOT, another code for other IO errors; after a failure the file's contents are
+  // unspecified and the caller must abandon it.
+  virtual absl::Status Append(std::span<const std::byte> data) = 0;
+  // Makes every byte appended so far durable.
+  virtual absl::Status Sync() = 0;
+  // Completes outstanding writes and releases the file. Does not imply Sync. Calling any
+  // method after Close is an error (kFailedPrecondition).
+  virtual absl::Status Close() = 0;
+  // Bytes appended so far.
+  virtual uint64_t size() const = 0;
+};
+
+// A file opened for reading at arbitrary offsets. Safe for concurrent use.
+class RandomAccessFile {
+ public:
+  virtual ~RandomAccessFile() = default;
+  // Reads exactly out.size() bytes at `offset`. Returns kDataLoss naming the file and offset
+  // when the file ends before offset + out.size(); `out` is then unspecified.
+  virtual absl::Status Read(uint64_t offset, std::span<std::byte> out) const = 0;
+  // The size of the file when it was opened.
+  virtual uint64_t size() const = 0;
+};
+
+// An advisory lock held until destruction.
+class FileLock {
+ public:
+  virtual ~FileLock() = default;
+};
+
+class Env {
+ public:
+  virtual ~Env() = default;
+
+  // The process-wide default: a UringEnv when an io_uring ring can be created here, otherwise
+  // a PosixEnv (the reason is kept in DefaultEnvFallbackReason()). Never null; never deleted.
+  static Env* Default();
+
+  // Creates `path` (truncating an existing file). kNotFound if the directory does not exist.
+  virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path, const FileOptions& options) = 0;
+  // Opens an existing file. kNotFound if it does not exist.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path, const FileOptions& options) = 0;
+  // Atomically renames `src` to `dst`, replacing a file `dst`. Durable after SyncDir.
+  virtual absl::Status RenameFile(const std::string& src, const std::string& dst) = 0;
+  // Removes a file. kNotFound if absent.
+  virtual absl::Status RemoveFile(const std::string& path) = 0;
+  // Creates a directory. kAlreadyExists if present; kNotFound if the parent is missing.
+  virtual absl::Status CreateDir(const std::string& path) = 0;
+  // Removes an empty directory. kNotFound if absent; kFailedPrecondition if not empty.
+  virtual absl::Status RemoveDir(const std::string& path) = 0;
+  // Makes the entries of directory `path` (creates, renames, removes) durable.
+  virtual absl::Status SyncDir(const std::string& path) = 0;
+  // Names (not paths) of the entries of `dir`, without "." and "..", in no particular order.
+  virtual absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) = 0;
+  // kNotFound if absent.
+  virtual absl::StatusOr<uint64_t> GetFileSize(const std::string& path) = 0;
+  // OK and true for a directory, false for anything else; kNotFound if absent.
+  virtual absl::StatusOr<bool> IsDirectory(const std::string& path) = 0;
+  // Takes an exclusive advisory lock on `path` (created if absent). kFailedPrecondition if
+  // another holder has it, in this process or another.
+  virtual absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) = 0;
+};
+
+// Forwards every call to a target Env; test Envs override only what they change.
+class EnvWrapper : public Env {
+ public:
+  // REQUIRES: target outlives the wrapper.
+  explicit EnvWrapper(Env* target) : target_(target) {}
+  Env* target() const { return target_; }
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path, const FileOptions& options) override {
+    return target_->NewWritableFile(path, options);
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path, const FileOptions& options) override {
+    return target_->NewRandomAccessFile(path, options);
+  }
+  absl::Status RenameFile(const std::string& src, const std::string& dst) override {
+    return target_->RenameFile(src, dst);
+  }
+  absl::Status RemoveFile(const std::string& path) override { return target_->RemoveFile(path); }
+  absl::Status CreateDir(const std::string& path) override { return target_->CreateDir(path); }
+  absl::Status RemoveDir(const std::string& path) override { return target_->RemoveDir(path); }
+  absl::Status SyncDir(const std::string& path) override { return target_->SyncDir(path); }
+  absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) override {
+    return target_->GetChildren(dir);
+  }
+  absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override {
+    return target_->GetFileSize(path);
+  }
+  absl::StatusOr<bool> IsDirectory(const std::string& path) override {
+    return target_->IsDirectory(path);
+  }
+  absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
+    return target_->LockFile(path);
+  }
+
+ private:
+  Env* target_;
+};
+
+// A PosixEnv (pread/pwrite/fsync). The caller owns it.
+std::unique_ptr<Env> NewPosixEnv();
+// A UringEnv: io_uring with O_DIRECT, registered aligned buffers and a bounded queue.
+// kUnimplemented when no ring can be created here (seccomp, sysctl, old kernel), naming why.
+absl::StatusOr<std::unique_ptr<Env>> NewUringEnv();
+// A purely in-memory Env; everything is durable at once. Safe for concurrent use.
+std::unique_ptr<Env> NewMemEnv();
+// Why Env::Default() is not a UringEnv, or empty when it is.
+std::string DefaultEnvFallbackReason();
+
+// Helpers built on Env.
+// Reads a whole file into a string.
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path);
+// Writes `data` to `path` durably: tmp file, Append, Sync, Close, rename, SyncDir(parent).
+absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data);
+// Removes `path` and, if it is a directory, everything below it. Not durable until the parent
+// directory is synced. kNotFound if absent.
+absl::Status RemoveRecursively(Env* env, const std::string& path);
+// Joins path components with '/'.
+std::string JoinPath(absl::string_view dir, absl::string_view name);
+// The directory part of `path` ("." when none).
+std::string Dirname(absl::string_view path);
+
+}  // namespace ckpt
+
+#endif  // CKPT_ENV_H_

@@ -1,0 +1,45 @@
+// Options of a checkpoint store.
+#ifndef CKPT_OPTIONS_H_
+#define CKPT_OPTIONS_H_
+
+#include <cstdint>
+#include <functional>
+#include "absl/strings/string_view.h"
+
+#include "ckpt/env.h"
+#include "ckpt/formats/chunk.h"
+
+namespace ckpt {
+
+// Which committed steps retention keeps. The step LATEST names is always kept.
+struct RetentionPolicy {
+  // Keep the newest `keep_last` steps; 0 keeps every step (retention off).
+  uint64_t keep_last = 0;
+  // Also keep every step that is a multiple of `keep_every`; 0 keeps none for this reason.
+  uint64_t keep_every = 0;
+};
+
+struct StoreOptions {
+  // All file access goes through this Env; null means Env::Default(). Not owned.
+  Env* env = nullptr;
+  // The primary handle of a root takes its LOCK, recovers it at Open (removes staging
+  // directories, repairs LATEST), commits saves as rank 0 and applies retention. Exactly one
+  // handle per root is primary; the other ranks of a job open theirs with primary = false.
+  bool primary = true;
+  // Raw bytes per chunk of a piece. Every chunk is checksummed and may be compressed on its own.
+  uint64_t chunk_bytes = uint64_t{4} << 20;
+  formats::Codec codec = formats::Codec::kRaw;
+  int zstd_level = 3;
+  // Move data files with O_DIRECT where the Env and file system allow it.
+  bool direct_io = true;
+  // Threads a reader uses to read and verify chunks of one large range in parallel.
+  int read_threads = 4;
+  // Applied by the primary after each durable commit.
+  RetentionPolicy retention;
+  // Diagnostics (what recovery removed, why a fallback happened). Libraries never print.
+  std::function<void(absl::string_view)> logger;
+};
+
+}  // namespace ckpt
+
+#endif  // CKPT_OPTIONS_H_

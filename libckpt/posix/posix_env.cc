@@ -1,0 +1,90 @@
+// PosixEnv: buffered pread/pwrite/fdatasync. Always available; the fallback when io_uring is
+// not. It ignores FileOptions::direct_io.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/env.h"
+#include "libckpt/io_error.h"
+#include "libckpt/posix/posix_file_ops.h"
+#include "libckpt/posix/scoped_fd.h"
+
+namespace ckpt {
+namespace {
+
+using internal::IoError;
+using internal::ScopedFd;
+
+class PosixWritableFile : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, ScopedFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+
+  absl::Status Append(std::span<const std::byte> data) override {
+    if (!fd_.valid()) return Closed();
+    absl::Status s = internal::PosixWriteAt(fd_.get(), data.data(), data.size(), size_, path_);
+    if (s.ok()) size_ += data.size();
+    return s;
+  }
+  absl::Status Sync() override {
+    if (!fd_.valid()) return Closed();
+    if (::fdatasync(fd_.get()) != 0) return IoError(errno, absl::StrCat("sync ", path_));
+    return absl::OkStatus();
+  }
+  absl::Status Close() override {
+    if (!fd_.valid()) return Closed();
+    if (int err = fd_.Close(); err != 0) return IoError(err, absl::StrCat("close ", path_));
+    return absl::OkStatus();
+  }
+  uint64_t size() const override { return size_; }
+
+ private:
+  absl::Status Closed() const {
+    return absl::FailedPreconditionError(absl::StrCat(path_, ": file already closed"));
+  }
+  std::string path_;
+  ScopedFd fd_;
+  uint64_t size_ = 0;
+};
+
+class PosixRandomAccessFile : public RandomAccessFile {
+ public:
+  PosixRandomAccessFile(std::string path, ScopedFd fd, uint64_t size)
+      : path_(std::move(path)), fd_(std::move(fd)), size_(size) {}
+  absl::Status Read(uint64_t offset, std::span<std::byte> out) const override {
+    return internal::PosixReadAt(fd_.get(), out.data(), out.size(), offset, path_);
+  }
+  uint64_t size() const override { return size_; }
+
+ private:
+  std::string path_;
+  ScopedFd fd_;
+  uint64_t size_;
+};
+
+class PosixEnv : public internal::PosixMetadataEnv {
+ public:
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path, const FileOptions& /*options*/) override {
+    ScopedFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (!fd.valid()) return IoError(errno, absl::StrCat("create ", path));
+    return std::unique_ptr<WritableFile>(new PosixWritableFile(path, std::move(fd)));
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path, const FileOptions& /*options*/) override {
+    ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return IoError(errno, absl::StrCat("open ", path));
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+    return std::unique_ptr<RandomAccessFile>(
+        new PosixRandomAccessFile(path, std::move(fd), static_cast<uint64_t>(st.st_size)));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Env> NewPosixEnv() { return std::make_unique<PosixEnv>(); }
+
+}  // namespace ckpt
