@@ -157,10 +157,13 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
     if (p->begin > covered) break;
     const uint64_t lo = std::max(begin, p->begin);
     const uint64_t hi = std::min(end, p->begin + p->count);
-    for (uint64_t j = (lo - p->begin) / p->chunk_elems; j * p->chunk_elems + p->begin < hi; ++j) {
-      const uint64_t chunk_lo = p->begin + j * p->chunk_elems;
+    // j < chunk_count keeps j * chunk_elems below count: no overflow for any valid manifest.
+    for (uint64_t j = (lo - p->begin) / p->chunk_elems; j < p->chunk_count; ++j) {
+      const uint64_t offset = j * p->chunk_elems;
+      const uint64_t chunk_lo = p->begin + offset;
+      if (chunk_lo >= hi) break;
       const uint64_t a = std::max(lo, chunk_lo);
-      const uint64_t b = std::min(hi, chunk_lo + p->chunk_elems);
+      const uint64_t b = std::min(hi, chunk_lo + std::min(p->chunk_elems, p->count - offset));
       reads.push_back({p->file, p->first_chunk + j, (a - chunk_lo) * esize, (b - a) * esize,
                        out.data() + (a - begin) * esize});
     }
