@@ -1,0 +1,248 @@
+#include "ckpt/checkpoint_store.h"
+
+#include <cerrno>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ckpt/verify.h"
+#include "libckpt/coding.h"
+#include "libckpt/filename.h"
+#include "libckpt/status_macros.h"
+#include "tests/support/fault_injection_env.h"
+#include "tests/support/status_matchers.h"
+#include "tests/support/synthetic_state.h"
+#include "tests/support/tensor_gen.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using testing::IsOk;
+using testing::StatusIs;
+
+constexpr char kRoot[] = "/store";
+
+class StoreTest : public ::testing::Test {
+ protected:
+  StoreTest() : env_(NewMemEnv()) {
+    options_.env = env_.get();
+    options_.chunk_bytes = 1000;  // Small chunks: pieces span several.
+  }
+  std::unique_ptr<CheckpointStore> Open(bool primary = true) {
+    StoreOptions o = options_;
+    o.primary = primary;
+    auto store = CheckpointStore::Open(kRoot, o);
+    EXPECT_THAT(store, IsOk());
+    return store.ok() ? std::move(store).value() : nullptr;
+  }
+  // Runs fn(rank, coordinator, store) on `ranks` threads; returns each rank's status.
+  std::vector<absl::Status> RunRanks(
+      int ranks, const std::function<absl::Status(int, Coordinator*, CheckpointStore*)>& fn) {
+    std::vector<std::unique_ptr<CheckpointStore>> stores;
+    for (int r = 0; r < ranks; ++r) stores.push_back(Open(r == 0));
+    ThreadGroup group(ranks);
+    std::vector<absl::Status> out(static_cast<size_t>(ranks));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r) {
+      threads.emplace_back([&, r] { out[r] = fn(r, group.member(r), stores[r].get()); });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+  std::unique_ptr<Env> env_;
+  StoreOptions options_;
+};
+
+TEST_F(StoreTest, RangeReadsCrossRankBoundariesAndChunks) {
+  const uint64_t n = 10007;
+  std::vector<float> w = testing::RandomFloats(n, 1);
+  auto results = RunRanks(3, [&](int r, Coordinator* c, CheckpointStore* s) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(auto txn, s->BeginSave(5, c));
+    CKPT_RETURN_IF_ERROR(txn->DeclareTensor({"w", formats::DType::kF32, {n}}));
+    uint64_t lo = n * r / 3, hi = n * (r + 1) / 3;
+    CKPT_RETURN_IF_ERROR(txn->WritePiece("w", lo, hi - lo, std::as_bytes(std::span(w).subspan(lo, hi - lo))));
+    return txn->Commit();
+  });
+  for (const auto& s : results) CKPT_ASSERT_OK(s);
+  auto store = Open();
+  EXPECT_EQ(store->latest_step(), std::optional<uint64_t>(5));
+  auto reader = store->OpenLatest();
+  CKPT_ASSERT_OK(reader);
+  EXPECT_EQ((*reader)->manifest().world_size, 3u);
+  for (auto [begin, count] : std::vector<std::pair<uint64_t, uint64_t>>{{0, n}, {3330, 20}, {6669, 1}, {249, 751}, {n - 1, 1}}) {
+    std::vector<float> out(count);
+    CKPT_ASSERT_OK((*reader)->ReadRange("w", begin, count, std::as_writable_bytes(std::span(out))));
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), w.begin() + begin)) << begin << "+" << count;
+  }
+}
+
+TEST_F(StoreTest, ZstdChunksRoundTripAndStaySmaller) {
+  options_.codec = formats::Codec::kZstd;
+  std::vector<float> w(50000, 1.5f);
+  auto store = Open();
+  auto txn = store->BeginSave(1);
+  CKPT_ASSERT_OK(txn);
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {50000}}));
+  CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 50000, testing::Bytes(w)));
+  CKPT_ASSERT_OK((*txn)->Commit());
+  auto reader = store->OpenLatest();
+  CKPT_ASSERT_OK(reader);
+  uint64_t stored = 0;
+  for (const auto& c : (*reader)->manifest().files[0].chunks) {
+    EXPECT_EQ(c.codec, formats::Codec::kZstd);
+    stored += c.stored_bytes;
+  }
+  EXPECT_LT(stored, 50000u * 4 / 10);
+  std::vector<float> out(50000);
+  CKPT_ASSERT_OK((*reader)->ReadRange("w", 0, 50000, std::as_writable_bytes(std::span(out))));
+  EXPECT_EQ(out, w);
+}
+
+TEST_F(StoreTest, AbortAndDestructionWithoutCommitLeaveNoTrace) {
+  auto store = Open();
+  {
+    auto txn = store->BeginSave(1);
+    CKPT_ASSERT_OK(txn);
+    CKPT_ASSERT_OK((*txn)->WriteBlob("x", AsBytes("payload")));
+    CKPT_ASSERT_OK((*txn)->Abort());
+  }
+  { CKPT_ASSERT_OK(store->BeginSave(2)); }  // Destroyed at once.
+  EXPECT_THAT(*env_->GetChildren(kRoot), ElementsAre("LOCK"));
+  EXPECT_EQ(store->latest_step(), std::nullopt);
+  EXPECT_THAT(store->OpenLatest(), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(StoreTest, StepMustBeNewerThanLatestOnEveryRank) {
+  CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, 10));
+  auto results = RunRanks(2, [&](int, Coordinator* c, CheckpointStore* s) {
+    return s->BeginSave(10, c).status();
+  });
+  for (const auto& s : results) EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(StoreTest, SecondPrimaryHandleIsRefused) {
+  auto first = Open();
+  EXPECT_THAT(CheckpointStore::Open(kRoot, options_), StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+TEST_F(StoreTest, ConflictingDeclarationsAbortOnEveryRank) {
+  auto results = RunRanks(2, [&](int r, Coordinator* c, CheckpointStore* s) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(auto txn, s->BeginSave(1, c));
+    CKPT_RETURN_IF_ERROR(txn->DeclareTensor({"w", formats::DType::kF32, {r == 0 ? 8u : 9u}}));
+    return txn->Commit();
+  });
+  for (const auto& s : results) {
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("\"w\""));
+  }
+  EXPECT_EQ(Open()->latest_step(), std::nullopt);
+}
+
+TEST_F(StoreTest, OverlappingPiecesAcrossRanksAbort) {
+  std::vector<float> w(10, 1.0f);
+  auto results = RunRanks(2, [&](int, Coordinator* c, CheckpointStore* s) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(auto txn, s->BeginSave(1, c));
+    CKPT_RETURN_IF_ERROR(txn->DeclareTensor({"w", formats::DType::kF32, {10}}));
+    CKPT_RETURN_IF_ERROR(txn->WritePiece("w", 0, 10, testing::Bytes(w)));  // Both ranks: all of it.
+    return txn->Commit();
+  });
+  for (const auto& s : results) EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(StoreTest, IoFailureOnOneRankAbortsEveryRank) {
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  fault.FailNth(2, ENOSPC, testing::FaultInjectionEnv::Op::kSync);  // One rank's data file sync.
+  absl::Status s = testing::SaveSyntheticStep(kRoot, options_, 2, 1);  // Checks ranks agree.
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("voted no"));
+  options_.env = env_.get();
+  EXPECT_EQ(Open()->latest_step(), std::nullopt);
+}
+
+TEST_F(StoreTest, BadArgumentsAreRefusedAndTheTransactionStaysUsable) {
+  auto store = Open();
+  auto txn = store->BeginSave(1);
+  CKPT_ASSERT_OK(txn);
+  std::vector<float> w(4);
+  EXPECT_THAT((*txn)->DeclareTensor({"a/b", formats::DType::kF32, {4}}), StatusIs(absl::StatusCode::kInvalidArgument));
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {4}}));
+  EXPECT_THAT((*txn)->DeclareTensor({"w", formats::DType::kF32, {4}}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("v", 0, 4, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 2, 4, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 0, 3, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 0, 0, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 2, std::as_bytes(std::span(w).first(2))));
+  EXPECT_THAT((*txn)->WritePiece("w", 1, 2, std::as_bytes(std::span(w).first(2))), StatusIs(absl::StatusCode::kInvalidArgument));
+  CKPT_ASSERT_OK((*txn)->Commit());
+  EXPECT_THAT((*txn)->Commit(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  auto reader = store->OpenLatest();
+  CKPT_ASSERT_OK(reader);
+  std::vector<float> out(4);
+  EXPECT_THAT((*reader)->ReadRange("w", 0, 4, std::as_writable_bytes(std::span(out))), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->ReadRange("nope", 0, 1, std::as_writable_bytes(std::span(out).first(1))), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->ReadRange("w", 0, 2, std::as_writable_bytes(std::span(out))), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*reader)->ReadRange("w", 3, 2, std::as_writable_bytes(std::span(out).first(2))), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*reader)->ReadBlob("nope"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(StoreTest, DamagedLatestFallsBackToNewestVerifyingStep) {
+  for (uint64_t step : {1, 2, 3}) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
+  // Break step 3's MANIFEST and LATEST: recovery must pick step 2 and rewrite LATEST.
+  auto manifest = ReadFileToString(env_.get(), "/store/step-00000003/MANIFEST");
+  CKPT_ASSERT_OK(manifest);
+  (*manifest)[50] ^= 1;
+  CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), "/store/step-00000003/MANIFEST", *manifest));
+  CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), "/store/LATEST", "garbage"));
+  auto store = Open();
+  EXPECT_TRUE(store->recovery().latest_repaired);
+  EXPECT_EQ(store->latest_step(), std::optional<uint64_t>(2));
+  EXPECT_THAT(store->recovery().removed, ElementsAre("step-00000003"));  // Newer than LATEST now.
+  store.reset();
+  auto state = testing::CheckStoreConsistent(kRoot, options_);
+  CKPT_ASSERT_OK(state);
+  EXPECT_EQ(*state, std::optional<uint64_t>(2));
+}
+
+TEST_F(StoreTest, RetentionKeepsLastKEveryNthAndLatest) {
+  for (uint64_t step = 1; step <= 7; ++step) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
+  auto store = Open();
+  auto dry = store->ApplyRetention({.keep_last = 2, .keep_every = 3}, /*dry_run=*/true);
+  CKPT_ASSERT_OK(dry);
+  EXPECT_THAT(*dry, ElementsAre(1, 2, 4, 5));
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(1, 2, 3, 4, 5, 6, 7));
+  CKPT_ASSERT_OK(store->ApplyRetention({.keep_last = 2, .keep_every = 3}));
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(3, 6, 7));
+}
+
+TEST_F(StoreTest, RetentionRunsAfterEachCommitWhenConfigured) {
+  options_.retention = {.keep_last = 2};
+  for (uint64_t step = 1; step <= 4; ++step) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, step));
+  EXPECT_THAT(*Open()->ListSteps(), ElementsAre(3, 4));
+}
+
+TEST(ThreadGroupTest, AllGatherDeliversEveryRoundInOrder) {
+  ThreadGroup group(4);
+  std::vector<std::thread> threads;
+  std::vector<int> failures(4, 0);
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      for (int round = 0; round < 200; ++round) {
+        auto all = group.member(r)->AllGather(std::to_string(round * 10 + r));
+        for (int k = 0; k < 4; ++k) {
+          if (!all.ok() || (*all)[k] != std::to_string(round * 10 + k)) ++failures[r];
+        }
+        auto b = group.member(r)->Broadcast(r == 2 ? "from2" : "", 2);
+        if (!b.ok() || *b != "from2") ++failures[r];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(failures, ElementsAre(0, 0, 0, 0));
+}
+
+}  // namespace
+}  // namespace ckpt
