@@ -33,7 +33,7 @@ struct StoreOptions {
   // Move data files with O_DIRECT where the Env and file system allow it.
   bool direct_io = true;
   // Threads a reader uses to read and verify chunks of one large range in parallel.
-  int read_threads = 4;
+  int read_threads = 8;
   // Applied by the primary after each durable commit.
   RetentionPolicy retention;
   // Diagnostics (what recovery removed, why a fallback happened). Libraries never print.
