@@ -1,0 +1,334 @@
+// Reading and writing HuggingFace checkpoints through the Env.
+//
+// Write protocol (the same durability rules as our checkpoints):
+// 1. Create the directory if absent; SyncDir(parent).
+// 2. For each file (shards first, then the index): write "<dir>/.<name>.tmp", Append, Sync,
+//    Close, rename to <name>. A reader never sees a partly written file under its real name.
+// 3. Remove a stale index (single-file layout) or stale model.safetensors (sharded layout),
+//    which would otherwise shadow or contradict what was written.
+// 4. SyncDir(dir): the renames and removals are durable only now.
+#include "ckpt/hf_checkpoint.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "libckpt/aligned_buffer.h"
+#include "libckpt/coding.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt {
+namespace {
+
+using formats::StDType;
+using internal::AlignedBuffer;
+using internal::kDirectIoAlignment;
+
+constexpr uint64_t kSliceBytes = uint64_t{8} << 20;
+
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // Subnormal half: normalise into a float.
+      uint32_t e = 113;
+      do {
+        mant <<= 1;
+        --e;
+      } while ((mant & 0x400) == 0);
+      bits = sign | (e << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
+  const size_t n = in.size() / (formats::StDTypeBits(dtype) / 8);
+  if (dtype == StDType::kF32) {
+    std::memcpy(out, in.data(), in.size());
+  } else if (dtype == StDType::kBF16) {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = (static_cast<uint32_t>(in[2 * i + 1]) << 24) | (static_cast<uint32_t>(in[2 * i]) << 16);
+      std::memcpy(out + i, &bits, 4);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      out[i] = HalfToFloat(static_cast<uint16_t>(static_cast<uint16_t>(in[2 * i]) |
+                                                 (static_cast<uint16_t>(in[2 * i + 1]) << 8)));
+    }
+  }
+}
+
+absl::Status WriteWhole(Env* env, const std::string& dir, const std::string& name,
+                        const std::vector<std::span<const std::byte>>& parts) {
+  const std::string tmp = JoinPath(dir, absl::StrCat(".", name, ".tmp"));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, FileOptions{.direct_io = true}));
+  absl::Status s;
+  for (std::span<const std::byte> part : parts) {
+    if (s.ok()) s = file->Append(part);
+  }
+  if (s.ok()) s = file->Sync();
+  s.Update(file->Close());
+  if (s.ok()) s = env->RenameFile(tmp, JoinPath(dir, name));
+  if (!s.ok()) env->RemoveFile(tmp).IgnoreError();  // Best effort: a dot-tmp file is inert.
+  return s;
+}
+
+}  // namespace
+
+struct HfCheckpointReader::Shard {
+  std::string path;
+  std::unique_ptr<RandomAccessFile> file;
+};
+
+HfCheckpointReader::HfCheckpointReader() = default;
+HfCheckpointReader::~HfCheckpointReader() = default;
+
+absl::Status HfCheckpointReader::OpenShard(const std::string& name, const std::string& file_path) {
+  auto shard = std::make_unique<Shard>();
+  shard->path = file_path;
+  CKPT_ASSIGN_OR_RETURN(shard->file, env_->NewRandomAccessFile(file_path, FileOptions{.direct_io = true}));
+  const uint64_t size = shard->file->size();
+  std::byte prefix[8] = {};
+  CKPT_RETURN_IF_ERROR(shard->file->Read(0, std::span<std::byte>(prefix, std::min<uint64_t>(8, size))));
+  CKPT_ASSIGN_OR_RETURN(uint64_t n, formats::ParseSafetensorsPrefix(std::span<const std::byte>(prefix, std::min<uint64_t>(8, size)), size, file_path));
+  std::string header(n, '\0');
+  CKPT_RETURN_IF_ERROR(shard->file->Read(8, std::as_writable_bytes(std::span(header))));
+  CKPT_ASSIGN_OR_RETURN(formats::SafetensorsHeader h, formats::ParseSafetensorsHeader(AsBytes(header), size, file_path));
+  for (formats::SafetensorsTensor& t : h.tensors) {
+    tensors_.push_back({t.name, t.dtype, t.shape, name, h.data_offset + t.begin, t.end - t.begin, t.numel()});
+  }
+  shard_metadata_[name] = std::move(h.metadata);
+  shards_[name] = std::move(shard);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HfCheckpointReader>> HfCheckpointReader::Open(const std::string& path,
+                                                                             const HfReaderOptions& options) {
+  std::unique_ptr<HfCheckpointReader> r(new HfCheckpointReader());
+  r->path_ = path;
+  r->options_ = options;
+  r->env_ = options.env != nullptr ? options.env : Env::Default();
+  CKPT_ASSIGN_OR_RETURN(bool is_dir, r->env_->IsDirectory(path));
+  if (!is_dir) {
+    CKPT_RETURN_IF_ERROR(r->OpenShard(std::string(absl::string_view(path).substr(path.rfind('/') + 1)), path));
+  } else {
+    const std::string index_path = JoinPath(path, kHfIndexFileName);
+    absl::StatusOr<std::string> index_bytes = ReadFileToString(r->env_, index_path);
+    if (index_bytes.ok()) {
+      CKPT_ASSIGN_OR_RETURN(formats::HfIndex index, formats::ParseHfIndex(AsBytes(*index_bytes), index_path));
+      for (const std::string& shard : index.shards()) {
+        absl::Status s = r->OpenShard(shard, JoinPath(path, shard));
+        if (absl::IsNotFound(s)) {
+          return absl::DataLossError(absl::StrCat(index_path, ": MissingShard: shard \"", shard, "\" does not exist"));
+        }
+        CKPT_RETURN_IF_ERROR(s);
+      }
+      std::map<std::string, std::string> expected(index.weight_map.begin(), index.weight_map.end());
+      std::set<std::string> seen;
+      for (const HfTensor& t : r->tensors_) {
+        auto it = expected.find(t.name);
+        if (it == expected.end()) {
+          return absl::DataLossError(absl::StrCat(index_path, ": UnlistedTensor: tensor \"", t.name, "\" in shard ", t.shard, " is not in weight_map"));
+        }
+        if (!seen.insert(t.name).second) {
+          return absl::DataLossError(absl::StrCat(index_path, ": DuplicateTensor: tensor \"", t.name, "\" is stored in more than one shard"));
+        }
+        if (it->second != t.shard) {
+          return absl::DataLossError(absl::StrCat(index_path, ": WrongShard: tensor \"", t.name, "\" is in ", t.shard, " but weight_map says ", it->second));
+        }
+      }
+      for (const auto& [tensor, shard] : expected) {
+        if (!seen.count(tensor)) {
+          return absl::DataLossError(absl::StrCat(index_path, ": MissingTensor: tensor \"", tensor, "\" is not in shard ", shard));
+        }
+      }
+      r->index_ = std::move(index);
+    } else if (absl::IsNotFound(index_bytes.status())) {
+      absl::Status s = r->OpenShard(std::string(kHfSingleFileName), JoinPath(path, kHfSingleFileName));
+      if (absl::IsNotFound(s)) {
+        return absl::NotFoundError(absl::StrCat(path, ": neither ", kHfIndexFileName, " nor ", kHfSingleFileName));
+      }
+      CKPT_RETURN_IF_ERROR(s);
+    } else {
+      return index_bytes.status();
+    }
+  }
+  std::sort(r->tensors_.begin(), r->tensors_.end(), [](const HfTensor& a, const HfTensor& b) { return a.name < b.name; });
+  return r;
+}
+
+absl::StatusOr<const HfTensor*> HfCheckpointReader::Find(absl::string_view name) const {
+  auto it = std::lower_bound(tensors_.begin(), tensors_.end(), name,
+                             [](const HfTensor& t, absl::string_view n) { return t.name < n; });
+  if (it == tensors_.end() || it->name != name) {
+    return absl::NotFoundError(absl::StrCat(path_, ": no tensor \"", name, "\""));
+  }
+  return &*it;
+}
+
+absl::Status HfCheckpointReader::ReadSlices(
+    const Shard& shard, uint64_t offset, uint64_t length,
+    const std::function<void(uint64_t, std::span<const std::byte>)>& consume) const {
+  const uint64_t slices = (length + kSliceBytes - 1) / kSliceBytes;
+  const uint64_t file_size = shard.file->size();
+  std::atomic<uint64_t> next{0};
+  std::atomic<bool> failed{false};
+  absl::Mutex mu;
+  absl::Status status;
+  auto worker = [&] {
+    absl::StatusOr<AlignedBuffer> buf = AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment);
+    if (!buf.ok()) {
+      absl::MutexLock lock(&mu);
+      status.Update(buf.status());
+      failed = true;
+      return;
+    }
+    for (uint64_t i = next++; i < slices && !failed; i = next++) {
+      const uint64_t begin = offset + i * kSliceBytes;
+      const uint64_t end = std::min(offset + length, begin + kSliceBytes);
+      // Widen to 4 KiB boundaries so the read takes the O_DIRECT path.
+      const uint64_t lo = begin / kDirectIoAlignment * kDirectIoAlignment;
+      const uint64_t hi = std::min(file_size, RoundUp(end, kDirectIoAlignment));
+      absl::Status s = shard.file->Read(lo, buf->span().first(hi - lo));
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        status.Update(s);
+        failed = true;
+        return;
+      }
+      consume(begin - offset, buf->span().subspan(begin - lo, end - begin));
+    }
+  };
+  const size_t threads = std::min<uint64_t>(std::max(1, options_.read_threads), slices);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  return status;
+}
+
+absl::Status HfCheckpointReader::ReadBytes(absl::string_view name, uint64_t begin, uint64_t count,
+                                           std::span<std::byte> out) const {
+  CKPT_ASSIGN_OR_RETURN(const HfTensor* t, Find(name));
+  const uint32_t bits = formats::StDTypeBits(t->dtype);
+  if (begin > t->numel || count > t->numel - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", name, "\" lies outside its ", t->numel, " elements"));
+  }
+  uint64_t offset, length;
+  if (bits % 8 == 0) {
+    offset = begin * (bits / 8);
+    length = count * (bits / 8);
+  } else if (begin == 0 && count == t->numel) {
+    offset = 0;
+    length = t->byte_size;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" has sub-byte dtype ", formats::StDTypeName(t->dtype), "; only whole-tensor reads"));
+  }
+  if (out.size() != length) {
+    return absl::InvalidArgumentError(absl::StrCat("output for \"", name, "\" has ", out.size(), " bytes, expected ", length));
+  }
+  return ReadSlices(*shards_.at(t->shard), t->file_offset + offset, length,
+                    [&](uint64_t pos, std::span<const std::byte> bytes) {
+                      std::memcpy(out.data() + pos, bytes.data(), bytes.size());
+                    });
+}
+
+absl::Status HfCheckpointReader::ReadAsF32(absl::string_view name, uint64_t begin, uint64_t count,
+                                           std::span<float> out) const {
+  CKPT_ASSIGN_OR_RETURN(const HfTensor* t, Find(name));
+  if (t->dtype != StDType::kF32 && t->dtype != StDType::kBF16 && t->dtype != StDType::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" is ", formats::StDTypeName(t->dtype), "; FP32 reads take F32, BF16 or F16"));
+  }
+  if (begin > t->numel || count > t->numel - begin || out.size() != count) {
+    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", name, "\" or its ", out.size(), "-element output does not fit its ", t->numel, " elements"));
+  }
+  const uint64_t esize = formats::StDTypeBits(t->dtype) / 8;
+  return ReadSlices(*shards_.at(t->shard), t->file_offset + begin * esize, count * esize,
+                    [&](uint64_t pos, std::span<const std::byte> bytes) {
+                      ConvertToF32(t->dtype, bytes, out.data() + pos / esize);
+                    });
+}
+
+absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTensorData>& tensors,
+                               const HfWriteOptions& options) {
+  Env* env = options.env != nullptr ? options.env : Env::Default();
+  // Plan: greedy shards in the given order.
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t current = 0, total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const uint64_t bytes = tensors[i].data.size();
+    if (options.max_shard_bytes > 0 && current > 0 && current + bytes > options.max_shard_bytes) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(i);
+    current += bytes;
+    total += bytes;
+  }
+  const bool sharded = options.max_shard_bytes > 0 && shards.size() > 1;
+  // Validate every shard's header before touching the disk.
+  std::vector<std::string> headers;
+  formats::HfIndex index;
+  index.total_size = total;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::vector<formats::SafetensorsTensor> entries;
+    for (size_t i : shards[s]) entries.push_back({tensors[i].name, tensors[i].dtype, tensors[i].shape, 0, 0});
+    CKPT_ASSIGN_OR_RETURN(std::string header, formats::EncodeSafetensorsHeader(&entries, options.metadata));
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const HfTensorData& t = tensors[shards[s][k]];
+      if (entries[k].end - entries[k].begin != t.data.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" has ", t.data.size(), " bytes, its dtype and shape need ", entries[k].end - entries[k].begin));
+      }
+      if (sharded) index.weight_map.emplace_back(t.name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
+    }
+    headers.push_back(std::move(header));
+  }
+  std::set<std::string> names;
+  for (const HfTensorData& t : tensors) {
+    if (!names.insert(t.name).second) return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
+  }
+  // Step 1.
+  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
+  if (absl::IsNotFound(is_dir.status())) {
+    CKPT_RETURN_IF_ERROR(env->CreateDir(dir));
+    CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(dir)));
+  } else if (!is_dir.ok() || !*is_dir) {
+    return is_dir.ok() ? absl::FailedPreconditionError(dir + ": not a directory") : is_dir.status();
+  }
+  // Step 2.
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::vector<std::span<const std::byte>> parts = {AsBytes(headers[s])};
+    for (size_t i : shards[s]) parts.push_back(tensors[i].data);
+    const std::string name = sharded ? absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size())
+                                     : std::string(kHfSingleFileName);
+    CKPT_RETURN_IF_ERROR(WriteWhole(env, dir, name, parts));
+  }
+  // Step 3.
+  const std::string stale = JoinPath(dir, sharded ? kHfSingleFileName : kHfIndexFileName);
+  if (sharded) {
+    const std::string encoded = formats::EncodeHfIndex(index);
+    CKPT_RETURN_IF_ERROR(WriteWhole(env, dir, std::string(kHfIndexFileName), {AsBytes(encoded)}));
+  }
+  absl::Status removed = env->RemoveFile(stale);
+  if (!removed.ok() && !absl::IsNotFound(removed)) return removed;
+  // Step 4.
+  return env->SyncDir(dir);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,213 @@
+#include "ckpt/hf_checkpoint.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "libckpt/coding.h"
+#include "tests/support/status_matchers.h"
+#include "tests/support/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using formats::StDType;
+using ::testing::HasSubstr;
+using testing::IsOk;
+using testing::StatusIs;
+
+const std::string kTestdata = CKPT_HF_TESTDATA;
+
+struct Model {
+  const char* dir;
+  size_t shards;
+};
+
+class HfTestdataTest : public ::testing::TestWithParam<Model> {
+ protected:
+  void SetUp() override {
+    if (!NewPosixEnv()->IsDirectory(kTestdata).ok()) GTEST_SKIP() << "no shared testdata at " << kTestdata;
+  }
+};
+
+// Reads every tensor of the transformers-written checkpoint, writes it back through our writer
+// (sharded like the original, and as one file), and requires every tensor's bytes to match.
+TEST_P(HfTestdataTest, EveryTensorRoundTripsThroughOurWriterByteForByte) {
+  auto env = NewPosixEnv();
+  const std::string src = kTestdata + "/" + GetParam().dir;
+  auto reader = HfCheckpointReader::Open(src, {.env = env.get()});
+  CKPT_ASSERT_OK(reader);
+  EXPECT_EQ((*reader)->sharded(), GetParam().shards > 1);
+  EXPECT_EQ((*reader)->shard_metadata().size(), GetParam().shards);
+  std::vector<std::string> storage;
+  std::vector<HfTensorData> tensors;
+  uint64_t total = 0;
+  for (const HfTensor& t : (*reader)->tensors()) {
+    std::string bytes(t.byte_size, '\0');
+    CKPT_ASSERT_OK((*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
+    storage.push_back(std::move(bytes));
+    total += t.byte_size;
+  }
+  ASSERT_GT(storage.size(), 3u);
+  if ((*reader)->index().has_value()) {
+    EXPECT_EQ((*reader)->index()->total_size, std::optional<uint64_t>(total));
+  }
+  for (size_t i = 0; i < storage.size(); ++i) {
+    const HfTensor& t = (*reader)->tensors()[i];
+    tensors.push_back({t.name, t.dtype, t.shape, AsBytes(storage[i])});
+  }
+  testing::ScopedTempDir tmp;
+  for (uint64_t max_shard : {uint64_t{0}, total / 3 + 1}) {
+    const std::string out = tmp.path() + "/export-" + std::to_string(max_shard);
+    CKPT_ASSERT_OK(WriteHfCheckpoint(out, tensors, {.env = env.get(), .max_shard_bytes = max_shard}));
+    auto back = HfCheckpointReader::Open(out, {.env = env.get()});
+    CKPT_ASSERT_OK(back);
+    EXPECT_EQ((*back)->sharded(), max_shard > 0);
+    ASSERT_EQ((*back)->tensors().size(), storage.size());
+    for (size_t i = 0; i < storage.size(); ++i) {
+      const HfTensor& t = (*back)->tensors()[i];
+      EXPECT_EQ(t.name, tensors[i].name);
+      EXPECT_EQ(t.shape, tensors[i].shape);
+      std::string bytes(t.byte_size, '\0');
+      CKPT_ASSERT_OK((*back)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
+      EXPECT_EQ(bytes, storage[i]) << t.name;
+    }
+    if (max_shard > 0) {
+      EXPECT_EQ((*back)->index()->total_size, std::optional<uint64_t>(total));
+    }
+  }
+}
+
+TEST_P(HfTestdataTest, RangesConvertToF32LikeWholeTensors) {
+  auto env = NewPosixEnv();
+  auto reader = HfCheckpointReader::Open(kTestdata + "/" + GetParam().dir, {.env = env.get()});
+  CKPT_ASSERT_OK(reader);
+  for (const HfTensor& t : (*reader)->tensors()) {
+    ASSERT_EQ(t.dtype, StDType::kBF16) << t.name;
+    std::vector<float> whole(t.numel);
+    CKPT_ASSERT_OK((*reader)->ReadAsF32(t.name, 0, t.numel, whole));
+    std::vector<uint16_t> raw(t.numel);
+    CKPT_ASSERT_OK((*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(raw))));
+    for (uint64_t i = 0; i < t.numel; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &whole[i], 4);
+      ASSERT_EQ(bits, static_cast<uint32_t>(raw[i]) << 16) << t.name << "[" << i << "]";
+    }
+    if (t.numel > 10) {  // A range that a rank's piece would cut.
+      std::vector<float> part(t.numel / 3);
+      CKPT_ASSERT_OK((*reader)->ReadAsF32(t.name, 5, part.size(), part));
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + 5)) << t.name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(TransformersCheckpoints, HfTestdataTest,
+                         ::testing::Values(Model{"qwen3-tiny", 3}, Model{"qwen3-moe-tiny", 2}, Model{"llama-tied-tiny", 1}),
+                         [](const ::testing::TestParamInfo<Model>& p) {
+                           std::string n = p.param.dir;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+class HfIndexConsistencyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    env_ = NewMemEnv();
+    CKPT_ASSERT_OK(env_->CreateDir("/m"));
+    a_ = {1, 2, 3, 4};
+    b_ = {5, 6};
+    CKPT_ASSERT_OK(WriteHfCheckpoint("/m", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}},
+                                     {.env = env_.get(), .max_shard_bytes = 16}));
+  }
+  static std::span<const std::byte> AsF(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
+  absl::Status ReplaceIndex(const std::string& json) {
+    return WriteFileAtomically(env_.get(), "/m/model.safetensors.index.json", json);
+  }
+  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open() { return HfCheckpointReader::Open("/m", {.env = env_.get()}); }
+  std::unique_ptr<Env> env_;
+  std::vector<float> a_, b_;
+};
+
+TEST_F(HfIndexConsistencyTest, WriterShardsAndIndexReadBack) {
+  auto r = Open();
+  CKPT_ASSERT_OK(r);
+  EXPECT_TRUE((*r)->sharded());
+  EXPECT_EQ((*r)->Find("b").value()->shard, "model-00002-of-00002.safetensors");
+  EXPECT_EQ((*r)->shard_metadata().at("model-00001-of-00002.safetensors").at("format"), "pt");
+  std::vector<float> out(2);
+  CKPT_ASSERT_OK((*r)->ReadAsF32("a", 1, 2, out));
+  EXPECT_EQ(out, (std::vector<float>{2, 3}));
+}
+
+TEST_F(HfIndexConsistencyTest, MissingShardIsRejected) {
+  CKPT_ASSERT_OK(env_->RemoveFile("/m/model-00002-of-00002.safetensors"));
+  EXPECT_THAT(Open(), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(std::string(Open().status().message()), HasSubstr("MissingShard"));
+}
+
+TEST_F(HfIndexConsistencyTest, ListedTensorAbsentFromItsShardIsRejected) {
+  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})"));
+  EXPECT_THAT(std::string(Open().status().message()), HasSubstr("MissingTensor"));
+}
+
+TEST_F(HfIndexConsistencyTest, TensorInTheWrongShardIsRejected) {
+  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "x": "model-00001-of-00002.safetensors"}})"));
+  EXPECT_THAT(std::string(Open().status().message()), HasSubstr("WrongShard"));
+}
+
+TEST_F(HfIndexConsistencyTest, TensorInTwoShardsIsRejected) {
+  // Rewrite shard 2 to also hold "a".
+  CKPT_ASSERT_OK(WriteHfCheckpoint("/other", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}}, {.env = env_.get()}));
+  auto both = ReadFileToString(env_.get(), "/other/model.safetensors");
+  CKPT_ASSERT_OK(both);
+  CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), "/m/model-00002-of-00002.safetensors", *both));
+  EXPECT_THAT(std::string(Open().status().message()), ::testing::AnyOf(HasSubstr("DuplicateTensor"), HasSubstr("WrongShard")));
+}
+
+TEST_F(HfIndexConsistencyTest, UnlistedTensorInAShardIsRejected) {
+  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "zz": "model-00002-of-00002.safetensors"}})"));
+  EXPECT_THAT(std::string(Open().status().message()), HasSubstr("UnlistedTensor"));
+}
+
+TEST_F(HfIndexConsistencyTest, PathLeavingTheDirectoryIsRejectedBeforeAnyOpen) {
+  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "../m/model-00001-of-00002.safetensors"}})"));
+  EXPECT_THAT(std::string(Open().status().message()), HasSubstr("UnsafeShardPath"));
+}
+
+TEST_F(HfIndexConsistencyTest, SingleFileExportReplacesTheIndex) {
+  CKPT_ASSERT_OK(WriteHfCheckpoint("/m", {{"a", StDType::kF32, {4}, AsF(a_)}}, {.env = env_.get()}));
+  auto r = Open();
+  CKPT_ASSERT_OK(r);
+  EXPECT_FALSE((*r)->sharded());
+  EXPECT_EQ((*r)->tensors().size(), 1u);
+}
+
+TEST(HfReaderTest, BadRequestsAreRefused) {
+  auto env = NewMemEnv();
+  std::vector<uint16_t> h = {0x3c00, 0x8001, 0x7c00, 0x0400};  // 1, -tiny subnormal, inf, min normal
+  std::vector<int32_t> ints = {1, 2};
+  CKPT_ASSERT_OK(WriteHfCheckpoint("/h", {{"h", StDType::kF16, {4}, std::as_bytes(std::span(h))},
+                                          {"i", StDType::kI32, {2}, std::as_bytes(std::span(ints))}}, {.env = env.get()}));
+  auto r = HfCheckpointReader::Open("/h/model.safetensors", {.env = env.get()});
+  CKPT_ASSERT_OK(r);
+  std::vector<float> f(4);
+  CKPT_ASSERT_OK((*r)->ReadAsF32("h", 0, 4, f));
+  EXPECT_EQ(f[0], 1.0f);
+  EXPECT_EQ(f[1], -std::ldexp(1.0f, -24));
+  EXPECT_TRUE(std::isinf(f[2]));
+  EXPECT_EQ(f[3], std::ldexp(1.0f, -14));
+  EXPECT_THAT((*r)->ReadAsF32("i", 0, 2, std::span(f).first(2)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*r)->ReadAsF32("h", 3, 2, std::span(f).first(2)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*r)->ReadAsF32("nope", 0, 1, std::span(f).first(1)), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(HfCheckpointReader::Open("/nowhere", {.env = env.get()}), StatusIs(absl::StatusCode::kNotFound));
+  CKPT_ASSERT_OK(env->CreateDir("/empty"));
+  EXPECT_THAT(HfCheckpointReader::Open("/empty", {.env = env.get()}), StatusIs(absl::StatusCode::kNotFound));
+  std::vector<float> wrong(3);
+  EXPECT_THAT(WriteHfCheckpoint("/w", {{"x", StDType::kF32, {4}, std::as_bytes(std::span(wrong))}}, {.env = env.get()}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,120 @@
+// HuggingFace checkpoints on disk: a reader for a single .safetensors file or a model directory
+// (model.safetensors, or model.safetensors.index.json with shards) that reads element ranges
+// without loading whole files, and a writer that produces what transformers loads, with the
+// same durability rules as our checkpoints. The byte-level rules live in
+// ckpt/formats/safetensors.h.
+#ifndef CKPT_HF_CHECKPOINT_H_
+#define CKPT_HF_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "ckpt/env.h"
+#include "ckpt/formats/safetensors.h"
+
+namespace ckpt {
+
+inline constexpr absl::string_view kHfSingleFileName = "model.safetensors";
+inline constexpr absl::string_view kHfIndexFileName = "model.safetensors.index.json";
+
+struct HfTensor {
+  std::string name;
+  formats::StDType dtype = formats::StDType::kF32;
+  std::vector<uint64_t> shape;
+  std::string shard;         // File name relative to the model directory (or the file itself).
+  uint64_t file_offset = 0;  // Absolute byte offset of the tensor's data in its shard.
+  uint64_t byte_size = 0;
+  uint64_t numel = 0;
+};
+
+struct HfReaderOptions {
+  Env* env = nullptr;  // Null: Env::Default().
+  // Threads that read and convert slices of one large range in parallel.
+  int read_threads = 8;
+};
+
+// An opened, fully validated HF checkpoint. Safe for concurrent use.
+class HfCheckpointReader {
+ public:
+  // `path` is a .safetensors file or a model directory. kNotFound when neither a
+  // model.safetensors nor an index is there; kDataLoss naming the file and the rule for any
+  // invalid header or index, or an index that disagrees with its shards (missing shard, tensor
+  // in two shards, tensor the index does not list, listed tensor absent).
+  static absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open(const std::string& path,
+                                                                  const HfReaderOptions& options = {});
+  ~HfCheckpointReader();
+
+  const std::string& path() const { return path_; }
+  bool sharded() const { return index_.has_value(); }
+  const std::optional<formats::HfIndex>& index() const { return index_; }
+  // Every tensor, sorted by name.
+  const std::vector<HfTensor>& tensors() const { return tensors_; }
+  // __metadata__ of each shard, by shard name.
+  const std::map<std::string, std::map<std::string, std::string>>& shard_metadata() const {
+    return shard_metadata_;
+  }
+  // kNotFound for an unknown name.
+  absl::StatusOr<const HfTensor*> Find(absl::string_view name) const;
+
+  // Copies the bytes of elements [begin, begin + count). kInvalidArgument for a range outside
+  // the tensor, an output of the wrong size, or a sub-byte dtype (F4, F6) unless the range is
+  // the whole tensor.
+  absl::Status ReadBytes(absl::string_view name, uint64_t begin, uint64_t count,
+                         std::span<std::byte> out) const;
+  // Reads elements [begin, begin + count) converted to FP32 from BF16, F16 or F32.
+  // kInvalidArgument for other dtypes and for bad ranges or sizes.
+  absl::Status ReadAsF32(absl::string_view name, uint64_t begin, uint64_t count,
+                         std::span<float> out) const;
+
+ private:
+  struct Shard;
+  HfCheckpointReader();
+  absl::Status OpenShard(const std::string& name, const std::string& file_path);
+  // Reads [offset, offset + length) of `shard` in slices, in parallel, with O_DIRECT where it
+  // can, calling consume(position_in_range, bytes) for each slice.
+  absl::Status ReadSlices(const Shard& shard, uint64_t offset, uint64_t length,
+                          const std::function<void(uint64_t, std::span<const std::byte>)>& consume) const;
+
+  std::string path_;
+  HfReaderOptions options_;
+  Env* env_ = nullptr;
+  std::optional<formats::HfIndex> index_;
+  std::map<std::string, std::unique_ptr<Shard>> shards_;
+  std::map<std::string, std::map<std::string, std::string>> shard_metadata_;
+  std::vector<HfTensor> tensors_;
+};
+
+struct HfTensorData {
+  std::string name;
+  formats::StDType dtype = formats::StDType::kF32;
+  std::vector<uint64_t> shape;
+  std::span<const std::byte> data;  // Exactly the tensor's bytes.
+};
+
+struct HfWriteOptions {
+  Env* env = nullptr;  // Null: Env::Default().
+  // 0 writes one model.safetensors; otherwise shards of at most this many data bytes (a larger
+  // tensor gets a shard of its own) named model-0000i-of-0000n.safetensors, plus the index.
+  uint64_t max_shard_bytes = 0;
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+};
+
+// Writes `tensors` (in the given order) into directory `dir`, created if absent. Each file is
+// written under a temporary name, synced, closed and renamed; the index last; then the
+// directory is synced. A stale index or single file of the other layout is removed. On failure
+// the temporary files are removed and files already renamed into place may remain.
+// kInvalidArgument for repeated or invalid names or data of the wrong size.
+absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTensorData>& tensors,
+                               const HfWriteOptions& options = {});
+
+}  // namespace ckpt
+
+#endif  // CKPT_HF_CHECKPOINT_H_
