@@ -42,6 +42,15 @@ struct BenchIoArgs {
 };
 int RunBenchIo(const BenchIoArgs& args);
 
+struct BenchSafetensorsArgs {
+  std::string dir;
+  std::string size = "256M";
+  std::string dtype = "BF16";
+  int tensors = 64;
+  bool json = false;
+};
+int RunBenchSafetensors(const BenchSafetensorsArgs& args);
+
 }  // namespace ckpt::cli
 
 #endif  // CKPT_CLI_COMMANDS_H_

@@ -10,6 +10,7 @@
 #include "ckpt/env.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/hf.h"
 #include "libckpt/coding.h"
 #include "libckpt/filename.h"
 
@@ -93,6 +94,7 @@ void PrintHuman(const json& out) {
 }  // namespace
 
 int RunInspect(const InspectArgs& args) {
+  if (IsHfPath(args.root)) return InspectHf(args.root, args.json);
   Env* env = Env::Default();
   absl::StatusOr<std::vector<std::string>> names = env->GetChildren(args.root);
   if (!names.ok()) return ReportError("inspect", names.status());

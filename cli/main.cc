@@ -13,14 +13,14 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   InspectArgs inspect;
-  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Show steps, LATEST, tensors, pieces, files, chunks and blobs");
-  inspect_cmd->add_option("root", inspect.root, "Checkpoint root directory")->required();
+  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Show a ckpt root (steps, LATEST, tensors, pieces, files, chunks, blobs) or an HF checkpoint (tensors, shards)");
+  inspect_cmd->add_option("path", inspect.root, "ckpt root, .safetensors file or HF model directory")->required();
   inspect_cmd->add_option("--step", inspect.step, "Show this step (default: the one LATEST names)");
   inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
 
   VerifyArgs verify;
   CLI::App* verify_cmd = app.add_subcommand("verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
-  verify_cmd->add_option("root", verify.root, "Checkpoint root directory")->required();
+  verify_cmd->add_option("path", verify.root, "ckpt root, .safetensors file or HF model directory")->required();
   CLI::Option* step_opt = verify_cmd->add_option("--step", verify.step, "Verify this step");
   verify_cmd->add_flag("--all", verify.all, "Verify every step")->excludes(step_opt);
   verify_cmd->add_flag("--json", verify.json, "Print one JSON object");
@@ -44,6 +44,14 @@ int main(int argc, char** argv) {
   io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");
   io_cmd->add_flag("--json", bench_io.json, "Print one JSON object");
 
+  BenchSafetensorsArgs bench_st;
+  CLI::App* st_cmd = bench_cmd->add_subcommand("safetensors", "Read every tensor of a safetensors file into FP32; measure the O_DIRECT read bound");
+  st_cmd->add_option("--dir", bench_st.dir, "Directory to benchmark in (must exist)")->required();
+  st_cmd->add_option("--size", bench_st.size, "File size, e.g. 2G")->required();
+  st_cmd->add_option("--dtype", bench_st.dtype, "BF16, F16 or F32");
+  st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")->check(CLI::Range(1, 100000));
+  st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -54,6 +62,7 @@ int main(int argc, char** argv) {
   if (verify_cmd->parsed()) return RunVerify(verify);
   if (gc_cmd->parsed()) return RunGc(gc);
   if (io_cmd->parsed()) return RunBenchIo(bench_io);
+  if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
   std::cerr << app.help();
   return kExitUsage;
 }

@@ -5,6 +5,7 @@
 #include "ckpt/verify.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "cli/hf.h"
 
 namespace ckpt::cli {
 namespace {
@@ -24,6 +25,7 @@ void PrintProblem(const VerifyProblem& p) {
 }  // namespace
 
 int RunVerify(const VerifyArgs& args) {
+  if (IsHfPath(args.root)) return VerifyHf(args.root, args.json);
   Env* env = Env::Default();
   ProgressBar bar("verify", 1, !args.json);
   absl::StatusOr<StoreVerifyReport> report =

@@ -74,14 +74,33 @@ class HfCheckpointReader {
   absl::Status ReadAsF32(absl::string_view name, uint64_t begin, uint64_t count,
                          std::span<float> out) const;
 
+  // Elements [begin, begin + count) of tensor `name`, converted into `out` (count floats).
+  struct F32Request {
+    std::string name;
+    uint64_t begin = 0;
+    uint64_t count = 0;
+    std::span<float> out;
+  };
+  // Reads many ranges at once: their slices share one pool of reader threads, so a rank's
+  // whole set of pieces streams without a pause between tensors. Errors as ReadAsF32; on
+  // failure the outputs are unspecified.
+  absl::Status ReadManyAsF32(std::span<const F32Request> requests) const;
+
  private:
   struct Shard;
   HfCheckpointReader();
   absl::Status OpenShard(const std::string& name, const std::string& file_path);
-  // Reads [offset, offset + length) of `shard` in slices, in parallel, with O_DIRECT where it
-  // can, calling consume(position_in_range, bytes) for each slice.
-  absl::Status ReadSlices(const Shard& shard, uint64_t offset, uint64_t length,
-                          const std::function<void(uint64_t, std::span<const std::byte>)>& consume) const;
+  // A byte range of a shard and what to do with each slice of it: consume(position in the
+  // range, bytes).
+  struct Job {
+    const Shard* shard;
+    uint64_t offset;
+    uint64_t length;
+    std::function<void(uint64_t, std::span<const std::byte>)> consume;
+  };
+  // Reads every job in slices, in parallel, with O_DIRECT where it can.
+  absl::Status ReadJobs(const std::vector<Job>& jobs) const;
+  absl::StatusOr<Job> F32Job(const F32Request& request) const;
 
   std::string path_;
   HfReaderOptions options_;

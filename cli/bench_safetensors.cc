@@ -1,0 +1,110 @@
+// ckpt-tool bench safetensors: writes a synthetic safetensors file with our writer, then reads
+// every tensor into FP32 buffers through HfCheckpointReader and compares the rate (file bytes
+// per second) with a raw O_DIRECT read of the same file measured in the same run.
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/hf_checkpoint.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "libckpt/aligned_buffer.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kRawIoBytes = uint64_t{8} << 20;
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Best of one stream and four concurrent streams reading disjoint quarters of the file.
+absl::StatusOr<double> RawReadBound(Env* env, const std::string& path, uint64_t size) {
+  CKPT_ASSIGN_OR_RETURN(auto file, env->NewRandomAccessFile(path, FileOptions{.direct_io = true}));
+  double best = 0;
+  for (int streams : {1, 4}) {
+    std::vector<absl::Status> results(static_cast<size_t>(streams));
+    Clock::time_point start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int i = 0; i < streams; ++i) {
+      threads.emplace_back([&, i] {
+        absl::StatusOr<internal::AlignedBuffer> buf = internal::AlignedBuffer::Create(kRawIoBytes);
+        if (!buf.ok()) {
+          results[i] = buf.status();
+          return;
+        }
+        const uint64_t lo = size / 4096 * i / streams * 4096, hi = size / 4096 * (i + 1) / streams * 4096;
+        for (uint64_t off = lo; off < hi && results[i].ok(); off += kRawIoBytes) {
+          results[i] = file->Read(off, buf->span().first(std::min(kRawIoBytes, hi - off)));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& s : results) CKPT_RETURN_IF_ERROR(s);
+    best = std::max(best, static_cast<double>(size / 4096 * 4096) / Seconds(start) / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
+  absl::StatusOr<uint64_t> size = ParseByteSize(args.size);
+  if (!size.ok()) return ReportError("bench safetensors", size.status());
+  absl::StatusOr<formats::StDType> dtype = formats::ParseStDType(args.dtype);
+  if (!dtype.ok() || (*dtype != formats::StDType::kBF16 && *dtype != formats::StDType::kF16 &&
+                      *dtype != formats::StDType::kF32)) {
+    return ReportError("bench safetensors", absl::InvalidArgumentError("--dtype must be BF16, F16 or F32"));
+  }
+  Env* env = Env::Default();
+  const uint64_t esize = formats::StDTypeBits(*dtype) / 8;
+  const int tensors = std::max(1, args.tensors);
+  const uint64_t elems = std::max<uint64_t>(1, *size / esize / static_cast<uint64_t>(tensors));
+  std::vector<uint16_t> source(elems * esize / 2 + 1);
+  std::mt19937 rng(1);
+  for (uint16_t& x : source) x = static_cast<uint16_t>(0x3c00 | (rng() & 0x03ff));  // Finite in every dtype.
+  std::vector<HfTensorData> data;
+  for (int t = 0; t < tensors; ++t) {
+    data.push_back({absl::StrCat("model.layers.", t, ".weight"), *dtype, {elems},
+                    std::as_bytes(std::span(source)).first(elems * esize)});
+  }
+  const std::string dir = JoinPath(args.dir, "ckpt-bench-safetensors");
+  absl::Status written = WriteHfCheckpoint(dir, data);
+  if (!written.ok()) return ReportError("bench safetensors: write", written);
+  const std::string file = JoinPath(dir, kHfSingleFileName);
+  absl::StatusOr<uint64_t> file_size = env->GetFileSize(file);
+  if (!file_size.ok()) return ReportError("bench safetensors", file_size.status());
+  absl::StatusOr<double> bound = RawReadBound(env, file, *file_size);
+  if (!bound.ok()) return ReportError("bench safetensors: raw read", bound.status());
+  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> reader = HfCheckpointReader::Open(file);
+  if (!reader.ok()) return ReportError("bench safetensors: open", reader.status());
+  std::vector<std::vector<float>> out(static_cast<size_t>(tensors), std::vector<float>(elems));
+  Clock::time_point start = Clock::now();
+  // Like a loader: every tensor requested at once, read by one pool of threads.
+  std::vector<HfCheckpointReader::F32Request> requests;
+  for (int t = 0; t < tensors; ++t) requests.push_back({data[t].name, 0, elems, out[t]});
+  absl::Status read = (*reader)->ReadManyAsF32(requests);
+  if (!read.ok()) return ReportError("bench safetensors: read", read);
+  const double seconds = Seconds(start);
+  const double gbps = static_cast<double>(*file_size) / seconds / 1e9;
+  RemoveRecursively(env, dir).IgnoreError();  // Best effort: only benchmark output.
+  if (args.json) {
+    PrintJson({{"file_bytes", *file_size}, {"dtype", args.dtype}, {"tensors", tensors},
+               {"read_to_f32_gbps", gbps}, {"read_bound_gbps", *bound}, {"ratio", gbps / *bound},
+               {"f32_output_bytes", elems * 4 * static_cast<uint64_t>(tensors)}});
+  } else {
+    std::cout << absl::StrFormat(
+        "safetensors %s, %d %s tensors -> FP32\n"
+        "read  %6.2f GB/s (file bytes)   O_DIRECT read bound %6.2f GB/s   ratio %.2f\n",
+        FormatBytes(*file_size), tensors, args.dtype, gbps, *bound, gbps / *bound);
+  }
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli

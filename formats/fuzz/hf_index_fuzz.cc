@@ -1,0 +1,22 @@
+// libFuzzer target for the model.safetensors.index.json parser: every accepted index names only
+// safe relative shard paths and re-encodes to an index that parses to the same map.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+
+#include "ckpt/formats/safetensors.h"
+#include "libckpt/coding.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
+  auto index = ckpt::formats::ParseHfIndex(bytes, "fuzz");
+  if (!index.ok()) return 0;
+  for (const auto& [tensor, shard] : index->weight_map) {
+    if (!ckpt::formats::IsSafeRelativePath(shard)) std::abort();
+  }
+  std::string again = ckpt::formats::EncodeHfIndex(*index);
+  auto reparsed = ckpt::formats::ParseHfIndex(ckpt::AsBytes(again), "fuzz");
+  if (!reparsed.ok() || reparsed->weight_map != index->weight_map) std::abort();
+  return 0;
+}
