@@ -51,6 +51,14 @@ struct BenchSafetensorsArgs {
 };
 int RunBenchSafetensors(const BenchSafetensorsArgs& args);
 
+struct HfReshardArgs {
+  std::string src;
+  std::string dst;
+  std::string max_shard_size;  // Empty: one model.safetensors.
+  bool json = false;
+};
+int RunHfReshard(const HfReshardArgs& args);
+
 }  // namespace ckpt::cli
 
 #endif  // CKPT_CLI_COMMANDS_H_

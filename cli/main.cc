@@ -52,6 +52,13 @@ int main(int argc, char** argv) {
   st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")->check(CLI::Range(1, 100000));
   st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
 
+  HfReshardArgs reshard;
+  CLI::App* reshard_cmd = app.add_subcommand("hf-reshard", "Rewrite a HuggingFace checkpoint as one file or as shards, through ckpt's reader and writer");
+  reshard_cmd->add_option("src", reshard.src, ".safetensors file or HF model directory")->required();
+  reshard_cmd->add_option("dst", reshard.dst, "Output directory (created if absent)")->required();
+  reshard_cmd->add_option("--max-shard-size", reshard.max_shard_size, "Shard the output at this many bytes, e.g. 5G");
+  reshard_cmd->add_flag("--json", reshard.json, "Print one JSON object");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -63,6 +70,7 @@ int main(int argc, char** argv) {
   if (gc_cmd->parsed()) return RunGc(gc);
   if (io_cmd->parsed()) return RunBenchIo(bench_io);
   if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
+  if (reshard_cmd->parsed()) return RunHfReshard(reshard);
   std::cerr << app.help();
   return kExitUsage;
 }

@@ -2,6 +2,7 @@
 // reported with exit code 1, gc deletes old steps, and SIGKILL at random moments never leaves a
 // store that fails to open and verify.
 #include <signal.h>
+#include <unistd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -92,6 +93,30 @@ TEST_F(CliTest, VerifyNamesDamagedFileChunkAndOffsetWithExitOne) {
   Result json = RunTool("verify " + Root() + " --json");
   EXPECT_EQ(json.exit_code, 1);
   EXPECT_FALSE(nlohmann::json::parse(json.output)["ok"].get<bool>());
+}
+
+TEST_F(CliTest, HfPathsInspectVerifyAndReshard) {
+  const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-tiny";
+  if (!NewPosixEnv()->IsDirectory(qwen).ok()) GTEST_SKIP() << "no shared testdata at " << qwen;
+  Result inspect = RunTool("inspect " + qwen + " --json");
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  nlohmann::json j = nlohmann::json::parse(inspect.output);
+  EXPECT_EQ(j["tensors"].size(), 25u);
+  EXPECT_TRUE(j["sharded"].get<bool>());
+  EXPECT_EQ(j["tensors"][0]["shard"], "model-00003-of-00003.safetensors");  // lm_head.weight
+  EXPECT_EQ(RunTool("verify " + qwen).exit_code, 0);
+  const std::string out = tmp_.path() + "/resharded";
+  Result reshard = RunTool("hf-reshard " + qwen + " " + out + " --max-shard-size 200K --json");
+  ASSERT_EQ(reshard.exit_code, 0) << reshard.output;
+  EXPECT_EQ(nlohmann::json::parse(reshard.output)["files"].get<int>(), 3);
+  EXPECT_EQ(RunTool("verify " + out).exit_code, 0);
+  // Damage: cut a shard short. verify names the file and the rule, exit 1.
+  const std::string shard = out + "/model-00002-of-00003.safetensors";
+  ASSERT_EQ(::truncate(shard.c_str(), 1000), 0);
+  Result bad = RunTool("verify " + out);
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("model-00002-of-00003.safetensors: MetadataIncompleteBuffer"));
+  EXPECT_EQ(RunTool("inspect " + out).exit_code, 1);
 }
 
 TEST_F(CliTest, UsageErrorsExitTwo) {

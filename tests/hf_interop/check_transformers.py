@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Checks that checkpoints written by ckpt's safetensors writer load in the Python ecosystem.
+
+Needs torch, safetensors and transformers (not part of ctest; run on a machine that has them):
+
+    python3 tests/hf_interop/check_transformers.py --tool build/cli/ckpt-tool \
+        --testdata ../shared/testdata/hf_tiny_models --work /tmp/hf-interop
+
+1. Each transformers-written tiny model is rewritten by `ckpt-tool hf-reshard`, once as one file
+   and once sharded; every tensor loaded with safetensors.torch.load_file must equal the original
+   bit for bit, and AutoModelForCausalLM.from_pretrained must load the sharded export with the
+   same state dict and the same logits as the original.
+2. A file with one tensor of each torch dtype safetensors supports, written by
+   safetensors.torch.save_file, goes through hf-reshard and must load back bit-exactly.
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def load_dir(path):
+    tensors = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def same_bits(a, b):
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def reshard(tool, src, dst, max_shard=None):
+    shutil.rmtree(dst, ignore_errors=True)
+    cmd = [tool, "hf-reshard", src, dst]
+    if max_shard:
+        cmd += ["--max-shard-size", max_shard]
+    subprocess.run(cmd, check=True)
+
+
+def check_models(tool, testdata, work):
+    from transformers import AutoModelForCausalLM
+    ok = True
+    for model in sorted(os.listdir(testdata)):
+        src = os.path.join(testdata, model)
+        original = load_dir(src)
+        for layout, max_shard in (("single", None), ("sharded", "100K")):
+            dst = os.path.join(work, f"{model}-{layout}")
+            reshard(tool, src, dst, max_shard)
+            for extra in ("config.json", "generation_config.json"):
+                if os.path.exists(os.path.join(src, extra)):
+                    shutil.copy(os.path.join(src, extra), dst)
+            ours = load_dir(dst)
+            files = len(glob.glob(os.path.join(dst, "*.safetensors")))
+            exact = ours.keys() == original.keys() and all(same_bits(ours[k], original[k]) for k in original)
+            print(f"{model} {layout}: {files} file(s), {len(ours)} tensors, load_file bit-exact: {exact}")
+            ok &= exact
+            if layout == "sharded":
+                a = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
+                b = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16)
+                sa, sb = a.state_dict(), b.state_dict()
+                same_state = sa.keys() == sb.keys() and all(same_bits(sa[k], sb[k]) for k in sa)
+                ids = torch.arange(1, 17).unsqueeze(0) % a.config.vocab_size
+                with torch.no_grad():
+                    same_logits = torch.equal(a(ids).logits, b(ids).logits)
+                print(f"{model} sharded: from_pretrained state dict equal: {same_state}, logits equal: {same_logits}")
+                ok &= same_state and same_logits
+    return ok
+
+
+def check_dtypes(tool, work):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g),
+        "f16": torch.randn(7, generator=g).half(),
+        "bf16": torch.randn(2, 3, 4, generator=g).bfloat16(),
+        "f64": torch.randn(4, generator=g).double(),
+        "i64": torch.arange(-5, 5, dtype=torch.int64),
+        "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
+        "i16": torch.arange(-3, 3, dtype=torch.int16),
+        "i8": torch.arange(-4, 4, dtype=torch.int8),
+        "u8": torch.arange(0, 250, 10, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "f8_e4m3": torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        "f8_e5m2": torch.randn(8, generator=g).to(torch.float8_e5m2),
+    }
+    src = os.path.join(work, "dtypes.safetensors")
+    save_file(tensors, src, metadata={"format": "pt"})
+    dst = os.path.join(work, "dtypes-ckpt")
+    reshard(tool, src, dst)
+    back = load_file(os.path.join(dst, "model.safetensors"))
+    exact = back.keys() == tensors.keys() and all(same_bits(back[k], tensors[k]) for k in tensors)
+    print(f"dtypes ({', '.join(sorted(tensors))}): load_file bit-exact: {exact}")
+    return exact
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tool", required=True)
+    p.add_argument("--testdata", required=True)
+    p.add_argument("--work", required=True)
+    args = p.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    import safetensors
+    import transformers
+    print(f"torch {torch.__version__}, safetensors {safetensors.__version__}, transformers {transformers.__version__}")
+    ok = check_dtypes(args.tool, args.work)
+    ok &= check_models(args.tool, args.testdata, args.work)
+    print("ALL OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
