@@ -112,7 +112,7 @@ TEST_F(CliTest, HfPathsInspectVerifyAndReshard) {
   EXPECT_EQ(RunTool("verify " + out).exit_code, 0);
   // Damage: cut a shard short. verify names the file and the rule, exit 1.
   const std::string shard = out + "/model-00002-of-00003.safetensors";
-  ASSERT_EQ(::truncate(shard.c_str(), 1000), 0);
+  ASSERT_EQ(::truncate(shard.c_str(), 5000), 0);
   Result bad = RunTool("verify " + out);
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_THAT(bad.output, HasSubstr("model-00002-of-00003.safetensors: MetadataIncompleteBuffer"));
