@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "ckpt/formats/float_convert.h"
 #include "libckpt/aligned_buffer.h"
 #include "libckpt/coding.h"
 #include "libckpt/status_macros.h"
@@ -32,32 +33,6 @@ using internal::kDirectIoAlignment;
 
 constexpr uint64_t kSliceBytes = uint64_t{8} << 20;
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
-
-float HalfToFloat(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // Subnormal half: normalise into a float.
-      uint32_t e = 113;
-      do {
-        mant <<= 1;
-        --e;
-      } while ((mant & 0x400) == 0);
-      bits = sign | (e << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
   const size_t n = in.size() / (formats::StDTypeBits(dtype) / 8);
@@ -78,7 +53,7 @@ void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
     for (size_t i = 0; i < n; ++i) {
       uint16_t v;
       std::memcpy(&v, src + 2 * i, 2);
-      out[i] = HalfToFloat(v);
+      out[i] = formats::HalfToFloat(v);
     }
   }
 }

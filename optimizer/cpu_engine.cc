@@ -1,0 +1,108 @@
+// The CPU engine: units cut into tasks of at most kTaskElems elements, spread over a fixed
+// pool of threads, each task one fused pass of the kernel chosen for the CPU at run time.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "optimizer/cpu_kernels.h"
+#include "optimizer/engine.h"
+#include "optimizer/thread_pool.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using internal::KernelArgs;
+
+// Small enough to balance 16+ threads on small models, large enough to amortise dispatch.
+constexpr uint64_t kTaskElems = 1 << 16;
+
+size_t ElementBytes(formats::DType d) { return formats::DTypeSize(d); }
+
+class CpuEngine : public StagedAdamW::Engine {
+ public:
+  CpuEngine(int threads, CpuIsa isa) : isa_(isa), pool_(threads) {}
+
+  absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
+                                  const std::vector<StepConstants>& constants, const SlabView& slabs,
+                                  formats::DType model_dtype, uint64_t elements) override {
+    internal::KernelFn kernel = internal::SelectKernel(isa_, args.grad_dtype, model_dtype);
+    if (kernel == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
+    struct Task {
+      uint64_t offset, count;
+      uint32_t group;
+    };
+    std::vector<Task> tasks;
+    for (const Unit& u : units) {
+      for (uint64_t d = 0; d < u.count; d += kTaskElems) tasks.push_back({u.offset + d, std::min(kTaskElems, u.count - d), u.group});
+    }
+    StepReport report;
+    if (args.check_finite) {
+      CheckFinite(args, tasks.size(), [&](size_t i) { return std::pair(tasks[i].offset, tasks[i].count); }, &report);
+      if (report.nonfinite > 0) {
+        report.skipped = true;
+        return report;
+      }
+    }
+    const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
+    auto* m = reinterpret_cast<float*>(slabs.exp_avg);
+    auto* v = reinterpret_cast<float*>(slabs.exp_avg_sq);
+    pool_.ParallelFor(tasks.size(), [&](size_t i) {
+      const Task& t = tasks[i];
+      KernelArgs a{slabs.master + t.offset, m + t.offset, v + t.offset,
+                   static_cast<const std::byte*>(args.grads) + t.offset * gsize,
+                   static_cast<std::byte*>(args.params) + t.offset * psize, t.count, args.grad_scale,
+                   constants[t.group]};
+      kernel(a);
+    });
+    (void)elements;
+    return report;
+  }
+
+  std::string name() const override { return absl::StrCat("cpu-", internal::IsaName(isa_), "-x", pool_.size()); }
+
+ private:
+  template <typename Range>
+  void CheckFinite(const StepArgs& args, size_t tasks, Range range, StepReport* report) {
+    std::mutex mu;
+    pool_.ParallelFor(tasks, [&](size_t i) {
+      auto [offset, count] = range(i);
+      uint64_t bad = 0, first = ~uint64_t{0};
+      for (uint64_t k = offset; k < offset + count; ++k) {
+        float g;
+        if (args.grad_dtype == formats::DType::kF32) {
+          g = static_cast<const float*>(args.grads)[k];
+        } else if (args.grad_dtype == formats::DType::kBF16) {
+          g = internal::Bf16ToFloat(static_cast<const uint16_t*>(args.grads)[k]);
+        } else {
+          g = internal::HalfToFloat(static_cast<const uint16_t*>(args.grads)[k]);
+        }
+        if (!std::isfinite(g * args.grad_scale)) {
+          ++bad;
+          first = std::min(first, k);
+        }
+      }
+      if (bad > 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        report->first_nonfinite = report->nonfinite == 0 ? first : std::min(report->first_nonfinite, first);
+        report->nonfinite += bad;
+      }
+    });
+  }
+
+  const CpuIsa isa_;
+  internal::ThreadPool pool_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa) {
+  if (!internal::CpuSupports(isa)) {
+    return absl::FailedPreconditionError(absl::StrCat("this CPU cannot run the ", internal::IsaName(isa), " engine"));
+  }
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::unique_ptr<StagedAdamW::Engine>(new CpuEngine(threads, internal::ResolveIsa(isa)));
+}
+
+}  // namespace ckpt::optimizer

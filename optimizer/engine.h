@@ -1,0 +1,57 @@
+// The seam between StagedAdamW and its update engines (CPU SIMD, CUDA streamed).
+#ifndef CKPT_OPTIMIZER_ENGINE_H_
+#define CKPT_OPTIMIZER_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+namespace ckpt::optimizer {
+
+// Per-group constants of one step, computed once in double and rounded to float, so every
+// engine and instruction set applies exactly the same numbers.
+struct StepConstants {
+  float beta1, beta2, eps;
+  float decay;      // 1 - lr * weight_decay
+  float omb1, omb2; // 1 - beta1, 1 - beta2
+  float step_size;  // lr / (1 - beta1^t)
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+};
+StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
+
+// The slabs as an engine sees them.
+struct SlabView {
+  float* master;
+  std::byte* exp_avg;     // FP32 or BF16 elements, per moment_dtype.
+  std::byte* exp_avg_sq;
+  MomentDType moment_dtype;
+};
+
+class StagedAdamW::Engine {
+ public:
+  virtual ~Engine() = default;
+  // Updates every unit; `constants` is indexed by group. REQUIRES: args validated.
+  virtual absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
+                                          const std::vector<StepConstants>& constants,
+                                          const SlabView& slabs, formats::DType model_dtype,
+                                          uint64_t elements) = 0;
+  virtual absl::Status Release() { return absl::OkStatus(); }
+  virtual absl::Status Restore() { return absl::OkStatus(); }
+  virtual uint64_t device_bytes() const { return 0; }
+  virtual std::string name() const = 0;
+  // Host memory for slabs: pinned (cudaHostAlloc) for the CUDA engine, aligned otherwise.
+  virtual bool wants_pinned_slabs() const { return false; }
+};
+
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa);
+// kUnimplemented in a build without CUDA; kFailedPrecondition without a usable device.
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
+                                                                   const std::vector<Unit>& units);
+
+}  // namespace ckpt::optimizer
+
+#endif  // CKPT_OPTIMIZER_ENGINE_H_

@@ -1,0 +1,73 @@
+// The layout of optimizer state: parameters as named tensors, param groups with their own
+// hyper-parameters, and the pieces (tensor, begin, count) of the flat index each data-parallel
+// rank owns, as Megatron's distributed optimizer assigns contiguous ranges of padded buckets
+// (DESIGN.md §2). One definition shared by the optimizer, the tests and resharding.
+#ifndef CKPT_OPTIMIZER_LAYOUT_H_
+#define CKPT_OPTIMIZER_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ckpt/formats/dtype.h"
+
+namespace ckpt::optimizer {
+
+struct ParamSpec {
+  std::string name;
+  std::vector<uint64_t> shape;  // Global shape; {} is a scalar.
+  formats::DType dtype = formats::DType::kBF16;  // Model dtype: kF32, kBF16 or kF16.
+  uint32_t group = 0;           // Index into the optimizer's param groups.
+  uint64_t numel() const;
+};
+
+struct ParamGroup {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+  uint64_t step = 0;  // Steps taken by this group (the bias-correction exponent is step + 1).
+};
+
+// Elements [begin, begin + count) of params[param], in row-major flat order.
+struct Piece {
+  uint32_t param = 0;
+  uint64_t begin = 0;
+  uint64_t count = 0;
+  friend bool operator==(const Piece&, const Piece&) = default;
+};
+
+struct BucketOptions {
+  // A bucket closes once it holds at least this many elements (a parameter is never split
+  // across buckets), as in Megatron's param-and-grad buffer.
+  uint64_t bucket_elems = 40'000'000;
+  // Each bucket is padded to a multiple of lcm(dp_size, pad_to) elements.
+  uint64_t pad_to = 128;
+  // Megatron fills buckets walking the parameters in reverse (backward) order.
+  bool reverse_order = true;
+};
+
+struct Bucket {
+  struct Entry {
+    uint32_t param;
+    uint64_t offset;  // Where the parameter starts in the bucket's flat buffer.
+  };
+  std::vector<Entry> entries;
+  uint64_t elems = 0;         // Unpadded.
+  uint64_t padded_elems = 0;  // A multiple of dp_size; rank r owns [r, r + 1) * padded / dp.
+};
+
+// kInvalidArgument for dp_size < 1 or bucket_elems == 0.
+absl::StatusOr<std::vector<Bucket>> BuildBuckets(const std::vector<ParamSpec>& params,
+                                                 const BucketOptions& options, int dp_size);
+
+// The pieces each rank owns, rank by rank, in bucket order then flat order: rank r owns the
+// r-th contiguous 1/dp of each padded bucket, intersected with the parameters in it (padding
+// belongs to nobody). A rank's range may cut tensors; a rank may own nothing.
+std::vector<std::vector<Piece>> RankPieces(const std::vector<Bucket>& buckets, int dp_size);
+
+}  // namespace ckpt::optimizer
+
+#endif  // CKPT_OPTIMIZER_LAYOUT_H_

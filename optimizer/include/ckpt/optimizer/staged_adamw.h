@@ -1,0 +1,132 @@
+// StagedAdamW: AdamW whose FP32 master weights and moments live in host slabs (pinned when a
+// GPU is present) and are updated unit by unit, either on all CPU cores with SIMD or streamed
+// through a few bounded GPU buffers (DESIGN.md §5).
+#ifndef CKPT_OPTIMIZER_STAGED_ADAMW_H_
+#define CKPT_OPTIMIZER_STAGED_ADAMW_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ckpt/formats/dtype.h"
+#include "ckpt/optimizer/layout.h"
+
+struct CUstream_st;  // cudaStream_t, named without including CUDA.
+struct CUevent_st;   // cudaEvent_t.
+
+namespace ckpt::optimizer {
+
+enum class EngineKind { kCpu, kCuda };
+// Instruction sets of the CPU engine; kAuto picks the widest the CPU has.
+enum class CpuIsa { kAuto, kScalar, kAvx2, kAvx512 };
+// How the moments are kept in the slabs. kBF16 (CUDA engine only) streams 16 bytes per
+// parameter instead of 24; FP32 is the default and the reference.
+enum class MomentDType { kF32, kBF16 };
+
+struct StagedAdamWOptions {
+  std::vector<ParamSpec> params;   // Every parameter of the model (global shapes).
+  std::vector<ParamGroup> groups;  // Referenced by ParamSpec::group.
+  std::vector<Piece> pieces;       // This rank's pieces; their elements lie back to back in
+                                   // the slabs and in the flat grad and param buffers of Step.
+  EngineKind engine = EngineKind::kCpu;
+  // A unit covers at most this many bytes of one FP32 slab and never crosses a param group.
+  uint64_t unit_bytes = uint64_t{8} << 20;
+  int threads = 0;         // CPU engine: 0 uses every core.
+  CpuIsa isa = CpuIsa::kAuto;
+  int slot_count = 2;      // CUDA engine: device buffers in flight.
+  MomentDType moment_dtype = MomentDType::kF32;
+};
+
+// A contiguous run of slab elements updated in one pass; all of one param group.
+struct Unit {
+  uint64_t offset = 0;  // In elements, into the slabs and the flat buffers.
+  uint64_t count = 0;
+  uint32_t group = 0;
+};
+
+// What Step receives. Pointers are host memory for the CPU engine and device memory for the
+// CUDA engine; both hold this rank's elements in slab order.
+struct StepArgs {
+  const void* grads = nullptr;
+  formats::DType grad_dtype = formats::DType::kF32;  // kF32, kBF16 or kF16.
+  float grad_scale = 1.0f;   // Multiplies every gradient (the trainer's unscale-and-clip factor).
+  void* params = nullptr;    // Model-dtype weights, written with the updated masters.
+  // Check every scaled gradient for NaN/Inf first; if any, skip the step and change nothing.
+  bool check_finite = false;
+  CUstream_st* stream = nullptr;  // CUDA engine: the caller's stream that produced `grads`.
+};
+
+struct StepReport {
+  bool skipped = false;          // Non-finite gradients were found (check_finite only).
+  uint64_t nonfinite = 0;        // How many.
+  uint64_t first_nonfinite = 0;  // Slab index of the first.
+  // CUDA engine: recorded after the last write of `params`; the caller's stream must wait on it
+  // before reading parameters. Owned by the optimizer, valid until the next Step or Release.
+  CUevent_st* done = nullptr;
+};
+
+// One rank's optimizer. Not thread-safe: one Step at a time.
+class StagedAdamW {
+ public:
+  // Validates the layout and allocates the slabs; masters are initialised from
+  // `model_weights` (this rank's elements in slab order, in the model dtype, host memory),
+  // moments to zero. kInvalidArgument for empty or overlapping pieces, pieces outside their
+  // tensor, groups that do not exist, mixed or unsupported model dtypes, a weight buffer of the
+  // wrong size, an unaligned or null buffer; kUnimplemented / kFailedPrecondition when the CUDA
+  // engine is asked for without a toolkit at build time or without a usable device;
+  // kResourceExhausted when host or device memory runs out.
+  static absl::StatusOr<std::unique_ptr<StagedAdamW>> Create(
+      StagedAdamWOptions options, std::span<const std::byte> model_weights);
+  ~StagedAdamW();
+  StagedAdamW(const StagedAdamW&) = delete;  // Owns slabs and device resources.
+  StagedAdamW& operator=(const StagedAdamW&) = delete;
+
+  // One AdamW step over every unit, as torch.optim.AdamW on FP32 parameters:
+  //   p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+  //   p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+  // and writes round-to-nearest-even model-dtype copies of the masters into args.params.
+  // kInvalidArgument for a null or misaligned buffer or an unsupported grad dtype, with the
+  // state untouched. Increments every group's step.
+  absl::StatusOr<StepReport> Step(const StepArgs& args);
+
+  // CUDA engine: drains and frees every slot, stream and event; the slabs stay. Restore makes
+  // fresh ones; the next Step is identical to one without a release in between.
+  absl::Status ReleaseDevice();
+  absl::Status RestoreDevice();
+  // Device memory held by the engine now (0 for the CPU engine or after ReleaseDevice).
+  uint64_t device_bytes() const;
+
+  uint64_t size() const { return size_; }  // Elements on this rank.
+  const std::vector<Unit>& units() const { return units_; }
+  const std::vector<ParamGroup>& groups() const { return options_.groups; }
+  const StagedAdamWOptions& options() const { return options_; }
+  formats::DType model_dtype() const { return model_dtype_; }
+  // The slabs, in slab order. exp_avg/exp_avg_sq are FP32 views only in MomentDType::kF32.
+  std::span<float> master() const;
+  std::span<float> exp_avg() const;
+  std::span<float> exp_avg_sq() const;
+  // Bytes per moment element in the slabs (4 or 2).
+  const std::byte* exp_avg_bytes() const;
+  const std::byte* exp_avg_sq_bytes() const;
+  // Which instruction set the CPU engine runs ("scalar", "avx2", "avx512").
+  std::string engine_name() const;
+
+  class Engine;  // CPU or CUDA; see optimizer/engine.h.
+
+ private:
+  struct Slabs;
+  StagedAdamW();
+  StagedAdamWOptions options_;
+  formats::DType model_dtype_ = formats::DType::kBF16;
+  uint64_t size_ = 0;
+  std::vector<Unit> units_;
+  std::unique_ptr<Slabs> slabs_;
+  std::unique_ptr<Engine> engine_;  // Declared after the slabs: destroyed (drained) first.
+};
+
+}  // namespace ckpt::optimizer
+
+#endif  // CKPT_OPTIMIZER_STAGED_ADAMW_H_

@@ -1,0 +1,217 @@
+#include "ckpt/optimizer/staged_adamw.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "libckpt/status_macros.h"
+#include "optimizer/cpu_kernels.h"
+#include "optimizer/engine.h"
+#include "optimizer/host_buffer.h"
+
+namespace ckpt::optimizer {
+
+using formats::DType;
+
+// Offsets that keep the three slabs from starting at the same place within a page.
+constexpr size_t kStagger = 1024 + 64;
+
+struct StagedAdamW::Slabs {
+  internal::HostBuffer master, exp_avg, exp_avg_sq;
+};
+
+StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
+  const double b1 = g.beta1, b2 = g.beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
+  StepConstants c;
+  c.beta1 = g.beta1;
+  c.beta2 = g.beta2;
+  c.eps = g.eps;
+  c.decay = static_cast<float>(1.0 - static_cast<double>(g.lr) * g.weight_decay);
+  c.omb1 = static_cast<float>(1.0 - b1);
+  c.omb2 = static_cast<float>(1.0 - b2);
+  c.step_size = static_cast<float>(g.lr / bc1);
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  return c;
+}
+
+namespace {
+
+bool SupportedFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+absl::Status ValidateGroups(const StagedAdamWOptions& o) {
+  if (o.groups.empty()) return absl::InvalidArgumentError("no param groups");
+  std::vector<bool> used(o.groups.size(), false);
+  for (const ParamSpec& p : o.params) {
+    if (p.group >= o.groups.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" names group ", p.group, " of ", o.groups.size()));
+    }
+    used[p.group] = true;
+  }
+  for (size_t i = 0; i < o.groups.size(); ++i) {
+    const ParamGroup& g = o.groups[i];
+    if (!used[i]) return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has no parameters"));
+    if (!(g.lr >= 0) || !std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) || !(g.beta2 >= 0 && g.beta2 < 1) ||
+        !(g.eps > 0) || !std::isfinite(g.eps) || !(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
+      return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has out-of-range hyper-parameters"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DType> ValidateParams(const StagedAdamWOptions& o) {
+  if (o.params.empty()) return absl::InvalidArgumentError("no parameters");
+  const DType dtype = o.params[0].dtype;
+  for (const ParamSpec& p : o.params) {
+    if (!SupportedFloat(p.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" has unsupported dtype ", formats::DTypeName(p.dtype)));
+    }
+    if (p.dtype != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" is ", formats::DTypeName(p.dtype), " but \"", o.params[0].name,
+                                                     "\" is ", formats::DTypeName(dtype), "; one model dtype per optimizer"));
+    }
+  }
+  return dtype;
+}
+
+absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
+  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+  uint64_t total = 0;
+  for (const Piece& p : o.pieces) {
+    if (p.param >= o.params.size()) return absl::InvalidArgumentError(absl::StrCat("piece names param ", p.param, " of ", o.params.size()));
+    const uint64_t numel = o.params[p.param].numel();
+    if (p.count == 0 || p.begin > numel || p.count > numel - p.begin) {
+      return absl::InvalidArgumentError(absl::StrCat("piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
+                                                     "\" is empty or outside its ", numel, " elements"));
+    }
+    ranges[p.param].push_back({p.begin, p.begin + p.count});
+    total += p.count;
+  }
+  for (auto& [param, rs] : ranges) {
+    std::sort(rs.begin(), rs.end());
+    for (size_t i = 1; i < rs.size(); ++i) {
+      if (rs[i].first < rs[i - 1].second) {
+        return absl::InvalidArgumentError(absl::StrCat("pieces of \"", o.params[param].name, "\" overlap at element ", rs[i].first));
+      }
+    }
+  }
+  return total;
+}
+
+std::vector<Unit> BuildUnits(const StagedAdamWOptions& o) {
+  const uint64_t unit_elems = std::max<uint64_t>(16, o.unit_bytes / 4);
+  std::vector<Unit> units;
+  uint64_t offset = 0;
+  for (const Piece& p : o.pieces) {
+    const uint32_t group = o.params[p.param].group;
+    uint64_t left = p.count;
+    while (left > 0) {
+      if (units.empty() || units.back().group != group || units.back().count == unit_elems) {
+        units.push_back({offset, 0, group});
+      }
+      const uint64_t n = std::min(left, unit_elems - units.back().count);
+      units.back().count += n;
+      offset += n;
+      left -= n;
+    }
+  }
+  return units;
+}
+
+bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+StagedAdamW::StagedAdamW() = default;
+StagedAdamW::~StagedAdamW() = default;
+
+absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(StagedAdamWOptions options,
+                                                                 std::span<const std::byte> model_weights) {
+  CKPT_RETURN_IF_ERROR(ValidateGroups(options));
+  CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
+  CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
+  if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
+  if (options.moment_dtype == MomentDType::kBF16 && options.engine == EngineKind::kCpu) {
+    return absl::InvalidArgumentError("BF16 moments are a CUDA-engine mode; the CPU engine keeps FP32 moments");
+  }
+  if (model_weights.size() != size * formats::DTypeSize(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(), " bytes, this rank's pieces need ",
+                                                   size * formats::DTypeSize(dtype)));
+  }
+  if (size > 0 && (model_weights.data() == nullptr || !Aligned(model_weights.data(), formats::DTypeSize(dtype)))) {
+    return absl::InvalidArgumentError("model weights are null or misaligned");
+  }
+  std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
+  opt->options_ = std::move(options);
+  opt->model_dtype_ = dtype;
+  opt->size_ = size;
+  opt->units_ = BuildUnits(opt->options_);
+  if (opt->options_.engine == EngineKind::kCpu) {
+    CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCpuEngine(opt->options_.threads, opt->options_.isa));
+  } else {
+    CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCudaEngine(opt->options_, opt->units_));
+  }
+  const bool pinned = opt->engine_->wants_pinned_slabs();
+  const size_t moment_bytes = opt->options_.moment_dtype == MomentDType::kF32 ? 4 : 2;
+  opt->slabs_ = std::make_unique<Slabs>();
+  CKPT_ASSIGN_OR_RETURN(opt->slabs_->master, internal::HostBuffer::Create(size * 4, 0, pinned));
+  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg, internal::HostBuffer::Create(size * moment_bytes, kStagger, pinned));
+  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg_sq, internal::HostBuffer::Create(size * moment_bytes, 2 * kStagger, pinned));
+  float* master = opt->master().data();
+  const void* w = model_weights.data();
+  for (uint64_t i = 0; i < size; ++i) {
+    if (dtype == DType::kF32) {
+      master[i] = static_cast<const float*>(w)[i];
+    } else if (dtype == DType::kBF16) {
+      master[i] = internal::Bf16ToFloat(static_cast<const uint16_t*>(w)[i]);
+    } else {
+      master[i] = internal::HalfToFloat(static_cast<const uint16_t*>(w)[i]);
+    }
+  }
+  return opt;
+}
+
+absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
+  if (!SupportedFloat(args.grad_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
+  }
+  if (size_ > 0) {
+    if (args.grads == nullptr || args.params == nullptr) return absl::InvalidArgumentError("null gradient or parameter buffer");
+    if (!Aligned(args.grads, formats::DTypeSize(args.grad_dtype)) || !Aligned(args.params, formats::DTypeSize(model_dtype_))) {
+      return absl::InvalidArgumentError("gradient or parameter buffer is misaligned for its dtype");
+    }
+  }
+  if (!std::isfinite(args.grad_scale)) return absl::InvalidArgumentError("gradient scale is not finite");
+  std::vector<StepConstants> constants;
+  for (const ParamGroup& g : options_.groups) constants.push_back(ComputeStepConstants(g, g.step + 1));
+  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr, slabs_->exp_avg.data(),
+                slabs_->exp_avg_sq.data(), options_.moment_dtype};
+  CKPT_ASSIGN_OR_RETURN(StepReport report, engine_->Step(args, units_, constants, view, model_dtype_, size_));
+  if (!report.skipped) {
+    for (ParamGroup& g : options_.groups) ++g.step;
+  }
+  return report;
+}
+
+absl::Status StagedAdamW::ReleaseDevice() { return engine_->Release(); }
+absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
+uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }
+std::string StagedAdamW::engine_name() const { return engine_->name(); }
+
+std::span<float> StagedAdamW::master() const {
+  return {reinterpret_cast<float*>(slabs_->master.data()), size_};
+}
+std::span<float> StagedAdamW::exp_avg() const {
+  if (options_.moment_dtype != MomentDType::kF32) return {};
+  return {reinterpret_cast<float*>(slabs_->exp_avg.data()), size_};
+}
+std::span<float> StagedAdamW::exp_avg_sq() const {
+  if (options_.moment_dtype != MomentDType::kF32) return {};
+  return {reinterpret_cast<float*>(slabs_->exp_avg_sq.data()), size_};
+}
+const std::byte* StagedAdamW::exp_avg_bytes() const { return slabs_->exp_avg.data(); }
+const std::byte* StagedAdamW::exp_avg_sq_bytes() const { return slabs_->exp_avg_sq.data(); }
+
+}  // namespace ckpt::optimizer

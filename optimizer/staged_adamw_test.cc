@@ -1,0 +1,358 @@
+#include "ckpt/optimizer/staged_adamw.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "optimizer/cpu_kernels.h"
+#include "tests/support/status_matchers.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using internal::Bf16ToFloat;
+using internal::FloatToBf16;
+using internal::FloatToHalf;
+using internal::HalfToFloat;
+using testing::IsOk;
+using testing::StatusIs;
+
+// Two groups; odd sizes; pieces that cut tensors; one piece of a tensor in the middle.
+StagedAdamWOptions TestOptions(DType model, CpuIsa isa) {
+  StagedAdamWOptions o;
+  o.params = {{"a", {37, 3}, model, 0}, {"b", {1001}, model, 1}, {"c", {17}, model, 0}, {"d", {5, 129}, model, 1}};
+  o.groups = {ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
+              ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
+  o.pieces = {{0, 5, 100}, {1, 0, 1001}, {2, 0, 17}, {3, 100, 400}, {0, 105, 6}};
+  o.unit_bytes = 256;  // 64 elements: units cut tensors.
+  o.threads = 3;
+  o.isa = isa;
+  return o;
+}
+
+uint64_t Size(const StagedAdamWOptions& o) {
+  uint64_t n = 0;
+  for (const Piece& p : o.pieces) n += p.count;
+  return n;
+}
+
+// Model-dtype bytes of `values`.
+std::vector<std::byte> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<std::byte> out(values.size() * formats::DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(out.data() + 4 * i, &values[i], 4);
+    } else {
+      uint16_t h = dtype == DType::kBF16 ? FloatToBf16(values[i]) : FloatToHalf(values[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+float Decode(const std::byte* p, DType dtype, size_t i) {
+  if (dtype == DType::kF32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return dtype == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
+}
+
+std::vector<float> Random(size_t n, uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+struct Outcome {
+  std::vector<float> master, m, v;
+  std::vector<std::byte> params;
+};
+
+// Runs `steps` steps; gradients of step s are Random(seed s), zero on every third element.
+Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
+  const uint64_t n = Size(o);
+  const DType model = o.params[0].dtype;
+  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  auto opt = StagedAdamW::Create(o, weights);
+  EXPECT_THAT(opt, IsOk());
+  Outcome r;
+  r.params.assign(weights.size(), std::byte{0});
+  for (int s = 0; s < steps; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    std::vector<std::byte> gbytes = Encode(g, grad_dtype);
+    auto report = (*opt)->Step({gbytes.data(), grad_dtype, scale, r.params.data()});
+    EXPECT_THAT(report, IsOk());
+  }
+  r.master.assign((*opt)->master().begin(), (*opt)->master().end());
+  r.m.assign((*opt)->exp_avg().begin(), (*opt)->exp_avg().end());
+  r.v.assign((*opt)->exp_avg_sq().begin(), (*opt)->exp_avg_sq().end());
+  return r;
+}
+
+// The torch.optim.AdamW formula in double, from the same initial weights and gradients.
+Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
+  const uint64_t n = Size(o);
+  const DType model = o.params[0].dtype;
+  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  std::vector<double> p(n), m(n, 0.0), v(n, 0.0);
+  for (uint64_t i = 0; i < n; ++i) p[i] = Decode(weights.data(), model, i);
+  std::vector<uint32_t> group(n);
+  uint64_t k = 0;
+  for (const Piece& piece : o.pieces) {
+    for (uint64_t j = 0; j < piece.count; ++j) group[k++] = o.params[piece.param].group;
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    std::vector<std::byte> gbytes = Encode(g, grad_dtype);
+    for (uint64_t i = 0; i < n; ++i) {
+      const ParamGroup& pg = o.groups[group[i]];
+      const double t = s + 1, lr = pg.lr, b1 = pg.beta1, b2 = pg.beta2;
+      const double gi = static_cast<double>(Decode(gbytes.data(), grad_dtype, i)) * scale;
+      p[i] *= 1.0 - lr * pg.weight_decay;
+      m[i] = b1 * m[i] + (1.0 - b1) * gi;
+      v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+      const double bc1 = 1.0 - std::pow(b1, t), bc2 = 1.0 - std::pow(b2, t);
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + pg.eps);
+    }
+  }
+  Outcome r;
+  for (uint64_t i = 0; i < n; ++i) {
+    r.master.push_back(static_cast<float>(p[i]));
+    r.m.push_back(static_cast<float>(m[i]));
+    r.v.push_back(static_cast<float>(v[i]));
+  }
+  return r;
+}
+
+// Normwise relative error: the largest elementwise error over the largest magnitude. Moments
+// cross zero when gradients change sign, so an elementwise ratio there measures cancellation in
+// the reference, not the optimizer; FP32 carries about 6e-8 of the vector's scale per operation.
+double MaxRelError(const std::vector<float>& got, const std::vector<float>& want) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+  }
+  return worst / scale;
+}
+
+// Elementwise relative error for elements at least `floor` in magnitude.
+double MaxElementwiseRelError(const std::vector<float>& got, const std::vector<float>& want, double floor) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::abs(want[i]) < floor) continue;
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / std::abs(static_cast<double>(want[i])));
+  }
+  return worst;
+}
+
+struct DTypes {
+  DType grad, model;
+};
+
+class AdamWMathTest : public ::testing::TestWithParam<DTypes> {};
+
+TEST_P(AdamWMathTest, MatchesDoubleReferenceAndRoundsMastersBitForBit) {
+  StagedAdamWOptions o = TestOptions(GetParam().model, CpuIsa::kAuto);
+  Outcome got = RunSteps(o, GetParam().grad, 5, 0.75f);
+  Outcome want = Reference(o, GetParam().grad, 5, 0.75f);
+  EXPECT_LE(MaxRelError(got.master, want.master), 2e-6);
+  EXPECT_LE(MaxRelError(got.m, want.m), 2e-6);
+  EXPECT_LE(MaxRelError(got.v, want.v), 2e-6);
+  // Masters away from zero (nearly all of them) also hold elementwise.
+  EXPECT_LE(MaxElementwiseRelError(got.master, want.master, 0.05), 2e-6);
+  std::vector<std::byte> rounded = Encode(got.master, GetParam().model);
+  EXPECT_EQ(got.params, rounded) << "model weights must be the masters rounded to nearest even";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GradAndModelDtypes, AdamWMathTest,
+    ::testing::Values(DTypes{DType::kF32, DType::kF32}, DTypes{DType::kF32, DType::kBF16}, DTypes{DType::kF32, DType::kF16},
+                      DTypes{DType::kBF16, DType::kBF16}, DTypes{DType::kBF16, DType::kF32}, DTypes{DType::kF16, DType::kF16},
+                      DTypes{DType::kF16, DType::kBF16}, DTypes{DType::kBF16, DType::kF16}, DTypes{DType::kF16, DType::kF32}),
+    [](const ::testing::TestParamInfo<DTypes>& p) {
+      return std::string(formats::DTypeName(p.param.grad)) + "_grads_" + std::string(formats::DTypeName(p.param.model)) + "_model";
+    });
+
+TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
+  for (DType model : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+      Outcome scalar = RunSteps(TestOptions(model, CpuIsa::kScalar), grad, 3, 1.5f);
+      for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (!internal::CpuSupports(isa)) continue;
+        SCOPED_TRACE(internal::IsaName(isa));
+        Outcome simd = RunSteps(TestOptions(model, isa), grad, 3, 1.5f);
+        ASSERT_EQ(std::memcmp(simd.master.data(), scalar.master.data(), 4 * scalar.master.size()), 0);
+        ASSERT_EQ(std::memcmp(simd.m.data(), scalar.m.data(), 4 * scalar.m.size()), 0);
+        ASSERT_EQ(std::memcmp(simd.v.data(), scalar.v.data(), 4 * scalar.v.size()), 0);
+        ASSERT_EQ(simd.params, scalar.params);
+      }
+    }
+  }
+}
+
+__attribute__((target("f16c"))) uint16_t HardwareHalf(float f) {
+  return static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
+}
+__attribute__((target("f16c"))) float HardwareHalfToFloat(uint16_t h) {
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
+TEST(ConversionTest, ScalarHalfConversionsMatchF16cEverywhereSampled) {
+  if (!internal::CpuSupports(CpuIsa::kAvx2)) GTEST_SKIP() << "no F16C here";
+  for (uint64_t bits = 0; bits <= 0xffffffffull; bits += 997) {
+    float f;
+    uint32_t b = static_cast<uint32_t>(bits);
+    std::memcpy(&f, &b, 4);
+    ASSERT_EQ(FloatToHalf(f), HardwareHalf(f)) << std::hex << b;
+  }
+  for (uint32_t h = 0; h <= 0xffff; ++h) {
+    float a = HalfToFloat(static_cast<uint16_t>(h)), b = HardwareHalfToFloat(static_cast<uint16_t>(h));
+    ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << h;
+  }
+}
+
+TEST(ConversionTest, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  float halfway;  // 1 + 2^-8: exactly between two BF16 values; ties to the even one (1.0).
+  uint32_t b = 0x3f808000;
+  std::memcpy(&halfway, &b, 4);
+  EXPECT_EQ(FloatToBf16(halfway), 0x3f80);
+  b = 0x3f818000;  // Tie with an odd lower neighbour rounds up.
+  std::memcpy(&halfway, &b, 4);
+  EXPECT_EQ(FloatToBf16(halfway), 0x3f82);
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::infinity()), 0x7f80);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+}
+
+class BadInputTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    o_ = TestOptions(DType::kBF16, CpuIsa::kAuto);
+    n_ = Size(o_);
+    weights_ = Encode(Random(n_, 1, 1.0f), DType::kBF16);
+    auto opt = StagedAdamW::Create(o_, weights_);
+    ASSERT_THAT(opt, IsOk());
+    opt_ = std::move(opt).value();
+    grads_.assign(n_, 0.1f);
+    params_.assign(n_ * 2, std::byte{0});
+  }
+  std::vector<float> Snapshot() {
+    std::vector<float> s(opt_->master().begin(), opt_->master().end());
+    s.insert(s.end(), opt_->exp_avg().begin(), opt_->exp_avg().end());
+    s.insert(s.end(), opt_->exp_avg_sq().begin(), opt_->exp_avg_sq().end());
+    return s;
+  }
+  StagedAdamWOptions o_;
+  uint64_t n_ = 0;
+  std::vector<std::byte> weights_, params_;
+  std::vector<float> grads_;
+  std::unique_ptr<StagedAdamW> opt_;
+};
+
+TEST_F(BadInputTest, NonFiniteGradientsSkipTheStepWhenChecked) {
+  CKPT_ASSERT_OK(opt_->Step({grads_.data(), DType::kF32, 1.0f, params_.data()}));
+  std::vector<float> before = Snapshot();
+  grads_[123] = std::nanf("");
+  grads_[7] = std::numeric_limits<float>::infinity();
+  auto report = opt_->Step({grads_.data(), DType::kF32, 1.0f, params_.data(), /*check_finite=*/true});
+  CKPT_ASSERT_OK(report);
+  EXPECT_TRUE(report->skipped);
+  EXPECT_EQ(report->nonfinite, 2u);
+  EXPECT_EQ(report->first_nonfinite, 7u);
+  std::vector<float> after = Snapshot();
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0) << "state must be untouched";
+  EXPECT_EQ(opt_->groups()[0].step, 1u);
+  // A finite scale that overflows a finite gradient is caught too.
+  grads_[123] = 1e30f;
+  grads_[7] = 0.0f;
+  report = opt_->Step({grads_.data(), DType::kF32, 1e10f, params_.data(), true});
+  CKPT_ASSERT_OK(report);
+  EXPECT_TRUE(report->skipped);
+}
+
+TEST_F(BadInputTest, NullMisalignedAndUnsupportedBuffersAreRefusedWithStateUntouched) {
+  std::vector<float> before = Snapshot();
+  EXPECT_THAT(opt_->Step({nullptr, DType::kF32, 1.0f, params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, 1.0f, nullptr}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({reinterpret_cast<std::byte*>(grads_.data()) + 1, DType::kF32, 1.0f, params_.data()}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kI32, 1.0f, params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, std::nanf(""), params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<float> after = Snapshot();
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0);
+  EXPECT_EQ(opt_->groups()[0].step, 0u);
+}
+
+TEST_F(BadInputTest, BadLayoutsAreRefused) {
+  auto expect_invalid = [&](StagedAdamWOptions o, std::span<const std::byte> w) {
+    EXPECT_THAT(StagedAdamW::Create(std::move(o), w), StatusIs(absl::StatusCode::kInvalidArgument));
+  };
+  expect_invalid(o_, std::span(weights_).first(weights_.size() - 2));  // Size mismatch.
+  StagedAdamWOptions o = o_;
+  o.pieces.push_back({1, 1000, 2});  // Outside its tensor.
+  expect_invalid(o, weights_);
+  o = o_;
+  o.pieces[4] = {0, 100, 6};  // Overlaps {0, 5, 100}.
+  expect_invalid(o, weights_);
+  o = o_;
+  o.groups.push_back(ParamGroup{});  // A group with no parameters.
+  expect_invalid(o, weights_);
+  o = o_;
+  o.params[2].dtype = DType::kF32;  // Mixed model dtypes.
+  expect_invalid(o, weights_);
+  o = o_;
+  for (auto& p : o.params) p.dtype = DType::kI32;  // Unsupported dtype.
+  expect_invalid(o, weights_);
+  o = o_;
+  o.groups[1].beta2 = 1.0f;
+  expect_invalid(o, weights_);
+  o = o_;
+  o.pieces[1].count = 0;
+  expect_invalid(o, weights_);
+}
+
+TEST(EngineChoiceTest, CudaWithoutABuildOrDeviceSaysWhy) {
+  StagedAdamWOptions o = TestOptions(DType::kBF16, CpuIsa::kAuto);
+  o.engine = EngineKind::kCuda;
+  std::vector<std::byte> w = Encode(Random(Size(o), 1, 1.0f), DType::kBF16);
+  auto opt = StagedAdamW::Create(o, w);
+  if (opt.ok()) GTEST_SKIP() << "a CUDA device is present; covered by the cuda-labelled tests";
+  EXPECT_TRUE(opt.status().code() == absl::StatusCode::kUnimplemented ||
+              opt.status().code() == absl::StatusCode::kFailedPrecondition)
+      << opt.status();
+  EXPECT_FALSE(opt.status().message().empty());
+}
+
+TEST(UnitTest, UnitsAreBoundedAndNeverCrossGroups) {
+  StagedAdamWOptions o = TestOptions(DType::kBF16, CpuIsa::kAuto);
+  auto opt = StagedAdamW::Create(o, Encode(Random(Size(o), 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  uint64_t next = 0;
+  for (const Unit& u : (*opt)->units()) {
+    EXPECT_EQ(u.offset, next);
+    EXPECT_LE(u.count, 64u);
+    EXPECT_GT(u.count, 0u);
+    next += u.count;
+  }
+  EXPECT_EQ(next, Size(o));
+  // Piece boundaries where the group changes end a unit: pieces 0 (group 0) and 1 (group 1).
+  EXPECT_EQ((*opt)->units()[1].count, 36u);  // 100 = 64 + 36, then group 1 begins.
+  EXPECT_EQ((*opt)->units()[2].group, 1u);
+}
+
+}  // namespace
+}  // namespace ckpt::optimizer
