@@ -6,6 +6,10 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "absl/status/statusor.h"
+
 namespace ckpt::cli {
 
 struct InspectArgs {
@@ -58,6 +62,18 @@ struct HfReshardArgs {
   bool json = false;
 };
 int RunHfReshard(const HfReshardArgs& args);
+
+struct BenchAdamwArgs {
+  uint64_t params = 1 << 26;
+  int threads = 0;           // 0: every core.
+  std::string engine = "cpu";  // cpu, cuda or both.
+  int steps = 5;
+  bool json = false;
+};
+int RunBenchAdamw(const BenchAdamwArgs& args);
+// The CUDA half of bench adamw (bench_adamw_cuda.cc): kUnimplemented or kFailedPrecondition
+// when no engine can be made.
+absl::StatusOr<nlohmann::json> BenchAdamwCuda(const BenchAdamwArgs& args);
 
 }  // namespace ckpt::cli
 

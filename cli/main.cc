@@ -52,6 +52,14 @@ int main(int argc, char** argv) {
   st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")->check(CLI::Range(1, 100000));
   st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
 
+  BenchAdamwArgs bench_adamw;
+  CLI::App* adamw_cmd = bench_cmd->add_subcommand("adamw", "StagedAdamW steps per second against host-memory or PCIe bounds");
+  adamw_cmd->add_option("--params", bench_adamw.params, "Parameters (elements) on this rank")->required();
+  adamw_cmd->add_option("--threads", bench_adamw.threads, "CPU engine threads (0: every core)");
+  adamw_cmd->add_option("--engine", bench_adamw.engine, "cpu, cuda or both")->check(CLI::IsMember({"cpu", "cuda", "both"}));
+  adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")->check(CLI::Range(1, 1000));
+  adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
+
   HfReshardArgs reshard;
   CLI::App* reshard_cmd = app.add_subcommand("hf-reshard", "Rewrite a HuggingFace checkpoint as one file or as shards, through ckpt's reader and writer");
   reshard_cmd->add_option("src", reshard.src, ".safetensors file or HF model directory")->required();
@@ -71,6 +79,7 @@ int main(int argc, char** argv) {
   if (io_cmd->parsed()) return RunBenchIo(bench_io);
   if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
   if (reshard_cmd->parsed()) return RunHfReshard(reshard);
+  if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   std::cerr << app.help();
   return kExitUsage;
 }

@@ -1,0 +1,163 @@
+// ckpt-tool bench adamw: times StagedAdamW steps and prints Gparam/s beside the bound measured
+// in the same run (DESIGN.md §8): for the CPU engine, host memory bandwidth from a STREAM-style
+// triad on the same threads, divided by the 30 bytes a step moves per parameter (FP32 grad,
+// master, two moments read; master and moments written; BF16 copy written); for the CUDA engine,
+// PCIe bandwidth with copies in both directions at once, divided by 12 bytes each way.
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using optimizer::EngineKind;
+using optimizer::StagedAdamW;
+
+constexpr double kCpuBytesPerParam = 16 + 12 + 2;
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// a = b + s * c over `n` floats per array, `threads` static partitions, best of 5 passes.
+// Bytes counted as STREAM does: two reads and one write per element.
+double TriadGBps(uint64_t n, int threads) {
+  std::vector<float> a(n), b(n), c(n);
+  auto part = [&](int t, auto fn) {
+    const uint64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    fn(lo, hi);
+  };
+  auto run = [&](auto fn) {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { part(t, fn); });
+    for (auto& th : pool) th.join();
+  };
+  run([&](uint64_t lo, uint64_t hi) {
+    for (uint64_t i = lo; i < hi; ++i) b[i] = 1.0f, c[i] = 2.0f, a[i] = 0.0f;
+  });
+  double best = 0;
+  for (int pass = 0; pass < 5; ++pass) {
+    Clock::time_point start = Clock::now();
+    run([&](uint64_t lo, uint64_t hi) {
+      float* pa = a.data();
+      const float* pb = b.data();
+      const float* pc = c.data();
+      for (uint64_t i = lo; i < hi; ++i) pa[i] = pb[i] + 3.0f * pc[i];
+    });
+    best = std::max(best, 12.0 * static_cast<double>(n) / Seconds(start) / 1e9);
+  }
+  return best + (a[n / 2] == 7.0f ? 0.0 : 0.0);  // Keep the stores observable.
+}
+
+// The same nine streams as an AdamW step (read grad, master, m, v; write master, m, v and a
+// 16-bit copy) with one add each instead of the AdamW arithmetic: what memory alone allows for
+// this access pattern, in parameters per second. Best of 3 passes.
+double StepShapedGparams(uint64_t n, int threads) {
+  std::vector<float> g(n, 1.0f), p(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
+  std::vector<uint16_t> out(n);
+  double best = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    Clock::time_point start = Clock::now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        const uint64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        for (uint64_t i = lo; i < hi; ++i) {
+          const float gi = g[i];
+          p[i] += gi;
+          m[i] += gi;
+          v[i] += gi;
+          out[i] = static_cast<uint16_t>(formats::FloatBits(p[i]) >> 16);
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    best = std::max(best, static_cast<double>(n) / Seconds(start) / 1e9);
+  }
+  return best + (out[n / 2] == 1 ? 0.0 : 0.0);
+}
+
+struct CpuFigures {
+  double gparams = 0, bound_gparams = 0, triad_gbps = 0, shaped_gparams = 0;
+  std::string engine;
+};
+
+absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
+  optimizer::StagedAdamWOptions o;
+  o.params = {{"w", {n}, formats::DType::kBF16, 0}};
+  o.groups = {optimizer::ParamGroup{}};
+  o.pieces = {{0, 0, n}};
+  o.threads = threads;
+  std::vector<uint16_t> weights(n, formats::FloatToBf16(0.5f));
+  auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
+  if (!opt.ok()) return opt.status();
+  std::vector<float> grads(n);
+  std::mt19937 rng(3);
+  for (float& g : grads) g = static_cast<float>(rng() % 2001) * 1e-3f - 1.0f;
+  std::vector<uint16_t> params(n);
+  optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, params.data()};
+  if (auto s = (*opt)->Step(args); !s.ok()) return s.status();  // Warm: pages touched.
+  double best = 1e30;
+  for (int i = 0; i < steps; ++i) {
+    Clock::time_point start = Clock::now();
+    if (auto s = (*opt)->Step(args); !s.ok()) return s.status();
+    best = std::min(best, Seconds(start));
+  }
+  CpuFigures f;
+  f.engine = (*opt)->engine_name();
+  f.gparams = static_cast<double>(n) / best / 1e9;
+  const int t = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  f.triad_gbps = TriadGBps(std::max<uint64_t>(n, 32u << 20), t);
+  f.bound_gparams = f.triad_gbps / kCpuBytesPerParam;
+  f.shaped_gparams = StepShapedGparams(n, t);
+  return f;
+}
+
+}  // namespace
+
+int RunBenchAdamw(const BenchAdamwArgs& args) {
+  if (args.params == 0) return ReportError("bench adamw", absl::InvalidArgumentError("--params must be positive"));
+  nlohmann::json out = {{"params", args.params}};
+  bool any = false;
+  if (args.engine == "cpu" || args.engine == "both") {
+    absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps);
+    if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
+    out["cpu"] = {{"engine", f->engine}, {"gparams_per_s", f->gparams}, {"triad_gbps", f->triad_gbps},
+                  {"bound_gparams_per_s", f->bound_gparams}, {"ratio", f->gparams / f->bound_gparams},
+                  {"bytes_per_param", kCpuBytesPerParam}, {"device_bytes", 0},
+                  {"step_shaped_bound_gparams_per_s", f->shaped_gparams}, {"step_shaped_ratio", f->gparams / f->shaped_gparams}};
+    if (!args.json) {
+      std::cout << absl::StrFormat(
+          "cpu  %-16s %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f B/param)   ratio %.2f\n",
+          f->engine, f->gparams, f->bound_gparams, f->triad_gbps, kCpuBytesPerParam, f->gparams / f->bound_gparams);
+      std::cout << absl::StrFormat("     same nine streams without the math: %6.2f Gparam/s   ratio %.2f\n",
+                                   f->shaped_gparams, f->gparams / f->shaped_gparams);
+    }
+    any = true;
+  }
+  if (args.engine == "cuda" || args.engine == "both") {
+    absl::StatusOr<nlohmann::json> cuda = BenchAdamwCuda(args);
+    if (!cuda.ok()) {
+      if (args.engine == "cuda") return ReportError("bench adamw: cuda", cuda.status());
+      out["cuda"] = {{"error", std::string(cuda.status().message())}};
+      if (!args.json) std::cout << "cuda unavailable: " << cuda.status().message() << "\n";
+    } else {
+      out["cuda"] = *cuda;
+    }
+    any = true;
+  }
+  if (!any) return ReportError("bench adamw", absl::InvalidArgumentError("--engine must be cpu, cuda or both"));
+  if (args.json) PrintJson(out);
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli
