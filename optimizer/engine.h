@@ -42,6 +42,8 @@ class StagedAdamW::Engine {
   virtual absl::Status Release() { return absl::OkStatus(); }
   virtual absl::Status Restore() { return absl::OkStatus(); }
   virtual uint64_t device_bytes() const { return 0; }
+  // Waits until every update (slab copy-back included) has landed; no-op for the CPU engine.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
   virtual std::string name() const = 0;
   // Host memory for slabs: pinned (cudaHostAlloc) for the CUDA engine, aligned otherwise.
   virtual bool wants_pinned_slabs() const { return false; }

@@ -1,5 +1,6 @@
 // The one place that knows whether CUDA was built in (STYLE.md §7).
 #include "absl/strings/str_cat.h"
+#include "ckpt/optimizer/benchmark.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
 
@@ -19,6 +20,12 @@ absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(const StagedA
   return absl::UnimplementedError("CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 #endif
 }
+
+#if !CKPT_HAVE_CUDA
+absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t, int, MomentDType, uint64_t, int) {
+  return absl::UnimplementedError("CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
+}
+#endif
 
 namespace internal {
 

@@ -197,6 +197,7 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
 
 absl::Status StagedAdamW::ReleaseDevice() { return engine_->Release(); }
 absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
+absl::Status StagedAdamW::Synchronize() { return engine_->Synchronize(); }
 uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }
 std::string StagedAdamW::engine_name() const { return engine_->name(); }
 

@@ -96,6 +96,9 @@ class StagedAdamW {
   // fresh ones; the next Step is identical to one without a release in between.
   absl::Status ReleaseDevice();
   absl::Status RestoreDevice();
+  // CUDA engine: blocks the host until every update of the last Step has reached the slabs.
+  // Call before reading master(), exp_avg() or exp_avg_sq() on the host.
+  absl::Status Synchronize();
   // Device memory held by the engine now (0 for the CPU engine or after ReleaseDevice).
   uint64_t device_bytes() const;
 

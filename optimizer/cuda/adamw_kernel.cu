@@ -1,0 +1,134 @@
+// The fused AdamW kernel: the same float operations, in the same order, as the CPU kernels
+// (optimizer/cpu_kernels.cc), compiled with --fmad=false and IEEE division and square root, so
+// the two engines agree bit for bit.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "optimizer/cuda/adamw_kernel.h"
+
+namespace ckpt::optimizer::internal {
+namespace {
+
+using DType = KernelType;
+
+__device__ __forceinline__ float Bf16Bits(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+
+__device__ __forceinline__ uint16_t ToBf16(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <DType G>
+__device__ __forceinline__ float LoadGrad(const void* p, uint64_t i) {
+  if constexpr (G == DType::kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (G == DType::kBF16) {
+    return Bf16Bits(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+}
+
+template <DType P>
+__device__ __forceinline__ void StoreParam(void* p, uint64_t i, float v) {
+  if constexpr (P == DType::kF32) {
+    static_cast<float*>(p)[i] = v;
+  } else if constexpr (P == DType::kBF16) {
+    static_cast<uint16_t*>(p)[i] = ToBf16(v);
+  } else {
+    static_cast<__half*>(p)[i] = __float2half_rn(v);
+  }
+}
+
+template <DType M>
+__device__ __forceinline__ float LoadMoment(const void* p, uint64_t i) {
+  if constexpr (M == DType::kF32) return static_cast<const float*>(p)[i];
+  else return Bf16Bits(static_cast<const uint16_t*>(p)[i]);
+}
+
+template <DType M>
+__device__ __forceinline__ void StoreMoment(void* p, uint64_t i, float v) {
+  if constexpr (M == DType::kF32) static_cast<float*>(p)[i] = v;
+  else static_cast<uint16_t*>(p)[i] = ToBf16(v);
+}
+
+template <DType G, DType P, DType M>
+__global__ void AdamwUnitKernel(DeviceUnitArgs a) {
+  const KernelConstants c = a.c;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < a.n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const float g = __fmul_rn(LoadGrad<G>(a.grads, i), a.grad_scale);
+    float p = __fmul_rn(a.master_in[i], c.decay);
+    const float m = __fadd_rn(__fmul_rn(c.beta1, LoadMoment<M>(a.m_in, i)), __fmul_rn(c.omb1, g));
+    const float v = __fadd_rn(__fmul_rn(c.beta2, LoadMoment<M>(a.v_in, i)), __fmul_rn(c.omb2, __fmul_rn(g, g)));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.step_size, m), denom));
+    a.master_out[i] = p;
+    StoreMoment<M>(a.m_out, i, m);
+    StoreMoment<M>(a.v_out, i, v);
+    StoreParam<P>(a.params, i, p);
+  }
+}
+
+template <DType G>
+__global__ void CountNonFiniteKernel(const void* grads, uint64_t n, float scale, unsigned long long* count) {
+  unsigned long long local = 0;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    if (!isfinite(__fmul_rn(LoadGrad<G>(grads, i), scale))) ++local;
+  }
+  if (local > 0) atomicAdd(count, local);
+}
+
+constexpr int kThreads = 256;
+
+unsigned Blocks(uint64_t n) {
+  const uint64_t want = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(want < 4096 ? (want == 0 ? 1 : want) : 4096);
+}
+
+template <DType G, DType P>
+cudaError_t LaunchForMoments(const DeviceUnitArgs& a, DType m, cudaStream_t s) {
+  if (m == DType::kF32) {
+    AdamwUnitKernel<G, P, DType::kF32><<<Blocks(a.n), kThreads, 0, s>>>(a);
+  } else {
+    AdamwUnitKernel<G, P, DType::kBF16><<<Blocks(a.n), kThreads, 0, s>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <DType G>
+cudaError_t LaunchForParam(const DeviceUnitArgs& a, DType p, DType m, cudaStream_t s) {
+  switch (p) {
+    case DType::kF32: return LaunchForMoments<G, DType::kF32>(a, m, s);
+    case DType::kBF16: return LaunchForMoments<G, DType::kBF16>(a, m, s);
+    case DType::kF16: return LaunchForMoments<G, DType::kF16>(a, m, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchAdamwUnit(const DeviceUnitArgs& a, DType grad, DType param, DType moments,
+                            cudaStream_t stream) {
+  switch (grad) {
+    case DType::kF32: return LaunchForParam<DType::kF32>(a, param, moments, stream);
+    case DType::kBF16: return LaunchForParam<DType::kBF16>(a, param, moments, stream);
+    case DType::kF16: return LaunchForParam<DType::kF16>(a, param, moments, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchCountNonFinite(const void* grads, DType grad, uint64_t n, float scale,
+                                 unsigned long long* count, cudaStream_t stream) {
+  switch (grad) {
+    case DType::kF32: CountNonFiniteKernel<DType::kF32><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
+    case DType::kBF16: CountNonFiniteKernel<DType::kBF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
+    case DType::kF16: CountNonFiniteKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace ckpt::optimizer::internal

@@ -1,0 +1,44 @@
+// Launchers of the fused AdamW kernel (adamw_kernel.cu). Self-contained (no C++20, no absl) so
+// nvcc compiles the kernel in C++17.
+#ifndef CKPT_OPTIMIZER_CUDA_ADAMW_KERNEL_H_
+#define CKPT_OPTIMIZER_CUDA_ADAMW_KERNEL_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ckpt::optimizer::internal {
+
+// Element types the kernel handles.
+enum class KernelType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// The per-group constants of one step; the same fields as StepConstants (engine.h).
+struct KernelConstants {
+  float beta1, beta2, eps, decay, omb1, omb2, step_size, bc2_sqrt;
+};
+
+struct DeviceUnitArgs {
+  const float* master_in;
+  const void* m_in;   // FP32 or BF16 per the moment type.
+  const void* v_in;
+  float* master_out;
+  void* m_out;
+  void* v_out;
+  const void* grads;  // Device; already offset to the unit.
+  void* params;       // Device; already offset to the unit.
+  uint64_t n;
+  float grad_scale;
+  KernelConstants c;
+};
+
+// Enqueues one unit's update on `stream`. `moments` is kF32 or kBF16.
+cudaError_t LaunchAdamwUnit(const DeviceUnitArgs& args, KernelType grad, KernelType param,
+                            KernelType moments, cudaStream_t stream);
+// Adds the number of non-finite scaled gradients among `n` into *count (device).
+cudaError_t LaunchCountNonFinite(const void* grads, KernelType grad, uint64_t n, float scale,
+                                 unsigned long long* count, cudaStream_t stream);
+
+}  // namespace ckpt::optimizer::internal
+
+#endif  // CKPT_OPTIMIZER_CUDA_ADAMW_KERNEL_H_

@@ -1,0 +1,93 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/optimizer/benchmark.h"
+#include "libckpt/status_macros.h"
+#include "optimizer/cuda/cuda_check.h"
+#include "optimizer/cuda/cuda_resources.h"
+#include "optimizer/host_buffer.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using internal::CudaEvent;
+using internal::CudaStream;
+using internal::DeviceBuffer;
+using internal::HostBuffer;
+
+double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Copies `bytes` host->device on one stream and device->host on another at the same time,
+// in 64 MiB pieces; returns each direction's rate. Best of 3.
+absl::Status MeasureDuplex(size_t bytes, double* h2d_gbps, double* d2h_gbps) {
+  CKPT_ASSIGN_OR_RETURN(HostBuffer src, HostBuffer::Create(bytes, 0, /*pinned=*/true));
+  CKPT_ASSIGN_OR_RETURN(HostBuffer dst, HostBuffer::Create(bytes, 0, /*pinned=*/true));
+  CKPT_ASSIGN_OR_RETURN(DeviceBuffer din, DeviceBuffer::Create(bytes));
+  CKPT_ASSIGN_OR_RETURN(DeviceBuffer dout, DeviceBuffer::Create(bytes));
+  CKPT_ASSIGN_OR_RETURN(CudaStream up, CudaStream::Create());
+  CKPT_ASSIGN_OR_RETURN(CudaStream down, CudaStream::Create());
+  CKPT_ASSIGN_OR_RETURN(CudaEvent up_start, CudaEvent::Create());
+  constexpr size_t kPiece = size_t{64} << 20;
+  for (int pass = 0; pass < 3; ++pass) {
+    auto start = std::chrono::steady_clock::now();
+    for (size_t off = 0; off < bytes; off += kPiece) {
+      const size_t n = std::min(kPiece, bytes - off);
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<std::byte*>(din.data()) + off, src.data() + off, n, cudaMemcpyHostToDevice, up.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data() + off, static_cast<std::byte*>(dout.data()) + off, n, cudaMemcpyDeviceToHost, down.get()));
+    }
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(up.get()));
+    const double up_s = Seconds(start);
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(down.get()));
+    const double down_s = Seconds(start);
+    *h2d_gbps = std::max(*h2d_gbps, static_cast<double>(bytes) / up_s / 1e9);
+    *d2h_gbps = std::max(*d2h_gbps, static_cast<double>(bytes) / down_s / 1e9);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps, MomentDType moments,
+                                                       uint64_t unit_bytes, int slots) {
+  CudaStepBenchmark out;
+  CKPT_RETURN_IF_ERROR(MeasureDuplex(size_t{1} << 30, &out.h2d_gbps, &out.d2h_gbps));
+  out.bytes_per_param = moments == MomentDType::kF32 ? 12 : 8;
+  out.bound_gparams_per_s = std::min(out.h2d_gbps, out.d2h_gbps) / out.bytes_per_param;
+  StagedAdamWOptions o;
+  o.params = {{"w", {params}, formats::DType::kBF16, 0}};
+  o.groups = {ParamGroup{}};
+  o.pieces = {{0, 0, params}};
+  o.engine = EngineKind::kCuda;
+  o.moment_dtype = moments;
+  o.unit_bytes = unit_bytes;
+  o.slot_count = slots;
+  std::vector<uint16_t> weights(params, formats::FloatToBf16(0.5f));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> opt, StagedAdamW::Create(o, std::as_bytes(std::span(weights))));
+  CKPT_ASSIGN_OR_RETURN(DeviceBuffer grads, DeviceBuffer::Create(params * 4));
+  CKPT_ASSIGN_OR_RETURN(DeviceBuffer weights_dev, DeviceBuffer::Create(params * 2));
+  CKPT_CUDA_RETURN_IF_ERROR(cudaMemset(grads.data(), 0, params * 4));
+  CKPT_ASSIGN_OR_RETURN(CudaStream caller, CudaStream::Create());
+  StepArgs args{grads.data(), formats::DType::kF32, 1.0f, weights_dev.data()};
+  args.stream = reinterpret_cast<CUstream_st*>(caller.get());
+  double best = 1e30;
+  for (int i = 0; i <= steps; ++i) {  // Step 0 warms up.
+    auto start = std::chrono::steady_clock::now();
+    CKPT_ASSIGN_OR_RETURN(StepReport r, opt->Step(args));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller.get(), reinterpret_cast<cudaEvent_t>(r.done), 0));
+    CKPT_RETURN_IF_ERROR(opt->Synchronize());
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(caller.get()));
+    if (i > 0) best = std::min(best, Seconds(start));
+  }
+  out.engine = opt->engine_name();
+  out.gparams_per_s = static_cast<double>(params) / best / 1e9;
+  out.device_bytes = opt->device_bytes();
+  return out;
+}
+
+}  // namespace ckpt::optimizer

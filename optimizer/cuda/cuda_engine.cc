@@ -1,0 +1,229 @@
+// The CUDA streamed engine.
+//
+// Each of `slot_count` slots owns device buffers for one unit's state twice over (the kernel
+// reads the "in" copy and writes the "out" copy) and three streams: copy-in, compute, copy-out.
+// Unit k runs in slot k % S:
+// 0. once per step, each copy-in stream waits for its slot's last copy-out (d2h_done): unit k
+//    uses slot k % S every step, so this orders its copy-in after its previous copy-out.
+// 1. copy-in stream: wait until the slot's previous kernel has read its in-buffers
+//    (kernel_done), then copy master, exp_avg, exp_avg_sq host -> in-buffers; record h2d_done.
+// 2. compute stream: wait for h2d_done, for the slot's previous copy-out to have drained the
+//    out-buffers (d2h_done), and (once per step) for the caller's stream (grads_ready: the first
+//    gradient read happens after whatever wrote the gradients); run the fused kernel, which
+//    reads the gradient and writes the model-dtype weights in place in device memory; record
+//    kernel_done.
+// 3. copy-out stream: wait for kernel_done; copy out-buffers -> host slabs; record d2h_done.
+// Slot reuse is gated by these device events, never by the host. With separate in- and
+// out-buffers, unit k+1's copy-in, unit k's kernel and unit k-1's copy-out run at once, so both
+// PCIe directions stay busy. A join stream waits for every slot's last kernel and records the
+// `done` event the caller's stream must wait on before reading parameters. Step never blocks
+// the host (except to read the non-finite count when check_finite asks for it). Device memory
+// is 2 x slot_count x unit_bytes x (1 + 2 x moment bytes / 4), whatever the model size.
+//
+// Teardown order: Release() synchronises every stream before any buffer, event or stream goes;
+// members are declared so that streams are destroyed before the buffers they used.
+#include "optimizer/cuda/cuda_engine.h"
+
+#include <cuda_runtime.h>
+
+#include "absl/strings/str_cat.h"
+#include "libckpt/status_macros.h"
+#include "optimizer/cuda/adamw_kernel.h"
+#include "optimizer/cuda/cuda_check.h"
+#include "optimizer/cuda/cuda_resources.h"
+#include "optimizer/host_buffer.h"
+
+namespace ckpt::optimizer::internal {
+namespace {
+
+KernelType ToKernelType(formats::DType d) {
+  return d == formats::DType::kF32 ? KernelType::kF32 : d == formats::DType::kBF16 ? KernelType::kBF16 : KernelType::kF16;
+}
+
+struct Slot {
+  DeviceBuffer master_in, m_in, v_in, master_out, m_out, v_out;
+  CudaStream h2d, compute, d2h;
+  CudaEvent h2d_done, kernel_done, d2h_done;
+};
+
+class CudaEngine : public StagedAdamW::Engine {
+ public:
+  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments)
+      : slot_count_(slots), unit_elems_(unit_elems), moments_(moments) {}
+  ~CudaEngine() override { Release().IgnoreError(); }  // Destructors never report.
+
+  absl::Status Restore() override {
+    if (!slots_.empty()) return absl::OkStatus();
+    const size_t mbytes = moments_ == MomentDType::kF32 ? 4 : 2;
+    std::vector<Slot> slots(static_cast<size_t>(slot_count_));
+    for (Slot& s : slots) {
+      CKPT_ASSIGN_OR_RETURN(s.master_in, DeviceBuffer::Create(unit_elems_ * 4));
+      CKPT_ASSIGN_OR_RETURN(s.m_in, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.v_in, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.master_out, DeviceBuffer::Create(unit_elems_ * 4));
+      CKPT_ASSIGN_OR_RETURN(s.m_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.v_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.h2d, CudaStream::Create());
+      CKPT_ASSIGN_OR_RETURN(s.compute, CudaStream::Create());
+      CKPT_ASSIGN_OR_RETURN(s.d2h, CudaStream::Create());
+      CKPT_ASSIGN_OR_RETURN(s.h2d_done, CudaEvent::Create());
+      CKPT_ASSIGN_OR_RETURN(s.kernel_done, CudaEvent::Create());
+      CKPT_ASSIGN_OR_RETURN(s.d2h_done, CudaEvent::Create());
+    }
+    CKPT_ASSIGN_OR_RETURN(CudaStream join, CudaStream::Create());
+    CKPT_ASSIGN_OR_RETURN(CudaEvent grads_ready, CudaEvent::Create());
+    CKPT_ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create());
+    CKPT_ASSIGN_OR_RETURN(DeviceBuffer counter, DeviceBuffer::Create(sizeof(unsigned long long)));
+    slots_ = std::move(slots);
+    join_ = std::move(join);
+    grads_ready_ = std::move(grads_ready);
+    done_ = std::move(done);
+    counter_ = std::move(counter);
+    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ * (4 + 2 * mbytes) + sizeof(unsigned long long);
+    return absl::OkStatus();
+  }
+
+  absl::Status Release() override {
+    absl::Status status;
+    // Drain before anything is freed: buffers in flight belong to their streams.
+    for (Slot& s : slots_) {
+      for (const CudaStream* st : {&s.h2d, &s.compute, &s.d2h}) {
+        if (st->valid()) status.Update(CudaStatus(cudaStreamSynchronize(st->get()), "synchronize slot stream"));
+      }
+    }
+    if (join_.valid()) status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
+    slots_.clear();
+    join_ = CudaStream();
+    grads_ready_ = CudaEvent();
+    done_ = CudaEvent();
+    counter_ = DeviceBuffer();
+    device_bytes_ = 0;
+    return status;
+  }
+
+  uint64_t device_bytes() const override { return device_bytes_; }
+  std::string name() const override { return absl::StrCat("cuda-", slot_count_, "slots"); }
+  bool wants_pinned_slabs() const override { return true; }
+
+  absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
+                                  const std::vector<StepConstants>& constants, const SlabView& slabs,
+                                  formats::DType model_dtype, uint64_t elements) override {
+    if (slots_.empty()) return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
+    if (args.stream == nullptr) {
+      return absl::InvalidArgumentError("the CUDA engine needs the caller's stream (StepArgs::stream)");
+    }
+    cudaStream_t caller = reinterpret_cast<cudaStream_t>(args.stream);
+    StepReport report;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
+    if (args.check_finite && elements > 0) {
+      CKPT_ASSIGN_OR_RETURN(uint64_t bad, CountNonFinite(args, elements));
+      if (bad > 0) {
+        report.skipped = true;
+        report.nonfinite = bad;
+        return report;
+      }
+    }
+    const size_t gsize = formats::DTypeSize(args.grad_dtype), psize = formats::DTypeSize(model_dtype);
+    const size_t mbytes = moments_ == MomentDType::kF32 ? 4 : 2;
+    // A unit's copy-in must see the previous step's copy-out of the same unit, which ran in the
+    // same slot: wait for the slot's last copy-out once, at the start of the step.
+    for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.d2h_done.get(), 0));
+    for (size_t k = 0; k < units.size(); ++k) {
+      const Unit& u = units[k];
+      Slot& s = slots_[k % slots_.size()];
+      float* master = slabs.master + u.offset;
+      std::byte* m = slabs.exp_avg + u.offset * mbytes;
+      std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
+      // 1. Copy-in.
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.m_in.data(), m, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.v_in.data(), v, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
+      // 2. Compute.
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
+      if (k < slots_.size()) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
+      const StepConstants& c = constants[u.group];
+      DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()), s.m_in.data(), s.v_in.data(),
+                       static_cast<float*>(s.master_out.data()), s.m_out.data(), s.v_out.data(),
+                       static_cast<const std::byte*>(args.grads) + u.offset * gsize,
+                       static_cast<std::byte*>(args.params) + u.offset * psize, u.count, args.grad_scale,
+                       KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2, c.step_size, c.bc2_sqrt}};
+      CKPT_CUDA_RETURN_IF_ERROR(LaunchAdamwUnit(a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
+                                                moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
+                                                s.compute.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
+      // 3. Copy-out.
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4, cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m, s.m_out.data(), u.count * mbytes, cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes, cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
+    }
+    // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
+    // has (Synchronize waits for those).
+    for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    report.done = reinterpret_cast<CUevent_st*>(done_.get());
+    return report;
+  }
+
+  absl::Status Synchronize() override {
+    for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.d2h.get()));
+    if (join_.valid()) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(join_.get()));
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, uint64_t elements) {
+    cudaStream_t s = join_.get();
+    auto* count = static_cast<unsigned long long*>(counter_.data());
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, grads_ready_.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(count, 0, sizeof(*count), s));
+    CKPT_CUDA_RETURN_IF_ERROR(LaunchCountNonFinite(args.grads, ToKernelType(args.grad_dtype), elements, args.grad_scale, count, s));
+    unsigned long long host = 0;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // The skip decision needs the count.
+    return static_cast<uint64_t>(host);
+  }
+
+  const int slot_count_;
+  const uint64_t unit_elems_;
+  const MomentDType moments_;
+  uint64_t device_bytes_ = 0;
+  DeviceBuffer counter_;
+  CudaEvent grads_ready_, done_;
+  CudaStream join_;
+  std::vector<Slot> slots_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(const StagedAdamWOptions& options,
+                                                                       const std::vector<Unit>& units) {
+  (void)units;
+  int devices = 0;
+  cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("no usable CUDA device: ", cudaGetErrorName(err), " (",
+                                                      cudaGetErrorString(err), ")"));
+  }
+  if (devices == 0) return absl::FailedPreconditionError("no CUDA device visible");
+  if (options.slot_count < 1) return absl::InvalidArgumentError("slot_count must be at least 1");
+  auto engine = std::make_unique<CudaEngine>(options.slot_count, std::max<uint64_t>(16, options.unit_bytes / 4),
+                                             options.moment_dtype);
+  CKPT_RETURN_IF_ERROR(engine->Restore());
+  return std::unique_ptr<StagedAdamW::Engine>(std::move(engine));
+}
+
+absl::StatusOr<void*> AllocatePinned(size_t bytes) {
+  void* p = nullptr;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+  return p;
+}
+
+void FreePinned(void* p) { cudaFreeHost(p); }
+
+}  // namespace ckpt::optimizer::internal

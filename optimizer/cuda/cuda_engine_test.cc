@@ -1,0 +1,329 @@
+// CUDA engine tests (label `cuda`): skipped when no device is visible.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/engine.h"
+#include "tests/support/status_matchers.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using testing::IsOk;
+
+bool HaveDevice() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device visible"
+
+std::vector<float> Random(size_t n, uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<std::byte> Encode(const std::vector<float>& values, DType dtype) {
+  std::vector<std::byte> out(values.size() * formats::DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(out.data() + 4 * i, &values[i], 4);
+    } else {
+      uint16_t h = dtype == DType::kBF16 ? formats::FloatToBf16(values[i]) : formats::FloatToHalf(values[i]);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+  }
+  return out;
+}
+
+StagedAdamWOptions Options(EngineKind engine, MomentDType moments, uint64_t unit_bytes) {
+  StagedAdamWOptions o;
+  o.params = {{"a", {37, 3}, DType::kBF16, 0}, {"b", {100001}, DType::kBF16, 1}, {"c", {4097}, DType::kBF16, 0}};
+  o.groups = {ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
+              ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
+  o.pieces = {{0, 5, 100}, {1, 0, 100001}, {2, 0, 4097}};
+  o.engine = engine;
+  o.moment_dtype = moments;
+  o.unit_bytes = unit_bytes;
+  return o;
+}
+
+uint64_t Size(const StagedAdamWOptions& o) {
+  uint64_t n = 0;
+  for (const Piece& p : o.pieces) n += p.count;
+  return n;
+}
+
+struct State {
+  std::vector<float> master;
+  std::vector<std::byte> m, v, params;
+};
+
+// Runs `steps` steps with gradients of `grad_dtype`; the CUDA engine gets device buffers.
+State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps, bool release_between = false) {
+  const uint64_t n = Size(o);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  EXPECT_THAT(opt, IsOk());
+  State s;
+  s.params.assign(n * 2, std::byte{0});
+  const bool cuda = o.engine == EngineKind::kCuda;
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  cudaStream_t stream = nullptr;
+  if (cuda) {
+    EXPECT_EQ(cudaMalloc(&dgrads, n * formats::DTypeSize(grad_dtype)), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&dparams, n * 2), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<float> g = Random(n, 100 + step, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    std::vector<std::byte> gb = Encode(g, grad_dtype);
+    StepArgs args{gb.data(), grad_dtype, 0.75f, s.params.data()};
+    if (cuda) {
+      EXPECT_EQ(cudaMemcpyAsync(dgrads, gb.data(), gb.size(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+      args.grads = dgrads;
+      args.params = dparams;
+      args.stream = reinterpret_cast<CUstream_st*>(stream);
+    }
+    auto report = (*opt)->Step(args);
+    EXPECT_THAT(report, IsOk());
+    if (cuda) {
+      EXPECT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0), cudaSuccess);
+      EXPECT_EQ(cudaMemcpyAsync(s.params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      if (release_between) {
+        CKPT_EXPECT_OK((*opt)->ReleaseDevice());
+        EXPECT_EQ((*opt)->device_bytes(), 0u);
+        CKPT_EXPECT_OK((*opt)->RestoreDevice());
+      }
+    }
+  }
+  CKPT_EXPECT_OK((*opt)->Synchronize());
+  s.master.assign((*opt)->master().begin(), (*opt)->master().end());
+  const size_t mb = o.moment_dtype == MomentDType::kF32 ? 4 : 2;
+  s.m.assign((*opt)->exp_avg_bytes(), (*opt)->exp_avg_bytes() + n * mb);
+  s.v.assign((*opt)->exp_avg_sq_bytes(), (*opt)->exp_avg_sq_bytes() + n * mb);
+  if (cuda) {
+    cudaFree(dgrads);
+    cudaFree(dparams);
+    cudaStreamDestroy(stream);
+  }
+  return s;
+}
+
+double MaxRelError(const std::vector<float>& got, const std::vector<float>& want) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
+  }
+  return worst / scale;
+}
+
+class CudaParityTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CudaParityTest, Fp32MomentsMatchTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  const uint64_t unit = 64 << 10;  // Many units: every slot is reused many times.
+  State cpu = RunEngine(Options(EngineKind::kCpu, MomentDType::kF32, unit), GetParam(), 4);
+  State gpu = RunEngine(Options(EngineKind::kCuda, MomentDType::kF32, unit), GetParam(), 4);
+  EXPECT_LE(MaxRelError(gpu.master, cpu.master), 2e-6);
+  EXPECT_EQ(gpu.params, cpu.params) << "BF16 weights must be bit-exact";
+  // Same operations in the same order with IEEE rounding: expect every bit to agree.
+  EXPECT_EQ(std::memcmp(gpu.master.data(), cpu.master.data(), 4 * cpu.master.size()), 0);
+  EXPECT_EQ(gpu.m, cpu.m);
+  EXPECT_EQ(gpu.v, cpu.v);
+}
+
+// BF16 moments: the reference is the same recurrence on the host with moments rounded to BF16
+// after each update (the CPU engine keeps FP32 moments only).
+TEST_P(CudaParityTest, Bf16MomentsMatchAHostEmulation) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kBF16, 64 << 10);
+  State gpu = RunEngine(o, GetParam(), 4);
+  const uint64_t n = Size(o);
+  std::vector<std::byte> w = Encode(Random(n, 1, 1.0f), DType::kBF16);
+  std::vector<float> p(n);
+  std::vector<uint16_t> m(n, 0), v(n, 0);
+  for (uint64_t i = 0; i < n; ++i) p[i] = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(w.data())[i]);
+  std::vector<uint32_t> group(n);
+  uint64_t k = 0;
+  for (const Piece& piece : o.pieces) {
+    for (uint64_t j = 0; j < piece.count; ++j) group[k++] = o.params[piece.param].group;
+  }
+  for (int step = 0; step < 4; ++step) {
+    std::vector<float> g = Random(n, 100 + step, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    std::vector<std::byte> gb = Encode(g, GetParam());
+    std::vector<StepConstants> c;
+    for (const ParamGroup& pg : o.groups) c.push_back(ComputeStepConstants(pg, step + 1));
+    for (uint64_t i = 0; i < n; ++i) {
+      float gi;
+      if (GetParam() == DType::kF32) gi = reinterpret_cast<const float*>(gb.data())[i];
+      else if (GetParam() == DType::kBF16) gi = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
+      else gi = formats::HalfToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
+      const StepConstants& s = c[group[i]];
+      volatile float gs = gi * 0.75f;  // volatile: no FMA contraction of the host reference.
+      volatile float pd = p[i] * s.decay;
+      volatile float mt = s.beta1 * formats::Bf16ToFloat(m[i]);
+      volatile float mg = s.omb1 * gs;
+      const float mm = mt + mg;
+      volatile float vt = s.beta2 * formats::Bf16ToFloat(v[i]);
+      volatile float gg = gs * gs;
+      volatile float vg = s.omb2 * gg;
+      const float vv = vt + vg;
+      volatile float den = std::sqrt(vv) / s.bc2_sqrt + s.eps;
+      volatile float num = s.step_size * mm;
+      p[i] = pd - num / den;
+      m[i] = formats::FloatToBf16(mm);
+      v[i] = formats::FloatToBf16(vv);
+    }
+  }
+  EXPECT_LE(MaxRelError(gpu.master, p), 2e-6);
+  std::vector<std::byte> params = Encode(p, DType::kBF16);
+  EXPECT_EQ(gpu.params, params);
+  EXPECT_EQ(std::memcmp(gpu.m.data(), m.data(), 2 * n), 0);
+  EXPECT_EQ(std::memcmp(gpu.v.data(), v.data(), 2 * n), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(GradDtypes, CudaParityTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                         [](const ::testing::TestParamInfo<DType>& p) { return std::string(formats::DTypeName(p.param)); });
+
+TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  const uint64_t n = Size(o);
+  State expected = RunEngine(o, DType::kF32, 1);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaMalloc(&dgrads, n * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dparams, n * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dgrads, 0x7f, n * 4), cudaSuccess);  // Garbage until the late write.
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<float> g = Random(n, 100, 0.5f);
+  for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+  // The caller's stream is busy for 300 ms, then writes the real gradients.
+  ASSERT_EQ(cudaLaunchHostFunc(stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  StepArgs args{dgrads, DType::kF32, 0.75f, dparams};
+  args.stream = reinterpret_cast<CUstream_st*>(stream);
+  auto report = (*opt)->Step(args);
+  CKPT_ASSERT_OK(report);
+  std::vector<std::byte> params(n * 2);
+  ASSERT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  CKPT_ASSERT_OK((*opt)->Synchronize());
+  EXPECT_EQ(params, expected.params);
+  EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
+  cudaFree(dgrads);
+  cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
+uint64_t DeviceUsed() {
+  size_t free = 0, total = 0;
+  cudaMemGetInfo(&free, &total);
+  return total - free;
+}
+
+// The engine's device memory is what ReleaseDevice gives back. (Measured that way because
+// pinning 12 GB of host slabs makes the driver map them, which costs device memory of its own
+// that belongs to the slabs, not the engine.)
+TEST(CudaEngineTest, DeviceMemoryDoesNotGrowWithTheModelAndReleaseFreesIt) {
+  SKIP_WITHOUT_DEVICE();
+  cudaFree(nullptr);  // Create the context first; its memory is not the engine's.
+  uint64_t held[2] = {0, 0}, reported[2] = {0, 0};
+  const uint64_t sizes[2] = {uint64_t{1} << 16, uint64_t{1} << 30};
+  for (int i = 0; i < 2; ++i) {
+    StagedAdamWOptions o;
+    o.params = {{"w", {sizes[i]}, DType::kBF16, 0}};
+    o.groups = {ParamGroup{}};
+    o.pieces = {{0, 0, sizes[i]}};
+    o.engine = EngineKind::kCuda;
+    std::vector<uint16_t> w(sizes[i], 0x3f00);
+    auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(w)));
+    CKPT_ASSERT_OK(opt);
+    const uint64_t with_engine = DeviceUsed();
+    reported[i] = (*opt)->device_bytes();
+    CKPT_ASSERT_OK((*opt)->ReleaseDevice());
+    const uint64_t released = DeviceUsed();
+    held[i] = with_engine - released;
+    EXPECT_EQ((*opt)->device_bytes(), 0u);
+    EXPECT_GE(held[i], reported[i]) << "every buffer the engine reports was returned";
+    CKPT_ASSERT_OK((*opt)->RestoreDevice());
+    EXPECT_EQ((*opt)->device_bytes(), reported[i]);
+    EXPECT_EQ(DeviceUsed(), with_engine) << "restore allocates the same slots again";
+  }
+  std::printf("engine device memory: %llu bytes for 64K params, %llu for 1G params (reported %llu, %llu)\n",
+              static_cast<unsigned long long>(held[0]), static_cast<unsigned long long>(held[1]),
+              static_cast<unsigned long long>(reported[0]), static_cast<unsigned long long>(reported[1]));
+  EXPECT_EQ(held[0], held[1]);
+  EXPECT_EQ(reported[0], reported[1]);
+}
+
+TEST(CudaEngineTest, StepAfterReleaseAndRestoreIsBitExact) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  State plain = RunEngine(o, DType::kBF16, 3);
+  State released = RunEngine(o, DType::kBF16, 3, /*release_between=*/true);
+  EXPECT_EQ(std::memcmp(plain.master.data(), released.master.data(), 4 * plain.master.size()), 0);
+  EXPECT_EQ(plain.m, released.m);
+  EXPECT_EQ(plain.v, released.v);
+  EXPECT_EQ(plain.params, released.params);
+}
+
+TEST(CudaEngineTest, NonFiniteGradientsSkipTheStepWhenChecked) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  const uint64_t n = Size(o);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  std::vector<float> before((*opt)->master().begin(), (*opt)->master().end());
+  std::vector<float> g(n, 0.1f);
+  g[77] = std::nanf("");
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaMalloc(&dgrads, n * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dparams, n * 2), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  StepArgs args{dgrads, DType::kF32, 1.0f, dparams, /*check_finite=*/true};
+  args.stream = reinterpret_cast<CUstream_st*>(stream);
+  auto report = (*opt)->Step(args);
+  CKPT_ASSERT_OK(report);
+  EXPECT_TRUE(report->skipped);
+  EXPECT_EQ(report->nonfinite, 1u);
+  CKPT_ASSERT_OK((*opt)->Synchronize());
+  EXPECT_EQ(std::memcmp((*opt)->master().data(), before.data(), 4 * n), 0);
+  EXPECT_EQ((*opt)->groups()[0].step, 0u);
+  // Without a stream the engine refuses rather than using the legacy default stream.
+  args.stream = nullptr;
+  EXPECT_THAT((*opt)->Step(args), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  cudaFree(dgrads);
+  cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace ckpt::optimizer

@@ -1,0 +1,98 @@
+// One owner per CUDA resource (STYLE.md §5): CudaStream, CudaEvent, DeviceBuffer. Move-only;
+// acquired by static factories returning StatusOr; destructors release quietly (and ignore
+// cudaErrorCudartUnloading at process exit).
+#ifndef CKPT_OPTIMIZER_CUDA_CUDA_RESOURCES_H_
+#define CKPT_OPTIMIZER_CUDA_CUDA_RESOURCES_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "optimizer/cuda/cuda_check.h"
+
+namespace ckpt::optimizer::internal {
+
+class CudaStream {
+ public:
+  CudaStream() = default;
+  static absl::StatusOr<CudaStream> Create() {
+    CudaStream s;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
+    return s;
+  }
+  ~CudaStream() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);  // Destructors never report.
+  }
+  CudaStream(const CudaStream&) = delete;  // Would destroy the stream twice.
+  CudaStream& operator=(const CudaStream&) = delete;
+  CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  CudaStream& operator=(CudaStream&& o) noexcept {
+    std::swap(stream_, o.stream_);
+    return *this;
+  }
+  bool valid() const { return stream_ != nullptr; }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaEvent {
+ public:
+  CudaEvent() = default;
+  static absl::StatusOr<CudaEvent> Create() {
+    CudaEvent e;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
+    return e;
+  }
+  ~CudaEvent() {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+  }
+  CudaEvent(const CudaEvent&) = delete;  // Would destroy the event twice.
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  CudaEvent& operator=(CudaEvent&& o) noexcept {
+    std::swap(event_, o.event_);
+    return *this;
+  }
+  bool valid() const { return event_ != nullptr; }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  static absl::StatusOr<DeviceBuffer> Create(size_t bytes) {
+    DeviceBuffer b;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMalloc(&b.data_, bytes == 0 ? 1 : bytes));
+    b.size_ = bytes;
+    return b;
+  }
+  ~DeviceBuffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;  // A copy could not name its stream (RMM's rule).
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(size_, o.size_);
+    return *this;
+  }
+  bool valid() const { return data_ != nullptr; }
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace ckpt::optimizer::internal
+
+#endif  // CKPT_OPTIMIZER_CUDA_CUDA_RESOURCES_H_
