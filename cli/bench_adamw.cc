@@ -4,6 +4,8 @@
 // master, two moments read; master and moments written; BF16 copy written); for the CUDA engine,
 // PCIe bandwidth with copies in both directions at once, divided by 12 bytes each way.
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <chrono>
 #include <iostream>
 #include <random>
@@ -103,8 +105,12 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
   std::vector<float> grads(n);
   std::mt19937 rng(3);
   for (float& g : grads) g = static_cast<float>(rng() % 2001) * 1e-3f - 1.0f;
-  std::vector<uint16_t> params(n);
-  optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, params.data()};
+  // Page-aligned like a real parameter buffer (cudaMallocHost, torch's allocator), not at
+  // malloc's 16-byte offset.
+  std::unique_ptr<uint16_t, decltype(&std::free)> params(
+      static_cast<uint16_t*>(std::aligned_alloc(4096, (n * 2 + 4095) / 4096 * 4096)), &std::free);
+  if (params == nullptr) return absl::ResourceExhaustedError("allocate the parameter buffer");
+  optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, params.get()};
   if (auto s = (*opt)->Step(args); !s.ok()) return s.status();  // Warm: pages touched.
   double best = 1e30;
   for (int i = 0; i < steps; ++i) {

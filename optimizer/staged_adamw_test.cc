@@ -87,14 +87,17 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
   auto opt = StagedAdamW::Create(o, weights);
   EXPECT_THAT(opt, IsOk());
   Outcome r;
-  r.params.assign(weights.size(), std::byte{0});
+  // A 64-byte-aligned destination, so the AVX-512 path takes its streaming-store branch.
+  std::vector<std::byte> storage(weights.size() + 64);
+  std::byte* params = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
   for (int s = 0; s < steps; ++s) {
     std::vector<float> g = Random(n, 100 + s, 0.5f);
     for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
     std::vector<std::byte> gbytes = Encode(g, grad_dtype);
-    auto report = (*opt)->Step({gbytes.data(), grad_dtype, scale, r.params.data()});
+    auto report = (*opt)->Step({gbytes.data(), grad_dtype, scale, params});
     EXPECT_THAT(report, IsOk());
   }
+  r.params.assign(params, params + weights.size());
   r.master.assign((*opt)->master().begin(), (*opt)->master().end());
   r.m.assign((*opt)->exp_avg().begin(), (*opt)->exp_avg().end());
   r.v.assign((*opt)->exp_avg_sq().begin(), (*opt)->exp_avg_sq().end());
