@@ -10,6 +10,7 @@
 // paths agree bit for bit.
 #include "optimizer/cpu_kernels.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -220,13 +221,23 @@ constexpr KernelFn kAvx512[3][3] = CKPT_KERNEL_TABLE(Avx512Kernel);
 
 }  // namespace
 
+namespace {
+
+// F16C from CPUID leaf 1 (ECX bit 29); not every compiler's __builtin_cpu_supports knows it.
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+}
+
+}  // namespace
+
 bool CpuSupports(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:
       return true;
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && HasF16c();
     case CpuIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 seconds="${1:-20}"
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCKPT_BUILD_FUZZERS=ON \
   -DCKPT_BUILD_TESTS=OFF -DCKPT_CUDA=OFF > /dev/null
-cmake --build build-fuzz -j2
+cmake --build build-fuzz -j2 --target manifest_fuzz safetensors_fuzz hf_index_fuzz
 work=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-fuzz-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 for target in manifest safetensors hf_index; do
