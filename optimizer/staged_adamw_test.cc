@@ -11,6 +11,7 @@
 
 #include "optimizer/cpu_kernels.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/tensor_gen.h"
 
 namespace ckpt::optimizer {
 namespace {
@@ -21,6 +22,8 @@ using internal::FloatToBf16;
 using internal::FloatToHalf;
 using internal::HalfToFloat;
 using testing::IsOk;
+constexpr auto Random = testing::RandomNormal;
+constexpr auto Encode = testing::EncodeFloats;
 using testing::StatusIs;
 
 // Two groups; odd sizes; pieces that cut tensors; one piece of a tensor in the middle.
@@ -42,19 +45,6 @@ uint64_t Size(const StagedAdamWOptions& o) {
   return n;
 }
 
-// Model-dtype bytes of `values`.
-std::vector<std::byte> Encode(const std::vector<float>& values, DType dtype) {
-  std::vector<std::byte> out(values.size() * formats::DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == DType::kF32) {
-      std::memcpy(out.data() + 4 * i, &values[i], 4);
-    } else {
-      uint16_t h = dtype == DType::kBF16 ? FloatToBf16(values[i]) : FloatToHalf(values[i]);
-      std::memcpy(out.data() + 2 * i, &h, 2);
-    }
-  }
-  return out;
-}
 float Decode(const std::byte* p, DType dtype, size_t i) {
   if (dtype == DType::kF32) {
     float f;
@@ -64,14 +54,6 @@ float Decode(const std::byte* p, DType dtype, size_t i) {
   uint16_t h;
   std::memcpy(&h, p + 2 * i, 2);
   return dtype == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
-}
-
-std::vector<float> Random(size_t n, uint64_t seed, float scale) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
 }
 
 struct Outcome {

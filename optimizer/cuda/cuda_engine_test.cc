@@ -14,12 +14,15 @@
 #include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/engine.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/tensor_gen.h"
 
 namespace ckpt::optimizer {
 namespace {
 
 using formats::DType;
 using testing::IsOk;
+constexpr auto Random = testing::RandomNormal;
+constexpr auto Encode = testing::EncodeFloats;
 
 bool HaveDevice() {
   int n = 0;
@@ -29,26 +32,6 @@ bool HaveDevice() {
 #define SKIP_WITHOUT_DEVICE() \
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device visible"
 
-std::vector<float> Random(size_t n, uint64_t seed, float scale) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<std::byte> Encode(const std::vector<float>& values, DType dtype) {
-  std::vector<std::byte> out(values.size() * formats::DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == DType::kF32) {
-      std::memcpy(out.data() + 4 * i, &values[i], 4);
-    } else {
-      uint16_t h = dtype == DType::kBF16 ? formats::FloatToBf16(values[i]) : formats::FloatToHalf(values[i]);
-      std::memcpy(out.data() + 2 * i, &h, 2);
-    }
-  }
-  return out;
-}
 
 StagedAdamWOptions Options(EngineKind engine, MomentDType moments, uint64_t unit_bytes) {
   StagedAdamWOptions o;

@@ -19,6 +19,7 @@
 #include "ckpt/verify.h"
 #include "libckpt/coding.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
 namespace ckpt {
@@ -26,21 +27,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct Result {
-  int exit_code;
-  std::string output;
-};
+using Result = testing::CommandResult;
 
 Result RunTool(const std::string& args) {
-  std::string command = std::string(CKPT_TOOL_PATH) + " " + args + " 2>&1";
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-  int status = ::pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+  return testing::RunCommand(std::string(CKPT_TOOL_PATH) + " " + args);
 }
 
 class CliTest : public ::testing::Test {
