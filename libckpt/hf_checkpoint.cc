@@ -178,7 +178,6 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
       slices.push_back({j, pos, std::min(jobs[j].length, pos + kSliceBytes)});
     }
   }
-  std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   absl::Mutex mu;
   absl::Status status;
@@ -187,10 +186,14 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
     status.Update(s);
     failed = true;
   };
-  auto worker = [&] {
+  const size_t threads = std::min<size_t>(std::max(1, options_.read_threads), slices.size());
+  // Each thread takes a contiguous run of slices: a few sequential streams, which device and
+  // host readahead serve better than slices dealt round-robin.
+  auto worker = [&](size_t t) {
     absl::StatusOr<AlignedBuffer> buf = AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment);
     if (!buf.ok()) return fail(buf.status());
-    for (size_t i = next++; i < slices.size() && !failed; i = next++) {
+    const size_t first = slices.size() * t / threads, last = slices.size() * (t + 1) / threads;
+    for (size_t i = first; i < last && !failed; ++i) {
       const Job& job = jobs[slices[i].job];
       const uint64_t begin = job.offset + slices[i].begin;
       const uint64_t end = job.offset + slices[i].end;
@@ -202,10 +205,9 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
       job.consume(slices[i].begin, buf->span().subspan(begin - lo, end - begin));
     }
   };
-  const size_t threads = std::min<size_t>(std::max(1, options_.read_threads), slices.size());
   std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  if (!slices.empty()) worker();
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+  if (!slices.empty()) worker(0);
   for (std::thread& t : pool) t.join();
   return status;
 }
