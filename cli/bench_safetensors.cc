@@ -1,6 +1,7 @@
 // ckpt-tool bench safetensors: writes a synthetic safetensors file with our writer, then reads
 // every tensor into FP32 buffers through HfCheckpointReader and compares the rate (file bytes
 // per second) with a raw O_DIRECT read of the same file measured in the same run.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -92,35 +93,50 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
     data.push_back({absl::StrCat("model.layers.", t, ".weight"), *dtype, {elems},
                     std::as_bytes(std::span(source)).first(elems * esize)});
   }
-  absl::StatusOr<double> bound = RawReadBound(env, args.dir, *size);
-  if (!bound.ok()) return ReportError("bench safetensors: raw read bound", bound.status());
   const std::string dir = JoinPath(args.dir, "ckpt-bench-safetensors");
-  absl::Status written = WriteHfCheckpoint(dir, data);
-  if (!written.ok()) return ReportError("bench safetensors: write", written);
   const std::string file = JoinPath(dir, kHfSingleFileName);
-  absl::StatusOr<uint64_t> file_size = env->GetFileSize(file);
-  if (!file_size.ok()) return ReportError("bench safetensors", file_size.status());
-  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> reader = HfCheckpointReader::Open(file);
-  if (!reader.ok()) return ReportError("bench safetensors: open", reader.status());
   std::vector<std::vector<float>> out(static_cast<size_t>(tensors), std::vector<float>(elems));
   // Like a loader: every tensor requested at once, read by one pool of threads.
   std::vector<HfCheckpointReader::F32Request> requests;
   for (int t = 0; t < tensors; ++t) requests.push_back({data[t].name, 0, elems, out[t]});
-  Clock::time_point start = Clock::now();
-  absl::Status read = (*reader)->ReadManyAsF32(requests);
-  if (!read.ok()) return ReportError("bench safetensors: read", read);
-  const double seconds = Seconds(start);
-  const double gbps = static_cast<double>(*file_size) / seconds / 1e9;
-  RemoveRecursively(env, dir).IgnoreError();  // Best effort: only benchmark output.
+  // Rounds of (bound, write, read), each on fresh files; the round with the median ratio is
+  // reported, so one noisy second of a shared virtual disk does not decide the figure.
+  struct Round {
+    double gbps, bound;
+  };
+  std::vector<Round> rounds;
+  uint64_t file_bytes = 0;
+  for (int r = 0; r < std::max(1, args.rounds); ++r) {
+    absl::StatusOr<double> bound = RawReadBound(env, args.dir, *size);
+    if (!bound.ok()) return ReportError("bench safetensors: raw read bound", bound.status());
+    absl::Status written = WriteHfCheckpoint(dir, data);
+    if (!written.ok()) return ReportError("bench safetensors: write", written);
+    absl::StatusOr<uint64_t> file_size = env->GetFileSize(file);
+    if (!file_size.ok()) return ReportError("bench safetensors", file_size.status());
+    file_bytes = *file_size;
+    absl::StatusOr<std::unique_ptr<HfCheckpointReader>> reader = HfCheckpointReader::Open(file);
+    if (!reader.ok()) return ReportError("bench safetensors: open", reader.status());
+    Clock::time_point start = Clock::now();
+    absl::Status read = (*reader)->ReadManyAsF32(requests);
+    if (!read.ok()) return ReportError("bench safetensors: read", read);
+    rounds.push_back({static_cast<double>(file_bytes) / Seconds(start) / 1e9, *bound});
+    RemoveRecursively(env, dir).IgnoreError();  // Best effort: only benchmark output.
+  }
+  std::sort(rounds.begin(), rounds.end(), [](const Round& a, const Round& b) { return a.gbps / a.bound < b.gbps / b.bound; });
+  const Round& median = rounds[rounds.size() / 2];
+  const double gbps = median.gbps, bound = median.bound;
+  nlohmann::json all = nlohmann::json::array();
+  for (const Round& r : rounds) all.push_back({{"read_to_f32_gbps", r.gbps}, {"read_bound_gbps", r.bound}, {"ratio", r.gbps / r.bound}});
   if (args.json) {
-    PrintJson({{"file_bytes", *file_size}, {"dtype", args.dtype}, {"tensors", tensors},
-               {"read_to_f32_gbps", gbps}, {"read_bound_gbps", *bound}, {"ratio", gbps / *bound},
-               {"f32_output_bytes", elems * 4 * static_cast<uint64_t>(tensors)}});
+    PrintJson({{"file_bytes", file_bytes}, {"dtype", args.dtype}, {"tensors", tensors},
+               {"read_to_f32_gbps", gbps}, {"read_bound_gbps", bound}, {"ratio", gbps / bound},
+               {"rounds", all}, {"f32_output_bytes", elems * 4 * static_cast<uint64_t>(tensors)}});
   } else {
-    std::cout << absl::StrFormat(
-        "safetensors %s, %d %s tensors -> FP32\n"
-        "read  %6.2f GB/s (file bytes)   O_DIRECT read bound %6.2f GB/s   ratio %.2f\n",
-        FormatBytes(*file_size), tensors, args.dtype, gbps, *bound, gbps / *bound);
+    std::cout << absl::StrFormat("safetensors %s, %d %s tensors -> FP32, median of %d rounds (ratios %.2f..%.2f)\n"
+                                 "read  %6.2f GB/s (file bytes)   O_DIRECT read bound %6.2f GB/s   ratio %.2f\n",
+                                 FormatBytes(file_bytes), tensors, args.dtype, static_cast<int>(rounds.size()),
+                                 rounds.front().gbps / rounds.front().bound, rounds.back().gbps / rounds.back().bound, gbps, bound,
+                                 gbps / bound);
   }
   return kExitOk;
 }

@@ -51,6 +51,7 @@ struct BenchSafetensorsArgs {
   std::string size = "256M";
   std::string dtype = "BF16";
   int tensors = 64;
+  int rounds = 3;
   bool json = false;
 };
 int RunBenchSafetensors(const BenchSafetensorsArgs& args);
