@@ -114,7 +114,8 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
     absl::StatusOr<uint64_t> file_size = env->GetFileSize(file);
     if (!file_size.ok()) return ReportError("bench safetensors", file_size.status());
     file_bytes = *file_size;
-    absl::StatusOr<std::unique_ptr<HfCheckpointReader>> reader = HfCheckpointReader::Open(file);
+    absl::StatusOr<std::unique_ptr<HfCheckpointReader>> reader =
+        HfCheckpointReader::Open(file, {.env = env, .read_threads = args.threads});
     if (!reader.ok()) return ReportError("bench safetensors: open", reader.status());
     Clock::time_point start = Clock::now();
     absl::Status read = (*reader)->ReadManyAsF32(requests);

@@ -52,6 +52,7 @@ struct BenchSafetensorsArgs {
   std::string dtype = "BF16";
   int tensors = 64;
   int rounds = 3;
+  int threads = 8;  // Reader threads.
   bool json = false;
 };
 int RunBenchSafetensors(const BenchSafetensorsArgs& args);

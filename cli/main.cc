@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
   st_cmd->add_option("--size", bench_st.size, "File size, e.g. 2G")->required();
   st_cmd->add_option("--dtype", bench_st.dtype, "BF16, F16 or F32");
   st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")->check(CLI::Range(1, 100000));
+  st_cmd->add_option("--threads", bench_st.threads, "Reader threads")->check(CLI::Range(1, 256));
   st_cmd->add_option("--rounds", bench_st.rounds, "Rounds of (bound, write, read); the median is reported")->check(CLI::Range(1, 100));
   st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
 
