@@ -14,20 +14,21 @@ namespace ckpt::internal {
 
 inline constexpr size_t kDirectIoAlignment = 4096;
 
-// Move-only owner of `size` bytes aligned to kDirectIoAlignment, zero-filled at creation.
-// Not thread-safe.
+// Move-only owner of `size` bytes aligned to kDirectIoAlignment, zero-filled at creation unless
+// the caller will overwrite it anyway (a read bounce buffer). Not thread-safe.
 class AlignedBuffer {
  public:
+  enum class Fill { kZero, kUninitialized };
   AlignedBuffer() = default;
   // kResourceExhausted when the allocation fails.
-  static absl::StatusOr<AlignedBuffer> Create(size_t size) {
+  static absl::StatusOr<AlignedBuffer> Create(size_t size, Fill fill = Fill::kZero) {
     size_t rounded = (size + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
     if (rounded == 0) rounded = kDirectIoAlignment;
     void* p = std::aligned_alloc(kDirectIoAlignment, rounded);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("allocate ", rounded, " aligned bytes"));
     }
-    __builtin_memset(p, 0, rounded);
+    if (fill == Fill::kZero) __builtin_memset(p, 0, rounded);
     return AlignedBuffer(static_cast<std::byte*>(p), size);
   }
   ~AlignedBuffer() { std::free(data_); }

@@ -190,7 +190,9 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
   // Each thread takes a contiguous run of slices: a few sequential streams, which device and
   // host readahead serve better than slices dealt round-robin.
   auto worker = [&](size_t t) {
-    absl::StatusOr<AlignedBuffer> buf = AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment);
+    // Every byte the consumer sees is read into it first: no need to zero 8 MiB per thread.
+    absl::StatusOr<AlignedBuffer> buf =
+        AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment, AlignedBuffer::Fill::kUninitialized);
     if (!buf.ok()) return fail(buf.status());
     const size_t first = slices.size() * t / threads, last = slices.size() * (t + 1) / threads;
     for (size_t i = first; i < last && !failed; ++i) {
