@@ -4,10 +4,10 @@
 // master, two moments read; master and moments written; BF16 copy written); for the CUDA engine,
 // PCIe bandwidth with copies in both directions at once, divided by 12 bytes each way.
 #include <algorithm>
-#include <cstdlib>
-#include <memory>
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -121,7 +121,8 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
   CpuFigures f;
   f.engine = (*opt)->engine_name();
   f.gparams = static_cast<double>(n) / best / 1e9;
-  const int t = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int t =
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   f.triad_gbps = TriadGBps(std::max<uint64_t>(n, 32u << 20), t);
   f.bound_gparams = f.triad_gbps / kCpuBytesPerParam;
   f.shaped_gparams = StepShapedGparams(n, t);
@@ -131,22 +132,31 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
 }  // namespace
 
 int RunBenchAdamw(const BenchAdamwArgs& args) {
-  if (args.params == 0) return ReportError("bench adamw", absl::InvalidArgumentError("--params must be positive"));
+  if (args.params == 0)
+    return ReportError("bench adamw", absl::InvalidArgumentError("--params must be positive"));
   nlohmann::json out = {{"params", args.params}};
   bool any = false;
   if (args.engine == "cpu" || args.engine == "both") {
     absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps);
     if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
-    out["cpu"] = {{"engine", f->engine}, {"gparams_per_s", f->gparams}, {"triad_gbps", f->triad_gbps},
-                  {"bound_gparams_per_s", f->bound_gparams}, {"ratio", f->gparams / f->bound_gparams},
-                  {"bytes_per_param", kCpuBytesPerParam}, {"device_bytes", 0},
-                  {"step_shaped_bound_gparams_per_s", f->shaped_gparams}, {"step_shaped_ratio", f->gparams / f->shaped_gparams}};
+    out["cpu"] = {{"engine", f->engine},
+                  {"gparams_per_s", f->gparams},
+                  {"triad_gbps", f->triad_gbps},
+                  {"bound_gparams_per_s", f->bound_gparams},
+                  {"ratio", f->gparams / f->bound_gparams},
+                  {"bytes_per_param", kCpuBytesPerParam},
+                  {"device_bytes", 0},
+                  {"step_shaped_bound_gparams_per_s", f->shaped_gparams},
+                  {"step_shaped_ratio", f->gparams / f->shaped_gparams}};
     if (!args.json) {
       std::cout << absl::StrFormat(
-          "cpu  %-16s %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f B/param)   ratio %.2f\n",
-          f->engine, f->gparams, f->bound_gparams, f->triad_gbps, kCpuBytesPerParam, f->gparams / f->bound_gparams);
-      std::cout << absl::StrFormat("     same nine streams without the math: %6.2f Gparam/s   ratio %.2f\n",
-                                   f->shaped_gparams, f->gparams / f->shaped_gparams);
+          "cpu  %-16s %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f B/param)   "
+          "ratio %.2f\n",
+          f->engine, f->gparams, f->bound_gparams, f->triad_gbps, kCpuBytesPerParam,
+          f->gparams / f->bound_gparams);
+      std::cout << absl::StrFormat(
+          "     same nine streams without the math: %6.2f Gparam/s   ratio %.2f\n",
+          f->shaped_gparams, f->gparams / f->shaped_gparams);
     }
     any = true;
   }
@@ -161,7 +171,9 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
     }
     any = true;
   }
-  if (!any) return ReportError("bench adamw", absl::InvalidArgumentError("--engine must be cpu, cuda or both"));
+  if (!any)
+    return ReportError("bench adamw",
+                       absl::InvalidArgumentError("--engine must be cpu, cuda or both"));
   if (args.json) PrintJson(out);
   return kExitOk;
 }

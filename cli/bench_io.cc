@@ -80,8 +80,10 @@ absl::StatusOr<RawBounds> MeasureRawOnce(Env* env, const std::string& dir, uint6
   out.write_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
   start = Clock::now();
   CKPT_RETURN_IF_ERROR(RunRanks(streams, [&](int i) -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer rbuf, internal::AlignedBuffer::Create(kRawIoBytes));
-    CKPT_ASSIGN_OR_RETURN(auto file, env->NewRandomAccessFile(path(i), FileOptions{.direct_io = true}));
+    CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer rbuf,
+                          internal::AlignedBuffer::Create(kRawIoBytes));
+    CKPT_ASSIGN_OR_RETURN(auto file,
+                          env->NewRandomAccessFile(path(i), FileOptions{.direct_io = true}));
     for (uint64_t done = 0, n = share(i); done < n; done += kRawIoBytes) {
       CKPT_RETURN_IF_ERROR(file->Read(done, rbuf.span().first(std::min(kRawIoBytes, n - done))));
       uint64_t total = progress += std::min(kRawIoBytes, n - done);
@@ -125,8 +127,8 @@ struct Figures {
   double load_gbps = 0;
 };
 
-absl::StatusOr<Figures> SaveAndLoad(const BenchIoArgs& args, const std::string& root, uint64_t bytes,
-                                    const std::vector<float>& state) {
+absl::StatusOr<Figures> SaveAndLoad(const BenchIoArgs& args, const std::string& root,
+                                    uint64_t bytes, const std::vector<float>& state) {
   const uint64_t elems = state.size();
   StoreOptions options;
   if (args.zstd_level.has_value()) {
@@ -197,7 +199,8 @@ int RunBenchIo(const BenchIoArgs& args) {
   absl::StatusOr<uint64_t> size = ParseByteSize(args.size);
   if (!size.ok()) return ReportError("bench io", size.status());
   const uint64_t bytes = *size / 4 * 4;
-  if (bytes == 0) return ReportError("bench io", absl::InvalidArgumentError("--size must be at least 4 bytes"));
+  if (bytes == 0)
+    return ReportError("bench io", absl::InvalidArgumentError("--size must be at least 4 bytes"));
   Env* env = Env::Default();
   absl::StatusOr<bool> is_dir = env->IsDirectory(args.dir);
   if (!is_dir.ok() || !*is_dir) {
@@ -217,19 +220,30 @@ int RunBenchIo(const BenchIoArgs& args) {
   const double load_ratio = fig->load_gbps / bounds->read_gbps;
   const std::string env_name = DefaultEnvFallbackReason().empty() ? "uring" : "posix";
   if (args.json) {
-    PrintJson({{"dir", args.dir}, {"root", root}, {"step", fig->step}, {"kept", args.keep},
-               {"size_bytes", bytes}, {"ranks", args.ranks}, {"env", env_name},
-               {"codec", args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw"},
-               {"save_gbps", fig->save_gbps}, {"write_bound_gbps", bounds->write_gbps}, {"save_ratio", save_ratio},
-               {"load_gbps", fig->load_gbps}, {"read_bound_gbps", bounds->read_gbps}, {"load_ratio", load_ratio}});
+    PrintJson(
+        {{"dir", args.dir},
+         {"root", root},
+         {"step", fig->step},
+         {"kept", args.keep},
+         {"size_bytes", bytes},
+         {"ranks", args.ranks},
+         {"env", env_name},
+         {"codec", args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw"},
+         {"save_gbps", fig->save_gbps},
+         {"write_bound_gbps", bounds->write_gbps},
+         {"save_ratio", save_ratio},
+         {"load_gbps", fig->load_gbps},
+         {"read_bound_gbps", bounds->read_gbps},
+         {"load_ratio", load_ratio}});
   } else {
     std::cout << absl::StrFormat(
         "state %s, %d rank(s), %s env, codec %s\n"
         "save  %6.2f GB/s   O_DIRECT write bound %6.2f GB/s   ratio %.2f\n"
         "load  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n",
         FormatBytes(bytes), args.ranks, env_name,
-        args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw", fig->save_gbps,
-        bounds->write_gbps, save_ratio, fig->load_gbps, bounds->read_gbps, load_ratio);
+        args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw",
+        fig->save_gbps, bounds->write_gbps, save_ratio, fig->load_gbps, bounds->read_gbps,
+        load_ratio);
     if (args.keep) std::cout << "kept step " << fig->step << " in " << root << "\n";
   }
   return kExitOk;

@@ -36,7 +36,8 @@ absl::StatusOr<double> RawReadBound(Env* env, const std::string& dir, uint64_t s
   for (int streams : {1, 4}) {
     const std::string path = JoinPath(dir, ".ckpt-bench-raw.tmp");
     {
-      CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer buf, internal::AlignedBuffer::Create(kRawIoBytes));
+      CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer buf,
+                            internal::AlignedBuffer::Create(kRawIoBytes));
       std::memset(buf.data(), 0x5a, kRawIoBytes);
       CKPT_ASSIGN_OR_RETURN(auto out, env->NewWritableFile(path, FileOptions{.direct_io = true}));
       for (uint64_t off = 0; off < aligned; off += kRawIoBytes) {
@@ -45,7 +46,8 @@ absl::StatusOr<double> RawReadBound(Env* env, const std::string& dir, uint64_t s
       CKPT_RETURN_IF_ERROR(out->Sync());
       CKPT_RETURN_IF_ERROR(out->Close());
     }
-    CKPT_ASSIGN_OR_RETURN(auto file, env->NewRandomAccessFile(path, FileOptions{.direct_io = true}));
+    CKPT_ASSIGN_OR_RETURN(auto file,
+                          env->NewRandomAccessFile(path, FileOptions{.direct_io = true}));
     std::vector<absl::Status> results(static_cast<size_t>(streams));
     Clock::time_point start = Clock::now();
     std::vector<std::thread> threads;
@@ -56,7 +58,8 @@ absl::StatusOr<double> RawReadBound(Env* env, const std::string& dir, uint64_t s
           results[i] = buf.status();
           return;
         }
-        const uint64_t lo = aligned / 4096 * i / streams * 4096, hi = aligned / 4096 * (i + 1) / streams * 4096;
+        const uint64_t lo = aligned / 4096 * i / streams * 4096,
+                       hi = aligned / 4096 * (i + 1) / streams * 4096;
         for (uint64_t off = lo; off < hi && results[i].ok(); off += kRawIoBytes) {
           results[i] = file->Read(off, buf->span().first(std::min(kRawIoBytes, hi - off)));
         }
@@ -79,7 +82,8 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
   absl::StatusOr<formats::StDType> dtype = formats::ParseStDType(args.dtype);
   if (!dtype.ok() || (*dtype != formats::StDType::kBF16 && *dtype != formats::StDType::kF16 &&
                       *dtype != formats::StDType::kF32)) {
-    return ReportError("bench safetensors", absl::InvalidArgumentError("--dtype must be BF16, F16 or F32"));
+    return ReportError("bench safetensors",
+                       absl::InvalidArgumentError("--dtype must be BF16, F16 or F32"));
   }
   Env* env = Env::Default();
   const uint64_t esize = formats::StDTypeBits(*dtype) / 8;
@@ -87,10 +91,13 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
   const uint64_t elems = std::max<uint64_t>(1, *size / esize / static_cast<uint64_t>(tensors));
   std::vector<uint16_t> source(elems * esize / 2 + 1);
   std::mt19937 rng(1);
-  for (uint16_t& x : source) x = static_cast<uint16_t>(0x3c00 | (rng() & 0x03ff));  // Finite in every dtype.
+  for (uint16_t& x : source)
+    x = static_cast<uint16_t>(0x3c00 | (rng() & 0x03ff));  // Finite in every dtype.
   std::vector<HfTensorData> data;
   for (int t = 0; t < tensors; ++t) {
-    data.push_back({absl::StrCat("model.layers.", t, ".weight"), *dtype, {elems},
+    data.push_back({absl::StrCat("model.layers.", t, ".weight"),
+                    *dtype,
+                    {elems},
                     std::as_bytes(std::span(source)).first(elems * esize)});
   }
   const std::string dir = JoinPath(args.dir, "ckpt-bench-safetensors");
@@ -123,21 +130,30 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
     rounds.push_back({static_cast<double>(file_bytes) / Seconds(start) / 1e9, *bound});
     RemoveRecursively(env, dir).IgnoreError();  // Best effort: only benchmark output.
   }
-  std::sort(rounds.begin(), rounds.end(), [](const Round& a, const Round& b) { return a.gbps / a.bound < b.gbps / b.bound; });
+  std::sort(rounds.begin(), rounds.end(),
+            [](const Round& a, const Round& b) { return a.gbps / a.bound < b.gbps / b.bound; });
   const Round& median = rounds[rounds.size() / 2];
   const double gbps = median.gbps, bound = median.bound;
   nlohmann::json all = nlohmann::json::array();
-  for (const Round& r : rounds) all.push_back({{"read_to_f32_gbps", r.gbps}, {"read_bound_gbps", r.bound}, {"ratio", r.gbps / r.bound}});
+  for (const Round& r : rounds)
+    all.push_back(
+        {{"read_to_f32_gbps", r.gbps}, {"read_bound_gbps", r.bound}, {"ratio", r.gbps / r.bound}});
   if (args.json) {
-    PrintJson({{"file_bytes", file_bytes}, {"dtype", args.dtype}, {"tensors", tensors},
-               {"read_to_f32_gbps", gbps}, {"read_bound_gbps", bound}, {"ratio", gbps / bound},
-               {"rounds", all}, {"f32_output_bytes", elems * 4 * static_cast<uint64_t>(tensors)}});
+    PrintJson({{"file_bytes", file_bytes},
+               {"dtype", args.dtype},
+               {"tensors", tensors},
+               {"read_to_f32_gbps", gbps},
+               {"read_bound_gbps", bound},
+               {"ratio", gbps / bound},
+               {"rounds", all},
+               {"f32_output_bytes", elems * 4 * static_cast<uint64_t>(tensors)}});
   } else {
-    std::cout << absl::StrFormat("safetensors %s, %d %s tensors -> FP32, median of %d rounds (ratios %.2f..%.2f)\n"
-                                 "read  %6.2f GB/s (file bytes)   O_DIRECT read bound %6.2f GB/s   ratio %.2f\n",
-                                 FormatBytes(file_bytes), tensors, args.dtype, static_cast<int>(rounds.size()),
-                                 rounds.front().gbps / rounds.front().bound, rounds.back().gbps / rounds.back().bound, gbps, bound,
-                                 gbps / bound);
+    std::cout << absl::StrFormat(
+        "safetensors %s, %d %s tensors -> FP32, median of %d rounds (ratios %.2f..%.2f)\n"
+        "read  %6.2f GB/s (file bytes)   O_DIRECT read bound %6.2f GB/s   ratio %.2f\n",
+        FormatBytes(file_bytes), tensors, args.dtype, static_cast<int>(rounds.size()),
+        rounds.front().gbps / rounds.front().bound, rounds.back().gbps / rounds.back().bound, gbps,
+        bound, gbps / bound);
   }
   return kExitOk;
 }

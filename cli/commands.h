@@ -67,7 +67,7 @@ int RunHfReshard(const HfReshardArgs& args);
 
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
-  int threads = 0;           // 0: every core.
+  int threads = 0;             // 0: every core.
   std::string engine = "cpu";  // cpu, cuda or both.
   int steps = 5;
   bool json = false;

@@ -21,11 +21,20 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   absl::string_view digits = text;
   if (!digits.empty()) {
     switch (absl::ascii_toupper(static_cast<unsigned char>(digits.back()))) {
-      case 'K': multiplier = uint64_t{1} << 10; break;
-      case 'M': multiplier = uint64_t{1} << 20; break;
-      case 'G': multiplier = uint64_t{1} << 30; break;
-      case 'T': multiplier = uint64_t{1} << 40; break;
-      default: break;
+      case 'K':
+        multiplier = uint64_t{1} << 10;
+        break;
+      case 'M':
+        multiplier = uint64_t{1} << 20;
+        break;
+      case 'G':
+        multiplier = uint64_t{1} << 30;
+        break;
+      case 'T':
+        multiplier = uint64_t{1} << 40;
+        break;
+      default:
+        break;
     }
     if (multiplier != 1) digits.remove_suffix(1);
   }

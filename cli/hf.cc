@@ -29,13 +29,21 @@ int InspectHf(const std::string& path, bool json) {
   nlohmann::json tensors = nlohmann::json::array();
   for (const HfTensor& t : (*r)->tensors()) {
     total += t.byte_size;
-    tensors.push_back({{"name", t.name}, {"dtype", std::string(formats::StDTypeName(t.dtype))},
-                       {"shape", t.shape}, {"bytes", t.byte_size}, {"shard", t.shard}});
+    tensors.push_back({{"name", t.name},
+                       {"dtype", std::string(formats::StDTypeName(t.dtype))},
+                       {"shape", t.shape},
+                       {"bytes", t.byte_size},
+                       {"shard", t.shard}});
   }
   if (json) {
-    nlohmann::json out = {{"path", path}, {"format", "safetensors"}, {"sharded", (*r)->sharded()},
-                          {"shards", nlohmann::json::object()}, {"tensors", tensors}, {"total_bytes", total}};
-    for (const auto& [shard, meta] : (*r)->shard_metadata()) out["shards"][shard] = {{"metadata", meta}};
+    nlohmann::json out = {{"path", path},
+                          {"format", "safetensors"},
+                          {"sharded", (*r)->sharded()},
+                          {"shards", nlohmann::json::object()},
+                          {"tensors", tensors},
+                          {"total_bytes", total}};
+    for (const auto& [shard, meta] : (*r)->shard_metadata())
+      out["shards"][shard] = {{"metadata", meta}};
     if ((*r)->index().has_value() && (*r)->index()->total_size.has_value()) {
       out["index_total_size"] = *(*r)->index()->total_size;
     }
@@ -52,8 +60,9 @@ int InspectHf(const std::string& path, bool json) {
   for (const nlohmann::json& t : tensors) {
     std::vector<std::string> dims;
     for (const nlohmann::json& d : t["shape"]) dims.push_back(d.dump());
-    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << "  ["
-              << absl::StrJoin(dims, ", ") << "]  " << FormatBytes(t["bytes"].get<uint64_t>());
+    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>()
+              << "  [" << absl::StrJoin(dims, ", ") << "]  "
+              << FormatBytes(t["bytes"].get<uint64_t>());
     if ((*r)->sharded()) std::cout << "  " << t["shard"].get<std::string>();
     std::cout << "\n";
   }

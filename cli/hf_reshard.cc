@@ -36,7 +36,8 @@ int RunHfReshard(const HfReshardArgs& args) {
   ProgressBar bar("read ", order.size(), !args.json);
   for (const HfTensor* t : order) {
     storage.emplace_back(t->byte_size, '\0');
-    absl::Status s = (*reader)->ReadBytes(t->name, 0, t->numel, std::as_writable_bytes(std::span(storage.back())));
+    absl::Status s = (*reader)->ReadBytes(t->name, 0, t->numel,
+                                          std::as_writable_bytes(std::span(storage.back())));
     if (!s.ok()) return ReportError("hf-reshard", s);
     tensors.push_back({t->name, t->dtype, t->shape, std::as_bytes(std::span(storage.back()))});
     bar.Update(tensors.size());
@@ -47,8 +48,11 @@ int RunHfReshard(const HfReshardArgs& args) {
   absl::StatusOr<std::unique_ptr<HfCheckpointReader>> back = HfCheckpointReader::Open(args.dst);
   if (!back.ok()) return ReportError("hf-reshard: re-reading the output", back.status());
   if (args.json) {
-    PrintJson({{"src", args.src}, {"dst", args.dst}, {"tensors", tensors.size()},
-               {"files", (*back)->shard_metadata().size()}, {"sharded", (*back)->sharded()}});
+    PrintJson({{"src", args.src},
+               {"dst", args.dst},
+               {"tensors", tensors.size()},
+               {"files", (*back)->shard_metadata().size()},
+               {"sharded", (*back)->sharded()}});
   } else {
     std::cout << "wrote " << tensors.size() << " tensors to " << args.dst << " in "
               << (*back)->shard_metadata().size() << " file(s)\n";

@@ -22,13 +22,19 @@ using nlohmann::json;
 json StepDetails(const formats::Manifest& m) {
   json tensors = json::array();
   for (const formats::TensorInfo& t : m.tensors) {
-    tensors.push_back({{"name", t.name}, {"dtype", std::string(formats::DTypeName(t.dtype))},
-                       {"shape", t.shape}, {"bytes", t.numel() * formats::DTypeSize(t.dtype)}});
+    tensors.push_back({{"name", t.name},
+                       {"dtype", std::string(formats::DTypeName(t.dtype))},
+                       {"shape", t.shape},
+                       {"bytes", t.numel() * formats::DTypeSize(t.dtype)}});
   }
   json pieces = json::array();
   for (const formats::PieceInfo& p : m.pieces) {
-    pieces.push_back({{"tensor", m.tensors[p.tensor].name}, {"rank", p.rank}, {"begin", p.begin},
-                      {"count", p.count}, {"file", m.files[p.file].name}, {"chunks", p.chunk_count}});
+    pieces.push_back({{"tensor", m.tensors[p.tensor].name},
+                      {"rank", p.rank},
+                      {"begin", p.begin},
+                      {"count", p.count},
+                      {"file", m.files[p.file].name},
+                      {"chunks", p.chunk_count}});
   }
   json files = json::array();
   uint64_t raw = 0, stored = 0, zstd_chunks = 0;
@@ -41,27 +47,38 @@ json StepDetails(const formats::Manifest& m) {
     }
     raw += file_raw;
     stored += file_stored;
-    files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.size_bytes},
-                     {"chunks", f.chunks.size()}, {"raw_bytes", file_raw}, {"stored_bytes", file_stored}});
+    files.push_back({{"name", f.name},
+                     {"rank", f.rank},
+                     {"bytes", f.size_bytes},
+                     {"chunks", f.chunks.size()},
+                     {"raw_bytes", file_raw},
+                     {"stored_bytes", file_stored}});
   }
   json blobs = json::array();
   for (const formats::BlobInfo& b : m.blobs) {
     blobs.push_back({{"name", b.name}, {"rank", b.rank}, {"bytes", b.size_bytes}});
   }
-  return {{"step", m.step}, {"world_size", m.world_size}, {"tensors", tensors}, {"pieces", pieces},
-          {"files", files}, {"blobs", blobs},
-          {"compression", {{"raw_bytes", raw}, {"stored_bytes", stored}, {"zstd_chunks", zstd_chunks}}}};
+  return {{"step", m.step},
+          {"world_size", m.world_size},
+          {"tensors", tensors},
+          {"pieces", pieces},
+          {"files", files},
+          {"blobs", blobs},
+          {"compression",
+           {{"raw_bytes", raw}, {"stored_bytes", stored}, {"zstd_chunks", zstd_chunks}}}};
 }
 
 void PrintHuman(const json& out) {
   std::cout << "root: " << out["root"].get<std::string>() << "\n";
-  std::cout << "LATEST: " << (out["latest"].is_null() ? std::string("(none)") : out["latest"].dump()) << "\n";
+  std::cout << "LATEST: "
+            << (out["latest"].is_null() ? std::string("(none)") : out["latest"].dump()) << "\n";
   std::cout << "steps:\n";
   for (const json& s : out["steps"]) {
     std::cout << "  " << s["dir"].get<std::string>() << "  " << s["state"].get<std::string>()
               << (s.value("latest", false) ? "  <- LATEST" : "") << "\n";
   }
-  for (const json& g : out["garbage"]) std::cout << "  " << g.get<std::string>() << "  uncommitted (removed at next Open)\n";
+  for (const json& g : out["garbage"])
+    std::cout << "  " << g.get<std::string>() << "  uncommitted (removed at next Open)\n";
   if (!out.contains("details")) return;
   const json& d = out["details"];
   std::cout << "\nstep " << d["step"] << " (world size " << d["world_size"] << ")\n";
@@ -69,25 +86,29 @@ void PrintHuman(const json& out) {
   for (const json& t : d["tensors"]) {
     std::vector<std::string> dims;
     for (const json& x : t["shape"]) dims.push_back(x.dump());
-    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << "  ["
-              << absl::StrJoin(dims, ", ") << "]  " << FormatBytes(t["bytes"].get<uint64_t>()) << "\n";
+    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>()
+              << "  [" << absl::StrJoin(dims, ", ") << "]  "
+              << FormatBytes(t["bytes"].get<uint64_t>()) << "\n";
   }
   std::cout << "pieces:\n";
   for (const json& p : d["pieces"]) {
-    std::cout << "  rank " << p["rank"] << "  " << p["tensor"].get<std::string>() << "  [" << p["begin"]
-              << ", " << p["begin"].get<uint64_t>() + p["count"].get<uint64_t>() << ")  " << p["chunks"] << " chunks\n";
+    std::cout << "  rank " << p["rank"] << "  " << p["tensor"].get<std::string>() << "  ["
+              << p["begin"] << ", " << p["begin"].get<uint64_t>() + p["count"].get<uint64_t>()
+              << ")  " << p["chunks"] << " chunks\n";
   }
   std::cout << "files:\n";
   for (const json& f : d["files"]) {
-    std::cout << "  " << f["name"].get<std::string>() << "  " << FormatBytes(f["bytes"].get<uint64_t>()) << "  "
-              << f["chunks"] << " chunks\n";
+    std::cout << "  " << f["name"].get<std::string>() << "  "
+              << FormatBytes(f["bytes"].get<uint64_t>()) << "  " << f["chunks"] << " chunks\n";
   }
   const json& c = d["compression"];
-  std::cout << "compression: " << c["zstd_chunks"] << " zstd chunks, " << FormatBytes(c["raw_bytes"].get<uint64_t>())
-            << " raw -> " << FormatBytes(c["stored_bytes"].get<uint64_t>()) << " stored\n";
+  std::cout << "compression: " << c["zstd_chunks"] << " zstd chunks, "
+            << FormatBytes(c["raw_bytes"].get<uint64_t>()) << " raw -> "
+            << FormatBytes(c["stored_bytes"].get<uint64_t>()) << " stored\n";
   std::cout << "blobs:\n";
   for (const json& b : d["blobs"]) {
-    std::cout << "  rank " << b["rank"] << "  " << b["name"].get<std::string>() << "  " << FormatBytes(b["bytes"].get<uint64_t>()) << "\n";
+    std::cout << "  rank " << b["rank"] << "  " << b["name"].get<std::string>() << "  "
+              << FormatBytes(b["bytes"].get<uint64_t>()) << "\n";
   }
 }
 
@@ -99,7 +120,10 @@ int RunInspect(const InspectArgs& args) {
   absl::StatusOr<std::vector<std::string>> names = env->GetChildren(args.root);
   if (!names.ok()) return ReportError("inspect", names.status());
   std::sort(names->begin(), names->end());
-  json out = {{"root", args.root}, {"latest", nullptr}, {"steps", json::array()}, {"garbage", json::array()}};
+  json out = {{"root", args.root},
+              {"latest", nullptr},
+              {"steps", json::array()},
+              {"garbage", json::array()}};
   std::optional<uint64_t> latest;
   const std::string latest_path = JoinPath(args.root, internal::kLatestName);
   absl::StatusOr<std::string> latest_bytes = ReadFileToString(env, latest_path);
@@ -122,10 +146,12 @@ int RunInspect(const InspectArgs& args) {
     if (!step.has_value()) continue;
     StoreOptions options;
     options.env = env;
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = CheckpointReader::Open(JoinPath(args.root, name), options);
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
+        CheckpointReader::Open(JoinPath(args.root, name), options);
     json entry = {{"step", *step}, {"dir", name}, {"latest", latest == *step}};
     if (reader.ok()) {
-      entry["state"] = latest.has_value() && *step > *latest ? "unpublished (newer than LATEST)" : "committed";
+      entry["state"] =
+          latest.has_value() && *step > *latest ? "unpublished (newer than LATEST)" : "committed";
       readers[*step] = std::move(reader).value();
     } else {
       entry["state"] = absl::StrCat("damaged: ", reader.status().message());
@@ -137,7 +163,8 @@ int RunInspect(const InspectArgs& args) {
     auto it = readers.find(*shown);
     if (it == readers.end()) {
       if (args.step.has_value()) {
-        return ReportError("inspect", absl::NotFoundError(absl::StrCat(args.root, ": no readable step ", *shown)));
+        return ReportError(
+            "inspect", absl::NotFoundError(absl::StrCat(args.root, ": no readable step ", *shown)));
       }
     } else {
       out["details"] = StepDetails(it->second->manifest());

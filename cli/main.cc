@@ -13,14 +13,21 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   InspectArgs inspect;
-  CLI::App* inspect_cmd = app.add_subcommand("inspect", "Show a ckpt root (steps, LATEST, tensors, pieces, files, chunks, blobs) or an HF checkpoint (tensors, shards)");
-  inspect_cmd->add_option("path", inspect.root, "ckpt root, .safetensors file or HF model directory")->required();
+  CLI::App* inspect_cmd =
+      app.add_subcommand("inspect",
+                         "Show a ckpt root (steps, LATEST, tensors, pieces, files, chunks, blobs) "
+                         "or an HF checkpoint (tensors, shards)");
+  inspect_cmd
+      ->add_option("path", inspect.root, "ckpt root, .safetensors file or HF model directory")
+      ->required();
   inspect_cmd->add_option("--step", inspect.step, "Show this step (default: the one LATEST names)");
   inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
 
   VerifyArgs verify;
-  CLI::App* verify_cmd = app.add_subcommand("verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
-  verify_cmd->add_option("path", verify.root, "ckpt root, .safetensors file or HF model directory")->required();
+  CLI::App* verify_cmd = app.add_subcommand(
+      "verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
+  verify_cmd->add_option("path", verify.root, "ckpt root, .safetensors file or HF model directory")
+      ->required();
   CLI::Option* step_opt = verify_cmd->add_option("--step", verify.step, "Verify this step");
   verify_cmd->add_flag("--all", verify.all, "Verify every step")->excludes(step_opt);
   verify_cmd->add_flag("--json", verify.json, "Print one JSON object");
@@ -28,45 +35,64 @@ int main(int argc, char** argv) {
   GcArgs gc;
   CLI::App* gc_cmd = app.add_subcommand("gc", "Delete old steps (never the one LATEST names)");
   gc_cmd->add_option("root", gc.root, "Checkpoint root directory")->required();
-  gc_cmd->add_option("--keep-last", gc.keep_last, "Keep the newest K steps")->required()->check(CLI::PositiveNumber);
+  gc_cmd->add_option("--keep-last", gc.keep_last, "Keep the newest K steps")
+      ->required()
+      ->check(CLI::PositiveNumber);
   gc_cmd->add_option("--keep-every", gc.keep_every, "Also keep steps that are multiples of N");
   gc_cmd->add_flag("--dry-run", gc.dry_run, "Only print what would be deleted");
   gc_cmd->add_flag("--json", gc.json, "Print one JSON object");
 
-  CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmarks against the bound measured in the same run");
+  CLI::App* bench_cmd =
+      app.add_subcommand("bench", "Benchmarks against the bound measured in the same run");
   bench_cmd->require_subcommand(1);
   BenchIoArgs bench_io;
-  CLI::App* io_cmd = bench_cmd->add_subcommand("io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
+  CLI::App* io_cmd = bench_cmd->add_subcommand(
+      "io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
   io_cmd->add_option("--dir", bench_io.dir, "Directory to benchmark in (must exist)")->required();
   io_cmd->add_option("--size", bench_io.size, "Bytes of state, e.g. 2G")->required();
   io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")->check(CLI::Range(1, 256));
-  io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")->check(CLI::Range(1, 19));
+  io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")
+      ->check(CLI::Range(1, 19));
   io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");
   io_cmd->add_flag("--json", bench_io.json, "Print one JSON object");
 
   BenchSafetensorsArgs bench_st;
-  CLI::App* st_cmd = bench_cmd->add_subcommand("safetensors", "Read every tensor of a safetensors file into FP32; measure the O_DIRECT read bound");
+  CLI::App* st_cmd = bench_cmd->add_subcommand(
+      "safetensors",
+      "Read every tensor of a safetensors file into FP32; measure the O_DIRECT read bound");
   st_cmd->add_option("--dir", bench_st.dir, "Directory to benchmark in (must exist)")->required();
   st_cmd->add_option("--size", bench_st.size, "File size, e.g. 2G")->required();
   st_cmd->add_option("--dtype", bench_st.dtype, "BF16, F16 or F32");
-  st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")->check(CLI::Range(1, 100000));
+  st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")
+      ->check(CLI::Range(1, 100000));
   st_cmd->add_option("--threads", bench_st.threads, "Reader threads")->check(CLI::Range(1, 256));
-  st_cmd->add_option("--rounds", bench_st.rounds, "Rounds of (bound, write, read); the median is reported")->check(CLI::Range(1, 100));
+  st_cmd
+      ->add_option("--rounds", bench_st.rounds,
+                   "Rounds of (bound, write, read); the median is reported")
+      ->check(CLI::Range(1, 100));
   st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
 
   BenchAdamwArgs bench_adamw;
-  CLI::App* adamw_cmd = bench_cmd->add_subcommand("adamw", "StagedAdamW steps per second against host-memory or PCIe bounds");
-  adamw_cmd->add_option("--params", bench_adamw.params, "Parameters (elements) on this rank")->required();
+  CLI::App* adamw_cmd = bench_cmd->add_subcommand(
+      "adamw", "StagedAdamW steps per second against host-memory or PCIe bounds");
+  adamw_cmd->add_option("--params", bench_adamw.params, "Parameters (elements) on this rank")
+      ->required();
   adamw_cmd->add_option("--threads", bench_adamw.threads, "CPU engine threads (0: every core)");
-  adamw_cmd->add_option("--engine", bench_adamw.engine, "cpu, cuda or both")->check(CLI::IsMember({"cpu", "cuda", "both"}));
-  adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")->check(CLI::Range(1, 1000));
+  adamw_cmd->add_option("--engine", bench_adamw.engine, "cpu, cuda or both")
+      ->check(CLI::IsMember({"cpu", "cuda", "both"}));
+  adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
+      ->check(CLI::Range(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
 
   HfReshardArgs reshard;
-  CLI::App* reshard_cmd = app.add_subcommand("hf-reshard", "Rewrite a HuggingFace checkpoint as one file or as shards, through ckpt's reader and writer");
-  reshard_cmd->add_option("src", reshard.src, ".safetensors file or HF model directory")->required();
+  CLI::App* reshard_cmd = app.add_subcommand("hf-reshard",
+                                             "Rewrite a HuggingFace checkpoint as one file or as "
+                                             "shards, through ckpt's reader and writer");
+  reshard_cmd->add_option("src", reshard.src, ".safetensors file or HF model directory")
+      ->required();
   reshard_cmd->add_option("dst", reshard.dst, "Output directory (created if absent)")->required();
-  reshard_cmd->add_option("--max-shard-size", reshard.max_shard_size, "Shard the output at this many bytes, e.g. 5G");
+  reshard_cmd->add_option("--max-shard-size", reshard.max_shard_size,
+                          "Shard the output at this many bytes, e.g. 5G");
   reshard_cmd->add_flag("--json", reshard.json, "Print one JSON object");
 
   try {

@@ -36,13 +36,19 @@ int RunVerify(const VerifyArgs& args) {
   bar.Finish();
   if (!report.ok()) return ReportError("verify", report.status());
   if (args.json) {
-    nlohmann::json out = {{"root", args.root}, {"ok", report->ok()}, {"problems", nlohmann::json::array()},
+    nlohmann::json out = {{"root", args.root},
+                          {"ok", report->ok()},
+                          {"problems", nlohmann::json::array()},
                           {"steps", nlohmann::json::array()}};
-    out["latest"] = report->latest.has_value() ? nlohmann::json(*report->latest) : nlohmann::json(nullptr);
+    out["latest"] =
+        report->latest.has_value() ? nlohmann::json(*report->latest) : nlohmann::json(nullptr);
     for (const VerifyProblem& p : report->problems) out["problems"].push_back(ProblemJson(p));
     for (const StepVerifyReport& s : report->steps) {
-      nlohmann::json step = {{"step", s.step}, {"dir", s.dir}, {"ok", s.problems.empty()},
-                             {"bytes_checked", s.bytes_checked}, {"chunks_checked", s.chunks_checked},
+      nlohmann::json step = {{"step", s.step},
+                             {"dir", s.dir},
+                             {"ok", s.problems.empty()},
+                             {"bytes_checked", s.bytes_checked},
+                             {"chunks_checked", s.chunks_checked},
                              {"problems", nlohmann::json::array()}};
       for (const VerifyProblem& p : s.problems) step["problems"].push_back(ProblemJson(p));
       out["steps"].push_back(step);

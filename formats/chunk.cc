@@ -62,9 +62,8 @@ absl::StatusOr<DataFileHeader> DecodeDataFileHeader(std::span<const std::byte> b
   uint64_t stored = DecodeFixed64(block.data() + kDataFileHeaderBytes - 8);
   uint64_t actual = Checksum(block.first(kDataFileHeaderBytes - 8));
   if (stored != actual) {
-    return absl::DataLossError(
-        absl::StrCat(file, ": data file header checksum mismatch (offset 0..", kDataFileHeaderBytes,
-                     ")"));
+    return absl::DataLossError(absl::StrCat(
+        file, ": data file header checksum mismatch (offset 0..", kDataFileHeaderBytes, ")"));
   }
   uint32_t version = DecodeFixed32(block.data() + 8);
   if (version != kFormatVersion) {

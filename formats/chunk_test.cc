@@ -22,7 +22,8 @@ TEST(ChunkTest, DataFileHeaderRoundTripsAndDetectsEveryBitFlip) {
   for (size_t bit = 0; bit < block.size() * 8; bit += 7) {
     std::string bad = block;
     bad[bit / 8] ^= static_cast<char>(1 << (bit % 8));
-    EXPECT_THAT(DecodeDataFileHeader(AsBytes(bad), "f"), StatusIs(absl::StatusCode::kDataLoss)) << bit;
+    EXPECT_THAT(DecodeDataFileHeader(AsBytes(bad), "f"), StatusIs(absl::StatusCode::kDataLoss))
+        << bit;
   }
 }
 
@@ -33,8 +34,9 @@ TEST(ChunkTest, ChunkHeaderRejectsAbsurdSizesAndUnknownCodecs) {
   EXPECT_EQ(h->stored_bytes, 40u);
   EXPECT_THAT(DecodeChunkHeader(AsBytes(EncodeChunkHeader({Codec::kRaw, 100, 40})), "f", 0),
               StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(DecodeChunkHeader(AsBytes(EncodeChunkHeader({Codec::kRaw, 1ull << 40, 1ull << 40})), "f", 0),
-              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(
+      DecodeChunkHeader(AsBytes(EncodeChunkHeader({Codec::kRaw, 1ull << 40, 1ull << 40})), "f", 0),
+      StatusIs(absl::StatusCode::kDataLoss));
   std::string bad_codec = ok;
   bad_codec[4] = 7;
   EXPECT_THAT(DecodeChunkHeader(AsBytes(bad_codec), "f", 0), StatusIs(absl::StatusCode::kDataLoss));
@@ -46,10 +48,12 @@ TEST(ChunkTest, ZstdRoundTripsAndRejectsWrongSizes) {
   CKPT_ASSERT_OK(packed);
   EXPECT_LT(packed->size(), raw.size());
   std::string out(raw.size(), '\0');
-  CKPT_ASSERT_OK(DecodeChunkPayload(Codec::kZstd, AsBytes(*packed), std::as_writable_bytes(std::span(out)), "f", 0));
+  CKPT_ASSERT_OK(DecodeChunkPayload(Codec::kZstd, AsBytes(*packed),
+                                    std::as_writable_bytes(std::span(out)), "f", 0));
   EXPECT_EQ(out, raw);
   std::string shorter(raw.size() - 1, '\0');
-  EXPECT_THAT(DecodeChunkPayload(Codec::kZstd, AsBytes(*packed), std::as_writable_bytes(std::span(shorter)), "f", 0),
+  EXPECT_THAT(DecodeChunkPayload(Codec::kZstd, AsBytes(*packed),
+                                 std::as_writable_bytes(std::span(shorter)), "f", 0),
               StatusIs(absl::StatusCode::kDataLoss));
 }
 
@@ -63,7 +67,8 @@ TEST(ChunkTest, LatestRoundTripsAndDetectsDamage) {
     bad[i] ^= 0x10;
     EXPECT_THAT(DecodeLatest(AsBytes(bad), "LATEST"), StatusIs(absl::StatusCode::kDataLoss)) << i;
   }
-  EXPECT_THAT(DecodeLatest(AsBytes(latest.substr(0, 31)), "LATEST"), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(DecodeLatest(AsBytes(latest.substr(0, 31)), "LATEST"),
+              StatusIs(absl::StatusCode::kDataLoss));
 }
 
 TEST(ChunkTest, ExtentPadsToBlocks) {

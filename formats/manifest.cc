@@ -54,14 +54,18 @@ bool DepthWithinLimit(absl::string_view text) {
   for (size_t i = 0; i < text.size(); ++i) {
     char c = text[i];
     if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
-    if (c == '"') in_string = true;
+    if (c == '"')
+      in_string = true;
     else if (c == '[' || c == '{') {
       if (++depth > kMaxJsonDepth) return false;
-    } else if (c == ']' || c == '}') --depth;
+    } else if (c == ']' || c == '}')
+      --depth;
   }
   return true;
 }
@@ -250,8 +254,8 @@ absl::Status ValidateFiles(const Manifest& m, absl::string_view file) {
   for (const DataFileInfo& f : m.files) {
     if (!IsValidName(f.name)) return Invalid(file, "a data file has an invalid name");
     if (!names.insert(f.name).second || !ranks.insert(f.rank).second) {
-      return Invalid(file, absl::StrCat("data file ", f.name, " or its rank ", f.rank,
-                                        " appears twice"));
+      return Invalid(file,
+                     absl::StrCat("data file ", f.name, " or its rank ", f.rank, " appears twice"));
     }
     if (f.rank >= m.world_size) {
       return Invalid(file, absl::StrCat("data file ", f.name, " has rank ", f.rank,
@@ -262,8 +266,8 @@ absl::Status ValidateFiles(const Manifest& m, absl::string_view file) {
       const ChunkInfo& ch = f.chunks[c];
       std::string where = absl::StrCat("chunk ", c, " of ", f.name, " at offset ", ch.offset);
       if (ch.offset != next) {
-        return Invalid(file, absl::StrCat(where, " does not start where its predecessor ends (",
-                                          next, ")"));
+        return Invalid(
+            file, absl::StrCat(where, " does not start where its predecessor ends (", next, ")"));
       }
       if (ch.stored_bytes > kMaxChunkBytes || ch.raw_bytes > kMaxChunkBytes ||
           (ch.codec == Codec::kRaw && ch.stored_bytes != ch.raw_bytes)) {
@@ -271,8 +275,8 @@ absl::Status ValidateFiles(const Manifest& m, absl::string_view file) {
       }
       uint64_t extent = ChunkExtentBytes(ch.stored_bytes);
       if (ch.offset > f.size_bytes || extent > f.size_bytes - ch.offset) {
-        return Invalid(file, absl::StrCat(where, " extends past the file's ", f.size_bytes,
-                                          " bytes"));
+        return Invalid(file,
+                       absl::StrCat(where, " extends past the file's ", f.size_bytes, " bytes"));
       }
       next = ch.offset + extent;
     }
@@ -308,8 +312,8 @@ absl::Status ValidatePieces(const Manifest& m, absl::string_view file,
     owner = absl::StrCat(owner, " of tensor \"", t.name, "\"");
     uint64_t numel = t.numel();
     if (p.count == 0 || p.begin > numel || p.count > numel - p.begin) {
-      return Invalid(file, absl::StrCat(owner, " [", p.begin, ", +", p.count,
-                                        ") lies outside its ", numel, " elements"));
+      return Invalid(file, absl::StrCat(owner, " [", p.begin, ", +", p.count, ") lies outside its ",
+                                        numel, " elements"));
     }
     if (p.file >= m.files.size() || m.files[p.file].rank != p.rank || p.rank >= m.world_size) {
       return Invalid(file, owner + " names a file of another rank or none");
@@ -319,7 +323,8 @@ absl::Status ValidatePieces(const Manifest& m, absl::string_view file,
       return Invalid(file, owner + " has an inconsistent chunk count");
     }
     const DataFileInfo& f = m.files[p.file];
-    CKPT_RETURN_IF_ERROR(ClaimChunks(f, p.first_chunk, p.chunk_count, &(*used)[p.file], owner, file));
+    CKPT_RETURN_IF_ERROR(
+        ClaimChunks(f, p.first_chunk, p.chunk_count, &(*used)[p.file], owner, file));
     const uint64_t esize = DTypeSize(t.dtype);
     for (uint64_t j = 0; j < p.chunk_count; ++j) {
       uint64_t elems = std::min(p.chunk_elems, p.count - j * p.chunk_elems);
@@ -352,7 +357,8 @@ absl::Status ValidateBlobs(const Manifest& m, absl::string_view file,
       return Invalid(file, owner + " names a file of another rank or none");
     }
     const DataFileInfo& f = m.files[b.file];
-    CKPT_RETURN_IF_ERROR(ClaimChunks(f, b.first_chunk, b.chunk_count, &(*used)[b.file], owner, file));
+    CKPT_RETURN_IF_ERROR(
+        ClaimChunks(f, b.first_chunk, b.chunk_count, &(*used)[b.file], owner, file));
     uint64_t total = 0;
     for (uint64_t j = 0; j < b.chunk_count; ++j) total += f.chunks[b.first_chunk + j].raw_bytes;
     if (total != b.size_bytes) return Invalid(file, owner + " chunks do not add up to its size");
@@ -392,7 +398,8 @@ absl::Status ValidateManifest(const Manifest& m, absl::string_view file) {
   for (size_t f = 0; f < used.size(); ++f) {
     for (size_t c = 0; c < used[f].size(); ++c) {
       if (!used[f][c]) {
-        return Invalid(file, absl::StrCat("chunk ", c, " of ", m.files[f].name, " belongs to no piece or blob"));
+        return Invalid(file, absl::StrCat("chunk ", c, " of ", m.files[f].name,
+                                          " belongs to no piece or blob"));
       }
     }
   }
@@ -407,24 +414,35 @@ std::string EncodeManifest(const Manifest& m, ManifestKind kind) {
   root["world_size"] = m.world_size;
   json tensors = json::array();
   for (const TensorInfo& t : m.tensors) {
-    tensors.push_back({{"name", t.name}, {"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}});
+    tensors.push_back(
+        {{"name", t.name}, {"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}});
   }
   json files = json::array();
   for (const DataFileInfo& f : m.files) {
     json chunks = json::array();
     for (const ChunkInfo& c : f.chunks) chunks.push_back(ChunkToJson(c));
-    files.push_back({{"name", f.name}, {"rank", f.rank}, {"size", f.size_bytes}, {"chunks", chunks}});
+    files.push_back(
+        {{"name", f.name}, {"rank", f.rank}, {"size", f.size_bytes}, {"chunks", chunks}});
   }
   json pieces = json::array();
   for (const PieceInfo& p : m.pieces) {
-    pieces.push_back({{"tensor", p.tensor}, {"rank", p.rank}, {"begin", p.begin}, {"count", p.count},
-                      {"file", p.file}, {"first_chunk", p.first_chunk},
-                      {"chunk_count", p.chunk_count}, {"chunk_elems", p.chunk_elems}});
+    pieces.push_back({{"tensor", p.tensor},
+                      {"rank", p.rank},
+                      {"begin", p.begin},
+                      {"count", p.count},
+                      {"file", p.file},
+                      {"first_chunk", p.first_chunk},
+                      {"chunk_count", p.chunk_count},
+                      {"chunk_elems", p.chunk_elems}});
   }
   json blobs = json::array();
   for (const BlobInfo& b : m.blobs) {
-    blobs.push_back({{"name", b.name}, {"rank", b.rank}, {"file", b.file}, {"size", b.size_bytes},
-                     {"first_chunk", b.first_chunk}, {"chunk_count", b.chunk_count}});
+    blobs.push_back({{"name", b.name},
+                     {"rank", b.rank},
+                     {"file", b.file},
+                     {"size", b.size_bytes},
+                     {"first_chunk", b.first_chunk},
+                     {"chunk_count", b.chunk_count}});
   }
   root["tensors"] = std::move(tensors);
   root["files"] = std::move(files);

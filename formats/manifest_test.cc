@@ -26,7 +26,10 @@ Manifest ValidManifest() {
   f.chunks = {{kBlockBytes, 24, 24, Codec::kRaw, 1},
               {2 * kBlockBytes, 16, 16, Codec::kRaw, 2},
               {3 * kBlockBytes, 5, 5, Codec::kRaw, 3}};
-  m.files = {f, DataFileInfo{"rank-00001.data", 1, kBlockBytes + kBlockBytes, {{kBlockBytes, 2, 2, Codec::kRaw, 4}}}};
+  m.files = {
+      f,
+      DataFileInfo{
+          "rank-00001.data", 1, kBlockBytes + kBlockBytes, {{kBlockBytes, 2, 2, Codec::kRaw, 4}}}};
   m.pieces = {{0, 0, 0, 6, 0, 0, 1, 6}, {0, 0, 6, 4, 0, 1, 1, 4}, {1, 1, 0, 1, 1, 0, 1, 1}};
   m.blobs = {{"s", 0, 0, 5, 2, 1}};
   return m;
@@ -98,12 +101,32 @@ TEST_P(MalformedManifestTest, IsRejectedWithAClearError) {
 const BadCase kBadCases[] = {
     {"empty input", [] { return std::string(); }},
     {"truncated header", [] { return EncodeManifest(ValidManifest()).substr(0, 20); }},
-    {"truncated json", [] { std::string b = EncodeManifest(ValidManifest()); return b.substr(0, b.size() - 3); }},
+    {"truncated json",
+     [] {
+       std::string b = EncodeManifest(ValidManifest());
+       return b.substr(0, b.size() - 3);
+     }},
     {"trailing garbage", [] { return EncodeManifest(ValidManifest()) + "x"; }},
-    {"bad magic", [] { std::string b = EncodeManifest(ValidManifest()); b[0] = 'X'; return b; }},
-    {"wrong checksum", [] { std::string b = EncodeManifest(ValidManifest()); b[40] ^= 1; return b; }},
-    {"absurd json length", [] { std::string b = EncodeManifest(ValidManifest()); b[23] = '\x7f'; return b; }},
-    {"newer version", [] { return Frame(JsonOf(ValidManifest()), 2); }, absl::StatusCode::kUnimplemented},
+    {"bad magic",
+     [] {
+       std::string b = EncodeManifest(ValidManifest());
+       b[0] = 'X';
+       return b;
+     }},
+    {"wrong checksum",
+     [] {
+       std::string b = EncodeManifest(ValidManifest());
+       b[40] ^= 1;
+       return b;
+     }},
+    {"absurd json length",
+     [] {
+       std::string b = EncodeManifest(ValidManifest());
+       b[23] = '\x7f';
+       return b;
+     }},
+    {"newer version", [] { return Frame(JsonOf(ValidManifest()), 2); },
+     absl::StatusCode::kUnimplemented},
     {"not json", [] { return Frame("{\"format\": "); }},
     {"json array at top", [] { return Frame("[1, 2]"); }},
     {"nesting bomb", [] { return Frame(std::string(100000, '[') + std::string(100000, ']')); }},
@@ -114,51 +137,92 @@ const BadCase kBadCases[] = {
     {"missing tensors", [] { return ReplaceInJson("\"tensors\"", "\"tensorz\""); }},
     {"world size zero", [] { return Mutated([](Manifest& m) { m.world_size = 0; }); }},
     {"unknown dtype", [] { return ReplaceInJson("\"F32\"", "\"F31\""); }},
-    {"tensor name with slash", [] { return Mutated([](Manifest& m) { m.tensors[0].name = "a/b"; }); }},
-    {"tensor name with dotdot", [] { return Mutated([](Manifest& m) { m.tensors[0].name = "a..b"; }); }},
+    {"tensor name with slash",
+     [] { return Mutated([](Manifest& m) { m.tensors[0].name = "a/b"; }); }},
+    {"tensor name with dotdot",
+     [] { return Mutated([](Manifest& m) { m.tensors[0].name = "a..b"; }); }},
     {"empty tensor name", [] { return Mutated([](Manifest& m) { m.tensors[0].name = ""; }); }},
     {"duplicate tensor", [] { return Mutated([](Manifest& m) { m.tensors[1].name = "w"; }); }},
-    {"shape product overflows", [] { return Mutated([](Manifest& m) { m.tensors[0].shape = {1ull << 40, 1ull << 40}; }); }},
-    {"byte size overflows", [] { return Mutated([](Manifest& m) { m.tensors[0].shape = {1ull << 49, 4}; }); }},
-    {"file name with slash", [] { return Mutated([](Manifest& m) { m.files[0].name = "../rank-00000.data"; }); }},
+    {"shape product overflows",
+     [] { return Mutated([](Manifest& m) {
+            m.tensors[0].shape = {1ull << 40, 1ull << 40};
+          }); }},
+    {"byte size overflows",
+     [] { return Mutated([](Manifest& m) {
+            m.tensors[0].shape = {1ull << 49, 4};
+          }); }},
+    {"file name with slash",
+     [] { return Mutated([](Manifest& m) { m.files[0].name = "../rank-00000.data"; }); }},
     {"file rank outside world", [] { return Mutated([](Manifest& m) { m.files[1].rank = 2; }); }},
     {"two files for one rank", [] { return Mutated([](Manifest& m) { m.files[1].rank = 0; }); }},
-    {"chunk misaligned", [] { return Mutated([](Manifest& m) { m.files[0].chunks[1].offset += 1; }); }},
-    {"chunk past end of file", [] { return Mutated([](Manifest& m) { m.files[0].size_bytes = 3 * kBlockBytes; }); }},
-    {"file longer than its chunks", [] { return Mutated([](Manifest& m) { m.files[0].size_bytes += kBlockBytes; }); }},
-    {"absurd chunk size", [] { return Mutated([](Manifest& m) { m.files[0].chunks[0].stored_bytes = 1ull << 62; }); }},
-    {"raw chunk sizes disagree", [] { return Mutated([](Manifest& m) { m.files[0].chunks[0].stored_bytes = 20; }); }},
+    {"chunk misaligned",
+     [] { return Mutated([](Manifest& m) { m.files[0].chunks[1].offset += 1; }); }},
+    {"chunk past end of file",
+     [] { return Mutated([](Manifest& m) { m.files[0].size_bytes = 3 * kBlockBytes; }); }},
+    {"file longer than its chunks",
+     [] { return Mutated([](Manifest& m) { m.files[0].size_bytes += kBlockBytes; }); }},
+    {"absurd chunk size",
+     [] { return Mutated([](Manifest& m) { m.files[0].chunks[0].stored_bytes = 1ull << 62; }); }},
+    {"raw chunk sizes disagree",
+     [] { return Mutated([](Manifest& m) { m.files[0].chunks[0].stored_bytes = 20; }); }},
     {"unknown codec", [] { return ReplaceInJson("24,\n    0,", "24,\n    9,"); }},
-    {"checksum not hex", [] { return ReplaceInJson("\"0000000000000001\"", "\"000000000000000g\""); }},
+    {"checksum not hex",
+     [] { return ReplaceInJson("\"0000000000000001\"", "\"000000000000000g\""); }},
     {"chunk entry too short", [] { return ReplaceInJson("\"0000000000000001\"", "1"); }},
     {"piece outside tensor", [] { return Mutated([](Manifest& m) { m.pieces[1].begin = 7; }); }},
-    {"piece begin past end", [] { return Mutated([](Manifest& m) { m.pieces[1].begin = ~0ull - 1; }); }},
+    {"piece begin past end",
+     [] { return Mutated([](Manifest& m) { m.pieces[1].begin = ~0ull - 1; }); }},
     {"empty piece", [] { return Mutated([](Manifest& m) { m.pieces[1].count = 0; }); }},
-    {"overlapping pieces", [] { return Mutated([](Manifest& m) { m.pieces[1].begin = 5; m.pieces[1].count = 4; m.files[0].chunks[1].raw_bytes = m.files[0].chunks[1].stored_bytes = 16; }); }},
+    {"overlapping pieces",
+     [] {
+       return Mutated([](Manifest& m) {
+         m.pieces[1].begin = 5;
+         m.pieces[1].count = 4;
+         m.files[0].chunks[1].raw_bytes = m.files[0].chunks[1].stored_bytes = 16;
+       });
+     }},
     {"piece names no tensor", [] { return Mutated([](Manifest& m) { m.pieces[0].tensor = 9; }); }},
-    {"piece in another rank's file", [] { return Mutated([](Manifest& m) { m.pieces[2].file = 0; }); }},
-    {"piece chunks outside file", [] { return Mutated([](Manifest& m) { m.pieces[1].first_chunk = 3; }); }},
-    {"piece chunk count wrong", [] { return Mutated([](Manifest& m) { m.pieces[1].chunk_count = 2; }); }},
-    {"piece chunk holds wrong bytes", [] { return Mutated([](Manifest& m) { m.pieces[1].count = 3; m.pieces[1].chunk_elems = 3; }); }},
+    {"piece in another rank's file",
+     [] { return Mutated([](Manifest& m) { m.pieces[2].file = 0; }); }},
+    {"piece chunks outside file",
+     [] { return Mutated([](Manifest& m) { m.pieces[1].first_chunk = 3; }); }},
+    {"piece chunk count wrong",
+     [] { return Mutated([](Manifest& m) { m.pieces[1].chunk_count = 2; }); }},
+    {"piece chunk holds wrong bytes",
+     [] {
+       return Mutated([](Manifest& m) {
+         m.pieces[1].count = 3;
+         m.pieces[1].chunk_elems = 3;
+       });
+     }},
     {"zero chunk elems", [] { return Mutated([](Manifest& m) { m.pieces[0].chunk_elems = 0; }); }},
-    {"two owners of one chunk", [] { return Mutated([](Manifest& m) { m.blobs[0].first_chunk = 1; m.blobs[0].size_bytes = 16; }); }},
+    {"two owners of one chunk",
+     [] {
+       return Mutated([](Manifest& m) {
+         m.blobs[0].first_chunk = 1;
+         m.blobs[0].size_bytes = 16;
+       });
+     }},
     {"chunk without owner", [] { return Mutated([](Manifest& m) { m.blobs.clear(); }); }},
     {"blob size wrong", [] { return Mutated([](Manifest& m) { m.blobs[0].size_bytes = 6; }); }},
-    {"blob name with slash", [] { return Mutated([](Manifest& m) { m.blobs[0].name = "/etc/passwd"; }); }},
+    {"blob name with slash",
+     [] { return Mutated([](Manifest& m) { m.blobs[0].name = "/etc/passwd"; }); }},
     {"duplicate blob", [] { return Mutated([](Manifest& m) { m.blobs.push_back(m.blobs[0]); }); }},
 };
 
 INSTANTIATE_TEST_SUITE_P(Rules, MalformedManifestTest, ::testing::ValuesIn(kBadCases),
                          [](const ::testing::TestParamInfo<BadCase>& p) {
                            std::string name;
-                           for (char c : p.param.rule) name.push_back(isalnum(static_cast<unsigned char>(c)) ? c : '_');
+                           for (char c : p.param.rule)
+                             name.push_back(isalnum(static_cast<unsigned char>(c)) ? c : '_');
                            return name;
                          });
 
 TEST(ManifestTest, EveryTruncationIsRejected) {
   std::string bytes = EncodeManifest(ValidManifest());
   for (size_t n = 0; n < bytes.size(); ++n) {
-    EXPECT_THAT(ParseManifest(AsBytes(bytes).first(n), "m"), StatusIs(absl::StatusCode::kDataLoss)) << n;
+    EXPECT_THAT(ParseManifest(AsBytes(bytes).first(n), "m"), StatusIs(absl::StatusCode::kDataLoss))
+        << n;
   }
 }
 

@@ -48,17 +48,28 @@ struct StDTypeEntry {
 };
 
 constexpr std::array<StDTypeEntry, 22> kStDTypes = {{
-    {StDType::kBool, "BOOL", 8},          {StDType::kF4, "F4", 4},
-    {StDType::kF6_E2M3, "F6_E2M3", 6},    {StDType::kF6_E3M2, "F6_E3M2", 6},
-    {StDType::kU8, "U8", 8},              {StDType::kI8, "I8", 8},
-    {StDType::kF8_E5M2, "F8_E5M2", 8},    {StDType::kF8_E4M3, "F8_E4M3", 8},
-    {StDType::kF8_E8M0, "F8_E8M0", 8},    {StDType::kF8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
-    {StDType::kF8_E5M2FNUZ, "F8_E5M2FNUZ", 8}, {StDType::kI16, "I16", 16},
-    {StDType::kU16, "U16", 16},           {StDType::kF16, "F16", 16},
-    {StDType::kBF16, "BF16", 16},         {StDType::kI32, "I32", 32},
-    {StDType::kU32, "U32", 32},           {StDType::kF32, "F32", 32},
-    {StDType::kC64, "C64", 64},           {StDType::kF64, "F64", 64},
-    {StDType::kI64, "I64", 64},           {StDType::kU64, "U64", 64},
+    {StDType::kBool, "BOOL", 8},
+    {StDType::kF4, "F4", 4},
+    {StDType::kF6_E2M3, "F6_E2M3", 6},
+    {StDType::kF6_E3M2, "F6_E3M2", 6},
+    {StDType::kU8, "U8", 8},
+    {StDType::kI8, "I8", 8},
+    {StDType::kF8_E5M2, "F8_E5M2", 8},
+    {StDType::kF8_E4M3, "F8_E4M3", 8},
+    {StDType::kF8_E8M0, "F8_E8M0", 8},
+    {StDType::kF8_E4M3FNUZ, "F8_E4M3FNUZ", 8},
+    {StDType::kF8_E5M2FNUZ, "F8_E5M2FNUZ", 8},
+    {StDType::kI16, "I16", 16},
+    {StDType::kU16, "U16", 16},
+    {StDType::kF16, "F16", 16},
+    {StDType::kBF16, "BF16", 16},
+    {StDType::kI32, "I32", 32},
+    {StDType::kU32, "U32", 32},
+    {StDType::kF32, "F32", 32},
+    {StDType::kC64, "C64", 64},
+    {StDType::kF64, "F64", 64},
+    {StDType::kI64, "I64", 64},
+    {StDType::kU64, "U64", 64},
 }};
 
 absl::Status Rule(absl::string_view file, absl::string_view rule, absl::string_view detail) {
@@ -129,55 +140,69 @@ absl::Status ParseTensorEntry(const std::string& name, const json& info, absl::s
   if (!dtype->is_string()) return Rule(file, "InvalidHeader", what + " has a non-string dtype");
   absl::StatusOr<StDType> parsed = ParseStDType(dtype->get_ref<const std::string&>());
   if (!parsed.ok()) {
-    return Rule(file, "InvalidDtype", absl::StrCat(what, " has dtype \"", dtype->get_ref<const std::string&>(), "\""));
+    return Rule(file, "InvalidDtype",
+                absl::StrCat(what, " has dtype \"", dtype->get_ref<const std::string&>(), "\""));
   }
   out->name = name;
   out->dtype = *parsed;
   if (!ReadU64Array(*shape, &out->shape)) {
-    return Rule(file, "InvalidHeader", what + " has a shape that is not an array of unsigned integers");
+    return Rule(file, "InvalidHeader",
+                what + " has a shape that is not an array of unsigned integers");
   }
   std::vector<uint64_t> range;
   if (!ReadU64Array(*offsets, &range) || range.size() != 2) {
-    return Rule(file, "InvalidHeader", what + " has data_offsets that are not two unsigned integers");
+    return Rule(file, "InvalidHeader",
+                what + " has data_offsets that are not two unsigned integers");
   }
   out->begin = range[0];
   out->end = range[1];
   return absl::OkStatus();
 }
 
-absl::Status ValidateLayout(const SafetensorsHeader& h, uint64_t file_size, absl::string_view file) {
+absl::Status ValidateLayout(const SafetensorsHeader& h, uint64_t file_size,
+                            absl::string_view file) {
   const uint64_t data_bytes = file_size - h.data_offset;
   uint64_t expected_begin = 0;
   for (const SafetensorsTensor& t : h.tensors) {
-    const std::string what = absl::StrCat("tensor \"", t.name, "\" at byte ", h.data_offset + t.begin);
+    const std::string what =
+        absl::StrCat("tensor \"", t.name, "\" at byte ", h.data_offset + t.begin);
     if (t.begin > t.end) {
-      return Rule(file, "InvalidOffset", absl::StrCat(what, " has data_offsets [", t.begin, ", ", t.end, "] reversed"));
+      return Rule(file, "InvalidOffset",
+                  absl::StrCat(what, " has data_offsets [", t.begin, ", ", t.end, "] reversed"));
     }
     if (t.begin != expected_begin) {
       return Rule(file, "InvalidOffset",
-                  absl::StrCat(what, t.begin < expected_begin ? " overlaps the previous tensor" : " leaves a gap after the previous tensor",
+                  absl::StrCat(what,
+                               t.begin < expected_begin ? " overlaps the previous tensor"
+                                                        : " leaves a gap after the previous tensor",
                                " (expected data offset ", expected_begin, ")"));
     }
     uint64_t numel = 1;
     for (uint64_t d : t.shape) {
-      if (d != 0 && numel > UINT64_MAX / d) return Rule(file, "ValidationOverflow", what + " has an element count that overflows");
+      if (d != 0 && numel > UINT64_MAX / d)
+        return Rule(file, "ValidationOverflow", what + " has an element count that overflows");
       numel *= d;
     }
     const uint64_t bits_per = StDTypeBits(t.dtype);
-    if (numel > UINT64_MAX / bits_per) return Rule(file, "ValidationOverflow", what + " has a bit count that overflows");
+    if (numel > UINT64_MAX / bits_per)
+      return Rule(file, "ValidationOverflow", what + " has a bit count that overflows");
     const uint64_t bits = numel * bits_per;
     if (bits % 8 != 0) {
-      return Rule(file, "MisalignedSlice", absl::StrCat(what, " holds ", bits, " bits, not whole bytes"));
+      return Rule(file, "MisalignedSlice",
+                  absl::StrCat(what, " holds ", bits, " bits, not whole bytes"));
     }
     if (t.end - t.begin != bits / 8) {
-      return Rule(file, "TensorInvalidInfo", absl::StrCat(what, " spans ", t.end - t.begin, " bytes but its dtype and shape need ", bits / 8));
+      return Rule(file, "TensorInvalidInfo",
+                  absl::StrCat(what, " spans ", t.end - t.begin,
+                               " bytes but its dtype and shape need ", bits / 8));
     }
     expected_begin = t.end;
   }
   if (expected_begin != data_bytes) {
-    return Rule(file, "MetadataIncompleteBuffer",
-                absl::StrCat("tensors end at data offset ", expected_begin, " but the data section holds ",
-                             data_bytes, " bytes (file offset ", h.data_offset + expected_begin, ")"));
+    return Rule(
+        file, "MetadataIncompleteBuffer",
+        absl::StrCat("tensors end at data offset ", expected_begin, " but the data section holds ",
+                     data_bytes, " bytes (file offset ", h.data_offset + expected_begin, ")"));
   }
   return absl::OkStatus();
 }
@@ -187,7 +212,11 @@ bool IsValidUtf8(absl::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
     unsigned char c = static_cast<unsigned char>(s[i]);
-    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xe  ? 3
+                 : (c >> 3) == 0x1e ? 4
+                                    : 0;
     if (len == 0 || i + len > s.size()) return false;
     uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1f) : len == 3 ? (c & 0x0f) : (c & 0x07);
     for (size_t k = 1; k < len; ++k) {
@@ -223,20 +252,26 @@ uint64_t SafetensorsTensor::numel() const {
 absl::StatusOr<uint64_t> ParseSafetensorsPrefix(std::span<const std::byte> prefix,
                                                 uint64_t file_size, absl::string_view file) {
   if (prefix.size() < 8 || file_size < 8) {
-    return Rule(file, "HeaderTooSmall", absl::StrCat("file of ", file_size, " bytes has no 8-byte length prefix"));
+    return Rule(file, "HeaderTooSmall",
+                absl::StrCat("file of ", file_size, " bytes has no 8-byte length prefix"));
   }
   const uint64_t n = DecodeFixed64(prefix.data());
   if (n > kMaxSafetensorsHeaderBytes) {
-    return Rule(file, "HeaderTooLarge", absl::StrCat("header length ", n, " at byte 0 exceeds ", kMaxSafetensorsHeaderBytes));
+    return Rule(
+        file, "HeaderTooLarge",
+        absl::StrCat("header length ", n, " at byte 0 exceeds ", kMaxSafetensorsHeaderBytes));
   }
   if (n > file_size - 8) {
-    return Rule(file, "InvalidHeaderLength", absl::StrCat("header length ", n, " at byte 0 runs past the end of the ", file_size, "-byte file"));
+    return Rule(file, "InvalidHeaderLength",
+                absl::StrCat("header length ", n, " at byte 0 runs past the end of the ", file_size,
+                             "-byte file"));
   }
   return n;
 }
 
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> bytes,
-                                                         uint64_t file_size, absl::string_view file) {
+                                                         uint64_t file_size,
+                                                         absl::string_view file) {
   SafetensorsHeader h;
   h.header_bytes = bytes.size();
   h.data_offset = 8 + bytes.size();
@@ -249,10 +284,13 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::by
   }
   size_t last = text.find_last_not_of(' ');
   if (text[last] != '}') {
-    return Rule(file, "InvalidHeader", absl::StrCat("byte ", 8 + last, " after the JSON object is not a space (0x20) padding byte"));
+    return Rule(file, "InvalidHeader",
+                absl::StrCat("byte ", 8 + last,
+                             " after the JSON object is not a space (0x20) padding byte"));
   }
   text = text.substr(0, last + 1);
-  if (!DepthWithin(text, kMaxHeaderDepth)) return Rule(file, "InvalidHeader", "JSON nests too deeply");
+  if (!DepthWithin(text, kMaxHeaderDepth))
+    return Rule(file, "InvalidHeader", "JSON nests too deeply");
   std::string duplicate;
   json root = ParseStrictJson(text, &duplicate);
   if (root.is_discarded() || !root.is_object()) {
@@ -263,10 +301,12 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::by
   }
   for (auto it = root.begin(); it != root.end(); ++it) {
     if (it.key() == "__metadata__") {
-      if (!it.value().is_object()) return Rule(file, "InvalidHeader", "__metadata__ is not an object");
+      if (!it.value().is_object())
+        return Rule(file, "InvalidHeader", "__metadata__ is not an object");
       for (auto m = it.value().begin(); m != it.value().end(); ++m) {
         if (!m.value().is_string()) {
-          return Rule(file, "InvalidHeader", absl::StrCat("__metadata__ entry \"", m.key(), "\" is not a string"));
+          return Rule(file, "InvalidHeader",
+                      absl::StrCat("__metadata__ entry \"", m.key(), "\" is not a string"));
         }
         h.metadata[m.key()] = m.value().get<std::string>();
       }
@@ -276,9 +316,10 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::by
     CKPT_RETURN_IF_ERROR(ParseTensorEntry(it.key(), it.value(), file, &t));
     h.tensors.push_back(std::move(t));
   }
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
-    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
-  });
+  std::sort(h.tensors.begin(), h.tensors.end(),
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+              return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+            });
   CKPT_RETURN_IF_ERROR(ValidateLayout(h, file_size, file));
   return h;
 }
@@ -289,18 +330,20 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensors(std::span<const std::byte> fi
   return ParseSafetensorsHeader(file_bytes.subspan(8, n), file_bytes.size(), file);
 }
 
-absl::StatusOr<std::string> EncodeSafetensorsHeader(std::vector<SafetensorsTensor>* tensors,
-                                                    const std::map<std::string, std::string>& metadata) {
+absl::StatusOr<std::string> EncodeSafetensorsHeader(
+    std::vector<SafetensorsTensor>* tensors, const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json root = nlohmann::ordered_json::object();
   for (const auto& [k, v] : metadata) {
-    if (!IsValidUtf8(k) || !IsValidUtf8(v)) return absl::InvalidArgumentError("metadata is not UTF-8");
+    if (!IsValidUtf8(k) || !IsValidUtf8(v))
+      return absl::InvalidArgumentError("metadata is not UTF-8");
   }
   if (!metadata.empty()) root["__metadata__"] = metadata;
   std::set<std::string> names;
   uint64_t offset = 0;
   for (SafetensorsTensor& t : *tensors) {
     if (t.name == "__metadata__" || !IsValidUtf8(t.name) || !names.insert(t.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor name \"", t.name, "\" is reserved, repeated or not UTF-8"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor name \"", t.name, "\" is reserved, repeated or not UTF-8"));
     }
     uint64_t numel = 1;
     for (uint64_t d : t.shape) {
@@ -311,12 +354,15 @@ absl::StatusOr<std::string> EncodeSafetensorsHeader(std::vector<SafetensorsTenso
     }
     const uint64_t bits = numel * StDTypeBits(t.dtype);
     if (bits % 8 != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" is not a whole number of bytes"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", t.name, "\" is not a whole number of bytes"));
     }
     t.begin = offset;
     t.end = offset + bits / 8;
     offset = t.end;
-    root[t.name] = {{"dtype", std::string(StDTypeName(t.dtype))}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+    root[t.name] = {{"dtype", std::string(StDTypeName(t.dtype))},
+                    {"shape", t.shape},
+                    {"data_offsets", {t.begin, t.end}}};
   }
   std::string text = root.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::strict);
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -349,21 +395,26 @@ bool IsSafeRelativePath(absl::string_view path) {
 
 absl::StatusOr<HfIndex> ParseHfIndex(std::span<const std::byte> bytes, absl::string_view file) {
   if (bytes.size() > kMaxSafetensorsHeaderBytes) {
-    return Rule(file, "IndexTooLarge", absl::StrCat(bytes.size(), " bytes exceeds ", kMaxSafetensorsHeaderBytes));
+    return Rule(file, "IndexTooLarge",
+                absl::StrCat(bytes.size(), " bytes exceeds ", kMaxSafetensorsHeaderBytes));
   }
   absl::string_view text = AsStringView(bytes);
-  if (!DepthWithin(text, kMaxHeaderDepth)) return Rule(file, "InvalidIndex", "JSON nests too deeply");
+  if (!DepthWithin(text, kMaxHeaderDepth))
+    return Rule(file, "InvalidIndex", "JSON nests too deeply");
   std::string duplicate;
   json root = ParseStrictJson(text, &duplicate);
-  if (root.is_discarded() || !root.is_object()) return Rule(file, "InvalidIndex", "not a UTF-8 JSON object");
-  if (!duplicate.empty()) return Rule(file, "InvalidIndex", absl::StrCat("key \"", duplicate, "\" appears twice"));
+  if (root.is_discarded() || !root.is_object())
+    return Rule(file, "InvalidIndex", "not a UTF-8 JSON object");
+  if (!duplicate.empty())
+    return Rule(file, "InvalidIndex", absl::StrCat("key \"", duplicate, "\" appears twice"));
   HfIndex index;
   auto meta = root.find("metadata");
   if (meta != root.end() && !meta->is_null()) {
     if (!meta->is_object()) return Rule(file, "InvalidIndex", "metadata is not an object");
     for (auto it = meta->begin(); it != meta->end(); ++it) {
       if (it.key() == "total_size") {
-        if (!it.value().is_number_unsigned()) return Rule(file, "InvalidIndex", "metadata.total_size is not an unsigned integer");
+        if (!it.value().is_number_unsigned())
+          return Rule(file, "InvalidIndex", "metadata.total_size is not an unsigned integer");
         index.total_size = it.value().get<uint64_t>();
       } else {
         index.metadata[it.key()] = it.value().dump();
@@ -371,18 +422,22 @@ absl::StatusOr<HfIndex> ParseHfIndex(std::span<const std::byte> bytes, absl::str
     }
   }
   auto map = root.find("weight_map");
-  if (map == root.end() || !map->is_object()) return Rule(file, "InvalidIndex", "weight_map is missing or not an object");
+  if (map == root.end() || !map->is_object())
+    return Rule(file, "InvalidIndex", "weight_map is missing or not an object");
   for (auto it = map->begin(); it != map->end(); ++it) {
     if (!it.value().is_string()) {
-      return Rule(file, "InvalidIndex", absl::StrCat("weight_map entry \"", it.key(), "\" is not a string"));
+      return Rule(file, "InvalidIndex",
+                  absl::StrCat("weight_map entry \"", it.key(), "\" is not a string"));
     }
     const std::string& shard = it.value().get_ref<const std::string&>();
     if (!IsSafeRelativePath(shard)) {
-      return Rule(file, "UnsafeShardPath", absl::StrCat("tensor \"", it.key(), "\" names shard \"", shard,
-                                                        "\", which is absolute or leaves the directory"));
+      return Rule(file, "UnsafeShardPath",
+                  absl::StrCat("tensor \"", it.key(), "\" names shard \"", shard,
+                               "\", which is absolute or leaves the directory"));
     }
     if (!absl::EndsWith(shard, ".safetensors")) {
-      return Rule(file, "InvalidIndex", absl::StrCat("shard \"", shard, "\" is not a .safetensors file"));
+      return Rule(file, "InvalidIndex",
+                  absl::StrCat("shard \"", shard, "\" is not a .safetensors file"));
     }
     index.weight_map.emplace_back(it.key(), shard);
   }
@@ -391,7 +446,8 @@ absl::StatusOr<HfIndex> ParseHfIndex(std::span<const std::byte> bytes, absl::str
 
 std::string EncodeHfIndex(const HfIndex& index) {
   nlohmann::ordered_json meta = nlohmann::ordered_json::object();
-  for (const auto& [k, v] : index.metadata) meta[k] = nlohmann::ordered_json::parse(v, nullptr, false);
+  for (const auto& [k, v] : index.metadata)
+    meta[k] = nlohmann::ordered_json::parse(v, nullptr, false);
   if (index.total_size.has_value()) meta["total_size"] = *index.total_size;
   nlohmann::ordered_json map = nlohmann::ordered_json::object();
   std::vector<std::pair<std::string, std::string>> sorted = index.weight_map;

@@ -40,20 +40,22 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   CKPT_ASSIGN_OR_RETURN(reader->manifest_, formats::ParseManifest(AsBytes(bytes), manifest_path));
   for (const formats::DataFileInfo& f : reader->manifest_.files) {
     const std::string path = JoinPath(step_dir, f.name);
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                          env->NewRandomAccessFile(path, FileOptions{.direct_io = options.direct_io}));
+    CKPT_ASSIGN_OR_RETURN(
+        std::unique_ptr<RandomAccessFile> file,
+        env->NewRandomAccessFile(path, FileOptions{.direct_io = options.direct_io}));
     if (file->size() != f.size_bytes) {
-      return absl::DataLossError(absl::StrCat(path, ": is ", file->size(), " bytes, MANIFEST says ",
-                                              f.size_bytes));
+      return absl::DataLossError(
+          absl::StrCat(path, ": is ", file->size(), " bytes, MANIFEST says ", f.size_bytes));
     }
     CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer header,
                           internal::AlignedBuffer::Create(formats::kDataFileHeaderBytes));
     CKPT_RETURN_IF_ERROR(file->Read(0, header.span()));
-    CKPT_ASSIGN_OR_RETURN(formats::DataFileHeader h, formats::DecodeDataFileHeader(header.span(), path));
+    CKPT_ASSIGN_OR_RETURN(formats::DataFileHeader h,
+                          formats::DecodeDataFileHeader(header.span(), path));
     if (h.rank != f.rank || h.step != reader->manifest_.step ||
         h.world_size != reader->manifest_.world_size) {
-      return absl::DataLossError(absl::StrCat(path, ": header names rank ", h.rank, " step ", h.step,
-                                              ", MANIFEST says rank ", f.rank, " step ",
+      return absl::DataLossError(absl::StrCat(path, ": header names rank ", h.rank, " step ",
+                                              h.step, ", MANIFEST says rank ", f.rank, " step ",
                                               reader->manifest_.step));
     }
     reader->files_.push_back(std::move(file));
@@ -61,7 +63,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   return reader;
 }
 
-absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(absl::string_view name) const {
+absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
+    absl::string_view name) const {
   for (const formats::TensorInfo& t : manifest_.tensors) {
     if (t.name == name) return &t;
   }
@@ -81,8 +84,8 @@ absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
   std::span<std::byte> bytes(buf, extent);
   CKPT_RETURN_IF_ERROR(files_[read.file]->Read(c.offset, bytes));
   if (Checksum(bytes) != c.checksum) {
-    return absl::DataLossError(absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset,
-                                            " fails its checksum"));
+    return absl::DataLossError(
+        absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset, " fails its checksum"));
   }
   CKPT_ASSIGN_OR_RETURN(formats::ChunkHeader h, formats::DecodeChunkHeader(bytes, path, c.offset));
   if (h.codec != c.codec || h.raw_bytes != c.raw_bytes || h.stored_bytes != c.stored_bytes) {
@@ -137,8 +140,9 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
   const uint64_t numel = t->numel();
   const uint64_t esize = formats::DTypeSize(t->dtype);
   if (begin > numel || count > numel - begin) {
-    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", tensor,
-                                                   "\" lies outside its ", numel, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"",
+                                                   tensor, "\" lies outside its ", numel,
+                                                   " elements"));
   }
   if (out.size() != count * esize) {
     return absl::InvalidArgumentError(absl::StrCat("output for \"", tensor, "\" has ", out.size(),
@@ -170,13 +174,14 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
     covered = hi;
   }
   if (covered < end) {
-    return absl::NotFoundError(absl::StrCat(dir_, ": no piece holds element ", covered, " of \"",
-                                            tensor, "\""));
+    return absl::NotFoundError(
+        absl::StrCat(dir_, ": no piece holds element ", covered, " of \"", tensor, "\""));
   }
   return ReadChunks(reads);
 }
 
-absl::StatusOr<std::string> CheckpointReader::ReadBlob(absl::string_view name, uint32_t rank) const {
+absl::StatusOr<std::string> CheckpointReader::ReadBlob(absl::string_view name,
+                                                       uint32_t rank) const {
   for (const formats::BlobInfo& b : manifest_.blobs) {
     if (b.name != name || b.rank != rank) continue;
     std::string out(b.size_bytes, '\0');

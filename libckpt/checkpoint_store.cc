@@ -22,9 +22,9 @@
 #include <set>
 
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "libckpt/coding.h"
 #include "libckpt/filename.h"
 #include "libckpt/status_macros.h"
@@ -58,9 +58,12 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     CKPT_ASSIGN_OR_RETURN(store->lock_, env->LockFile(JoinPath(root, internal::kLockName)));
     CKPT_RETURN_IF_ERROR(store->Recover());
   } else {
-    absl::StatusOr<std::string> latest = ReadFileToString(env, JoinPath(root, internal::kLatestName));
+    absl::StatusOr<std::string> latest =
+        ReadFileToString(env, JoinPath(root, internal::kLatestName));
     if (latest.ok()) {
-      CKPT_ASSIGN_OR_RETURN(uint64_t step, formats::DecodeLatest(AsBytes(*latest), JoinPath(root, internal::kLatestName)));
+      CKPT_ASSIGN_OR_RETURN(
+          uint64_t step,
+          formats::DecodeLatest(AsBytes(*latest), JoinPath(root, internal::kLatestName)));
       store->latest_ = step;
     } else if (!absl::IsNotFound(latest.status())) {
       return latest.status();
@@ -96,7 +99,8 @@ absl::Status CheckpointStore::RepairLatest() {
         latest_ = *step;
         return absl::OkStatus();
       }
-      recovery_.latest_problem = absl::StrCat("LATEST names step ", *step, ": ", reader.status().message());
+      recovery_.latest_problem =
+          absl::StrCat("LATEST names step ", *step, ": ", reader.status().message());
     } else {
       recovery_.latest_problem = std::string(step.status().message());
     }
@@ -166,12 +170,14 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     } else if (save_in_flight_) {
       s = absl::FailedPreconditionError(absl::StrCat(root_, ": another save is in flight"));
     } else if (latest_.has_value() && step <= *latest_) {
-      s = absl::FailedPreconditionError(absl::StrCat("step ", step, " is not newer than LATEST (step ", *latest_, ") in ", root_));
+      s = absl::FailedPreconditionError(absl::StrCat(
+          "step ", step, " is not newer than LATEST (step ", *latest_, ") in ", root_));
     } else {
       staging = JoinPath(root_, internal::StagingDirName(step, internal::NewNonce()));
       s = env_->CreateDir(staging);
     }
-    message = s.ok() ? absl::StrCat("ok ", staging) : absl::StrCat("err ", static_cast<int>(s.code()), " ", s.message());
+    message = s.ok() ? absl::StrCat("ok ", staging)
+                     : absl::StrCat("err ", static_cast<int>(s.code()), " ", s.message());
   }
   CKPT_ASSIGN_OR_RETURN(std::string outcome, coordinator->Broadcast(message, 0));
   absl::string_view view = outcome;
@@ -179,7 +185,8 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     absl::ConsumePrefix(&view, "err ");
     size_t space = view.find(' ');
     int code = 0;
-    if (space == absl::string_view::npos || !absl::SimpleAtoi(view.substr(0, space), &code) || code <= 0 || code > 16) {
+    if (space == absl::string_view::npos || !absl::SimpleAtoi(view.substr(0, space), &code) ||
+        code <= 0 || code > 16) {
       return absl::InternalError(absl::StrCat("malformed begin message from rank 0: ", outcome));
     }
     return absl::Status(static_cast<absl::StatusCode>(code), view.substr(space + 1));
@@ -222,7 +229,8 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const Rete
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
   if (policy.keep_last == 0) return std::vector<uint64_t>{};
   std::set<uint64_t> keep;
-  for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i) keep.insert(steps[steps.size() - 1 - i]);
+  for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
+    keep.insert(steps[steps.size() - 1 - i]);
   if (latest_.has_value()) keep.insert(*latest_);
   std::vector<uint64_t> doomed;
   for (uint64_t step : steps) {

@@ -63,7 +63,8 @@ TEST_F(StoreTest, RangeReadsCrossRankBoundariesAndChunks) {
     CKPT_ASSIGN_OR_RETURN(auto txn, s->BeginSave(5, c));
     CKPT_RETURN_IF_ERROR(txn->DeclareTensor({"w", formats::DType::kF32, {n}}));
     uint64_t lo = n * r / 3, hi = n * (r + 1) / 3;
-    CKPT_RETURN_IF_ERROR(txn->WritePiece("w", lo, hi - lo, std::as_bytes(std::span(w).subspan(lo, hi - lo))));
+    CKPT_RETURN_IF_ERROR(
+        txn->WritePiece("w", lo, hi - lo, std::as_bytes(std::span(w).subspan(lo, hi - lo))));
     return txn->Commit();
   });
   for (const auto& s : results) CKPT_ASSERT_OK(s);
@@ -72,7 +73,8 @@ TEST_F(StoreTest, RangeReadsCrossRankBoundariesAndChunks) {
   auto reader = store->OpenLatest();
   CKPT_ASSERT_OK(reader);
   EXPECT_EQ((*reader)->manifest().world_size, 3u);
-  for (auto [begin, count] : std::vector<std::pair<uint64_t, uint64_t>>{{0, n}, {3330, 20}, {6669, 1}, {249, 751}, {n - 1, 1}}) {
+  for (auto [begin, count] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {0, n}, {3330, 20}, {6669, 1}, {249, 751}, {n - 1, 1}}) {
     std::vector<float> out(count);
     CKPT_ASSERT_OK((*reader)->ReadRange("w", begin, count, std::as_writable_bytes(std::span(out))));
     EXPECT_TRUE(std::equal(out.begin(), out.end(), w.begin() + begin)) << begin << "+" << count;
@@ -117,15 +119,15 @@ TEST_F(StoreTest, AbortAndDestructionWithoutCommitLeaveNoTrace) {
 
 TEST_F(StoreTest, StepMustBeNewerThanLatestOnEveryRank) {
   CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, 10));
-  auto results = RunRanks(2, [&](int, Coordinator* c, CheckpointStore* s) {
-    return s->BeginSave(10, c).status();
-  });
+  auto results = RunRanks(
+      2, [&](int, Coordinator* c, CheckpointStore* s) { return s->BeginSave(10, c).status(); });
   for (const auto& s : results) EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 TEST_F(StoreTest, SecondPrimaryHandleIsRefused) {
   auto first = Open();
-  EXPECT_THAT(CheckpointStore::Open(kRoot, options_), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(CheckpointStore::Open(kRoot, options_),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 TEST_F(StoreTest, ConflictingDeclarationsAbortOnEveryRank) {
@@ -155,7 +157,7 @@ TEST_F(StoreTest, OverlappingPiecesAcrossRanksAbort) {
 TEST_F(StoreTest, IoFailureOnOneRankAbortsEveryRank) {
   testing::FaultInjectionEnv fault(env_.get());
   options_.env = &fault;
-  fault.FailNth(2, ENOSPC, testing::FaultInjectionEnv::Op::kSync);  // One rank's data file sync.
+  fault.FailNth(2, ENOSPC, testing::FaultInjectionEnv::Op::kSync);     // One rank's data file sync.
   absl::Status s = testing::SaveSyntheticStep(kRoot, options_, 2, 1);  // Checks ranks agree.
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kResourceExhausted));
   EXPECT_THAT(std::string(s.message()), HasSubstr("voted no"));
@@ -168,29 +170,40 @@ TEST_F(StoreTest, BadArgumentsAreRefusedAndTheTransactionStaysUsable) {
   auto txn = store->BeginSave(1);
   CKPT_ASSERT_OK(txn);
   std::vector<float> w(4);
-  EXPECT_THAT((*txn)->DeclareTensor({"a/b", formats::DType::kF32, {4}}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->DeclareTensor({"a/b", formats::DType::kF32, {4}}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {4}}));
-  EXPECT_THAT((*txn)->DeclareTensor({"w", formats::DType::kF32, {4}}), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*txn)->WritePiece("v", 0, 4, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*txn)->WritePiece("w", 2, 4, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*txn)->WritePiece("w", 0, 3, testing::Bytes(w)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->DeclareTensor({"w", formats::DType::kF32, {4}}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("v", 0, 4, testing::Bytes(w)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 2, 4, testing::Bytes(w)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 0, 3, testing::Bytes(w)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT((*txn)->WritePiece("w", 0, 0, {}), StatusIs(absl::StatusCode::kInvalidArgument));
   CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 2, std::as_bytes(std::span(w).first(2))));
-  EXPECT_THAT((*txn)->WritePiece("w", 1, 2, std::as_bytes(std::span(w).first(2))), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*txn)->WritePiece("w", 1, 2, std::as_bytes(std::span(w).first(2))),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   CKPT_ASSERT_OK((*txn)->Commit());
   EXPECT_THAT((*txn)->Commit(), StatusIs(absl::StatusCode::kFailedPrecondition));
   auto reader = store->OpenLatest();
   CKPT_ASSERT_OK(reader);
   std::vector<float> out(4);
-  EXPECT_THAT((*reader)->ReadRange("w", 0, 4, std::as_writable_bytes(std::span(out))), StatusIs(absl::StatusCode::kNotFound));
-  EXPECT_THAT((*reader)->ReadRange("nope", 0, 1, std::as_writable_bytes(std::span(out).first(1))), StatusIs(absl::StatusCode::kNotFound));
-  EXPECT_THAT((*reader)->ReadRange("w", 0, 2, std::as_writable_bytes(std::span(out))), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*reader)->ReadRange("w", 3, 2, std::as_writable_bytes(std::span(out).first(2))), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*reader)->ReadRange("w", 0, 4, std::as_writable_bytes(std::span(out))),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->ReadRange("nope", 0, 1, std::as_writable_bytes(std::span(out).first(1))),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->ReadRange("w", 0, 2, std::as_writable_bytes(std::span(out))),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*reader)->ReadRange("w", 3, 2, std::as_writable_bytes(std::span(out).first(2))),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT((*reader)->ReadBlob("nope"), StatusIs(absl::StatusCode::kNotFound));
 }
 
 TEST_F(StoreTest, DamagedLatestFallsBackToNewestVerifyingStep) {
-  for (uint64_t step : {1, 2, 3}) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
+  for (uint64_t step : {1, 2, 3})
+    CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
   // Break step 3's MANIFEST and LATEST: recovery must pick step 2 and rewrite LATEST.
   auto manifest = ReadFileToString(env_.get(), "/store/step-00000003/MANIFEST");
   CKPT_ASSERT_OK(manifest);
@@ -208,7 +221,8 @@ TEST_F(StoreTest, DamagedLatestFallsBackToNewestVerifyingStep) {
 }
 
 TEST_F(StoreTest, RetentionKeepsLastKEveryNthAndLatest) {
-  for (uint64_t step = 1; step <= 7; ++step) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
+  for (uint64_t step = 1; step <= 7; ++step)
+    CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
   auto store = Open();
   auto dry = store->ApplyRetention({.keep_last = 2, .keep_every = 3}, /*dry_run=*/true);
   CKPT_ASSERT_OK(dry);
@@ -220,7 +234,8 @@ TEST_F(StoreTest, RetentionKeepsLastKEveryNthAndLatest) {
 
 TEST_F(StoreTest, RetentionRunsAfterEachCommitWhenConfigured) {
   options_.retention = {.keep_last = 2};
-  for (uint64_t step = 1; step <= 4; ++step) CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, step));
+  for (uint64_t step = 1; step <= 4; ++step)
+    CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, step));
   EXPECT_THAT(*Open()->ListSteps(), ElementsAre(3, 4));
 }
 

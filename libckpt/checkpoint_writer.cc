@@ -144,11 +144,13 @@ absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkI
   CKPT_RETURN_IF_ERROR(file_->Append(AsBytes(header)));
   // Checksum a slice, then append it while it is still in cache.
   for (size_t pos = 0; pos < payload.size(); pos += kHashSliceBytes) {
-    std::span<const std::byte> slice = payload.subspan(pos, std::min(kHashSliceBytes, payload.size() - pos));
+    std::span<const std::byte> slice =
+        payload.subspan(pos, std::min(kHashSliceBytes, payload.size() - pos));
     sum.Update(slice);
     CKPT_RETURN_IF_ERROR(file_->Append(slice));
   }
-  uint64_t pad = formats::ChunkExtentBytes(payload.size()) - formats::kChunkHeaderBytes - payload.size();
+  uint64_t pad =
+      formats::ChunkExtentBytes(payload.size()) - formats::kChunkHeaderBytes - payload.size();
   std::span<const std::byte> zeros(kZeros, pad);
   sum.Update(zeros);
   CKPT_RETURN_IF_ERROR(file_->Append(zeros));
@@ -169,8 +171,9 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
   const uint64_t numel = it->numel();
   const uint64_t esize = formats::DTypeSize(it->dtype);
   if (count == 0 || begin > numel || count > numel - begin) {
-    return absl::InvalidArgumentError(absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor,
-                                                   "\" lies outside its ", numel, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat("piece [", begin, ", +", count, ") of \"",
+                                                   tensor, "\" lies outside its ", numel,
+                                                   " elements"));
   }
   if (data.size() != count * esize) {
     return absl::InvalidArgumentError(absl::StrCat("piece of \"", tensor, "\" has ", data.size(),
@@ -210,7 +213,8 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
     return absl::InvalidArgumentError(absl::StrCat("invalid blob name \"", name, "\""));
   }
   for (const formats::BlobInfo& b : part_.blobs) {
-    if (b.name == name) return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" written twice"));
+    if (b.name == name)
+      return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" written twice"));
   }
   formats::BlobInfo blob{std::string(name), part_.files[0].rank, 0, data.size(), 0, 0};
   std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
@@ -218,7 +222,8 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
   const uint64_t chunk_bytes = std::max<uint64_t>(1, store_->options().chunk_bytes);
   for (uint64_t done = 0; done < data.size(); done += chunk_bytes) {
     ChunkInfo info;
-    absl::Status s = AppendChunk(data.subspan(done, std::min(chunk_bytes, data.size() - done)), &info);
+    absl::Status s =
+        AppendChunk(data.subspan(done, std::min(chunk_bytes, data.size() - done)), &info);
     if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " blob ", name)));
     chunks.push_back(info);
   }
@@ -236,7 +241,8 @@ absl::Status SaveTransaction::FinishLocal(std::string* vote) {
   CKPT_RETURN_IF_ERROR(formats::ValidateManifest(part_, "this rank's part"));
   const std::string part = formats::EncodeManifest(part_, formats::ManifestKind::kRankPart);
   const std::string path = JoinPath(staging_dir_, internal::PartFileName(part_.files[0].rank));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out, env_->NewWritableFile(path, FileOptions{}));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
+                        env_->NewWritableFile(path, FileOptions{}));
   absl::Status s = out->Append(AsBytes(part));
   if (s.ok()) s = out->Sync();
   s.Update(out->Close());
@@ -292,8 +298,10 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
   if (!outcome.ok()) return outcome;
   store_->OnCommitted(step_);
   if (rank == 0 && store_->options().retention.keep_last > 0) {
-    absl::StatusOr<std::vector<uint64_t>> removed = store_->ApplyRetention(store_->options().retention);
-    if (!removed.ok()) store_->Log(absl::StrCat("retention after step ", step_, ": ", removed.status().message()));
+    absl::StatusOr<std::vector<uint64_t>> removed =
+        store_->ApplyRetention(store_->options().retention);
+    if (!removed.ok())
+      store_->Log(absl::StrCat("retention after step ", step_, ": ", removed.status().message()));
   }
   return absl::OkStatus();
 }
@@ -311,19 +319,24 @@ absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes
       absl::Status why = DecodeFailure(vote);
       return absl::Status(why.code(), absl::StrCat("rank ", r, " voted no: ", why.message()));
     }
-    const std::string path = JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
+    const std::string path =
+        JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
     CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env_, path));
     if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != vote) {
-      return absl::DataLossError(absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
+      return absl::DataLossError(
+          absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
     }
-    CKPT_ASSIGN_OR_RETURN(Manifest part, formats::ParseManifest(AsBytes(bytes), path, formats::ManifestKind::kRankPart));
+    CKPT_ASSIGN_OR_RETURN(Manifest part, formats::ParseManifest(AsBytes(bytes), path,
+                                                                formats::ManifestKind::kRankPart));
     std::vector<uint32_t> remap;
     for (const formats::TensorInfo& t : part.tensors) {
-      auto [it, inserted] = tensor_index.emplace(t.name, static_cast<uint32_t>(merged.tensors.size()));
+      auto [it, inserted] =
+          tensor_index.emplace(t.name, static_cast<uint32_t>(merged.tensors.size()));
       if (inserted) {
         merged.tensors.push_back(t);
       } else if (!SameDeclaration(merged.tensors[it->second], t)) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" is declared differently by rank ", r, " and an earlier rank"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", t.name, "\" is declared differently by rank ", r, " and an earlier rank"));
       }
       remap.push_back(it->second);
     }
@@ -348,8 +361,9 @@ absl::Status SaveTransaction::Publish(const Manifest& manifest) {
   // Step 6.
   const std::string encoded = formats::EncodeManifest(manifest);
   {
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> out,
-                          env_->NewWritableFile(JoinPath(staging_dir_, internal::kManifestName), FileOptions{}));
+    CKPT_ASSIGN_OR_RETURN(
+        std::unique_ptr<WritableFile> out,
+        env_->NewWritableFile(JoinPath(staging_dir_, internal::kManifestName), FileOptions{}));
     absl::Status s = out->Append(AsBytes(encoded));
     if (s.ok()) s = out->Sync();
     s.Update(out->Close());
@@ -364,8 +378,8 @@ absl::Status SaveTransaction::Publish(const Manifest& manifest) {
   CKPT_RETURN_IF_ERROR(env_->RenameFile(staging_dir_, step_dir));
   CKPT_RETURN_IF_ERROR(env_->SyncDir(store_->root()));
   // Step 8: the commit point.
-  CKPT_RETURN_IF_ERROR(WriteFileAtomically(
-      env_, JoinPath(store_->root(), internal::kLatestName), formats::EncodeLatest(step_)));
+  CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, JoinPath(store_->root(), internal::kLatestName),
+                                           formats::EncodeLatest(step_)));
   store_->OnCommitted(step_);
   return absl::OkStatus();
 }

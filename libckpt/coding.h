@@ -2,11 +2,11 @@
 #ifndef CKPT_LIBCKPT_CODING_H_
 #define CKPT_LIBCKPT_CODING_H_
 
-#include "absl/strings/string_view.h"
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include "absl/strings/string_view.h"
 
 namespace ckpt {
 

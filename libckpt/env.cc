@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "libckpt/status_macros.h"
 #include "libckpt/coding.h"
+#include "libckpt/status_macros.h"
 
 namespace ckpt {
 namespace {
@@ -55,8 +55,8 @@ absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path) 
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
                         env->NewRandomAccessFile(path, FileOptions{}));
   std::string data(file->size(), '\0');
-  CKPT_RETURN_IF_ERROR(file->Read(
-      0, std::span<std::byte>(reinterpret_cast<std::byte*>(data.data()), data.size())));
+  CKPT_RETURN_IF_ERROR(
+      file->Read(0, std::span<std::byte>(reinterpret_cast<std::byte*>(data.data()), data.size())));
   return data;
 }
 

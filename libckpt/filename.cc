@@ -1,13 +1,12 @@
 #include "libckpt/filename.h"
 
 #include "absl/random/random.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/match.h"
-#include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 
 namespace ckpt::internal {
 

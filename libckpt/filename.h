@@ -24,10 +24,10 @@ inline constexpr absl::string_view kManifestName = "MANIFEST";
 inline constexpr absl::string_view kStagingPrefix = ".staging-";
 inline constexpr absl::string_view kDeletingPrefix = ".deleting-";
 
-std::string StepDirName(uint64_t step);                // "step-00001200"
+std::string StepDirName(uint64_t step);  // "step-00001200"
 std::optional<uint64_t> ParseStepDirName(absl::string_view name);
-std::string DataFileName(uint32_t rank);               // "rank-00003.data"
-std::string PartFileName(uint32_t rank);               // "rank-00003.part"
+std::string DataFileName(uint32_t rank);  // "rank-00003.data"
+std::string PartFileName(uint32_t rank);  // "rank-00003.part"
 std::string StagingDirName(uint64_t step, absl::string_view nonce);
 std::string DeletingDirName(uint64_t step, absl::string_view nonce);
 // True for names recovery may delete: staging and deleting directories.

@@ -61,7 +61,8 @@ void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
 absl::Status WriteWhole(Env* env, const std::string& dir, const std::string& name,
                         const std::vector<std::span<const std::byte>>& parts) {
   const std::string tmp = JoinPath(dir, absl::StrCat(".", name, ".tmp"));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, FileOptions{.direct_io = true}));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                        env->NewWritableFile(tmp, FileOptions{.direct_io = true}));
   absl::Status s;
   for (std::span<const std::byte> part : parts) {
     if (s.ok()) s = file->Append(part);
@@ -86,40 +87,50 @@ HfCheckpointReader::~HfCheckpointReader() = default;
 absl::Status HfCheckpointReader::OpenShard(const std::string& name, const std::string& file_path) {
   auto shard = std::make_unique<Shard>();
   shard->path = file_path;
-  CKPT_ASSIGN_OR_RETURN(shard->file, env_->NewRandomAccessFile(file_path, FileOptions{.direct_io = true}));
+  CKPT_ASSIGN_OR_RETURN(shard->file,
+                        env_->NewRandomAccessFile(file_path, FileOptions{.direct_io = true}));
   const uint64_t size = shard->file->size();
   std::byte prefix[8] = {};
-  CKPT_RETURN_IF_ERROR(shard->file->Read(0, std::span<std::byte>(prefix, std::min<uint64_t>(8, size))));
-  CKPT_ASSIGN_OR_RETURN(uint64_t n, formats::ParseSafetensorsPrefix(std::span<const std::byte>(prefix, std::min<uint64_t>(8, size)), size, file_path));
+  CKPT_RETURN_IF_ERROR(
+      shard->file->Read(0, std::span<std::byte>(prefix, std::min<uint64_t>(8, size))));
+  CKPT_ASSIGN_OR_RETURN(
+      uint64_t n,
+      formats::ParseSafetensorsPrefix(
+          std::span<const std::byte>(prefix, std::min<uint64_t>(8, size)), size, file_path));
   std::string header(n, '\0');
   CKPT_RETURN_IF_ERROR(shard->file->Read(8, std::as_writable_bytes(std::span(header))));
-  CKPT_ASSIGN_OR_RETURN(formats::SafetensorsHeader h, formats::ParseSafetensorsHeader(AsBytes(header), size, file_path));
+  CKPT_ASSIGN_OR_RETURN(formats::SafetensorsHeader h,
+                        formats::ParseSafetensorsHeader(AsBytes(header), size, file_path));
   for (formats::SafetensorsTensor& t : h.tensors) {
-    tensors_.push_back({t.name, t.dtype, t.shape, name, h.data_offset + t.begin, t.end - t.begin, t.numel()});
+    tensors_.push_back(
+        {t.name, t.dtype, t.shape, name, h.data_offset + t.begin, t.end - t.begin, t.numel()});
   }
   shard_metadata_[name] = std::move(h.metadata);
   shards_[name] = std::move(shard);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<HfCheckpointReader>> HfCheckpointReader::Open(const std::string& path,
-                                                                             const HfReaderOptions& options) {
+absl::StatusOr<std::unique_ptr<HfCheckpointReader>> HfCheckpointReader::Open(
+    const std::string& path, const HfReaderOptions& options) {
   std::unique_ptr<HfCheckpointReader> r(new HfCheckpointReader());
   r->path_ = path;
   r->options_ = options;
   r->env_ = options.env != nullptr ? options.env : Env::Default();
   CKPT_ASSIGN_OR_RETURN(bool is_dir, r->env_->IsDirectory(path));
   if (!is_dir) {
-    CKPT_RETURN_IF_ERROR(r->OpenShard(std::string(absl::string_view(path).substr(path.rfind('/') + 1)), path));
+    CKPT_RETURN_IF_ERROR(
+        r->OpenShard(std::string(absl::string_view(path).substr(path.rfind('/') + 1)), path));
   } else {
     const std::string index_path = JoinPath(path, kHfIndexFileName);
     absl::StatusOr<std::string> index_bytes = ReadFileToString(r->env_, index_path);
     if (index_bytes.ok()) {
-      CKPT_ASSIGN_OR_RETURN(formats::HfIndex index, formats::ParseHfIndex(AsBytes(*index_bytes), index_path));
+      CKPT_ASSIGN_OR_RETURN(formats::HfIndex index,
+                            formats::ParseHfIndex(AsBytes(*index_bytes), index_path));
       for (const std::string& shard : index.shards()) {
         absl::Status s = r->OpenShard(shard, JoinPath(path, shard));
         if (absl::IsNotFound(s)) {
-          return absl::DataLossError(absl::StrCat(index_path, ": MissingShard: shard \"", shard, "\" does not exist"));
+          return absl::DataLossError(
+              absl::StrCat(index_path, ": MissingShard: shard \"", shard, "\" does not exist"));
         }
         CKPT_RETURN_IF_ERROR(s);
       }
@@ -128,32 +139,41 @@ absl::StatusOr<std::unique_ptr<HfCheckpointReader>> HfCheckpointReader::Open(con
       for (const HfTensor& t : r->tensors_) {
         auto it = expected.find(t.name);
         if (it == expected.end()) {
-          return absl::DataLossError(absl::StrCat(index_path, ": UnlistedTensor: tensor \"", t.name, "\" in shard ", t.shard, " is not in weight_map"));
+          return absl::DataLossError(absl::StrCat(index_path, ": UnlistedTensor: tensor \"", t.name,
+                                                  "\" in shard ", t.shard,
+                                                  " is not in weight_map"));
         }
         if (!seen.insert(t.name).second) {
-          return absl::DataLossError(absl::StrCat(index_path, ": DuplicateTensor: tensor \"", t.name, "\" is stored in more than one shard"));
+          return absl::DataLossError(absl::StrCat(index_path, ": DuplicateTensor: tensor \"",
+                                                  t.name, "\" is stored in more than one shard"));
         }
         if (it->second != t.shard) {
-          return absl::DataLossError(absl::StrCat(index_path, ": WrongShard: tensor \"", t.name, "\" is in ", t.shard, " but weight_map says ", it->second));
+          return absl::DataLossError(absl::StrCat(index_path, ": WrongShard: tensor \"", t.name,
+                                                  "\" is in ", t.shard, " but weight_map says ",
+                                                  it->second));
         }
       }
       for (const auto& [tensor, shard] : expected) {
         if (!seen.count(tensor)) {
-          return absl::DataLossError(absl::StrCat(index_path, ": MissingTensor: tensor \"", tensor, "\" is not in shard ", shard));
+          return absl::DataLossError(absl::StrCat(index_path, ": MissingTensor: tensor \"", tensor,
+                                                  "\" is not in shard ", shard));
         }
       }
       r->index_ = std::move(index);
     } else if (absl::IsNotFound(index_bytes.status())) {
-      absl::Status s = r->OpenShard(std::string(kHfSingleFileName), JoinPath(path, kHfSingleFileName));
+      absl::Status s =
+          r->OpenShard(std::string(kHfSingleFileName), JoinPath(path, kHfSingleFileName));
       if (absl::IsNotFound(s)) {
-        return absl::NotFoundError(absl::StrCat(path, ": neither ", kHfIndexFileName, " nor ", kHfSingleFileName));
+        return absl::NotFoundError(
+            absl::StrCat(path, ": neither ", kHfIndexFileName, " nor ", kHfSingleFileName));
       }
       CKPT_RETURN_IF_ERROR(s);
     } else {
       return index_bytes.status();
     }
   }
-  std::sort(r->tensors_.begin(), r->tensors_.end(), [](const HfTensor& a, const HfTensor& b) { return a.name < b.name; });
+  std::sort(r->tensors_.begin(), r->tensors_.end(),
+            [](const HfTensor& a, const HfTensor& b) { return a.name < b.name; });
   return r;
 }
 
@@ -191,8 +211,8 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
   // host readahead serve better than slices dealt round-robin.
   auto worker = [&](size_t t) {
     // Every byte the consumer sees is read into it first: no need to zero 8 MiB per thread.
-    absl::StatusOr<AlignedBuffer> buf =
-        AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment, AlignedBuffer::Fill::kUninitialized);
+    absl::StatusOr<AlignedBuffer> buf = AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment,
+                                                              AlignedBuffer::Fill::kUninitialized);
     if (!buf.ok()) return fail(buf.status());
     const size_t first = slices.size() * t / threads, last = slices.size() * (t + 1) / threads;
     for (size_t i = first; i < last && !failed; ++i) {
@@ -219,7 +239,8 @@ absl::Status HfCheckpointReader::ReadBytes(absl::string_view name, uint64_t begi
   CKPT_ASSIGN_OR_RETURN(const HfTensor* t, Find(name));
   const uint32_t bits = formats::StDTypeBits(t->dtype);
   if (begin > t->numel || count > t->numel - begin) {
-    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", name, "\" lies outside its ", t->numel, " elements"));
+    return absl::InvalidArgumentError(absl::StrCat("range [", begin, ", +", count, ") of \"", name,
+                                                   "\" lies outside its ", t->numel, " elements"));
   }
   uint64_t offset, length;
   if (bits % 8 == 0) {
@@ -229,10 +250,13 @@ absl::Status HfCheckpointReader::ReadBytes(absl::string_view name, uint64_t begi
     offset = 0;
     length = t->byte_size;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" has sub-byte dtype ", formats::StDTypeName(t->dtype), "; only whole-tensor reads"));
+    return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" has sub-byte dtype ",
+                                                   formats::StDTypeName(t->dtype),
+                                                   "; only whole-tensor reads"));
   }
   if (out.size() != length) {
-    return absl::InvalidArgumentError(absl::StrCat("output for \"", name, "\" has ", out.size(), " bytes, expected ", length));
+    return absl::InvalidArgumentError(
+        absl::StrCat("output for \"", name, "\" has ", out.size(), " bytes, expected ", length));
   }
   return ReadJobs({Job{shards_.at(t->shard).get(), t->file_offset + offset, length,
                        [&](uint64_t pos, std::span<const std::byte> bytes) {
@@ -243,10 +267,14 @@ absl::Status HfCheckpointReader::ReadBytes(absl::string_view name, uint64_t begi
 absl::StatusOr<HfCheckpointReader::Job> HfCheckpointReader::F32Job(const F32Request& r) const {
   CKPT_ASSIGN_OR_RETURN(const HfTensor* t, Find(r.name));
   if (t->dtype != StDType::kF32 && t->dtype != StDType::kBF16 && t->dtype != StDType::kF16) {
-    return absl::InvalidArgumentError(absl::StrCat("\"", r.name, "\" is ", formats::StDTypeName(t->dtype), "; FP32 reads take F32, BF16 or F16"));
+    return absl::InvalidArgumentError(absl::StrCat("\"", r.name, "\" is ",
+                                                   formats::StDTypeName(t->dtype),
+                                                   "; FP32 reads take F32, BF16 or F16"));
   }
   if (r.begin > t->numel || r.count > t->numel - r.begin || r.out.size() != r.count) {
-    return absl::InvalidArgumentError(absl::StrCat("range [", r.begin, ", +", r.count, ") of \"", r.name, "\" or its ", r.out.size(), "-element output does not fit its ", t->numel, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("range [", r.begin, ", +", r.count, ") of \"", r.name, "\" or its ",
+                     r.out.size(), "-element output does not fit its ", t->numel, " elements"));
   }
   const uint64_t esize = formats::StDTypeBits(t->dtype) / 8;
   const StDType dtype = t->dtype;
@@ -295,20 +323,27 @@ absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTenso
   index.total_size = total;
   for (size_t s = 0; s < shards.size(); ++s) {
     std::vector<formats::SafetensorsTensor> entries;
-    for (size_t i : shards[s]) entries.push_back({tensors[i].name, tensors[i].dtype, tensors[i].shape, 0, 0});
-    CKPT_ASSIGN_OR_RETURN(std::string header, formats::EncodeSafetensorsHeader(&entries, options.metadata));
+    for (size_t i : shards[s])
+      entries.push_back({tensors[i].name, tensors[i].dtype, tensors[i].shape, 0, 0});
+    CKPT_ASSIGN_OR_RETURN(std::string header,
+                          formats::EncodeSafetensorsHeader(&entries, options.metadata));
     for (size_t k = 0; k < entries.size(); ++k) {
       const HfTensorData& t = tensors[shards[s][k]];
       if (entries[k].end - entries[k].begin != t.data.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" has ", t.data.size(), " bytes, its dtype and shape need ", entries[k].end - entries[k].begin));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor \"", t.name, "\" has ", t.data.size(),
+                         " bytes, its dtype and shape need ", entries[k].end - entries[k].begin));
       }
-      if (sharded) index.weight_map.emplace_back(t.name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
+      if (sharded)
+        index.weight_map.emplace_back(
+            t.name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
     }
     headers.push_back(std::move(header));
   }
   std::set<std::string> names;
   for (const HfTensorData& t : tensors) {
-    if (!names.insert(t.name).second) return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
+    if (!names.insert(t.name).second)
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
   }
   // Step 1.
   absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
@@ -322,8 +357,9 @@ absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTenso
   for (size_t s = 0; s < shards.size(); ++s) {
     std::vector<std::span<const std::byte>> parts = {AsBytes(headers[s])};
     for (size_t i : shards[s]) parts.push_back(tensors[i].data);
-    const std::string name = sharded ? absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size())
-                                     : std::string(kHfSingleFileName);
+    const std::string name =
+        sharded ? absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size())
+                : std::string(kHfSingleFileName);
     CKPT_RETURN_IF_ERROR(WriteWhole(env, dir, name, parts));
   }
   // Step 3.

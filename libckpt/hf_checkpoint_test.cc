@@ -28,7 +28,8 @@ struct Model {
 class HfTestdataTest : public ::testing::TestWithParam<Model> {
  protected:
   void SetUp() override {
-    if (!NewPosixEnv()->IsDirectory(kTestdata).ok()) GTEST_SKIP() << "no shared testdata at " << kTestdata;
+    if (!NewPosixEnv()->IsDirectory(kTestdata).ok())
+      GTEST_SKIP() << "no shared testdata at " << kTestdata;
   }
 };
 
@@ -46,7 +47,8 @@ TEST_P(HfTestdataTest, EveryTensorRoundTripsThroughOurWriterByteForByte) {
   uint64_t total = 0;
   for (const HfTensor& t : (*reader)->tensors()) {
     std::string bytes(t.byte_size, '\0');
-    CKPT_ASSERT_OK((*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
+    CKPT_ASSERT_OK(
+        (*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
     storage.push_back(std::move(bytes));
     total += t.byte_size;
   }
@@ -61,7 +63,8 @@ TEST_P(HfTestdataTest, EveryTensorRoundTripsThroughOurWriterByteForByte) {
   testing::ScopedTempDir tmp;
   for (uint64_t max_shard : {uint64_t{0}, total / 3 + 1}) {
     const std::string out = tmp.path() + "/export-" + std::to_string(max_shard);
-    CKPT_ASSERT_OK(WriteHfCheckpoint(out, tensors, {.env = env.get(), .max_shard_bytes = max_shard}));
+    CKPT_ASSERT_OK(
+        WriteHfCheckpoint(out, tensors, {.env = env.get(), .max_shard_bytes = max_shard}));
     auto back = HfCheckpointReader::Open(out, {.env = env.get()});
     CKPT_ASSERT_OK(back);
     EXPECT_EQ((*back)->sharded(), max_shard > 0);
@@ -71,7 +74,8 @@ TEST_P(HfTestdataTest, EveryTensorRoundTripsThroughOurWriterByteForByte) {
       EXPECT_EQ(t.name, tensors[i].name);
       EXPECT_EQ(t.shape, tensors[i].shape);
       std::string bytes(t.byte_size, '\0');
-      CKPT_ASSERT_OK((*back)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
+      CKPT_ASSERT_OK(
+          (*back)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(bytes))));
       EXPECT_EQ(bytes, storage[i]) << t.name;
     }
     if (max_shard > 0) {
@@ -89,7 +93,8 @@ TEST_P(HfTestdataTest, RangesConvertToF32LikeWholeTensors) {
     std::vector<float> whole(t.numel);
     CKPT_ASSERT_OK((*reader)->ReadAsF32(t.name, 0, t.numel, whole));
     std::vector<uint16_t> raw(t.numel);
-    CKPT_ASSERT_OK((*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(raw))));
+    CKPT_ASSERT_OK(
+        (*reader)->ReadBytes(t.name, 0, t.numel, std::as_writable_bytes(std::span(raw))));
     for (uint64_t i = 0; i < t.numel; ++i) {
       uint32_t bits;
       std::memcpy(&bits, &whole[i], 4);
@@ -104,7 +109,8 @@ TEST_P(HfTestdataTest, RangesConvertToF32LikeWholeTensors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(TransformersCheckpoints, HfTestdataTest,
-                         ::testing::Values(Model{"qwen3-tiny", 3}, Model{"qwen3-moe-tiny", 2}, Model{"llama-tied-tiny", 1}),
+                         ::testing::Values(Model{"qwen3-tiny", 3}, Model{"qwen3-moe-tiny", 2},
+                                           Model{"llama-tied-tiny", 1}),
                          [](const ::testing::TestParamInfo<Model>& p) {
                            std::string n = p.param.dir;
                            for (char& c : n) c = c == '-' ? '_' : c;
@@ -118,14 +124,19 @@ class HfIndexConsistencyTest : public ::testing::Test {
     CKPT_ASSERT_OK(env_->CreateDir("/m"));
     a_ = {1, 2, 3, 4};
     b_ = {5, 6};
-    CKPT_ASSERT_OK(WriteHfCheckpoint("/m", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}},
-                                     {.env = env_.get(), .max_shard_bytes = 16}));
+    CKPT_ASSERT_OK(WriteHfCheckpoint(
+        "/m", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}},
+        {.env = env_.get(), .max_shard_bytes = 16}));
   }
-  static std::span<const std::byte> AsF(const std::vector<float>& v) { return std::as_bytes(std::span(v)); }
+  static std::span<const std::byte> AsF(const std::vector<float>& v) {
+    return std::as_bytes(std::span(v));
+  }
   absl::Status ReplaceIndex(const std::string& json) {
     return WriteFileAtomically(env_.get(), "/m/model.safetensors.index.json", json);
   }
-  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open() { return HfCheckpointReader::Open("/m", {.env = env_.get()}); }
+  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open() {
+    return HfCheckpointReader::Open("/m", {.env = env_.get()});
+  }
   std::unique_ptr<Env> env_;
   std::vector<float> a_, b_;
 };
@@ -148,26 +159,32 @@ TEST_F(HfIndexConsistencyTest, MissingShardIsRejected) {
 }
 
 TEST_F(HfIndexConsistencyTest, ListedTensorAbsentFromItsShardIsRejected) {
-  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})"));
+  CKPT_ASSERT_OK(ReplaceIndex(
+      R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}})"));
   EXPECT_THAT(std::string(Open().status().message()), HasSubstr("MissingTensor"));
 }
 
 TEST_F(HfIndexConsistencyTest, TensorInTheWrongShardIsRejected) {
-  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "x": "model-00001-of-00002.safetensors"}})"));
+  CKPT_ASSERT_OK(ReplaceIndex(
+      R"({"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "x": "model-00001-of-00002.safetensors"}})"));
   EXPECT_THAT(std::string(Open().status().message()), HasSubstr("WrongShard"));
 }
 
 TEST_F(HfIndexConsistencyTest, TensorInTwoShardsIsRejected) {
   // Rewrite shard 2 to also hold "a".
-  CKPT_ASSERT_OK(WriteHfCheckpoint("/other", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}}, {.env = env_.get()}));
+  CKPT_ASSERT_OK(WriteHfCheckpoint(
+      "/other", {{"a", StDType::kF32, {4}, AsF(a_)}, {"b", StDType::kF32, {2}, AsF(b_)}},
+      {.env = env_.get()}));
   auto both = ReadFileToString(env_.get(), "/other/model.safetensors");
   CKPT_ASSERT_OK(both);
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), "/m/model-00002-of-00002.safetensors", *both));
-  EXPECT_THAT(std::string(Open().status().message()), ::testing::AnyOf(HasSubstr("DuplicateTensor"), HasSubstr("WrongShard")));
+  EXPECT_THAT(std::string(Open().status().message()),
+              ::testing::AnyOf(HasSubstr("DuplicateTensor"), HasSubstr("WrongShard")));
 }
 
 TEST_F(HfIndexConsistencyTest, UnlistedTensorInAShardIsRejected) {
-  CKPT_ASSERT_OK(ReplaceIndex(R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "zz": "model-00002-of-00002.safetensors"}})"));
+  CKPT_ASSERT_OK(ReplaceIndex(
+      R"({"weight_map": {"a": "model-00001-of-00002.safetensors", "zz": "model-00002-of-00002.safetensors"}})"));
   EXPECT_THAT(std::string(Open().status().message()), HasSubstr("UnlistedTensor"));
 }
 
@@ -177,7 +194,8 @@ TEST_F(HfIndexConsistencyTest, PathLeavingTheDirectoryIsRejectedBeforeAnyOpen) {
 }
 
 TEST_F(HfIndexConsistencyTest, SingleFileExportReplacesTheIndex) {
-  CKPT_ASSERT_OK(WriteHfCheckpoint("/m", {{"a", StDType::kF32, {4}, AsF(a_)}}, {.env = env_.get()}));
+  CKPT_ASSERT_OK(
+      WriteHfCheckpoint("/m", {{"a", StDType::kF32, {4}, AsF(a_)}}, {.env = env_.get()}));
   auto r = Open();
   CKPT_ASSERT_OK(r);
   EXPECT_FALSE((*r)->sharded());
@@ -186,10 +204,13 @@ TEST_F(HfIndexConsistencyTest, SingleFileExportReplacesTheIndex) {
 
 TEST(HfReaderTest, BadRequestsAreRefused) {
   auto env = NewMemEnv();
-  std::vector<uint16_t> h = {0x3c00, 0x8001, 0x7c00, 0x0400};  // 1, -tiny subnormal, inf, min normal
+  std::vector<uint16_t> h = {0x3c00, 0x8001, 0x7c00,
+                             0x0400};  // 1, -tiny subnormal, inf, min normal
   std::vector<int32_t> ints = {1, 2};
-  CKPT_ASSERT_OK(WriteHfCheckpoint("/h", {{"h", StDType::kF16, {4}, std::as_bytes(std::span(h))},
-                                          {"i", StDType::kI32, {2}, std::as_bytes(std::span(ints))}}, {.env = env.get()}));
+  CKPT_ASSERT_OK(WriteHfCheckpoint("/h",
+                                   {{"h", StDType::kF16, {4}, std::as_bytes(std::span(h))},
+                                    {"i", StDType::kI32, {2}, std::as_bytes(std::span(ints))}},
+                                   {.env = env.get()}));
   auto r = HfCheckpointReader::Open("/h/model.safetensors", {.env = env.get()});
   CKPT_ASSERT_OK(r);
   std::vector<float> f(4);
@@ -198,14 +219,20 @@ TEST(HfReaderTest, BadRequestsAreRefused) {
   EXPECT_EQ(f[1], -std::ldexp(1.0f, -24));
   EXPECT_TRUE(std::isinf(f[2]));
   EXPECT_EQ(f[3], std::ldexp(1.0f, -14));
-  EXPECT_THAT((*r)->ReadAsF32("i", 0, 2, std::span(f).first(2)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*r)->ReadAsF32("h", 3, 2, std::span(f).first(2)), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT((*r)->ReadAsF32("nope", 0, 1, std::span(f).first(1)), StatusIs(absl::StatusCode::kNotFound));
-  EXPECT_THAT(HfCheckpointReader::Open("/nowhere", {.env = env.get()}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*r)->ReadAsF32("i", 0, 2, std::span(f).first(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*r)->ReadAsF32("h", 3, 2, std::span(f).first(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*r)->ReadAsF32("nope", 0, 1, std::span(f).first(1)),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(HfCheckpointReader::Open("/nowhere", {.env = env.get()}),
+              StatusIs(absl::StatusCode::kNotFound));
   CKPT_ASSERT_OK(env->CreateDir("/empty"));
-  EXPECT_THAT(HfCheckpointReader::Open("/empty", {.env = env.get()}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(HfCheckpointReader::Open("/empty", {.env = env.get()}),
+              StatusIs(absl::StatusCode::kNotFound));
   std::vector<float> wrong(3);
-  EXPECT_THAT(WriteHfCheckpoint("/w", {{"x", StDType::kF32, {4}, std::as_bytes(std::span(wrong))}}, {.env = env.get()}),
+  EXPECT_THAT(WriteHfCheckpoint("/w", {{"x", StDType::kF32, {4}, std::as_bytes(std::span(wrong))}},
+                                {.env = env.get()}),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
 

@@ -90,8 +90,8 @@ class MemFileLock : public FileLock {
 
 class MemEnv : public Env {
  public:
-  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
-      const std::string& raw_path, const FileOptions&) override {
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& raw_path,
+                                                                const FileOptions&) override {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);
     CKPT_RETURN_IF_ERROR(CheckParentLocked(path));
@@ -111,8 +111,10 @@ class MemEnv : public Env {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = nodes_.find(path);
-      if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("open ", path, ": no such file"));
-      if (it->second.is_dir) return absl::FailedPreconditionError(absl::StrCat("open ", path, ": is a directory"));
+      if (it == nodes_.end())
+        return absl::NotFoundError(absl::StrCat("open ", path, ": no such file"));
+      if (it->second.is_dir)
+        return absl::FailedPreconditionError(absl::StrCat("open ", path, ": is a directory"));
       file = it->second.file;
     }
     std::lock_guard<std::mutex> lock(file->mu);
@@ -123,14 +125,16 @@ class MemEnv : public Env {
     std::string src = Normalize(raw_src), dst = Normalize(raw_dst);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = nodes_.find(src);
-    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("rename ", src, ": no such file"));
+    if (it == nodes_.end())
+      return absl::NotFoundError(absl::StrCat("rename ", src, ": no such file"));
     CKPT_RETURN_IF_ERROR(CheckParentLocked(dst));
     if (src == dst) return absl::OkStatus();
     auto dst_it = nodes_.find(dst);
     if (dst_it != nodes_.end()) {
       if (dst_it->second.is_dir != it->second.is_dir ||
           (dst_it->second.is_dir && HasChildrenLocked(dst))) {
-        return absl::FailedPreconditionError(absl::StrCat("rename ", src, " to ", dst, ": target exists"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("rename ", src, " to ", dst, ": target exists"));
       }
     }
     Node node = it->second;
@@ -138,7 +142,8 @@ class MemEnv : public Env {
       // Move the whole subtree.
       std::string prefix = src + "/";
       std::vector<std::pair<std::string, Node>> moved;
-      for (auto c = nodes_.lower_bound(prefix); c != nodes_.end() && absl::StartsWith(c->first, prefix);) {
+      for (auto c = nodes_.lower_bound(prefix);
+           c != nodes_.end() && absl::StartsWith(c->first, prefix);) {
         moved.emplace_back(dst + "/" + c->first.substr(prefix.size()), c->second);
         c = nodes_.erase(c);
       }
@@ -153,8 +158,10 @@ class MemEnv : public Env {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = nodes_.find(path);
-    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("remove ", path, ": no such file"));
-    if (it->second.is_dir) return absl::FailedPreconditionError(absl::StrCat("remove ", path, ": is a directory"));
+    if (it == nodes_.end())
+      return absl::NotFoundError(absl::StrCat("remove ", path, ": no such file"));
+    if (it->second.is_dir)
+      return absl::FailedPreconditionError(absl::StrCat("remove ", path, ": is a directory"));
     nodes_.erase(it);
     return absl::OkStatus();
   }
@@ -174,9 +181,12 @@ class MemEnv : public Env {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = nodes_.find(path);
-    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("rmdir ", path, ": no such directory"));
-    if (!it->second.is_dir) return absl::FailedPreconditionError(absl::StrCat("rmdir ", path, ": not a directory"));
-    if (HasChildrenLocked(path)) return absl::FailedPreconditionError(absl::StrCat("rmdir ", path, ": directory not empty"));
+    if (it == nodes_.end())
+      return absl::NotFoundError(absl::StrCat("rmdir ", path, ": no such directory"));
+    if (!it->second.is_dir)
+      return absl::FailedPreconditionError(absl::StrCat("rmdir ", path, ": not a directory"));
+    if (HasChildrenLocked(path))
+      return absl::FailedPreconditionError(absl::StrCat("rmdir ", path, ": directory not empty"));
     nodes_.erase(it);
     return absl::OkStatus();
   }
@@ -184,17 +194,20 @@ class MemEnv : public Env {
   absl::Status SyncDir(const std::string& raw_path) override {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);
-    if (!IsDirLocked(path)) return absl::NotFoundError(absl::StrCat("sync directory ", path, ": no such directory"));
+    if (!IsDirLocked(path))
+      return absl::NotFoundError(absl::StrCat("sync directory ", path, ": no such directory"));
     return absl::OkStatus();
   }
 
   absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& raw_dir) override {
     std::string dir = Normalize(raw_dir);
     std::lock_guard<std::mutex> lock(mu_);
-    if (!IsDirLocked(dir)) return absl::NotFoundError(absl::StrCat("list ", dir, ": no such directory"));
+    if (!IsDirLocked(dir))
+      return absl::NotFoundError(absl::StrCat("list ", dir, ": no such directory"));
     std::string prefix = dir == "/" ? "/" : dir + "/";
     std::vector<std::string> out;
-    for (auto it = nodes_.lower_bound(prefix); it != nodes_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    for (auto it = nodes_.lower_bound(prefix);
+         it != nodes_.end() && absl::StartsWith(it->first, prefix); ++it) {
       std::string rest = it->first.substr(prefix.size());
       if (!rest.empty() && rest.find('/') == std::string::npos) out.push_back(rest);
     }
@@ -207,7 +220,8 @@ class MemEnv : public Env {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = nodes_.find(path);
-      if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("stat ", path, ": no such file"));
+      if (it == nodes_.end())
+        return absl::NotFoundError(absl::StrCat("stat ", path, ": no such file"));
       if (it->second.is_dir) return uint64_t{0};
       file = it->second.file;
     }
@@ -220,7 +234,8 @@ class MemEnv : public Env {
     std::lock_guard<std::mutex> lock(mu_);
     if (path == "/" || path == ".") return true;
     auto it = nodes_.find(path);
-    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("stat ", path, ": no such file"));
+    if (it == nodes_.end())
+      return absl::NotFoundError(absl::StrCat("stat ", path, ": no such file"));
     return it->second.is_dir;
   }
 
@@ -229,7 +244,8 @@ class MemEnv : public Env {
     std::lock_guard<std::mutex> lock(mu_);
     CKPT_RETURN_IF_ERROR(CheckParentLocked(path));
     if (!locked_.insert(path).second) {
-      return absl::FailedPreconditionError(absl::StrCat("lock ", path, ": held by another store handle or process"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("lock ", path, ": held by another store handle or process"));
     }
     if (!nodes_.count(path)) nodes_[path] = Node{false, std::make_shared<FileData>()};
     return std::unique_ptr<FileLock>(new MemFileLock(this, path));
@@ -254,7 +270,8 @@ class MemEnv : public Env {
   absl::Status CheckParentLocked(const std::string& path) const {
     std::string parent = Dirname(path);
     if (!IsDirLocked(parent)) {
-      return absl::NotFoundError(absl::StrCat(path, ": parent directory ", parent, " does not exist"));
+      return absl::NotFoundError(
+          absl::StrCat(path, ": parent directory ", parent, " does not exist"));
     }
     return absl::OkStatus();
   }

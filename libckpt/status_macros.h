@@ -2,8 +2,8 @@
 #ifndef CKPT_LIBCKPT_STATUS_MACROS_H_
 #define CKPT_LIBCKPT_STATUS_MACROS_H_
 
-#include "absl/strings/string_view.h"
 #include <utility>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,9 +23,9 @@ inline absl::Status Annotate(const absl::Status& status, absl::string_view conte
 #define CKPT_STATUS_CONCAT_(a, b) CKPT_STATUS_CONCAT_INNER_(a, b)
 
 #define CKPT_RETURN_IF_ERROR_IMPL_(tmp, expr) \
-  do {                                         \
-    ::absl::Status tmp = (expr);               \
-    if (!tmp.ok()) return tmp;                 \
+  do {                                        \
+    ::absl::Status tmp = (expr);              \
+    if (!tmp.ok()) return tmp;                \
   } while (0)
 
 #define CKPT_RETURN_IF_ERROR(expr) \

@@ -33,9 +33,9 @@ void VerifyDataFile(Env* env, const std::string& dir, const formats::Manifest& m
     return;
   }
   if ((*file)->size() != f.size_bytes) {
-    report->problems.push_back(Problem(path, std::nullopt, std::min((*file)->size(), f.size_bytes),
-                                       absl::StrCat("file is ", (*file)->size(),
-                                                    " bytes, MANIFEST says ", f.size_bytes)));
+    report->problems.push_back(
+        Problem(path, std::nullopt, std::min((*file)->size(), f.size_bytes),
+                absl::StrCat("file is ", (*file)->size(), " bytes, MANIFEST says ", f.size_bytes)));
     return;
   }
   uint64_t largest = formats::kDataFileHeaderBytes;
@@ -65,17 +65,21 @@ void VerifyDataFile(Env* env, const std::string& dir, const formats::Manifest& m
     std::span<std::byte> extent = buf->span().first(formats::ChunkExtentBytes(c.stored_bytes));
     absl::Status cs = (*file)->Read(c.offset, extent);
     if (cs.ok() && Checksum(extent) != c.checksum) {
-      cs = absl::DataLossError(absl::StrCat("chunk fails its checksum (", extent.size(), " bytes)"));
+      cs =
+          absl::DataLossError(absl::StrCat("chunk fails its checksum (", extent.size(), " bytes)"));
     }
     if (cs.ok()) {
       absl::StatusOr<formats::ChunkHeader> h = formats::DecodeChunkHeader(extent, path, c.offset);
       if (!h.ok()) {
         cs = h.status();
-      } else if (h->codec != c.codec || h->raw_bytes != c.raw_bytes || h->stored_bytes != c.stored_bytes) {
+      } else if (h->codec != c.codec || h->raw_bytes != c.raw_bytes ||
+                 h->stored_bytes != c.stored_bytes) {
         cs = absl::DataLossError("chunk header disagrees with MANIFEST");
       } else if (c.codec != formats::Codec::kRaw) {
         raw.resize(c.raw_bytes);
-        cs = formats::DecodeChunkPayload(c.codec, extent.subspan(formats::kChunkHeaderBytes, c.stored_bytes), raw, path, c.offset);
+        cs = formats::DecodeChunkPayload(c.codec,
+                                         extent.subspan(formats::kChunkHeaderBytes, c.stored_bytes),
+                                         raw, path, c.offset);
       }
     }
     if (!cs.ok()) report->problems.push_back(Problem(path, i, c.offset, cs.message()));
@@ -89,7 +93,8 @@ void VerifyDataFile(Env* env, const std::string& dir, const formats::Manifest& m
 
 bool StoreVerifyReport::ok() const {
   if (!problems.empty()) return false;
-  return std::all_of(steps.begin(), steps.end(), [](const StepVerifyReport& s) { return s.problems.empty(); });
+  return std::all_of(steps.begin(), steps.end(),
+                     [](const StepVerifyReport& s) { return s.problems.empty(); });
 }
 
 absl::StatusOr<StepVerifyReport> VerifyStepDir(Env* env, const std::string& dir,
@@ -116,12 +121,14 @@ absl::StatusOr<StepVerifyReport> VerifyStepDir(Env* env, const std::string& dir,
     expected.insert(f.name);
     total += f.size_bytes;
     if (f.name != internal::DataFileName(f.rank)) {
-      report.problems.push_back(Problem(JoinPath(dir, f.name), std::nullopt, 0, "data file name does not match its rank"));
+      report.problems.push_back(Problem(JoinPath(dir, f.name), std::nullopt, 0,
+                                        "data file name does not match its rank"));
     }
   }
   for (const std::string& name : names) {
     if (!expected.count(name)) {
-      report.problems.push_back(Problem(JoinPath(dir, name), std::nullopt, 0, "unexpected file in step directory"));
+      report.problems.push_back(
+          Problem(JoinPath(dir, name), std::nullopt, 0, "unexpected file in step directory"));
     }
   }
   for (const formats::DataFileInfo& f : m->files) {
@@ -149,7 +156,9 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
     } else {
       report.latest = *named;
       if (!std::binary_search(steps.begin(), steps.end(), *named)) {
-        report.problems.push_back(Problem(latest_path, std::nullopt, 0, absl::StrCat("names step ", *named, ", which does not exist")));
+        report.problems.push_back(
+            Problem(latest_path, std::nullopt, 0,
+                    absl::StrCat("names step ", *named, ", which does not exist")));
       }
     }
   } else if (!absl::IsNotFound(latest.status()) || !steps.empty()) {
@@ -163,11 +172,13 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
     chosen = {*step};
   } else if (all) {
     chosen = steps;
-  } else if (report.latest.has_value() && std::binary_search(steps.begin(), steps.end(), *report.latest)) {
+  } else if (report.latest.has_value() &&
+             std::binary_search(steps.begin(), steps.end(), *report.latest)) {
     chosen = {*report.latest};
   }
   for (uint64_t s : chosen) {
-    CKPT_ASSIGN_OR_RETURN(StepVerifyReport r, VerifyStepDir(env, JoinPath(root, internal::StepDirName(s)), progress));
+    CKPT_ASSIGN_OR_RETURN(StepVerifyReport r,
+                          VerifyStepDir(env, JoinPath(root, internal::StepDirName(s)), progress));
     if (r.problems.empty() && r.step != s) {
       r.problems.push_back(Problem(JoinPath(root, internal::StepDirName(s)), std::nullopt, 0,
                                    absl::StrCat("MANIFEST names step ", r.step)));

@@ -25,8 +25,9 @@ class CpuEngine : public StagedAdamW::Engine {
   CpuEngine(int threads, CpuIsa isa) : isa_(isa), pool_(threads) {}
 
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
-                                  const std::vector<StepConstants>& constants, const SlabView& slabs,
-                                  formats::DType model_dtype, uint64_t elements) override {
+                                  const std::vector<StepConstants>& constants,
+                                  const SlabView& slabs, formats::DType model_dtype,
+                                  uint64_t elements) override {
     internal::KernelFn kernel = internal::SelectKernel(isa_, args.grad_dtype, model_dtype);
     if (kernel == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
     struct Task {
@@ -35,11 +36,14 @@ class CpuEngine : public StagedAdamW::Engine {
     };
     std::vector<Task> tasks;
     for (const Unit& u : units) {
-      for (uint64_t d = 0; d < u.count; d += kTaskElems) tasks.push_back({u.offset + d, std::min(kTaskElems, u.count - d), u.group});
+      for (uint64_t d = 0; d < u.count; d += kTaskElems)
+        tasks.push_back({u.offset + d, std::min(kTaskElems, u.count - d), u.group});
     }
     StepReport report;
     if (args.check_finite) {
-      CheckFinite(args, tasks.size(), [&](size_t i) { return std::pair(tasks[i].offset, tasks[i].count); }, &report);
+      CheckFinite(
+          args, tasks.size(), [&](size_t i) { return std::pair(tasks[i].offset, tasks[i].count); },
+          &report);
       if (report.nonfinite > 0) {
         report.skipped = true;
         return report;
@@ -50,9 +54,13 @@ class CpuEngine : public StagedAdamW::Engine {
     auto* v = reinterpret_cast<float*>(slabs.exp_avg_sq);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
-      KernelArgs a{slabs.master + t.offset, m + t.offset, v + t.offset,
+      KernelArgs a{slabs.master + t.offset,
+                   m + t.offset,
+                   v + t.offset,
                    static_cast<const std::byte*>(args.grads) + t.offset * gsize,
-                   static_cast<std::byte*>(args.params) + t.offset * psize, t.count, args.grad_scale,
+                   static_cast<std::byte*>(args.params) + t.offset * psize,
+                   t.count,
+                   args.grad_scale,
                    constants[t.group]};
       kernel(a);
     });
@@ -60,7 +68,9 @@ class CpuEngine : public StagedAdamW::Engine {
     return report;
   }
 
-  std::string name() const override { return absl::StrCat("cpu-", internal::IsaName(isa_), "-x", pool_.size()); }
+  std::string name() const override {
+    return absl::StrCat("cpu-", internal::IsaName(isa_), "-x", pool_.size());
+  }
 
  private:
   template <typename Range>
@@ -85,7 +95,8 @@ class CpuEngine : public StagedAdamW::Engine {
       }
       if (bad > 0) {
         std::lock_guard<std::mutex> lock(mu);
-        report->first_nonfinite = report->nonfinite == 0 ? first : std::min(report->first_nonfinite, first);
+        report->first_nonfinite =
+            report->nonfinite == 0 ? first : std::min(report->first_nonfinite, first);
         report->nonfinite += bad;
       }
     });
@@ -99,7 +110,8 @@ class CpuEngine : public StagedAdamW::Engine {
 
 absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa) {
   if (!internal::CpuSupports(isa)) {
-    return absl::FailedPreconditionError(absl::StrCat("this CPU cannot run the ", internal::IsaName(isa), " engine"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("this CPU cannot run the ", internal::IsaName(isa), " engine"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   return std::unique_ptr<StagedAdamW::Engine>(new CpuEngine(threads, internal::ResolveIsa(isa)));

@@ -71,10 +71,12 @@ __attribute__((target("avx2,f16c"))) inline __m256 LoadGrad8(const void* p, size
   if constexpr (G == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   } else if constexpr (G == DType::kBF16) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
     return _mm256_cvtph_ps(h);
   }
 }
@@ -86,13 +88,15 @@ __attribute__((target("avx2,f16c"))) inline void StoreParam8(void* p, size_t i, 
   } else if constexpr (P == DType::kBF16) {
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
     const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
     const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
     rounded = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(is_nan));
     // Pack the low halves of the eight 32-bit lanes.
     const __m128i lo = _mm256_castsi256_si128(rounded), hi = _mm256_extracti128_si256(rounded, 1);
-    const __m128i packed = _mm_packus_epi32(_mm_and_si128(lo, _mm_set1_epi32(0xffff)), _mm_and_si128(hi, _mm_set1_epi32(0xffff)));
+    const __m128i packed = _mm_packus_epi32(_mm_and_si128(lo, _mm_set1_epi32(0xffff)),
+                                            _mm_and_si128(hi, _mm_set1_epi32(0xffff)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), packed);
   } else {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i),
@@ -106,13 +110,16 @@ __attribute__((target("avx2,f16c"))) void Avx2Kernel(const KernelArgs& a) {
   const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(c.decay);
   const __m256 b1 = _mm256_set1_ps(c.beta1), b2 = _mm256_set1_ps(c.beta2);
   const __m256 omb1 = _mm256_set1_ps(c.omb1), omb2 = _mm256_set1_ps(c.omb2);
-  const __m256 step = _mm256_set1_ps(c.step_size), bc2 = _mm256_set1_ps(c.bc2_sqrt), eps = _mm256_set1_ps(c.eps);
+  const __m256 step = _mm256_set1_ps(c.step_size), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+               eps = _mm256_set1_ps(c.eps);
   size_t i = 0;
   for (; i + 8 <= a.n; i += 8) {
     const __m256 g = _mm256_mul_ps(LoadGrad8<G>(a.grads, i), scale);
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a.master + i), decay);
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(a.exp_avg + i)), _mm256_mul_ps(omb1, g));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(a.exp_avg_sq + i)), _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
+    const __m256 m =
+        _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(a.exp_avg + i)), _mm256_mul_ps(omb1, g));
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(a.exp_avg_sq + i)),
+                                   _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
     _mm256_storeu_ps(a.master + i, p);
@@ -126,20 +133,24 @@ __attribute__((target("avx2,f16c"))) void Avx2Kernel(const KernelArgs& a) {
 // --- AVX-512 ---------------------------------------------------------------------------------
 
 template <DType G>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 LoadGrad16(const void* p, size_t i) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 LoadGrad16(const void* p,
+                                                                              size_t i) {
   if constexpr (G == DType::kF32) {
     return _mm512_loadu_ps(static_cast<const float*>(p) + i);
   } else if constexpr (G == DType::kBF16) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
     return _mm512_cvtph_ps(h);
   }
 }
 
 template <DType P, bool kStream>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void StoreParam16(void* p, size_t i, __m512 v) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void StoreParam16(void* p, size_t i,
+                                                                              __m512 v) {
   if constexpr (P == DType::kF32) {
     if constexpr (kStream) {
       _mm512_stream_ps(static_cast<float*>(p) + i, v);
@@ -149,7 +160,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void StoreParam16(vo
   } else if constexpr (P == DType::kBF16) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
     const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     rounded = _mm512_mask_blend_epi32(is_nan, rounded, nan);
@@ -179,13 +191,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const Kerne
   const __m512 scale = _mm512_set1_ps(a.grad_scale), decay = _mm512_set1_ps(c.decay);
   const __m512 b1 = _mm512_set1_ps(c.beta1), b2 = _mm512_set1_ps(c.beta2);
   const __m512 omb1 = _mm512_set1_ps(c.omb1), omb2 = _mm512_set1_ps(c.omb2);
-  const __m512 step = _mm512_set1_ps(c.step_size), bc2 = _mm512_set1_ps(c.bc2_sqrt), eps = _mm512_set1_ps(c.eps);
+  const __m512 step = _mm512_set1_ps(c.step_size), bc2 = _mm512_set1_ps(c.bc2_sqrt),
+               eps = _mm512_set1_ps(c.eps);
   size_t i = 0;
   for (; i + 16 <= a.n; i += 16) {
     const __m512 g = _mm512_mul_ps(LoadGrad16<G>(a.grads, i), scale);
     __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), decay);
-    const __m512 m = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(a.exp_avg + i)), _mm512_mul_ps(omb1, g));
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(a.exp_avg_sq + i)), _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
+    const __m512 m =
+        _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(a.exp_avg + i)), _mm512_mul_ps(omb1, g));
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(a.exp_avg_sq + i)),
+                                   _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step, m), denom));
     _mm512_storeu_ps(a.master + i, p);
@@ -208,12 +223,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Kernel(const Ker
   }
 }
 
-int DTypeIndex(DType d) { return d == DType::kF32 ? 0 : d == DType::kBF16 ? 1 : d == DType::kF16 ? 2 : -1; }
+int DTypeIndex(DType d) {
+  return d == DType::kF32 ? 0 : d == DType::kBF16 ? 1 : d == DType::kF16 ? 2 : -1;
+}
 
-#define CKPT_KERNEL_TABLE(KERNEL)                                                        \
-  {{KERNEL<DType::kF32, DType::kF32>, KERNEL<DType::kF32, DType::kBF16>, KERNEL<DType::kF32, DType::kF16>},    \
-   {KERNEL<DType::kBF16, DType::kF32>, KERNEL<DType::kBF16, DType::kBF16>, KERNEL<DType::kBF16, DType::kF16>}, \
-   {KERNEL<DType::kF16, DType::kF32>, KERNEL<DType::kF16, DType::kBF16>, KERNEL<DType::kF16, DType::kF16>}}
+#define CKPT_KERNEL_TABLE(KERNEL)                                               \
+  {                                                                             \
+    {KERNEL<DType::kF32, DType::kF32>, KERNEL<DType::kF32, DType::kBF16>,       \
+     KERNEL<DType::kF32, DType::kF16>},                                         \
+        {KERNEL<DType::kBF16, DType::kF32>, KERNEL<DType::kBF16, DType::kBF16>, \
+         KERNEL<DType::kBF16, DType::kF16>},                                    \
+    {                                                                           \
+      KERNEL<DType::kF16, DType::kF32>, KERNEL<DType::kF16, DType::kBF16>,      \
+          KERNEL<DType::kF16, DType::kF16>                                      \
+    }                                                                           \
+  }
 
 constexpr KernelFn kScalar[3][3] = CKPT_KERNEL_TABLE(ScalarKernel);
 constexpr KernelFn kAvx2[3][3] = CKPT_KERNEL_TABLE(Avx2Kernel);
@@ -254,9 +278,12 @@ CpuIsa ResolveIsa(CpuIsa isa) {
 
 const char* IsaName(CpuIsa isa) {
   switch (ResolveIsa(isa)) {
-    case CpuIsa::kAvx512: return "avx512";
-    case CpuIsa::kAvx2: return "avx2";
-    default: return "scalar";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
   }
 }
 
@@ -264,9 +291,12 @@ KernelFn SelectKernel(CpuIsa isa, DType grad, DType param) {
   const int g = DTypeIndex(grad), p = DTypeIndex(param);
   if (g < 0 || p < 0) return nullptr;
   switch (ResolveIsa(isa)) {
-    case CpuIsa::kAvx512: return kAvx512[g][p];
-    case CpuIsa::kAvx2: return kAvx2[g][p];
-    default: return kScalar[g][p];
+    case CpuIsa::kAvx512:
+      return kAvx512[g][p];
+    case CpuIsa::kAvx2:
+      return kAvx2[g][p];
+    default:
+      return kScalar[g][p];
   }
 }
 

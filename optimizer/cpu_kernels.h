@@ -18,8 +18,8 @@ struct KernelArgs {
   float* master;
   float* exp_avg;
   float* exp_avg_sq;
-  const void* grads;   // Already offset to the run's first element.
-  void* params;        // Likewise.
+  const void* grads;  // Already offset to the run's first element.
+  void* params;       // Likewise.
   size_t n;
   float grad_scale;
   StepConstants c;

@@ -16,17 +16,17 @@ namespace ckpt::optimizer {
 // engine and instruction set applies exactly the same numbers.
 struct StepConstants {
   float beta1, beta2, eps;
-  float decay;      // 1 - lr * weight_decay
-  float omb1, omb2; // 1 - beta1, 1 - beta2
-  float step_size;  // lr / (1 - beta1^t)
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float decay;       // 1 - lr * weight_decay
+  float omb1, omb2;  // 1 - beta1, 1 - beta2
+  float step_size;   // lr / (1 - beta1^t)
+  float bc2_sqrt;    // sqrt(1 - beta2^t)
 };
 StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
 
 // The slabs as an engine sees them.
 struct SlabView {
   float* master;
-  std::byte* exp_avg;     // FP32 or BF16 elements, per moment_dtype.
+  std::byte* exp_avg;  // FP32 or BF16 elements, per moment_dtype.
   std::byte* exp_avg_sq;
   MomentDType moment_dtype;
 };
@@ -51,8 +51,8 @@ class StagedAdamW::Engine {
 
 absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa);
 // kUnimplemented in a build without CUDA; kFailedPrecondition without a usable device.
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
-                                                                   const std::vector<Unit>& units);
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(
+    const StagedAdamWOptions& options, const std::vector<Unit>& units);
 
 }  // namespace ckpt::optimizer
 

@@ -10,20 +10,22 @@
 
 namespace ckpt::optimizer {
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
-                                                                   const std::vector<Unit>& units) {
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(
+    const StagedAdamWOptions& options, const std::vector<Unit>& units) {
 #if CKPT_HAVE_CUDA
   return internal::NewCudaEngineImpl(options, units);
 #else
   (void)options;
   (void)units;
-  return absl::UnimplementedError("CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
+  return absl::UnimplementedError(
+      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 #endif
 }
 
 #if !CKPT_HAVE_CUDA
 absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t, int, MomentDType, uint64_t, int) {
-  return absl::UnimplementedError("CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
+  return absl::UnimplementedError(
+      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 }
 #endif
 
@@ -31,7 +33,8 @@ namespace internal {
 
 #if !CKPT_HAVE_CUDA
 absl::StatusOr<void*> AllocatePinned(size_t bytes) {
-  return absl::UnimplementedError(absl::StrCat("pinned host memory (", bytes, " bytes) needs a CUDA build"));
+  return absl::UnimplementedError(
+      absl::StrCat("pinned host memory (", bytes, " bytes) needs a CUDA build"));
 }
 void FreePinned(void*) {}
 #endif

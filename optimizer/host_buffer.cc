@@ -25,7 +25,8 @@ absl::StatusOr<HostBuffer> HostBuffer::Create(size_t bytes, size_t stagger, bool
     const size_t huge_total = (total + kHugePage - 1) / kHugePage * kHugePage;
     b.base_ = std::aligned_alloc(kHugePage, huge_total);
     if (b.base_ == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("allocate ", huge_total, " bytes of host memory for a slab"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("allocate ", huge_total, " bytes of host memory for a slab"));
     }
     ::madvise(b.base_, huge_total, MADV_HUGEPAGE);
   }

@@ -17,7 +17,8 @@ std::vector<ParamSpec> Model() {
 }
 
 // Every element of every parameter is owned by exactly one rank.
-void ExpectExactCover(const std::vector<ParamSpec>& params, const std::vector<std::vector<Piece>>& ranks) {
+void ExpectExactCover(const std::vector<ParamSpec>& params,
+                      const std::vector<std::vector<Piece>>& ranks) {
   for (uint32_t p = 0; p < params.size(); ++p) {
     std::vector<int> owners(params[p].numel(), 0);
     for (const auto& pieces : ranks) {
@@ -26,7 +27,8 @@ void ExpectExactCover(const std::vector<ParamSpec>& params, const std::vector<st
         for (uint64_t i = piece.begin; i < piece.begin + piece.count; ++i) ++owners[i];
       }
     }
-    for (uint64_t i = 0; i < owners.size(); ++i) ASSERT_EQ(owners[i], 1) << params[p].name << "[" << i << "]";
+    for (uint64_t i = 0; i < owners.size(); ++i)
+      ASSERT_EQ(owners[i], 1) << params[p].name << "[" << i << "]";
   }
 }
 
@@ -68,7 +70,8 @@ TEST(LayoutTest, TwoRanksCutTensorsWhereTheBucketHalves) {
   auto ranks = RankPieces(*buckets, 2);
   // Bucket 0: head [0,2000) bias [2000,2005) w1 [2005,6101); padded 6144, halves at 3072.
   // Bucket 1: norm [0,37) embed [37,1037); padded 1152 (lcm(2,128)=128), halves at 576.
-  EXPECT_THAT(ranks[0], ElementsAre(Piece{4, 0, 2000}, Piece{3, 0, 5}, Piece{2, 0, 1067}, Piece{1, 0, 37}, Piece{0, 0, 539}));
+  EXPECT_THAT(ranks[0], ElementsAre(Piece{4, 0, 2000}, Piece{3, 0, 5}, Piece{2, 0, 1067},
+                                    Piece{1, 0, 37}, Piece{0, 0, 539}));
   EXPECT_THAT(ranks[1], ElementsAre(Piece{2, 1067, 3029}, Piece{0, 539, 461}));
 }
 
@@ -84,7 +87,8 @@ TEST(LayoutTest, RanksMayOwnNothingButPadding) {
 
 TEST(LayoutTest, BadOptionsAreRefused) {
   EXPECT_THAT(BuildBuckets(Model(), {}, 0), testing::StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(BuildBuckets(Model(), {.bucket_elems = 0}, 2), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(BuildBuckets(Model(), {.bucket_elems = 0}, 2),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
 }  // namespace

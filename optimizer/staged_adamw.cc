@@ -46,16 +46,20 @@ absl::Status ValidateGroups(const StagedAdamWOptions& o) {
   std::vector<bool> used(o.groups.size(), false);
   for (const ParamSpec& p : o.params) {
     if (p.group >= o.groups.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" names group ", p.group, " of ", o.groups.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("param \"", p.name, "\" names group ", p.group, " of ", o.groups.size()));
     }
     used[p.group] = true;
   }
   for (size_t i = 0; i < o.groups.size(); ++i) {
     const ParamGroup& g = o.groups[i];
-    if (!used[i]) return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has no parameters"));
-    if (!(g.lr >= 0) || !std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) || !(g.beta2 >= 0 && g.beta2 < 1) ||
-        !(g.eps > 0) || !std::isfinite(g.eps) || !(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
-      return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has out-of-range hyper-parameters"));
+    if (!used[i])
+      return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has no parameters"));
+    if (!(g.lr >= 0) || !std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) ||
+        !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) || !std::isfinite(g.eps) ||
+        !(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param group ", i, " has out-of-range hyper-parameters"));
     }
   }
   return absl::OkStatus();
@@ -66,11 +70,13 @@ absl::StatusOr<DType> ValidateParams(const StagedAdamWOptions& o) {
   const DType dtype = o.params[0].dtype;
   for (const ParamSpec& p : o.params) {
     if (!SupportedFloat(p.dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" has unsupported dtype ", formats::DTypeName(p.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "param \"", p.name, "\" has unsupported dtype ", formats::DTypeName(p.dtype)));
     }
     if (p.dtype != dtype) {
-      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" is ", formats::DTypeName(p.dtype), " but \"", o.params[0].name,
-                                                     "\" is ", formats::DTypeName(dtype), "; one model dtype per optimizer"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "param \"", p.name, "\" is ", formats::DTypeName(p.dtype), " but \"", o.params[0].name,
+          "\" is ", formats::DTypeName(dtype), "; one model dtype per optimizer"));
     }
   }
   return dtype;
@@ -80,11 +86,14 @@ absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
   std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
   uint64_t total = 0;
   for (const Piece& p : o.pieces) {
-    if (p.param >= o.params.size()) return absl::InvalidArgumentError(absl::StrCat("piece names param ", p.param, " of ", o.params.size()));
+    if (p.param >= o.params.size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece names param ", p.param, " of ", o.params.size()));
     const uint64_t numel = o.params[p.param].numel();
     if (p.count == 0 || p.begin > numel || p.count > numel - p.begin) {
-      return absl::InvalidArgumentError(absl::StrCat("piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
-                                                     "\" is empty or outside its ", numel, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
+                       "\" is empty or outside its ", numel, " elements"));
     }
     ranges[p.param].push_back({p.begin, p.begin + p.count});
     total += p.count;
@@ -93,7 +102,8 @@ absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
     std::sort(rs.begin(), rs.end());
     for (size_t i = 1; i < rs.size(); ++i) {
       if (rs[i].first < rs[i - 1].second) {
-        return absl::InvalidArgumentError(absl::StrCat("pieces of \"", o.params[param].name, "\" overlap at element ", rs[i].first));
+        return absl::InvalidArgumentError(absl::StrCat("pieces of \"", o.params[param].name,
+                                                       "\" overlap at element ", rs[i].first));
       }
     }
   }
@@ -127,20 +137,23 @@ bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 StagedAdamW::StagedAdamW() = default;
 StagedAdamW::~StagedAdamW() = default;
 
-absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(StagedAdamWOptions options,
-                                                                 std::span<const std::byte> model_weights) {
+absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
+    StagedAdamWOptions options, std::span<const std::byte> model_weights) {
   CKPT_RETURN_IF_ERROR(ValidateGroups(options));
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
   if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
   if (options.moment_dtype == MomentDType::kBF16 && options.engine == EngineKind::kCpu) {
-    return absl::InvalidArgumentError("BF16 moments are a CUDA-engine mode; the CPU engine keeps FP32 moments");
+    return absl::InvalidArgumentError(
+        "BF16 moments are a CUDA-engine mode; the CPU engine keeps FP32 moments");
   }
   if (model_weights.size() != size * formats::DTypeSize(dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(), " bytes, this rank's pieces need ",
+    return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(),
+                                                   " bytes, this rank's pieces need ",
                                                    size * formats::DTypeSize(dtype)));
   }
-  if (size > 0 && (model_weights.data() == nullptr || !Aligned(model_weights.data(), formats::DTypeSize(dtype)))) {
+  if (size > 0 && (model_weights.data() == nullptr ||
+                   !Aligned(model_weights.data(), formats::DTypeSize(dtype)))) {
     return absl::InvalidArgumentError("model weights are null or misaligned");
   }
   std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
@@ -157,8 +170,10 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(StagedAdamWOpti
   const size_t moment_bytes = opt->options_.moment_dtype == MomentDType::kF32 ? 4 : 2;
   opt->slabs_ = std::make_unique<Slabs>();
   CKPT_ASSIGN_OR_RETURN(opt->slabs_->master, internal::HostBuffer::Create(size * 4, 0, pinned));
-  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg, internal::HostBuffer::Create(size * moment_bytes, kStagger, pinned));
-  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg_sq, internal::HostBuffer::Create(size * moment_bytes, 2 * kStagger, pinned));
+  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg,
+                        internal::HostBuffer::Create(size * moment_bytes, kStagger, pinned));
+  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg_sq,
+                        internal::HostBuffer::Create(size * moment_bytes, 2 * kStagger, pinned));
   float* master = opt->master().data();
   const void* w = model_weights.data();
   for (uint64_t i = 0; i < size; ++i) {
@@ -175,20 +190,26 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(StagedAdamWOpti
 
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   if (!SupportedFloat(args.grad_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
   }
   if (size_ > 0) {
-    if (args.grads == nullptr || args.params == nullptr) return absl::InvalidArgumentError("null gradient or parameter buffer");
-    if (!Aligned(args.grads, formats::DTypeSize(args.grad_dtype)) || !Aligned(args.params, formats::DTypeSize(model_dtype_))) {
+    if (args.grads == nullptr || args.params == nullptr)
+      return absl::InvalidArgumentError("null gradient or parameter buffer");
+    if (!Aligned(args.grads, formats::DTypeSize(args.grad_dtype)) ||
+        !Aligned(args.params, formats::DTypeSize(model_dtype_))) {
       return absl::InvalidArgumentError("gradient or parameter buffer is misaligned for its dtype");
     }
   }
-  if (!std::isfinite(args.grad_scale)) return absl::InvalidArgumentError("gradient scale is not finite");
+  if (!std::isfinite(args.grad_scale))
+    return absl::InvalidArgumentError("gradient scale is not finite");
   std::vector<StepConstants> constants;
-  for (const ParamGroup& g : options_.groups) constants.push_back(ComputeStepConstants(g, g.step + 1));
-  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr, slabs_->exp_avg.data(),
-                slabs_->exp_avg_sq.data(), options_.moment_dtype};
-  CKPT_ASSIGN_OR_RETURN(StepReport report, engine_->Step(args, units_, constants, view, model_dtype_, size_));
+  for (const ParamGroup& g : options_.groups)
+    constants.push_back(ComputeStepConstants(g, g.step + 1));
+  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
+                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype};
+  CKPT_ASSIGN_OR_RETURN(StepReport report,
+                        engine_->Step(args, units_, constants, view, model_dtype_, size_));
   if (!report.skipped) {
     for (ParamGroup& g : options_.groups) ++g.step;
   }

@@ -29,9 +29,13 @@ using testing::StatusIs;
 // Two groups; odd sizes; pieces that cut tensors; one piece of a tensor in the middle.
 StagedAdamWOptions TestOptions(DType model, CpuIsa isa) {
   StagedAdamWOptions o;
-  o.params = {{"a", {37, 3}, model, 0}, {"b", {1001}, model, 1}, {"c", {17}, model, 0}, {"d", {5, 129}, model, 1}};
-  o.groups = {ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
-              ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
+  o.params = {{"a", {37, 3}, model, 0},
+              {"b", {1001}, model, 1},
+              {"c", {17}, model, 0},
+              {"d", {5, 129}, model, 1}};
+  o.groups = {
+      ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
+      ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
   o.pieces = {{0, 5, 100}, {1, 0, 1001}, {2, 0, 17}, {3, 100, 400}, {0, 105, 6}};
   o.unit_bytes = 256;  // 64 elements: units cut tensors.
   o.threads = 3;
@@ -135,11 +139,13 @@ double MaxRelError(const std::vector<float>& got, const std::vector<float>& want
 }
 
 // Elementwise relative error for elements at least `floor` in magnitude.
-double MaxElementwiseRelError(const std::vector<float>& got, const std::vector<float>& want, double floor) {
+double MaxElementwiseRelError(const std::vector<float>& got, const std::vector<float>& want,
+                              double floor) {
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::abs(want[i]) < floor) continue;
-    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / std::abs(static_cast<double>(want[i])));
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) /
+                                std::abs(static_cast<double>(want[i])));
   }
   return worst;
 }
@@ -165,11 +171,14 @@ TEST_P(AdamWMathTest, MatchesDoubleReferenceAndRoundsMastersBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     GradAndModelDtypes, AdamWMathTest,
-    ::testing::Values(DTypes{DType::kF32, DType::kF32}, DTypes{DType::kF32, DType::kBF16}, DTypes{DType::kF32, DType::kF16},
-                      DTypes{DType::kBF16, DType::kBF16}, DTypes{DType::kBF16, DType::kF32}, DTypes{DType::kF16, DType::kF16},
-                      DTypes{DType::kF16, DType::kBF16}, DTypes{DType::kBF16, DType::kF16}, DTypes{DType::kF16, DType::kF32}),
+    ::testing::Values(DTypes{DType::kF32, DType::kF32}, DTypes{DType::kF32, DType::kBF16},
+                      DTypes{DType::kF32, DType::kF16}, DTypes{DType::kBF16, DType::kBF16},
+                      DTypes{DType::kBF16, DType::kF32}, DTypes{DType::kF16, DType::kF16},
+                      DTypes{DType::kF16, DType::kBF16}, DTypes{DType::kBF16, DType::kF16},
+                      DTypes{DType::kF16, DType::kF32}),
     [](const ::testing::TestParamInfo<DTypes>& p) {
-      return std::string(formats::DTypeName(p.param.grad)) + "_grads_" + std::string(formats::DTypeName(p.param.model)) + "_model";
+      return std::string(formats::DTypeName(p.param.grad)) + "_grads_" +
+             std::string(formats::DTypeName(p.param.model)) + "_model";
     });
 
 TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
@@ -180,7 +189,8 @@ TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
         if (!internal::CpuSupports(isa)) continue;
         SCOPED_TRACE(internal::IsaName(isa));
         Outcome simd = RunSteps(TestOptions(model, isa), grad, 3, 1.5f);
-        ASSERT_EQ(std::memcmp(simd.master.data(), scalar.master.data(), 4 * scalar.master.size()), 0);
+        ASSERT_EQ(std::memcmp(simd.master.data(), scalar.master.data(), 4 * scalar.master.size()),
+                  0);
         ASSERT_EQ(std::memcmp(simd.m.data(), scalar.m.data(), 4 * scalar.m.size()), 0);
         ASSERT_EQ(std::memcmp(simd.v.data(), scalar.v.data(), 4 * scalar.v.size()), 0);
         ASSERT_EQ(simd.params, scalar.params);
@@ -190,7 +200,8 @@ TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
 }
 
 __attribute__((target("f16c"))) uint16_t HardwareHalf(float f) {
-  return static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
+  return static_cast<uint16_t>(
+      _mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT), 0));
 }
 __attribute__((target("f16c"))) float HardwareHalfToFloat(uint16_t h) {
   return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
@@ -205,7 +216,8 @@ TEST(ConversionTest, ScalarHalfConversionsMatchF16cEverywhereSampled) {
     ASSERT_EQ(FloatToHalf(f), HardwareHalf(f)) << std::hex << b;
   }
   for (uint32_t h = 0; h <= 0xffff; ++h) {
-    float a = HalfToFloat(static_cast<uint16_t>(h)), b = HardwareHalfToFloat(static_cast<uint16_t>(h));
+    float a = HalfToFloat(static_cast<uint16_t>(h)),
+          b = HardwareHalfToFloat(static_cast<uint16_t>(h));
     ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << std::hex << h;
   }
 }
@@ -253,13 +265,15 @@ TEST_F(BadInputTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   std::vector<float> before = Snapshot();
   grads_[123] = std::nanf("");
   grads_[7] = std::numeric_limits<float>::infinity();
-  auto report = opt_->Step({grads_.data(), DType::kF32, 1.0f, params_.data(), /*check_finite=*/true});
+  auto report =
+      opt_->Step({grads_.data(), DType::kF32, 1.0f, params_.data(), /*check_finite=*/true});
   CKPT_ASSERT_OK(report);
   EXPECT_TRUE(report->skipped);
   EXPECT_EQ(report->nonfinite, 2u);
   EXPECT_EQ(report->first_nonfinite, 7u);
   std::vector<float> after = Snapshot();
-  EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0) << "state must be untouched";
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0)
+      << "state must be untouched";
   EXPECT_EQ(opt_->groups()[0].step, 1u);
   // A finite scale that overflows a finite gradient is caught too.
   grads_[123] = 1e30f;
@@ -271,12 +285,17 @@ TEST_F(BadInputTest, NonFiniteGradientsSkipTheStepWhenChecked) {
 
 TEST_F(BadInputTest, NullMisalignedAndUnsupportedBuffersAreRefusedWithStateUntouched) {
   std::vector<float> before = Snapshot();
-  EXPECT_THAT(opt_->Step({nullptr, DType::kF32, 1.0f, params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, 1.0f, nullptr}), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(opt_->Step({reinterpret_cast<std::byte*>(grads_.data()) + 1, DType::kF32, 1.0f, params_.data()}),
+  EXPECT_THAT(opt_->Step({nullptr, DType::kF32, 1.0f, params_.data()}),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(opt_->Step({grads_.data(), DType::kI32, 1.0f, params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, std::nanf(""), params_.data()}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, 1.0f, nullptr}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({reinterpret_cast<std::byte*>(grads_.data()) + 1, DType::kF32, 1.0f,
+                          params_.data()}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kI32, 1.0f, params_.data()}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->Step({grads_.data(), DType::kF32, std::nanf(""), params_.data()}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   std::vector<float> after = Snapshot();
   EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0);
   EXPECT_EQ(opt_->groups()[0].step, 0u);

@@ -194,8 +194,8 @@ class UringWritableFile : public WritableFile {
     if (res <= 0) {
       slot.in_flight = false;
       int err = res == 0 ? EIO : -res;
-      return Fail(IoError(err, absl::StrCat("write ", path_, " at offset ",
-                                            slot.file_offset + slot.done)));
+      return Fail(
+          IoError(err, absl::StrCat("write ", path_, " at offset ", slot.file_offset + slot.done)));
     }
     slot.done += static_cast<size_t>(res);
     if (slot.done < slot.len) return Prep(index);
@@ -321,12 +321,11 @@ class UringRandomAccessFile : public RandomAccessFile {
     size_t done;
   };
 
-  absl::Status ReadSlices(io_uring* ring, int fd, uint64_t offset,
-                          std::span<std::byte> out) const {
+  absl::Status ReadSlices(io_uring* ring, int fd, uint64_t offset, std::span<std::byte> out) const {
     std::vector<Slice> slices;
     for (size_t pos = 0; pos < out.size(); pos += kReadSliceBytes) {
-      slices.push_back({offset + pos, out.data() + pos, std::min(kReadSliceBytes, out.size() - pos),
-                        0});
+      slices.push_back(
+          {offset + pos, out.data() + pos, std::min(kReadSliceBytes, out.size() - pos), 0});
     }
     absl::Status status;
     size_t next = 0;
@@ -363,7 +362,8 @@ class UringRandomAccessFile : public RandomAccessFile {
       if (res == -EAGAIN || res == -EINTR) {
         prep(i);
       } else if (res < 0) {
-        status.Update(IoError(-res, absl::StrCat("read ", path_, " at offset ", s.offset + s.done)));
+        status.Update(
+            IoError(-res, absl::StrCat("read ", path_, " at offset ", s.offset + s.done)));
       } else if (res == 0) {
         status.Update(absl::DataLossError(
             absl::StrCat("read ", path_, ": file ends before offset ", s.offset + s.len)));
@@ -411,9 +411,9 @@ class UringEnv : public internal::PosixMetadataEnv {
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path, const FileOptions& options) override {
     bool direct = false;
-    CKPT_ASSIGN_OR_RETURN(
-        ScopedFd fd,
-        OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, options.direct_io, &direct));
+    CKPT_ASSIGN_OR_RETURN(ScopedFd fd,
+                          OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
+                                          options.direct_io, &direct));
     const size_t buffer_bytes = direct ? kDirectWriteBufferBytes : kBufferedWriteBufferBytes;
     std::vector<UringWritableFile::Slot> slots(kWriteSlots);
     std::vector<iovec> iovecs;
@@ -424,9 +424,8 @@ class UringEnv : public internal::PosixMetadataEnv {
     CKPT_ASSIGN_OR_RETURN(UringRing ring, UringRing::Create(2 * kWriteSlots));
     // Registration pins the buffers once instead of on every write; when the memlock limit
     // refuses it, unregistered writes are just as correct.
-    bool registered =
-        io_uring_register_buffers(ring.get(), iovecs.data(), static_cast<unsigned>(iovecs.size())) ==
-        0;
+    bool registered = io_uring_register_buffers(ring.get(), iovecs.data(),
+                                                static_cast<unsigned>(iovecs.size())) == 0;
     return std::unique_ptr<WritableFile>(new UringWritableFile(
         path, std::move(fd), direct, buffer_bytes, std::move(slots), std::move(ring), registered));
   }
@@ -439,9 +438,8 @@ class UringEnv : public internal::PosixMetadataEnv {
     if (::fstat(buffered.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
     ScopedFd direct;
     if (options.direct_io) direct = ScopedFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
-    return std::unique_ptr<RandomAccessFile>(
-        new UringRandomAccessFile(path, std::move(direct), std::move(buffered),
-                                  static_cast<uint64_t>(st.st_size), pool_));
+    return std::unique_ptr<RandomAccessFile>(new UringRandomAccessFile(
+        path, std::move(direct), std::move(buffered), static_cast<uint64_t>(st.st_size), pool_));
   }
 
  private:

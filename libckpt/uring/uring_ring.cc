@@ -13,8 +13,8 @@ absl::StatusOr<UringRing> UringRing::Create(unsigned depth) {
   if (ret < 0) {
     int err = -ret;
     if (err == ENOSYS || err == EPERM || err == EINVAL || err == EACCES) {
-      return absl::UnimplementedError(absl::StrCat(
-          "io_uring unavailable: io_uring_queue_init(", depth, "): ", strerror(err)));
+      return absl::UnimplementedError(
+          absl::StrCat("io_uring unavailable: io_uring_queue_init(", depth, "): ", strerror(err)));
     }
     return IoError(err, absl::StrCat("io_uring_queue_init(", depth, ")"));
   }

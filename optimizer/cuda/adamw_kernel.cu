@@ -11,7 +11,9 @@ namespace {
 
 using DType = KernelType;
 
-__device__ __forceinline__ float Bf16Bits(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+__device__ __forceinline__ float Bf16Bits(uint16_t h) {
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
 
 __device__ __forceinline__ uint16_t ToBf16(float f) {
   const uint32_t bits = __float_as_uint(f);
@@ -43,14 +45,18 @@ __device__ __forceinline__ void StoreParam(void* p, uint64_t i, float v) {
 
 template <DType M>
 __device__ __forceinline__ float LoadMoment(const void* p, uint64_t i) {
-  if constexpr (M == DType::kF32) return static_cast<const float*>(p)[i];
-  else return Bf16Bits(static_cast<const uint16_t*>(p)[i]);
+  if constexpr (M == DType::kF32)
+    return static_cast<const float*>(p)[i];
+  else
+    return Bf16Bits(static_cast<const uint16_t*>(p)[i]);
 }
 
 template <DType M>
 __device__ __forceinline__ void StoreMoment(void* p, uint64_t i, float v) {
-  if constexpr (M == DType::kF32) static_cast<float*>(p)[i] = v;
-  else static_cast<uint16_t*>(p)[i] = ToBf16(v);
+  if constexpr (M == DType::kF32)
+    static_cast<float*>(p)[i] = v;
+  else
+    static_cast<uint16_t*>(p)[i] = ToBf16(v);
 }
 
 template <DType G, DType P, DType M>
@@ -61,7 +67,8 @@ __global__ void AdamwUnitKernel(DeviceUnitArgs a) {
     const float g = __fmul_rn(LoadGrad<G>(a.grads, i), a.grad_scale);
     float p = __fmul_rn(a.master_in[i], c.decay);
     const float m = __fadd_rn(__fmul_rn(c.beta1, LoadMoment<M>(a.m_in, i)), __fmul_rn(c.omb1, g));
-    const float v = __fadd_rn(__fmul_rn(c.beta2, LoadMoment<M>(a.v_in, i)), __fmul_rn(c.omb2, __fmul_rn(g, g)));
+    const float v =
+        __fadd_rn(__fmul_rn(c.beta2, LoadMoment<M>(a.v_in, i)), __fmul_rn(c.omb2, __fmul_rn(g, g)));
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
     p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.step_size, m), denom));
     a.master_out[i] = p;
@@ -72,7 +79,8 @@ __global__ void AdamwUnitKernel(DeviceUnitArgs a) {
 }
 
 template <DType G>
-__global__ void CountNonFiniteKernel(const void* grads, uint64_t n, float scale, unsigned long long* count) {
+__global__ void CountNonFiniteKernel(const void* grads, uint64_t n, float scale,
+                                     unsigned long long* count) {
   unsigned long long local = 0;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
@@ -101,10 +109,14 @@ cudaError_t LaunchForMoments(const DeviceUnitArgs& a, DType m, cudaStream_t s) {
 template <DType G>
 cudaError_t LaunchForParam(const DeviceUnitArgs& a, DType p, DType m, cudaStream_t s) {
   switch (p) {
-    case DType::kF32: return LaunchForMoments<G, DType::kF32>(a, m, s);
-    case DType::kBF16: return LaunchForMoments<G, DType::kBF16>(a, m, s);
-    case DType::kF16: return LaunchForMoments<G, DType::kF16>(a, m, s);
-    default: return cudaErrorInvalidValue;
+    case DType::kF32:
+      return LaunchForMoments<G, DType::kF32>(a, m, s);
+    case DType::kBF16:
+      return LaunchForMoments<G, DType::kBF16>(a, m, s);
+    case DType::kF16:
+      return LaunchForMoments<G, DType::kF16>(a, m, s);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -113,20 +125,32 @@ cudaError_t LaunchForParam(const DeviceUnitArgs& a, DType p, DType m, cudaStream
 cudaError_t LaunchAdamwUnit(const DeviceUnitArgs& a, DType grad, DType param, DType moments,
                             cudaStream_t stream) {
   switch (grad) {
-    case DType::kF32: return LaunchForParam<DType::kF32>(a, param, moments, stream);
-    case DType::kBF16: return LaunchForParam<DType::kBF16>(a, param, moments, stream);
-    case DType::kF16: return LaunchForParam<DType::kF16>(a, param, moments, stream);
-    default: return cudaErrorInvalidValue;
+    case DType::kF32:
+      return LaunchForParam<DType::kF32>(a, param, moments, stream);
+    case DType::kBF16:
+      return LaunchForParam<DType::kBF16>(a, param, moments, stream);
+    case DType::kF16:
+      return LaunchForParam<DType::kF16>(a, param, moments, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
 cudaError_t LaunchCountNonFinite(const void* grads, DType grad, uint64_t n, float scale,
                                  unsigned long long* count, cudaStream_t stream) {
   switch (grad) {
-    case DType::kF32: CountNonFiniteKernel<DType::kF32><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
-    case DType::kBF16: CountNonFiniteKernel<DType::kBF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
-    case DType::kF16: CountNonFiniteKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count); break;
-    default: return cudaErrorInvalidValue;
+    case DType::kF32:
+      CountNonFiniteKernel<DType::kF32><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count);
+      break;
+    case DType::kBF16:
+      CountNonFiniteKernel<DType::kBF16>
+          <<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count);
+      break;
+    case DType::kF16:
+      CountNonFiniteKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count);
+      break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }

@@ -20,7 +20,7 @@ struct KernelConstants {
 
 struct DeviceUnitArgs {
   const float* master_in;
-  const void* m_in;   // FP32 or BF16 per the moment type.
+  const void* m_in;  // FP32 or BF16 per the moment type.
   const void* v_in;
   float* master_out;
   void* m_out;

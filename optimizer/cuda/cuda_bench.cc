@@ -38,8 +38,12 @@ absl::Status MeasureDuplex(size_t bytes, double* h2d_gbps, double* d2h_gbps) {
     auto start = std::chrono::steady_clock::now();
     for (size_t off = 0; off < bytes; off += kPiece) {
       const size_t n = std::min(kPiece, bytes - off);
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<std::byte*>(din.data()) + off, src.data() + off, n, cudaMemcpyHostToDevice, up.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data() + off, static_cast<std::byte*>(dout.data()) + off, n, cudaMemcpyDeviceToHost, down.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<std::byte*>(din.data()) + off,
+                                                src.data() + off, n, cudaMemcpyHostToDevice,
+                                                up.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.data() + off,
+                                                static_cast<std::byte*>(dout.data()) + off, n,
+                                                cudaMemcpyDeviceToHost, down.get()));
     }
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(up.get()));
     const double up_s = Seconds(start);
@@ -53,8 +57,9 @@ absl::Status MeasureDuplex(size_t bytes, double* h2d_gbps, double* d2h_gbps) {
 
 }  // namespace
 
-absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps, MomentDType moments,
-                                                       uint64_t unit_bytes, int slots) {
+absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps,
+                                                       MomentDType moments, uint64_t unit_bytes,
+                                                       int slots) {
   CudaStepBenchmark out;
   CKPT_RETURN_IF_ERROR(MeasureDuplex(size_t{1} << 30, &out.h2d_gbps, &out.d2h_gbps));
   out.bytes_per_param = moments == MomentDType::kF32 ? 12 : 8;
@@ -68,7 +73,8 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int step
   o.unit_bytes = unit_bytes;
   o.slot_count = slots;
   std::vector<uint16_t> weights(params, formats::FloatToBf16(0.5f));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> opt, StagedAdamW::Create(o, std::as_bytes(std::span(weights))));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> opt,
+                        StagedAdamW::Create(o, std::as_bytes(std::span(weights))));
   CKPT_ASSIGN_OR_RETURN(DeviceBuffer grads, DeviceBuffer::Create(params * 4));
   CKPT_ASSIGN_OR_RETURN(DeviceBuffer weights_dev, DeviceBuffer::Create(params * 2));
   CKPT_CUDA_RETURN_IF_ERROR(cudaMemset(grads.data(), 0, params * 4));
@@ -79,7 +85,8 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int step
   for (int i = 0; i <= steps; ++i) {  // Step 0 warms up.
     auto start = std::chrono::steady_clock::now();
     CKPT_ASSIGN_OR_RETURN(StepReport r, opt->Step(args));
-    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller.get(), reinterpret_cast<cudaEvent_t>(r.done), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(caller.get(), reinterpret_cast<cudaEvent_t>(r.done), 0));
     CKPT_RETURN_IF_ERROR(opt->Synchronize());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(caller.get()));
     if (i > 0) best = std::min(best, Seconds(start));

@@ -37,7 +37,9 @@ namespace ckpt::optimizer::internal {
 namespace {
 
 KernelType ToKernelType(formats::DType d) {
-  return d == formats::DType::kF32 ? KernelType::kF32 : d == formats::DType::kBF16 ? KernelType::kBF16 : KernelType::kF16;
+  return d == formats::DType::kF32    ? KernelType::kF32
+         : d == formats::DType::kBF16 ? KernelType::kBF16
+                                      : KernelType::kF16;
 }
 
 struct Slot {
@@ -79,7 +81,8 @@ class CudaEngine : public StagedAdamW::Engine {
     grads_ready_ = std::move(grads_ready);
     done_ = std::move(done);
     counter_ = std::move(counter);
-    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ * (4 + 2 * mbytes) + sizeof(unsigned long long);
+    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ * (4 + 2 * mbytes) +
+                    sizeof(unsigned long long);
     return absl::OkStatus();
   }
 
@@ -88,10 +91,12 @@ class CudaEngine : public StagedAdamW::Engine {
     // Drain before anything is freed: buffers in flight belong to their streams.
     for (Slot& s : slots_) {
       for (const CudaStream* st : {&s.h2d, &s.compute, &s.d2h}) {
-        if (st->valid()) status.Update(CudaStatus(cudaStreamSynchronize(st->get()), "synchronize slot stream"));
+        if (st->valid())
+          status.Update(CudaStatus(cudaStreamSynchronize(st->get()), "synchronize slot stream"));
       }
     }
-    if (join_.valid()) status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
+    if (join_.valid())
+      status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
@@ -106,11 +111,14 @@ class CudaEngine : public StagedAdamW::Engine {
   bool wants_pinned_slabs() const override { return true; }
 
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
-                                  const std::vector<StepConstants>& constants, const SlabView& slabs,
-                                  formats::DType model_dtype, uint64_t elements) override {
-    if (slots_.empty()) return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
+                                  const std::vector<StepConstants>& constants,
+                                  const SlabView& slabs, formats::DType model_dtype,
+                                  uint64_t elements) override {
+    if (slots_.empty())
+      return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
     if (args.stream == nullptr) {
-      return absl::InvalidArgumentError("the CUDA engine needs the caller's stream (StepArgs::stream)");
+      return absl::InvalidArgumentError(
+          "the CUDA engine needs the caller's stream (StepArgs::stream)");
     }
     cudaStream_t caller = reinterpret_cast<cudaStream_t>(args.stream);
     StepReport report;
@@ -123,11 +131,13 @@ class CudaEngine : public StagedAdamW::Engine {
         return report;
       }
     }
-    const size_t gsize = formats::DTypeSize(args.grad_dtype), psize = formats::DTypeSize(model_dtype);
+    const size_t gsize = formats::DTypeSize(args.grad_dtype),
+                 psize = formats::DTypeSize(model_dtype);
     const size_t mbytes = moments_ == MomentDType::kF32 ? 4 : 2;
     // A unit's copy-in must see the previous step's copy-out of the same unit, which ran in the
     // same slot: wait for the slot's last copy-out once, at the start of the step.
-    for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.d2h_done.get(), 0));
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.d2h_done.get(), 0));
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = units[k];
       Slot& s = slots_[k % slots_.size()];
@@ -136,34 +146,49 @@ class CudaEngine : public StagedAdamW::Engine {
       std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
       // 1. Copy-in.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4, cudaMemcpyHostToDevice, s.h2d.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.m_in.data(), m, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.v_in.data(), v, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
+                                                cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(s.m_in.data(), m, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(s.v_in.data(), v, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
       // 2. Compute.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
-      if (k < slots_.size()) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
+      if (k < slots_.size())
+        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
       const StepConstants& c = constants[u.group];
-      DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()), s.m_in.data(), s.v_in.data(),
-                       static_cast<float*>(s.master_out.data()), s.m_out.data(), s.v_out.data(),
+      DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()),
+                       s.m_in.data(),
+                       s.v_in.data(),
+                       static_cast<float*>(s.master_out.data()),
+                       s.m_out.data(),
+                       s.v_out.data(),
                        static_cast<const std::byte*>(args.grads) + u.offset * gsize,
-                       static_cast<std::byte*>(args.params) + u.offset * psize, u.count, args.grad_scale,
-                       KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2, c.step_size, c.bc2_sqrt}};
-      CKPT_CUDA_RETURN_IF_ERROR(LaunchAdamwUnit(a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
-                                                moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
-                                                s.compute.get()));
+                       static_cast<std::byte*>(args.params) + u.offset * psize,
+                       u.count,
+                       args.grad_scale,
+                       KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2,
+                                       c.step_size, c.bc2_sqrt}};
+      CKPT_CUDA_RETURN_IF_ERROR(LaunchAdamwUnit(
+          a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
+          moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16, s.compute.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
       // 3. Copy-out.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4, cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m, s.m_out.data(), u.count * mbytes, cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes, cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4,
+                                                cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m, s.m_out.data(), u.count * mbytes,
+                                                cudaMemcpyDeviceToHost, s.d2h.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes,
+                                                cudaMemcpyDeviceToHost, s.d2h.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
     }
     // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
     // has (Synchronize waits for those).
-    for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
     report.done = reinterpret_cast<CUevent_st*>(done_.get());
     return report;
@@ -181,9 +206,11 @@ class CudaEngine : public StagedAdamW::Engine {
     auto* count = static_cast<unsigned long long*>(counter_.data());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, grads_ready_.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(count, 0, sizeof(*count), s));
-    CKPT_CUDA_RETURN_IF_ERROR(LaunchCountNonFinite(args.grads, ToKernelType(args.grad_dtype), elements, args.grad_scale, count, s));
+    CKPT_CUDA_RETURN_IF_ERROR(LaunchCountNonFinite(args.grads, ToKernelType(args.grad_dtype),
+                                                   elements, args.grad_scale, count, s));
     unsigned long long host = 0;
-    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s));
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s));
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // The skip decision needs the count.
     return static_cast<uint64_t>(host);
   }
@@ -200,20 +227,20 @@ class CudaEngine : public StagedAdamW::Engine {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(const StagedAdamWOptions& options,
-                                                                       const std::vector<Unit>& units) {
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(
+    const StagedAdamWOptions& options, const std::vector<Unit>& units) {
   (void)units;
   int devices = 0;
   cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat("no usable CUDA device: ", cudaGetErrorName(err), " (",
-                                                      cudaGetErrorString(err), ")"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no usable CUDA device: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
   }
   if (devices == 0) return absl::FailedPreconditionError("no CUDA device visible");
   if (options.slot_count < 1) return absl::InvalidArgumentError("slot_count must be at least 1");
-  auto engine = std::make_unique<CudaEngine>(options.slot_count, std::max<uint64_t>(16, options.unit_bytes / 4),
-                                             options.moment_dtype);
+  auto engine = std::make_unique<CudaEngine>(
+      options.slot_count, std::max<uint64_t>(16, options.unit_bytes / 4), options.moment_dtype);
   CKPT_RETURN_IF_ERROR(engine->Restore());
   return std::unique_ptr<StagedAdamW::Engine>(std::move(engine));
 }

@@ -10,8 +10,8 @@
 
 namespace ckpt::optimizer::internal {
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(const StagedAdamWOptions& options,
-                                                                       const std::vector<Unit>& units);
+absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(
+    const StagedAdamWOptions& options, const std::vector<Unit>& units);
 
 }  // namespace ckpt::optimizer::internal
 

@@ -32,12 +32,14 @@ bool HaveDevice() {
 #define SKIP_WITHOUT_DEVICE() \
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device visible"
 
-
 StagedAdamWOptions Options(EngineKind engine, MomentDType moments, uint64_t unit_bytes) {
   StagedAdamWOptions o;
-  o.params = {{"a", {37, 3}, DType::kBF16, 0}, {"b", {100001}, DType::kBF16, 1}, {"c", {4097}, DType::kBF16, 0}};
-  o.groups = {ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
-              ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
+  o.params = {{"a", {37, 3}, DType::kBF16, 0},
+              {"b", {100001}, DType::kBF16, 1},
+              {"c", {4097}, DType::kBF16, 0}};
+  o.groups = {
+      ParamGroup{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f},
+      ParamGroup{.lr = 3e-3f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.0f}};
   o.pieces = {{0, 5, 100}, {1, 0, 100001}, {2, 0, 4097}};
   o.engine = engine;
   o.moment_dtype = moments;
@@ -57,7 +59,8 @@ struct State {
 };
 
 // Runs `steps` steps with gradients of `grad_dtype`; the CUDA engine gets device buffers.
-State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps, bool release_between = false) {
+State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
+                bool release_between = false) {
   const uint64_t n = Size(o);
   auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
   EXPECT_THAT(opt, IsOk());
@@ -78,7 +81,8 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps, bool r
     std::vector<std::byte> gb = Encode(g, grad_dtype);
     StepArgs args{gb.data(), grad_dtype, 0.75f, s.params.data()};
     if (cuda) {
-      EXPECT_EQ(cudaMemcpyAsync(dgrads, gb.data(), gb.size(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+      EXPECT_EQ(cudaMemcpyAsync(dgrads, gb.data(), gb.size(), cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
       args.grads = dgrads;
       args.params = dparams;
       args.stream = reinterpret_cast<CUstream_st*>(stream);
@@ -86,8 +90,10 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps, bool r
     auto report = (*opt)->Step(args);
     EXPECT_THAT(report, IsOk());
     if (cuda) {
-      EXPECT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0), cudaSuccess);
-      EXPECT_EQ(cudaMemcpyAsync(s.params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+      EXPECT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0),
+                cudaSuccess);
+      EXPECT_EQ(cudaMemcpyAsync(s.params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream),
+                cudaSuccess);
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       if (release_between) {
         CKPT_EXPECT_OK((*opt)->ReleaseDevice());
@@ -143,7 +149,8 @@ TEST_P(CudaParityTest, Bf16MomentsMatchAHostEmulation) {
   std::vector<std::byte> w = Encode(Random(n, 1, 1.0f), DType::kBF16);
   std::vector<float> p(n);
   std::vector<uint16_t> m(n, 0), v(n, 0);
-  for (uint64_t i = 0; i < n; ++i) p[i] = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(w.data())[i]);
+  for (uint64_t i = 0; i < n; ++i)
+    p[i] = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(w.data())[i]);
   std::vector<uint32_t> group(n);
   uint64_t k = 0;
   for (const Piece& piece : o.pieces) {
@@ -157,9 +164,12 @@ TEST_P(CudaParityTest, Bf16MomentsMatchAHostEmulation) {
     for (const ParamGroup& pg : o.groups) c.push_back(ComputeStepConstants(pg, step + 1));
     for (uint64_t i = 0; i < n; ++i) {
       float gi;
-      if (GetParam() == DType::kF32) gi = reinterpret_cast<const float*>(gb.data())[i];
-      else if (GetParam() == DType::kBF16) gi = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
-      else gi = formats::HalfToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
+      if (GetParam() == DType::kF32)
+        gi = reinterpret_cast<const float*>(gb.data())[i];
+      else if (GetParam() == DType::kBF16)
+        gi = formats::Bf16ToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
+      else
+        gi = formats::HalfToFloat(reinterpret_cast<const uint16_t*>(gb.data())[i]);
       const StepConstants& s = c[group[i]];
       volatile float gs = gi * 0.75f;  // volatile: no FMA contraction of the host reference.
       volatile float pd = p[i] * s.decay;
@@ -184,8 +194,11 @@ TEST_P(CudaParityTest, Bf16MomentsMatchAHostEmulation) {
   EXPECT_EQ(std::memcmp(gpu.v.data(), v.data(), 2 * n), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(GradDtypes, CudaParityTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                         [](const ::testing::TestParamInfo<DType>& p) { return std::string(formats::DTypeName(p.param)); });
+INSTANTIATE_TEST_SUITE_P(GradDtypes, CudaParityTest,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                         [](const ::testing::TestParamInfo<DType>& p) {
+                           return std::string(formats::DTypeName(p.param));
+                         });
 
 TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
   SKIP_WITHOUT_DEVICE();
@@ -204,7 +217,9 @@ TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
   std::vector<float> g = Random(n, 100, 0.5f);
   for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
   // The caller's stream is busy for 300 ms, then writes the real gradients.
-  ASSERT_EQ(cudaLaunchHostFunc(stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }, nullptr),
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); },
+                nullptr),
             cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
   StepArgs args{dgrads, DType::kF32, 0.75f, dparams};
@@ -212,8 +227,10 @@ TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
   auto report = (*opt)->Step(args);
   CKPT_ASSERT_OK(report);
   std::vector<std::byte> params(n * 2);
-  ASSERT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0), cudaSuccess);
-  ASSERT_EQ(cudaMemcpyAsync(params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   CKPT_ASSERT_OK((*opt)->Synchronize());
   EXPECT_EQ(params, expected.params);
@@ -257,9 +274,10 @@ TEST(CudaEngineTest, DeviceMemoryDoesNotGrowWithTheModelAndReleaseFreesIt) {
     EXPECT_EQ((*opt)->device_bytes(), reported[i]);
     EXPECT_EQ(DeviceUsed(), with_engine) << "restore allocates the same slots again";
   }
-  std::printf("engine device memory: %llu bytes for 64K params, %llu for 1G params (reported %llu, %llu)\n",
-              static_cast<unsigned long long>(held[0]), static_cast<unsigned long long>(held[1]),
-              static_cast<unsigned long long>(reported[0]), static_cast<unsigned long long>(reported[1]));
+  std::printf(
+      "engine device memory: %llu bytes for 64K params, %llu for 1G params (reported %llu, %llu)\n",
+      static_cast<unsigned long long>(held[0]), static_cast<unsigned long long>(held[1]),
+      static_cast<unsigned long long>(reported[0]), static_cast<unsigned long long>(reported[1]));
   EXPECT_EQ(held[0], held[1]);
   EXPECT_EQ(reported[0], reported[1]);
 }

@@ -78,7 +78,8 @@ class DeviceBuffer {
   }
   DeviceBuffer(const DeviceBuffer&) = delete;  // A copy could not name its stream (RMM's rule).
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     std::swap(data_, o.data_);
     std::swap(size_, o.size_);

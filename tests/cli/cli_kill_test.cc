@@ -16,8 +16,8 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
 #include "libckpt/coding.h"
-#include "tests/support/status_matchers.h"
 #include "tests/support/run_command.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace ckpt {
@@ -38,7 +38,8 @@ class CliKillTest : public ::testing::Test {
 };
 
 TEST_F(CliKillTest, SigkillDuringBenchAlwaysLeavesAnOpenableVerifiedStore) {
-  ASSERT_EQ(RunTool("bench io --dir " + tmp_.path() + " --size 4M --ranks 2 --keep --json").exit_code, 0);
+  ASSERT_EQ(
+      RunTool("bench io --dir " + tmp_.path() + " --size 4M --ranks 2 --keep --json").exit_code, 0);
   const uint64_t seed = 20261130;
   std::mt19937_64 rng(seed);
   int kills = 0;

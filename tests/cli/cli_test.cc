@@ -2,7 +2,6 @@
 // reported with exit code 1, gc deletes old steps, and SIGKILL at random moments never leaves a
 // store that fails to open and verify.
 #include <signal.h>
-#include <unistd.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,8 +17,8 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
 #include "libckpt/coding.h"
-#include "tests/support/status_matchers.h"
 #include "tests/support/run_command.h"
+#include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 
 namespace ckpt {

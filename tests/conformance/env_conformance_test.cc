@@ -61,7 +61,8 @@ TEST_P(EnvConformanceTest, WrittenBytesReadBack) {
 
 TEST_P(EnvConformanceTest, LargeUnalignedAppendsRoundTripWithDirectIo) {
   std::string data;
-  for (int i = 0; i < 3 * 1024 * 1024 + 123; ++i) data.push_back(static_cast<char>(i * 7 + i / 4096));
+  for (int i = 0; i < 3 * 1024 * 1024 + 123; ++i)
+    data.push_back(static_cast<char>(i * 7 + i / 4096));
   auto file = env_->NewWritableFile(Path("big"), FileOptions{.direct_io = true});
   CKPT_ASSERT_OK(file);
   // Odd-sized appends exercise buffering, partial flushes and the padded tail.
@@ -156,7 +157,8 @@ TEST_P(EnvConformanceTest, UseAfterCloseFails) {
 
 std::unique_ptr<Env> FaultOverMemEnv() {
   struct Owning : testing::FaultInjectionEnv {
-    explicit Owning(std::unique_ptr<Env> target) : FaultInjectionEnv(target.get()), mem(std::move(target)) {}
+    explicit Owning(std::unique_ptr<Env> target)
+        : FaultInjectionEnv(target.get()), mem(std::move(target)) {}
     std::unique_ptr<Env> mem;
   };
   return std::make_unique<Owning>(NewMemEnv());
@@ -165,7 +167,8 @@ std::unique_ptr<Env> FaultOverMemEnv() {
 INSTANTIATE_TEST_SUITE_P(
     AllEnvs, EnvConformanceTest,
     ::testing::Values(
-        EnvFactory{"Posix", true, [] { return absl::StatusOr<std::unique_ptr<Env>>(NewPosixEnv()); }},
+        EnvFactory{"Posix", true,
+                   [] { return absl::StatusOr<std::unique_ptr<Env>>(NewPosixEnv()); }},
         EnvFactory{"Uring", true, [] { return NewUringEnv(); }},
         EnvFactory{"Mem", false, [] { return absl::StatusOr<std::unique_ptr<Env>>(NewMemEnv()); }},
         EnvFactory{"FaultInjection", false,

@@ -56,7 +56,8 @@ TEST(BitFlipTest, EveryFlipIsReportedByVerifyAndRefusedByTheReader) {
       auto report = VerifyStepDir(env.get(), kStep);
       CKPT_ASSERT_OK(report);
       ASSERT_FALSE(report->problems.empty()) << name << " bit " << bit;
-      ASSERT_THAT(ReadEverything(env.get()), StatusIs(absl::StatusCode::kDataLoss)) << name << " bit " << bit;
+      ASSERT_THAT(ReadEverything(env.get()), StatusIs(absl::StatusCode::kDataLoss))
+          << name << " bit " << bit;
     }
     CKPT_ASSERT_OK(Overwrite(env.get(), path, *original));
   }

@@ -24,9 +24,10 @@ std::vector<float> Values(size_t n, float base) {
 
 TEST(HfWriteCrashTest, NoTornFileUnderAFinalNameAtAnyCrashPoint) {
   const std::vector<float> a = Values(3000, 1), b = Values(2000, 7), c = Values(1000, 9);
-  const std::vector<HfTensorData> tensors = {{"a", StDType::kF32, {3000}, std::as_bytes(std::span(a))},
-                                             {"b", StDType::kF32, {2000}, std::as_bytes(std::span(b))},
-                                             {"c", StDType::kF32, {1000}, std::as_bytes(std::span(c))}};
+  const std::vector<HfTensorData> tensors = {
+      {"a", StDType::kF32, {3000}, std::as_bytes(std::span(a))},
+      {"b", StDType::kF32, {2000}, std::as_bytes(std::span(b))},
+      {"c", StDType::kF32, {1000}, std::as_bytes(std::span(c))}};
   auto run = [&](std::optional<uint64_t> crash_after, uint64_t* calls) {
     auto mem = NewMemEnv();
     testing::FaultInjectionEnv fault(mem.get());
@@ -34,7 +35,8 @@ TEST(HfWriteCrashTest, NoTornFileUnderAFinalNameAtAnyCrashPoint) {
     CKPT_EXPECT_OK(fault.DropUnsyncedData());
     const uint64_t before = fault.mutating_calls();
     if (crash_after.has_value()) fault.CrashAfter(*crash_after);
-    absl::Status written = WriteHfCheckpoint("/model", tensors, {.env = &fault, .max_shard_bytes = 10000});
+    absl::Status written =
+        WriteHfCheckpoint("/model", tensors, {.env = &fault, .max_shard_bytes = 10000});
     *calls = fault.mutating_calls() - before;
     CKPT_EXPECT_OK(fault.DropUnsyncedData());
     auto names = mem->GetChildren("/model");

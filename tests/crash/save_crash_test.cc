@@ -80,7 +80,8 @@ TEST_F(CrashTest, RandomUnsyncedTailsNeverBreakTheStore) {
 TEST_F(CrashTest, RetentionIsAllOrNothingAtEveryCrashPoint) {
   auto prepare = [&] {
     Reset();
-    for (uint64_t step = 1; step <= 4; ++step) CKPT_ASSERT_OK(SaveSyntheticStep(kRoot, options_, 1, step));
+    for (uint64_t step = 1; step <= 4; ++step)
+      CKPT_ASSERT_OK(SaveSyntheticStep(kRoot, options_, 1, step));
     CKPT_ASSERT_OK(fault_->DropUnsyncedData());
   };
   auto gc = [&]() -> absl::Status {

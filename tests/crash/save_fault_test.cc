@@ -13,9 +13,9 @@
 namespace ckpt {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::CheckStoreConsistent;
 using testing::FaultInjectionEnv;
+using ::testing::HasSubstr;
 using testing::SaveSyntheticStep;
 
 constexpr char kRoot[] = "/ckpt";
@@ -64,11 +64,14 @@ TEST_P(SaveFaultTest, EveryFailedCallLeavesThePreviousCheckpoint) {
 
 INSTANTIATE_TEST_SUITE_P(
     Errnos, SaveFaultTest,
-    ::testing::Values(Injected{ENOSPC, absl::StatusCode::kResourceExhausted, "No space left on device"},
+    ::testing::Values(Injected{ENOSPC, absl::StatusCode::kResourceExhausted,
+                               "No space left on device"},
                       Injected{EDQUOT, absl::StatusCode::kResourceExhausted, "Disk quota exceeded"},
                       Injected{EIO, absl::ErrnoToStatusCode(EIO), "Input/output error"}),
     [](const ::testing::TestParamInfo<Injected>& p) {
-      return std::string(p.param.errnum == ENOSPC ? "ENOSPC" : p.param.errnum == EDQUOT ? "EDQUOT" : "EIO");
+      return std::string(p.param.errnum == ENOSPC   ? "ENOSPC"
+                         : p.param.errnum == EDQUOT ? "EDQUOT"
+                                                    : "EIO");
     });
 
 TEST(TornWriteTest, TornAppendFailsTheSaveAndKeepsThePrevious) {

@@ -75,10 +75,10 @@ class FaultInjectionEnv : public EnvWrapper {
   };
   struct DirOp {
     enum Kind { kCreate, kRemove, kRename } kind;
-    std::string path;                   // Created or removed entry; rename destination.
-    std::string src;                    // Rename source.
+    std::string path;  // Created or removed entry; rename destination.
+    std::string src;   // Rename source.
     bool is_dir = false;
-    std::optional<std::string> saved;   // Durable contents of a removed or replaced file.
+    std::optional<std::string> saved;  // Durable contents of a removed or replaced file.
   };
 
   // Counts a mutating call; returns the injected failure for it, if any.

@@ -29,8 +29,8 @@ MATCHER_P(StatusIs, code, "has status code " + ::testing::PrintToString(code)) {
 
 }  // namespace ckpt::testing
 
-#define CKPT_ASSERT_OK(expr) \
-  do {                     \
+#define CKPT_ASSERT_OK(expr)                      \
+  do {                                            \
     ASSERT_THAT((expr), ::ckpt::testing::IsOk()); \
   } while (0)
 #define CKPT_EXPECT_OK(expr) EXPECT_THAT((expr), ::ckpt::testing::IsOk())

@@ -49,7 +49,8 @@ absl::Status SaveRank(CheckpointStore* store, Coordinator* coordinator, uint64_t
 
 std::vector<float> WeightsAt(uint64_t step) {
   std::vector<float> w(kWeightElems);
-  for (uint64_t i = 0; i < kWeightElems; ++i) w[i] = static_cast<float>(step) * 1000.0f + static_cast<float>(i) * 0.25f;
+  for (uint64_t i = 0; i < kWeightElems; ++i)
+    w[i] = static_cast<float>(step) * 1000.0f + static_cast<float>(i) * 0.25f;
   return w;
 }
 
@@ -60,7 +61,8 @@ std::string SchedulerBlobAt(uint64_t step, int rank) {
 absl::Status SaveSyntheticStep(const std::string& root, const StoreOptions& options, int ranks,
                                uint64_t step) {
   std::vector<std::unique_ptr<CheckpointStore>> stores;
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> primary, CheckpointStore::Open(root, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> primary,
+                        CheckpointStore::Open(root, options));
   stores.push_back(std::move(primary));
   StoreOptions secondary = options;
   secondary.primary = false;
@@ -88,13 +90,16 @@ absl::Status SaveSyntheticStep(const std::string& root, const StoreOptions& opti
 
 absl::StatusOr<std::optional<uint64_t>> CheckStoreConsistent(const std::string& root,
                                                              const StoreOptions& options) {
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store, CheckpointStore::Open(root, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
+                        CheckpointStore::Open(root, options));
   Env* env = store->env();
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
   for (const std::string& name : names) {
-    if (absl::StartsWith(name, ".")) return absl::InternalError(absl::StrCat("garbage survived Open: ", name));
+    if (absl::StartsWith(name, "."))
+      return absl::InternalError(absl::StrCat("garbage survived Open: ", name));
   }
-  CKPT_ASSIGN_OR_RETURN(StoreVerifyReport report, VerifyStore(env, root, std::nullopt, /*all=*/true));
+  CKPT_ASSIGN_OR_RETURN(StoreVerifyReport report,
+                        VerifyStore(env, root, std::nullopt, /*all=*/true));
   if (!report.ok()) {
     std::string why;
     for (const auto& p : report.problems) absl::StrAppend(&why, p.file, ": ", p.message, "; ");
@@ -107,14 +112,18 @@ absl::StatusOr<std::optional<uint64_t>> CheckStoreConsistent(const std::string& 
   if (!latest.has_value()) return latest;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, store->OpenLatest());
   std::vector<float> w(kWeightElems);
-  CKPT_RETURN_IF_ERROR(reader->ReadRange("w", 0, kWeightElems, std::as_writable_bytes(std::span(w))));
-  if (w != WeightsAt(*latest)) return absl::InternalError(absl::StrCat("w differs from step ", *latest));
+  CKPT_RETURN_IF_ERROR(
+      reader->ReadRange("w", 0, kWeightElems, std::as_writable_bytes(std::span(w))));
+  if (w != WeightsAt(*latest))
+    return absl::InternalError(absl::StrCat("w differs from step ", *latest));
   std::vector<uint16_t> b(kBiasElems);
   CKPT_RETURN_IF_ERROR(reader->ReadRange("b", 0, kBiasElems, std::as_writable_bytes(std::span(b))));
-  if (b != BiasAt(*latest)) return absl::InternalError(absl::StrCat("b differs from step ", *latest));
+  if (b != BiasAt(*latest))
+    return absl::InternalError(absl::StrCat("b differs from step ", *latest));
   for (uint32_t r = 0; r < reader->manifest().world_size; ++r) {
     CKPT_ASSIGN_OR_RETURN(std::string blob, reader->ReadBlob("sched", r));
-    if (blob != SchedulerBlobAt(*latest, static_cast<int>(r))) return absl::InternalError("blob differs");
+    if (blob != SchedulerBlobAt(*latest, static_cast<int>(r)))
+      return absl::InternalError("blob differs");
   }
   return latest;
 }

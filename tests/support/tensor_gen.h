@@ -39,7 +39,8 @@ inline std::vector<std::byte> EncodeFloats(const std::vector<float>& values, for
     if (dtype == formats::DType::kF32) {
       std::memcpy(out.data() + 4 * i, &values[i], 4);
     } else {
-      const uint16_t h = dtype == formats::DType::kBF16 ? formats::FloatToBf16(values[i]) : formats::FloatToHalf(values[i]);
+      const uint16_t h = dtype == formats::DType::kBF16 ? formats::FloatToBf16(values[i])
+                                                        : formats::FloatToHalf(values[i]);
       std::memcpy(out.data() + 2 * i, &h, 2);
     }
   }

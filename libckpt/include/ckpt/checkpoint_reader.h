@@ -6,8 +6,8 @@
 #include <memory>
 #include <span>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "ckpt/env.h"

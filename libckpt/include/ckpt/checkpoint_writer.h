@@ -7,8 +7,8 @@
 #include <memory>
 #include <span>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "ckpt/coordinator.h"

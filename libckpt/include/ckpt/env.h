@@ -9,13 +9,13 @@
 #ifndef CKPT_ENV_H_
 #define CKPT_ENV_H_
 
-#include "absl/strings/string_view.h"
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"

@@ -48,8 +48,8 @@ class HfCheckpointReader {
   // model.safetensors nor an index is there; kDataLoss naming the file and the rule for any
   // invalid header or index, or an index that disagrees with its shards (missing shard, tensor
   // in two shards, tensor the index does not list, listed tensor absent).
-  static absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open(const std::string& path,
-                                                                  const HfReaderOptions& options = {});
+  static absl::StatusOr<std::unique_ptr<HfCheckpointReader>> Open(
+      const std::string& path, const HfReaderOptions& options = {});
   ~HfCheckpointReader();
 
   const std::string& path() const { return path_; }

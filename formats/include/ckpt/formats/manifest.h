@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "ckpt/formats/chunk.h"
@@ -34,7 +34,7 @@ struct ChunkInfo {
   uint64_t stored_bytes = 0;  // Payload bytes on disk.
   uint64_t raw_bytes = 0;     // Payload bytes after decoding.
   Codec codec = Codec::kRaw;
-  uint64_t checksum = 0;      // XXH3-64 of the whole extent: header, payload, padding.
+  uint64_t checksum = 0;  // XXH3-64 of the whole extent: header, payload, padding.
 };
 
 struct DataFileInfo {

@@ -20,8 +20,28 @@ namespace ckpt::formats {
 
 // Every dtype of safetensors 0.8, in the reference implementation's order.
 enum class StDType : uint8_t {
-  kBool, kF4, kF6_E2M3, kF6_E3M2, kU8, kI8, kF8_E5M2, kF8_E4M3, kF8_E8M0, kF8_E4M3FNUZ,
-  kF8_E5M2FNUZ, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kC64, kF64, kI64, kU64,
+  kBool,
+  kF4,
+  kF6_E2M3,
+  kF6_E3M2,
+  kU8,
+  kI8,
+  kF8_E5M2,
+  kF8_E4M3,
+  kF8_E8M0,
+  kF8_E4M3FNUZ,
+  kF8_E5M2FNUZ,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kC64,
+  kF64,
+  kI64,
+  kU64,
 };
 absl::string_view StDTypeName(StDType dtype);
 absl::StatusOr<StDType> ParseStDType(absl::string_view name);
@@ -63,15 +83,15 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensors(std::span<const std::byte> fi
 // The 8-byte prefix and the JSON header (space-padded to a multiple of 8 bytes) for tensors
 // laid out back to back in the given order; fills each tensor's begin/end. kInvalidArgument
 // for a bad or duplicate name or a size that does not fit.
-absl::StatusOr<std::string> EncodeSafetensorsHeader(std::vector<SafetensorsTensor>* tensors,
-                                                    const std::map<std::string, std::string>& metadata);
+absl::StatusOr<std::string> EncodeSafetensorsHeader(
+    std::vector<SafetensorsTensor>* tensors, const std::map<std::string, std::string>& metadata);
 
 // model.safetensors.index.json.
 struct HfIndex {
-  std::optional<uint64_t> total_size;            // metadata.total_size, when present.
-  std::map<std::string, std::string> metadata;   // Other metadata entries, as JSON text.
+  std::optional<uint64_t> total_size;           // metadata.total_size, when present.
+  std::map<std::string, std::string> metadata;  // Other metadata entries, as JSON text.
   std::vector<std::pair<std::string, std::string>> weight_map;  // tensor -> shard, sorted.
-  std::vector<std::string> shards() const;       // Distinct shard paths, sorted.
+  std::vector<std::string> shards() const;                      // Distinct shard paths, sorted.
 };
 
 // kDataLoss naming `file` and the rule: not a JSON object, no weight_map, non-string entries,

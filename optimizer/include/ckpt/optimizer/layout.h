@@ -16,9 +16,9 @@ namespace ckpt::optimizer {
 
 struct ParamSpec {
   std::string name;
-  std::vector<uint64_t> shape;  // Global shape; {} is a scalar.
+  std::vector<uint64_t> shape;                   // Global shape; {} is a scalar.
   formats::DType dtype = formats::DType::kBF16;  // Model dtype: kF32, kBF16 or kF16.
-  uint32_t group = 0;           // Index into the optimizer's param groups.
+  uint32_t group = 0;                            // Index into the optimizer's param groups.
   uint64_t numel() const;
 };
 

@@ -34,9 +34,9 @@ struct StagedAdamWOptions {
   EngineKind engine = EngineKind::kCpu;
   // A unit covers at most this many bytes of one FP32 slab and never crosses a param group.
   uint64_t unit_bytes = uint64_t{8} << 20;
-  int threads = 0;         // CPU engine: 0 uses every core.
+  int threads = 0;  // CPU engine: 0 uses every core.
   CpuIsa isa = CpuIsa::kAuto;
-  int slot_count = 2;      // CUDA engine: device buffers in flight.
+  int slot_count = 2;  // CUDA engine: device buffers in flight.
   MomentDType moment_dtype = MomentDType::kF32;
 };
 
@@ -52,8 +52,8 @@ struct Unit {
 struct StepArgs {
   const void* grads = nullptr;
   formats::DType grad_dtype = formats::DType::kF32;  // kF32, kBF16 or kF16.
-  float grad_scale = 1.0f;   // Multiplies every gradient (the trainer's unscale-and-clip factor).
-  void* params = nullptr;    // Model-dtype weights, written with the updated masters.
+  float grad_scale = 1.0f;  // Multiplies every gradient (the trainer's unscale-and-clip factor).
+  void* params = nullptr;   // Model-dtype weights, written with the updated masters.
   // Check every scaled gradient for NaN/Inf first; if any, skip the step and change nothing.
   bool check_finite = false;
   CUstream_st* stream = nullptr;  // CUDA engine: the caller's stream that produced `grads`.
