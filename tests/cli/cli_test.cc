@@ -108,6 +108,37 @@ TEST_F(CliTest, HfPathsInspectVerifyAndReshard) {
   EXPECT_EQ(RunTool("inspect " + out).exit_code, 1);
 }
 
+TEST_F(CliTest, BenchSafetensorsReportsPairedBoundAndRemovesItsFiles) {
+  Result r = RunTool("bench safetensors --dir " + tmp_.path() +
+                     " --size 8M --tensors 8 --rounds 3 --threads 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  // 8 BF16 tensors of 512 Ki elements plus the header.
+  EXPECT_GT(j["file_bytes"].get<uint64_t>(), uint64_t{8} << 20);
+  EXPECT_EQ(j["f32_output_bytes"].get<uint64_t>(), uint64_t{16} << 20);
+  ASSERT_EQ(j["rounds"].size(), 3u);
+  for (const auto& round : j["rounds"]) {
+    EXPECT_GT(round["read_to_f32_gbps"].get<double>(), 0);
+    EXPECT_GT(round["read_bound_gbps"].get<double>(), 0);
+  }
+  EXPECT_DOUBLE_EQ(j["ratio"].get<double>(),
+                   j["read_to_f32_gbps"].get<double>() / j["read_bound_gbps"].get<double>());
+  Result ls = testing::RunCommand("ls -A " + tmp_.path());
+  EXPECT_EQ(ls.output, "") << "benchmark files left behind";
+}
+
+TEST_F(CliTest, BenchAdamwCpuReportsRateBoundAndRatio) {
+  Result r = RunTool("bench adamw --params 100000 --engine cpu --threads 2 --steps 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json cpu = nlohmann::json::parse(r.output)["cpu"];
+  EXPECT_GT(cpu["gparams_per_s"].get<double>(), 0);
+  EXPECT_GT(cpu["bound_gparams_per_s"].get<double>(), 0);
+  EXPECT_DOUBLE_EQ(cpu["ratio"].get<double>(),
+                   cpu["gparams_per_s"].get<double>() / cpu["bound_gparams_per_s"].get<double>());
+  EXPECT_EQ(cpu["device_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(RunTool("bench adamw --params 0").exit_code, 2);  // A usage error.
+}
+
 TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_EQ(RunTool("verify " + tmp_.path() + "/missing").exit_code, 2);
   EXPECT_EQ(RunTool("inspect").exit_code, 2);
