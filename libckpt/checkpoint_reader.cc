@@ -5,9 +5,11 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "libckpt/aligned_buffer.h"
+#include "libckpt/bounce_pool.h"
 #include "libckpt/checksum.h"
 #include "libckpt/coding.h"
 #include "libckpt/filename.h"
@@ -72,16 +74,22 @@ absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
 }
 
 absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
-                                            std::vector<std::byte>* scratch) const {
+                                            internal::AlignedBuffer* scratch) const {
   const formats::DataFileInfo& f = manifest_.files[read.file];
   const ChunkInfo& c = f.chunks[read.chunk];
   const std::string path = JoinPath(dir_, f.name);
   const uint64_t extent = formats::ChunkExtentBytes(c.stored_bytes);
-  // Over-allocate so the aligned window fits inside the vector.
-  scratch->resize(extent + internal::kDirectIoAlignment);
-  auto addr = reinterpret_cast<uintptr_t>(scratch->data());
-  std::byte* buf = scratch->data() + (RoundUp(addr, internal::kDirectIoAlignment) - addr);
-  std::span<std::byte> bytes(buf, extent);
+  if (scratch->size() < extent) {
+    // Huge-page bounce buffers (see bounce_pool.h): the shared pool's when the chunk fits.
+    internal::BouncePool& pool = internal::BouncePool::ReadBuffers();
+    if (scratch->valid()) pool.Give(std::move(*scratch));
+    CKPT_ASSIGN_OR_RETURN(*scratch, extent <= pool.buffer_bytes()
+                                        ? pool.Take()
+                                        : internal::AlignedBuffer::Create(
+                                              extent, internal::AlignedBuffer::Fill::kUninitialized,
+                                              internal::AlignedBuffer::Pages::kHuge));
+  }
+  std::span<std::byte> bytes = scratch->span().first(extent);
   CKPT_RETURN_IF_ERROR(files_[read.file]->Read(c.offset, bytes));
   if (Checksum(bytes) != c.checksum) {
     return absl::DataLossError(
@@ -106,7 +114,8 @@ absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
 absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
   const size_t threads = std::min<size_t>(std::max(1, options_.read_threads), reads.size());
   if (threads <= 1) {
-    std::vector<std::byte> scratch;
+    internal::AlignedBuffer scratch;
+    absl::Cleanup give_back = [&] { internal::BouncePool::ReadBuffers().Give(std::move(scratch)); };
     for (const ChunkRead& r : reads) CKPT_RETURN_IF_ERROR(ReadOneChunk(r, &scratch));
     return absl::OkStatus();
   }
@@ -116,7 +125,8 @@ absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) c
   absl::Status status;
   std::atomic<bool> failed{false};
   auto worker = [&] {
-    std::vector<std::byte> scratch;
+    internal::AlignedBuffer scratch;
+    absl::Cleanup give_back = [&] { internal::BouncePool::ReadBuffers().Give(std::move(scratch)); };
     for (size_t i = next++; i < reads.size() && !failed; i = next++) {
       absl::Status s = ReadOneChunk(reads[i], &scratch);
       if (!s.ok()) {

@@ -16,11 +16,13 @@
 #include <set>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "ckpt/formats/float_convert.h"
 #include "libckpt/aligned_buffer.h"
+#include "libckpt/bounce_pool.h"
 #include "libckpt/coding.h"
 #include "libckpt/status_macros.h"
 
@@ -186,17 +188,60 @@ absl::StatusOr<const HfTensor*> HfCheckpointReader::Find(absl::string_view name)
   return &*it;
 }
 
+// Read plan. Jobs are sorted by (shard, offset) and merged into extents wherever they touch or
+// overlap (a loader's tensors usually tile the file). Each extent is cut into slices on the
+// file's absolute kSliceBytes grid, so requests are 8 MiB (split by the Env into 1 MiB reads)
+// at aligned offsets however the tensors fall, and the page shared by two tensors is read once.
+// A grid line that would split an element of a job is moved up to that element's end (at most
+// 3 bytes, inside the same 4 KiB page), so every consume() sees whole elements.
 absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
+  std::vector<size_t> order(jobs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (jobs[a].shard != jobs[b].shard)
+      return std::less<const Shard*>()(jobs[a].shard, jobs[b].shard);
+    return jobs[a].offset < jobs[b].offset;
+  });
   struct Slice {
-    size_t job;
-    uint64_t begin;  // Within the job's range.
-    uint64_t end;
+    const Shard* shard;
+    uint64_t begin, end;         // Absolute bytes of the shard this slice delivers.
+    size_t first_job, last_job;  // Range of `order` that may overlap it.
   };
   std::vector<Slice> slices;
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    for (uint64_t pos = 0; pos < jobs[j].length; pos += kSliceBytes) {
-      slices.push_back({j, pos, std::min(jobs[j].length, pos + kSliceBytes)});
+  for (size_t i = 0; i < order.size();) {
+    if (jobs[order[i]].length == 0) {
+      ++i;
+      continue;
     }
+    const Shard* shard = jobs[order[i]].shard;
+    const uint64_t lo = jobs[order[i]].offset;
+    uint64_t hi = lo + jobs[order[i]].length;
+    size_t j = i + 1;
+    for (; j < order.size() && jobs[order[j]].shard == shard && jobs[order[j]].offset <= hi; ++j) {
+      hi = std::max(hi, jobs[order[j]].offset + jobs[order[j]].length);
+    }
+    // Grid lines inside (lo, hi), each moved past any element it would split. `k` walks the
+    // jobs: those before it end at or before the current slice's start (prefix maximum).
+    uint64_t begin = lo, ends_before = 0;
+    size_t k = i;
+    for (uint64_t line = (lo / kSliceBytes + 1) * kSliceBytes; begin < hi; line += kSliceBytes) {
+      while (k < j &&
+             std::max(ends_before, jobs[order[k]].offset + jobs[order[k]].length) <= begin) {
+        ends_before = std::max(ends_before, jobs[order[k]].offset + jobs[order[k]].length);
+        ++k;
+      }
+      uint64_t cut = std::min(line, hi);
+      size_t last = k;
+      for (; last < j && jobs[order[last]].offset < cut; ++last) {
+        const Job& job = jobs[order[last]];
+        if (cut < job.offset + job.length) {
+          cut = job.offset + RoundUp(cut - job.offset, job.element_bytes);
+        }
+      }
+      slices.push_back({shard, begin, cut, k, last});
+      begin = cut;
+    }
+    i = j;
   }
   std::atomic<bool> failed{false};
   absl::Mutex mu;
@@ -210,21 +255,25 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
   // Each thread takes a contiguous run of slices: a few sequential streams, which device and
   // host readahead serve better than slices dealt round-robin.
   auto worker = [&](size_t t) {
-    // Every byte the consumer sees is read into it first: no need to zero 8 MiB per thread.
-    absl::StatusOr<AlignedBuffer> buf = AlignedBuffer::Create(kSliceBytes + 2 * kDirectIoAlignment,
-                                                              AlignedBuffer::Fill::kUninitialized);
+    internal::BouncePool& pool = internal::BouncePool::ReadBuffers();
+    absl::StatusOr<AlignedBuffer> buf = pool.Take();
     if (!buf.ok()) return fail(buf.status());
+    absl::Cleanup give_back = [&] { pool.Give(*std::move(buf)); };
     const size_t first = slices.size() * t / threads, last = slices.size() * (t + 1) / threads;
     for (size_t i = first; i < last && !failed; ++i) {
-      const Job& job = jobs[slices[i].job];
-      const uint64_t begin = job.offset + slices[i].begin;
-      const uint64_t end = job.offset + slices[i].end;
+      const Slice& slice = slices[i];
       // Widen to 4 KiB boundaries so the read takes the O_DIRECT path.
-      const uint64_t lo = begin / kDirectIoAlignment * kDirectIoAlignment;
-      const uint64_t hi = std::min(job.shard->file->size(), RoundUp(end, kDirectIoAlignment));
-      absl::Status s = job.shard->file->Read(lo, buf->span().first(hi - lo));
+      const uint64_t lo = slice.begin / kDirectIoAlignment * kDirectIoAlignment;
+      const uint64_t hi =
+          std::min(slice.shard->file->size(), RoundUp(slice.end, kDirectIoAlignment));
+      absl::Status s = slice.shard->file->Read(lo, buf->span().first(hi - lo));
       if (!s.ok()) return fail(s);
-      job.consume(slices[i].begin, buf->span().subspan(begin - lo, end - begin));
+      for (size_t k = slice.first_job; k < slice.last_job; ++k) {
+        const Job& job = jobs[order[k]];
+        const uint64_t a = std::max(job.offset, slice.begin);
+        const uint64_t b = std::min(job.offset + job.length, slice.end);
+        if (a < b) job.consume(a - job.offset, buf->span().subspan(a - lo, b - a));
+      }
     }
   };
   std::vector<std::thread> pool;
@@ -258,7 +307,7 @@ absl::Status HfCheckpointReader::ReadBytes(absl::string_view name, uint64_t begi
     return absl::InvalidArgumentError(
         absl::StrCat("output for \"", name, "\" has ", out.size(), " bytes, expected ", length));
   }
-  return ReadJobs({Job{shards_.at(t->shard).get(), t->file_offset + offset, length,
+  return ReadJobs({Job{shards_.at(t->shard).get(), t->file_offset + offset, length, 1,
                        [&](uint64_t pos, std::span<const std::byte> bytes) {
                          std::memcpy(out.data() + pos, bytes.data(), bytes.size());
                        }}});
@@ -279,7 +328,7 @@ absl::StatusOr<HfCheckpointReader::Job> HfCheckpointReader::F32Job(const F32Requ
   const uint64_t esize = formats::StDTypeBits(t->dtype) / 8;
   const StDType dtype = t->dtype;
   float* out = r.out.data();
-  return Job{shards_.at(t->shard).get(), t->file_offset + r.begin * esize, r.count * esize,
+  return Job{shards_.at(t->shard).get(), t->file_offset + r.begin * esize, r.count * esize, esize,
              [dtype, out, esize](uint64_t pos, std::span<const std::byte> bytes) {
                ConvertToF32(dtype, bytes, out + pos / esize);
              }};

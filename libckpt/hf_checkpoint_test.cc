@@ -2,10 +2,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <random>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ckpt/formats/float_convert.h"
 #include "libckpt/coding.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
@@ -201,6 +203,71 @@ TEST_F(HfIndexConsistencyTest, SingleFileExportReplacesTheIndex) {
   EXPECT_FALSE((*r)->sharded());
   EXPECT_EQ((*r)->tensors().size(), 1u);
 }
+
+// Tensors at odd file offsets (a 3-byte U8 tensor shifts the rest), larger than the reader's
+// 8 MiB slices, read in one call as whole tensors, overlapping ranges, ranges that start and end
+// mid-slice, and an empty range: every element must equal the reference conversion of its
+// source bits. Slices are cut on the file's absolute grid, so this is where a cut through an
+// element, a lost or doubled slice, or a wrong position in a merged extent would show.
+class HfReadPlanTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(HfReadPlanTest, ManyRangesAtOddOffsetsAcrossSliceBoundariesConvertExactly) {
+  testing::ScopedTempDir tmp;
+  auto env = NewPosixEnv();
+  std::mt19937 rng(11);
+  std::vector<uint8_t> a = {1, 2, 3};
+  std::vector<uint16_t> b(5'000'003), d(1'000'001);
+  std::vector<uint32_t> c(3'000'007);
+  for (auto& x : b) x = static_cast<uint16_t>(rng() & 0x7f7f);  // Finite BF16.
+  for (auto& x : c) x = rng() & 0x7f7fffff;                     // Finite F32.
+  for (auto& x : d) x = static_cast<uint16_t>(rng() & 0x7bff);  // Finite F16.
+  CKPT_ASSERT_OK(WriteHfCheckpoint(tmp.path(),
+                                   {{"a", StDType::kU8, {3}, std::as_bytes(std::span(a))},
+                                    {"b", StDType::kBF16, {b.size()}, std::as_bytes(std::span(b))},
+                                    {"c", StDType::kF32, {c.size()}, std::as_bytes(std::span(c))},
+                                    {"d", StDType::kF16, {d.size()}, std::as_bytes(std::span(d))}},
+                                   {.env = env.get()}));
+  auto r = HfCheckpointReader::Open(tmp.path(), {.env = env.get(), .read_threads = GetParam()});
+  CKPT_ASSERT_OK(r);
+  for (const char* name : {"b", "c", "d"}) {
+    auto t = (*r)->Find(name);
+    CKPT_ASSERT_OK(t);
+    EXPECT_NE((*t)->file_offset % 2, 0u) << name << " should sit at an odd offset";
+  }
+  auto expected = [&](const std::string& name, uint64_t i) -> uint32_t {
+    if (name == "b") return static_cast<uint32_t>(b[i]) << 16;
+    if (name == "c") return c[i];
+    return formats::FloatBits(formats::HalfToFloat(d[i]));
+  };
+  struct Range {
+    std::string name;
+    uint64_t begin, count;
+  };
+  const std::vector<Range> ranges = {
+      {"b", 0, b.size()},    {"c", 0, c.size()},  {"d", 0, d.size()},
+      {"b", 100, 4'000'000}, {"c", 7, 2'500'000}, {"c", 2'999'000, 1'007},
+      {"b", 4'194'303, 3},   {"d", 500'000, 0},   {"d", 999'999, 2}};
+  std::vector<std::vector<float>> outs;
+  std::vector<HfCheckpointReader::F32Request> requests;
+  for (const Range& g : ranges) outs.emplace_back(g.count, -1.0f);
+  for (size_t k = 0; k < ranges.size(); ++k)
+    requests.push_back({ranges[k].name, ranges[k].begin, ranges[k].count, outs[k]});
+  CKPT_ASSERT_OK((*r)->ReadManyAsF32(requests));
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    for (uint64_t i = 0; i < ranges[k].count; ++i) {
+      ASSERT_EQ(formats::FloatBits(outs[k][i]), expected(ranges[k].name, ranges[k].begin + i))
+          << "request " << k << " (" << ranges[k].name << ") element " << i;
+    }
+  }
+  std::vector<uint8_t> got_a(3);
+  CKPT_ASSERT_OK((*r)->ReadBytes("a", 0, 3, std::as_writable_bytes(std::span(got_a))));
+  EXPECT_EQ(got_a, a);
+  std::vector<uint32_t> got_c(c.size());
+  CKPT_ASSERT_OK((*r)->ReadBytes("c", 0, c.size(), std::as_writable_bytes(std::span(got_c))));
+  EXPECT_EQ(got_c, c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, HfReadPlanTest, ::testing::Values(1, 3, 8));
 
 TEST(HfReaderTest, BadRequestsAreRefused) {
   auto env = NewMemEnv();

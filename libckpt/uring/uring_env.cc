@@ -418,7 +418,10 @@ class UringEnv : public internal::PosixMetadataEnv {
     std::vector<UringWritableFile::Slot> slots(kWriteSlots);
     std::vector<iovec> iovecs;
     for (auto& slot : slots) {
-      CKPT_ASSIGN_OR_RETURN(slot.buf, AlignedBuffer::Create(buffer_bytes));
+      CKPT_ASSIGN_OR_RETURN(
+          slot.buf, AlignedBuffer::Create(
+                        buffer_bytes, AlignedBuffer::Fill::kZero,
+                        direct ? AlignedBuffer::Pages::kHuge : AlignedBuffer::Pages::kSmall));
       iovecs.push_back({slot.buf.data(), buffer_bytes});
     }
     CKPT_ASSIGN_OR_RETURN(UringRing ring, UringRing::Create(2 * kWriteSlots));

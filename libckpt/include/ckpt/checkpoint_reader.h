@@ -15,6 +15,9 @@
 #include "ckpt/options.h"
 
 namespace ckpt {
+namespace internal {
+class AlignedBuffer;
+}  // namespace internal
 
 // Holds a step's validated manifest and open data files. Every chunk a read touches is
 // checksummed before its bytes are used. Safe for concurrent use.
@@ -47,7 +50,8 @@ class CheckpointReader {
   struct ChunkRead;
   CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
   absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
-  absl::Status ReadOneChunk(const ChunkRead& read, std::vector<std::byte>* scratch) const;
+  // `scratch` is this thread's O_DIRECT buffer, replaced when a chunk does not fit.
+  absl::Status ReadOneChunk(const ChunkRead& read, internal::AlignedBuffer* scratch) const;
 
   const std::string dir_;
   const StoreOptions options_;

@@ -37,7 +37,8 @@ struct HfTensor {
 
 struct HfReaderOptions {
   Env* env = nullptr;  // Null: Env::Default().
-  // Threads that read and convert slices of one large range in parallel.
+  // Threads that read and convert slices of one large range in parallel. Each uses an 8 MiB
+  // bounce buffer from a process-wide pool (libckpt/bounce_pool.h) that keeps up to 16.
   int read_threads = 8;
 };
 
@@ -91,11 +92,12 @@ class HfCheckpointReader {
   HfCheckpointReader();
   absl::Status OpenShard(const std::string& name, const std::string& file_path);
   // A byte range of a shard and what to do with each slice of it: consume(position in the
-  // range, bytes).
+  // range, bytes), called with whole elements of `element_bytes` only.
   struct Job {
     const Shard* shard;
     uint64_t offset;
     uint64_t length;
+    uint64_t element_bytes;
     std::function<void(uint64_t, std::span<const std::byte>)> consume;
   };
   // Reads every job in slices, in parallel, with O_DIRECT where it can.
