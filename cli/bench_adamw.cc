@@ -1,7 +1,8 @@
 // ckpt-tool bench adamw: times StagedAdamW steps and prints Gparam/s beside the bound measured
 // in the same run (DESIGN.md §8): for the CPU engine, host memory bandwidth from a STREAM-style
-// triad on the same threads, divided by the 30 bytes a step moves per parameter (FP32 grad,
-// master, two moments read; master and moments written; BF16 copy written); for the CUDA engine,
+// triad on the same threads, divided by the bytes a step moves per parameter (30 with FP32
+// gradients: grad, master, two moments read; master and moments written; BF16 copy written; 28
+// with 16-bit gradients); for the CUDA engine,
 // PCIe bandwidth with copies in both directions at once, divided by 12 bytes each way.
 #include <algorithm>
 #include <chrono>
@@ -24,7 +25,10 @@ using Clock = std::chrono::steady_clock;
 using optimizer::EngineKind;
 using optimizer::StagedAdamW;
 
-constexpr double kCpuBytesPerParam = 16 + 12 + 2;
+// Master, two moments and the gradient read; master, moments and the BF16 copy written.
+double CpuBytesPerParam(formats::DType grad) {
+  return 12 + static_cast<double>(formats::DTypeSize(grad)) + 12 + 2;
+}
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -63,8 +67,10 @@ double TriadGBps(uint64_t n, int threads) {
 // The same nine streams as an AdamW step (read grad, master, m, v; write master, m, v and a
 // 16-bit copy) with one add each instead of the AdamW arithmetic: what memory alone allows for
 // this access pattern, in parameters per second. Best of 3 passes.
+template <typename Grad>
 double StepShapedGparams(uint64_t n, int threads) {
-  std::vector<float> g(n, 1.0f), p(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
+  std::vector<Grad> g(n, Grad{1});
+  std::vector<float> p(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
   std::vector<uint16_t> out(n);
   double best = 0;
   for (int pass = 0; pass < 3; ++pass) {
@@ -74,7 +80,7 @@ double StepShapedGparams(uint64_t n, int threads) {
       pool.emplace_back([&, t] {
         const uint64_t lo = n * t / threads, hi = n * (t + 1) / threads;
         for (uint64_t i = lo; i < hi; ++i) {
-          const float gi = g[i];
+          const float gi = static_cast<float>(g[i]);
           p[i] += gi;
           m[i] += gi;
           v[i] += gi;
@@ -93,7 +99,7 @@ struct CpuFigures {
   std::string engine;
 };
 
-absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
+absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats::DType grad_dtype) {
   optimizer::StagedAdamWOptions o;
   o.params = {{"w", {n}, formats::DType::kBF16, 0}};
   o.groups = {optimizer::ParamGroup{}};
@@ -105,12 +111,22 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
   std::vector<float> grads(n);
   std::mt19937 rng(3);
   for (float& g : grads) g = static_cast<float>(rng() % 2001) * 1e-3f - 1.0f;
+  std::vector<uint16_t> grads16;
+  if (grad_dtype != formats::DType::kF32) {
+    grads16.resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      grads16[i] = grad_dtype == formats::DType::kBF16 ? formats::FloatToBf16(grads[i])
+                                                       : formats::FloatToHalf(grads[i]);
+    }
+    std::vector<float>().swap(grads);
+  }
   // Page-aligned like a real parameter buffer (cudaMallocHost, torch's allocator), not at
   // malloc's 16-byte offset.
   std::unique_ptr<uint16_t, decltype(&std::free)> params(
       static_cast<uint16_t*>(std::aligned_alloc(4096, (n * 2 + 4095) / 4096 * 4096)), &std::free);
   if (params == nullptr) return absl::ResourceExhaustedError("allocate the parameter buffer");
-  optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, params.get()};
+  const void* g = grads16.empty() ? static_cast<const void*>(grads.data()) : grads16.data();
+  optimizer::StepArgs args{g, grad_dtype, 1.0f, params.get()};
   if (auto s = (*opt)->Step(args); !s.ok()) return s.status();  // Warm: pages touched.
   double best = 1e30;
   for (int i = 0; i < steps; ++i) {
@@ -124,8 +140,11 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps) {
   const int t =
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   f.triad_gbps = TriadGBps(std::max<uint64_t>(n, 32u << 20), t);
-  f.bound_gparams = f.triad_gbps / kCpuBytesPerParam;
-  f.shaped_gparams = StepShapedGparams(n, t);
+  f.bound_gparams = f.triad_gbps / CpuBytesPerParam(grad_dtype);
+  // Raw 16-bit words stand in for a 16-bit gradient: the same bytes, and the add is only there
+  // to make the loads count.
+  f.shaped_gparams = grad_dtype == formats::DType::kF32 ? StepShapedGparams<float>(n, t)
+                                                        : StepShapedGparams<uint16_t>(n, t);
   return f;
 }
 
@@ -137,23 +156,27 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
   nlohmann::json out = {{"params", args.params}};
   bool any = false;
   if (args.engine == "cpu" || args.engine == "both") {
-    absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps);
+    const formats::DType grad_dtype = args.grad_dtype == "BF16"  ? formats::DType::kBF16
+                                      : args.grad_dtype == "F16" ? formats::DType::kF16
+                                                                 : formats::DType::kF32;
+    absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps, grad_dtype);
     if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
     out["cpu"] = {{"engine", f->engine},
                   {"gparams_per_s", f->gparams},
                   {"triad_gbps", f->triad_gbps},
                   {"bound_gparams_per_s", f->bound_gparams},
                   {"ratio", f->gparams / f->bound_gparams},
-                  {"bytes_per_param", kCpuBytesPerParam},
+                  {"bytes_per_param", CpuBytesPerParam(grad_dtype)},
+                  {"grad_dtype", args.grad_dtype},
                   {"device_bytes", 0},
                   {"step_shaped_bound_gparams_per_s", f->shaped_gparams},
                   {"step_shaped_ratio", f->gparams / f->shaped_gparams}};
     if (!args.json) {
       std::cout << absl::StrFormat(
-          "cpu  %-16s %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f B/param)   "
-          "ratio %.2f\n",
-          f->engine, f->gparams, f->bound_gparams, f->triad_gbps, kCpuBytesPerParam,
-          f->gparams / f->bound_gparams);
+          "cpu  %-16s %s grads %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f "
+          "B/param)   ratio %.2f\n",
+          f->engine, args.grad_dtype, f->gparams, f->bound_gparams, f->triad_gbps,
+          CpuBytesPerParam(grad_dtype), f->gparams / f->bound_gparams);
       std::cout << absl::StrFormat(
           "     same nine streams without the math: %6.2f Gparam/s   ratio %.2f\n",
           f->shaped_gparams, f->gparams / f->shaped_gparams);

@@ -80,6 +80,9 @@ int main(int argc, char** argv) {
   adamw_cmd->add_option("--threads", bench_adamw.threads, "CPU engine threads (0: every core)");
   adamw_cmd->add_option("--engine", bench_adamw.engine, "cpu, cuda or both")
       ->check(CLI::IsMember({"cpu", "cuda", "both"}));
+  adamw_cmd
+      ->add_option("--grad-dtype", bench_adamw.grad_dtype, "CPU engine gradients: F32, BF16 or F16")
+      ->check(CLI::IsMember({"F32", "BF16", "F16"}));
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
       ->check(CLI::Range(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
