@@ -5,14 +5,13 @@
 #include <cstring>
 #include <thread>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/bounce_pool.h"
 #include "libckpt/checksum.h"
 #include "libckpt/coding.h"
 #include "libckpt/filename.h"
+#include "libckpt/read_pipeline.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt {
@@ -73,24 +72,11 @@ absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
   return absl::NotFoundError(absl::StrCat(dir_, ": no tensor \"", name, "\""));
 }
 
-absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
-                                            internal::AlignedBuffer* scratch) const {
+absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
+                                            std::span<const std::byte> bytes) const {
   const formats::DataFileInfo& f = manifest_.files[read.file];
   const ChunkInfo& c = f.chunks[read.chunk];
   const std::string path = JoinPath(dir_, f.name);
-  const uint64_t extent = formats::ChunkExtentBytes(c.stored_bytes);
-  if (scratch->size() < extent) {
-    // Huge-page bounce buffers (see bounce_pool.h): the shared pool's when the chunk fits.
-    internal::BouncePool& pool = internal::BouncePool::ReadBuffers();
-    if (scratch->valid()) pool.Give(std::move(*scratch));
-    CKPT_ASSIGN_OR_RETURN(*scratch, extent <= pool.buffer_bytes()
-                                        ? pool.Take()
-                                        : internal::AlignedBuffer::Create(
-                                              extent, internal::AlignedBuffer::Fill::kUninitialized,
-                                              internal::AlignedBuffer::Pages::kHuge));
-  }
-  std::span<std::byte> bytes = scratch->span().first(extent);
-  CKPT_RETURN_IF_ERROR(files_[read.file]->Read(c.offset, bytes));
   if (Checksum(bytes) != c.checksum) {
     return absl::DataLossError(
         absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset, " fails its checksum"));
@@ -111,36 +97,17 @@ absl::Status CheckpointReader::ReadOneChunk(const ChunkRead& read,
   return absl::OkStatus();
 }
 
+// Chunks are read on read_threads I/O threads and checked and copied out on worker threads
+// (libckpt/read_pipeline.h), so the device is kept busy while earlier chunks are checksummed.
 absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
-  const size_t threads = std::min<size_t>(std::max(1, options_.read_threads), reads.size());
-  if (threads <= 1) {
-    internal::AlignedBuffer scratch;
-    absl::Cleanup give_back = [&] { internal::BouncePool::ReadBuffers().Give(std::move(scratch)); };
-    for (const ChunkRead& r : reads) CKPT_RETURN_IF_ERROR(ReadOneChunk(r, &scratch));
-    return absl::OkStatus();
+  std::vector<internal::PipelinedRead> ranges;
+  for (const ChunkRead& r : reads) {
+    const ChunkInfo& c = manifest_.files[r.file].chunks[r.chunk];
+    ranges.push_back({files_[r.file].get(), c.offset, formats::ChunkExtentBytes(c.stored_bytes)});
   }
-  // Several chunks in flight at once keep the device busy while others are checksummed.
-  std::atomic<size_t> next{0};
-  absl::Mutex mu;
-  absl::Status status;
-  std::atomic<bool> failed{false};
-  auto worker = [&] {
-    internal::AlignedBuffer scratch;
-    absl::Cleanup give_back = [&] { internal::BouncePool::ReadBuffers().Give(std::move(scratch)); };
-    for (size_t i = next++; i < reads.size() && !failed; i = next++) {
-      absl::Status s = ReadOneChunk(reads[i], &scratch);
-      if (!s.ok()) {
-        absl::MutexLock lock(&mu);
-        status.Update(s);
-        failed = true;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
-  return status;
+  return internal::RunReadPipeline(
+      ranges, options_.read_threads,
+      [&](size_t i, std::span<const std::byte> bytes) { return DeliverChunk(reads[i], bytes); });
 }
 
 absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begin, uint64_t count,

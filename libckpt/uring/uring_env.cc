@@ -47,7 +47,7 @@ constexpr unsigned kWriteSlots = 4;
 constexpr size_t kDirectWriteBufferBytes = 4 << 20;
 constexpr size_t kBufferedWriteBufferBytes = 256 << 10;
 constexpr unsigned kReadDepth = 8;
-constexpr size_t kReadSliceBytes = 1 << 20;
+constexpr size_t kReadSliceBytes = 4 << 20;
 constexpr uint64_t kFsyncTag = ~uint64_t{0};
 
 bool IsAligned(uint64_t v) { return v % kDirectIoAlignment == 0; }

@@ -15,9 +15,6 @@
 #include "ckpt/options.h"
 
 namespace ckpt {
-namespace internal {
-class AlignedBuffer;
-}  // namespace internal
 
 // Holds a step's validated manifest and open data files. Every chunk a read touches is
 // checksummed before its bytes are used. Safe for concurrent use.
@@ -50,8 +47,8 @@ class CheckpointReader {
   struct ChunkRead;
   CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
   absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
-  // `scratch` is this thread's O_DIRECT buffer, replaced when a chunk does not fit.
-  absl::Status ReadOneChunk(const ChunkRead& read, internal::AlignedBuffer* scratch) const;
+  // Checks and delivers one chunk whose whole extent is `bytes`.
+  absl::Status DeliverChunk(const ChunkRead& read, std::span<const std::byte> bytes) const;
 
   const std::string dir_;
   const StoreOptions options_;
