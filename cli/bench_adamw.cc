@@ -17,6 +17,7 @@
 #include "ckpt/optimizer/staged_adamw.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "optimizer/host_buffer.h"
 
 namespace ckpt::cli {
 namespace {
@@ -99,7 +100,8 @@ struct CpuFigures {
   std::string engine;
 };
 
-absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats::DType grad_dtype) {
+absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats::DType grad_dtype,
+                                    const std::string& caller_pages) {
   optimizer::StagedAdamWOptions o;
   o.params = {{"w", {n}, formats::DType::kBF16, 0}};
   o.groups = {optimizer::ParamGroup{}};
@@ -108,25 +110,34 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats:
   std::vector<uint16_t> weights(n, formats::FloatToBf16(0.5f));
   auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   if (!opt.ok()) return opt.status();
-  std::vector<float> grads(n);
+  // The caller's gradient and parameter buffers: by default laid out as a trainer's pinned
+  // staging buffers or our slabs are (2 MiB-aligned, MADV_HUGEPAGE, offset from the slabs so the
+  // streams do not alias in cache); --caller-pages small gives 4 KiB-page buffers instead.
+  const bool huge = caller_pages != "small";
+  auto caller_buffer = [&](size_t bytes,
+                           size_t stagger) -> absl::StatusOr<optimizer::internal::HostBuffer> {
+    if (huge) return optimizer::internal::HostBuffer::Create(bytes, stagger, /*pinned=*/false);
+    return optimizer::internal::HostBuffer::CreateSmallPages(bytes);
+  };
+  const size_t gsize = formats::DTypeSize(grad_dtype);
+  absl::StatusOr<optimizer::internal::HostBuffer> grad_buf =
+      caller_buffer(n * gsize, 3 * 4096 + 192);
+  if (!grad_buf.ok()) return grad_buf.status();
+  absl::StatusOr<optimizer::internal::HostBuffer> param_buf = caller_buffer(n * 2, 4 * 4096 + 256);
+  if (!param_buf.ok()) return param_buf.status();
   std::mt19937 rng(3);
-  for (float& g : grads) g = static_cast<float>(rng() % 2001) * 1e-3f - 1.0f;
-  std::vector<uint16_t> grads16;
-  if (grad_dtype != formats::DType::kF32) {
-    grads16.resize(n);
-    for (uint64_t i = 0; i < n; ++i) {
-      grads16[i] = grad_dtype == formats::DType::kBF16 ? formats::FloatToBf16(grads[i])
-                                                       : formats::FloatToHalf(grads[i]);
+  for (uint64_t i = 0; i < n; ++i) {
+    const float g = static_cast<float>(rng() % 2001) * 1e-3f - 1.0f;
+    if (grad_dtype == formats::DType::kF32) {
+      reinterpret_cast<float*>(grad_buf->data())[i] = g;
+    } else {
+      reinterpret_cast<uint16_t*>(grad_buf->data())[i] =
+          grad_dtype == formats::DType::kBF16 ? formats::FloatToBf16(g) : formats::FloatToHalf(g);
     }
-    std::vector<float>().swap(grads);
   }
-  // Page-aligned like a real parameter buffer (cudaMallocHost, torch's allocator), not at
-  // malloc's 16-byte offset.
-  std::unique_ptr<uint16_t, decltype(&std::free)> params(
-      static_cast<uint16_t*>(std::aligned_alloc(4096, (n * 2 + 4095) / 4096 * 4096)), &std::free);
-  if (params == nullptr) return absl::ResourceExhaustedError("allocate the parameter buffer");
-  const void* g = grads16.empty() ? static_cast<const void*>(grads.data()) : grads16.data();
-  optimizer::StepArgs args{g, grad_dtype, 1.0f, params.get()};
+  const void* g = grad_buf->data();
+  void* params = param_buf->data();
+  optimizer::StepArgs args{g, grad_dtype, 1.0f, params};
   if (auto s = (*opt)->Step(args); !s.ok()) return s.status();  // Warm: pages touched.
   double best = 1e30;
   for (int i = 0; i < steps; ++i) {
@@ -159,7 +170,8 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
     const formats::DType grad_dtype = args.grad_dtype == "BF16"  ? formats::DType::kBF16
                                       : args.grad_dtype == "F16" ? formats::DType::kF16
                                                                  : formats::DType::kF32;
-    absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps, grad_dtype);
+    absl::StatusOr<CpuFigures> f =
+        BenchCpu(args.params, args.threads, args.steps, grad_dtype, args.caller_pages);
     if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
     out["cpu"] = {{"engine", f->engine},
                   {"gparams_per_s", f->gparams},
@@ -168,6 +180,7 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
                   {"ratio", f->gparams / f->bound_gparams},
                   {"bytes_per_param", CpuBytesPerParam(grad_dtype)},
                   {"grad_dtype", args.grad_dtype},
+                  {"caller_pages", args.caller_pages},
                   {"device_bytes", 0},
                   {"step_shaped_bound_gparams_per_s", f->shaped_gparams},
                   {"step_shaped_ratio", f->gparams / f->shaped_gparams}};

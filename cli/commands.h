@@ -67,9 +67,10 @@ int RunHfReshard(const HfReshardArgs& args);
 
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
-  int threads = 0;                 // 0: every core.
-  std::string engine = "cpu";      // cpu, cuda or both.
-  std::string grad_dtype = "F32";  // CPU engine: F32, BF16 or F16 gradients.
+  int threads = 0;                    // 0: every core.
+  std::string engine = "cpu";         // cpu, cuda or both.
+  std::string grad_dtype = "F32";     // CPU engine: F32, BF16 or F16 gradients.
+  std::string caller_pages = "huge";  // CPU engine: gradient and parameter buffers' pages.
   int steps = 5;
   bool json = false;
 };

@@ -83,6 +83,10 @@ int main(int argc, char** argv) {
   adamw_cmd
       ->add_option("--grad-dtype", bench_adamw.grad_dtype, "CPU engine gradients: F32, BF16 or F16")
       ->check(CLI::IsMember({"F32", "BF16", "F16"}));
+  adamw_cmd
+      ->add_option("--caller-pages", bench_adamw.caller_pages,
+                   "CPU engine: gradient/parameter buffers on huge or small pages")
+      ->check(CLI::IsMember({"huge", "small"}));
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
       ->check(CLI::Range(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");

@@ -37,6 +37,19 @@ absl::StatusOr<HostBuffer> HostBuffer::Create(size_t bytes, size_t stagger, bool
   return b;
 }
 
+absl::StatusOr<HostBuffer> HostBuffer::CreateSmallPages(size_t bytes) {
+  const size_t total = (bytes + kPage - 1) / kPage * kPage + kPage;
+  HostBuffer b;
+  b.base_ = std::aligned_alloc(kPage, total);
+  if (b.base_ == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("allocate ", total, " bytes of host memory"));
+  }
+  std::memset(b.base_, 0, total);
+  b.data_ = static_cast<std::byte*>(b.base_);
+  b.size_ = bytes;
+  return b;
+}
+
 void HostBuffer::Reset() {
   if (base_ == nullptr) return;
   if (pinned_) {

@@ -19,6 +19,8 @@ class HostBuffer {
   HostBuffer() = default;
   // kResourceExhausted when memory runs out; kUnimplemented for pinned memory without CUDA.
   static absl::StatusOr<HostBuffer> Create(size_t bytes, size_t stagger, bool pinned);
+  // Page-aligned, without huge-page advice: what a plain allocator gives (benchmarks compare).
+  static absl::StatusOr<HostBuffer> CreateSmallPages(size_t bytes);
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;  // Would free twice.
   HostBuffer& operator=(const HostBuffer&) = delete;
