@@ -21,6 +21,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kPieceBytes = uint64_t{256} << 20;  // Each rank moves its range as pieces.
 constexpr uint64_t kRawIoBytes = uint64_t{8} << 20;
+constexpr int kLoadBatches = 8;
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -40,11 +41,6 @@ void FillState(std::span<float> out, uint64_t seed) {
   }
 }
 
-struct RawBounds {
-  double write_gbps = 0;
-  double read_gbps = 0;
-};
-
 // Runs fn(rank) on `ranks` threads and returns the first error.
 absl::Status RunRanks(int ranks, const std::function<absl::Status(int)>& fn) {
   std::vector<absl::Status> results(static_cast<size_t>(ranks));
@@ -56,10 +52,10 @@ absl::Status RunRanks(int ranks, const std::function<absl::Status(int)>& fn) {
   return absl::OkStatus();
 }
 
-// Sequential O_DIRECT write (8 MiB appends, then Sync) and read of `bytes` through the Env,
-// split over `streams` files moved concurrently (one thread each).
-absl::StatusOr<RawBounds> MeasureRawOnce(Env* env, const std::string& dir, uint64_t bytes,
-                                         int streams, ProgressBar* bar) {
+// Sequential O_DIRECT write (8 MiB appends, then Sync) of `bytes` through the Env, split over
+// `streams` files written concurrently (one thread each). Returns GB/s.
+absl::StatusOr<double> MeasureRawWriteOnce(Env* env, const std::string& dir, uint64_t bytes,
+                                           int streams, ProgressBar* bar) {
   CKPT_ASSIGN_OR_RETURN(
       internal::AlignedBuffer buf,
       internal::AlignedBuffer::Create(kRawIoBytes, internal::AlignedBuffer::Fill::kZero,
@@ -68,7 +64,6 @@ absl::StatusOr<RawBounds> MeasureRawOnce(Env* env, const std::string& dir, uint6
   auto path = [&](int i) { return JoinPath(dir, absl::StrCat(".ckpt-bench-raw-", i, ".tmp")); };
   auto share = [&](int i) { return bytes * (i + 1) / streams - bytes * i / streams; };
   std::atomic<uint64_t> progress{0};
-  RawBounds out;
   Clock::time_point start = Clock::now();
   CKPT_RETURN_IF_ERROR(RunRanks(streams, [&](int i) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(auto file, env->NewWritableFile(path(i), FileOptions{.direct_io = true}));
@@ -80,37 +75,20 @@ absl::StatusOr<RawBounds> MeasureRawOnce(Env* env, const std::string& dir, uint6
     CKPT_RETURN_IF_ERROR(file->Sync());
     return file->Close();
   }));
-  out.write_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
-  start = Clock::now();
-  CKPT_RETURN_IF_ERROR(RunRanks(streams, [&](int i) -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(
-        internal::AlignedBuffer rbuf,
-        internal::AlignedBuffer::Create(kRawIoBytes, internal::AlignedBuffer::Fill::kZero,
-                                        internal::AlignedBuffer::Pages::kHuge));
-    CKPT_ASSIGN_OR_RETURN(auto file,
-                          env->NewRandomAccessFile(path(i), FileOptions{.direct_io = true}));
-    for (uint64_t done = 0, n = share(i); done < n; done += kRawIoBytes) {
-      CKPT_RETURN_IF_ERROR(file->Read(done, rbuf.span().first(std::min(kRawIoBytes, n - done))));
-      uint64_t total = progress += std::min(kRawIoBytes, n - done);
-      if (i == 0) bar->Update(total);
-    }
-    return absl::OkStatus();
-  }));
-  out.read_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  const double gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
   for (int i = 0; i < streams; ++i) CKPT_RETURN_IF_ERROR(env->RemoveFile(path(i)));
-  return out;
+  return gbps;
 }
 
-// The bound is the best the device gave in any configuration tried: one stream and four
+// The write bound is the best the device gave in any configuration tried: one stream and four
 // concurrent streams, so a parallel store is never compared with a serial bound.
-absl::StatusOr<RawBounds> MeasureRawBounds(Env* env, const std::string& dir, uint64_t bytes,
-                                           bool progress) {
-  RawBounds best;
+absl::StatusOr<double> MeasureRawWriteBound(Env* env, const std::string& dir, uint64_t bytes,
+                                            bool progress) {
+  double best = 0;
   for (int streams : {1, 4}) {
-    ProgressBar bar(absl::StrCat("raw x", streams, "   "), 2 * bytes, progress);
-    CKPT_ASSIGN_OR_RETURN(RawBounds b, MeasureRawOnce(env, dir, bytes, streams, &bar));
-    best.write_gbps = std::max(best.write_gbps, b.write_gbps);
-    best.read_gbps = std::max(best.read_gbps, b.read_gbps);
+    ProgressBar bar(absl::StrCat("raw x", streams, "   "), bytes, progress);
+    CKPT_ASSIGN_OR_RETURN(double gbps, MeasureRawWriteOnce(env, dir, bytes, streams, &bar));
+    best = std::max(best, gbps);
   }
   return best;
 }
@@ -130,6 +108,7 @@ struct Figures {
   uint64_t step = 0;
   double save_gbps = 0;
   double load_gbps = 0;
+  double read_bound_gbps = 0;  // Paired with the load: the same bytes, read raw.
 };
 
 // Host memory laid out as optimizer slabs are (optimizer/host_buffer.cc: 2 MiB-aligned, advised
@@ -187,24 +166,51 @@ absl::StatusOr<Figures> SaveAndLoad(const BenchIoArgs& args, const std::string& 
   CKPT_ASSIGN_OR_RETURN(auto reader, stores[0]->OpenStep(fig.step));
   CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer loaded_buf, SlabLike(bytes));
   std::span<float> loaded = Floats(loaded_buf, bytes);
-  progress_bytes = 0;
-  {
-    ProgressBar bar("load     ", bytes, !args.json);
-    Clock::time_point start = Clock::now();
-    CKPT_RETURN_IF_ERROR(RunRanks(args.ranks, [&](int rank) -> absl::Status {
-      RankRange range = RangeOf(rank, args.ranks, elems);
-      for (uint64_t done = 0; done < range.count; done += piece_elems) {
-        uint64_t n = std::min(piece_elems, range.count - done);
-        CKPT_RETURN_IF_ERROR(reader->ReadRange(
-            "state", range.begin + done, n,
-            std::as_writable_bytes(std::span(loaded).subspan(range.begin + done, n))));
-        uint64_t total = progress_bytes += n * 4;
-        if (rank == 0) bar.Update(total);
-      }
-      return absl::OkStatus();
-    }));
-    fig.load_gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
+  // The read bound is paired with the load (as in bench safetensors): the step's data files are
+  // read raw in kLoadBatches batches, each next to the load of the matching part of every rank's
+  // range, the first of the pair alternating; each side's times are summed. Same bytes, same
+  // moment, same buffers (see RawReadOnGrid), same threads per file as the store's readers.
+  std::vector<std::unique_ptr<RandomAccessFile>> raw_files;
+  std::vector<uint64_t> raw_sizes;
+  for (const formats::DataFileInfo& f : reader->manifest().files) {
+    CKPT_ASSIGN_OR_RETURN(auto file, Env::Default()->NewRandomAccessFile(
+                                         JoinPath(reader->dir(), f.name), {.direct_io = true}));
+    raw_sizes.push_back(file->size());
+    raw_files.push_back(std::move(file));
   }
+  double load_s = 0, raw_s = 0;
+  uint64_t raw_bytes = 0;
+  {
+    ProgressBar bar("load     ", kLoadBatches, !args.json);
+    for (int b = 0; b < kLoadBatches; ++b) {
+      for (int side = 0; side < 2; ++side) {
+        Clock::time_point start = Clock::now();
+        if ((side + b) % 2 == 0) {
+          CKPT_RETURN_IF_ERROR(RunRanks(static_cast<int>(raw_files.size()), [&](int i) {
+            const uint64_t pages = raw_sizes[i] / 4096;
+            const uint64_t lo = pages * b / kLoadBatches * 4096;
+            const uint64_t hi =
+                b + 1 == kLoadBatches ? raw_sizes[i] : pages * (b + 1) / kLoadBatches * 4096;
+            return RawReadOnGrid(*raw_files[i], lo, hi, options.read_threads);
+          }));
+          raw_s += Seconds(start);
+        } else {
+          CKPT_RETURN_IF_ERROR(RunRanks(args.ranks, [&](int rank) -> absl::Status {
+            RankRange range = RangeOf(rank, args.ranks, elems);
+            const uint64_t lo = range.begin + range.count * b / kLoadBatches;
+            const uint64_t hi = range.begin + range.count * (b + 1) / kLoadBatches;
+            return reader->ReadRange("state", lo, hi - lo,
+                                     std::as_writable_bytes(loaded.subspan(lo, hi - lo)));
+          }));
+          load_s += Seconds(start);
+        }
+      }
+      bar.Update(b + 1);
+    }
+  }
+  for (uint64_t size : raw_sizes) raw_bytes += size;
+  fig.load_gbps = static_cast<double>(bytes) / load_s / 1e9;
+  fig.read_bound_gbps = static_cast<double>(raw_bytes) / raw_s / 1e9;
   if (std::memcmp(loaded.data(), state.data(), bytes) != 0) {
     return absl::DataLossError("loaded state differs from the saved state");
   }
@@ -224,8 +230,8 @@ int RunBenchIo(const BenchIoArgs& args) {
   if (!is_dir.ok() || !*is_dir) {
     return ReportError("bench io", absl::NotFoundError(args.dir + ": not a directory"));
   }
-  absl::StatusOr<RawBounds> bounds = MeasureRawBounds(env, args.dir, bytes, !args.json);
-  if (!bounds.ok()) return ReportError("bench io: raw bound", bounds.status());
+  absl::StatusOr<double> write_bound = MeasureRawWriteBound(env, args.dir, bytes, !args.json);
+  if (!write_bound.ok()) return ReportError("bench io: raw bound", write_bound.status());
   absl::StatusOr<internal::AlignedBuffer> state_buf = SlabLike(bytes);
   if (!state_buf.ok()) return ReportError("bench io", state_buf.status());
   std::span<float> state = Floats(*state_buf, bytes);
@@ -236,8 +242,8 @@ int RunBenchIo(const BenchIoArgs& args) {
   if (!args.keep) {
     RemoveRecursively(env, root).IgnoreError();  // Best effort: only benchmark output.
   }
-  const double save_ratio = fig->save_gbps / bounds->write_gbps;
-  const double load_ratio = fig->load_gbps / bounds->read_gbps;
+  const double save_ratio = fig->save_gbps / *write_bound;
+  const double load_ratio = fig->load_gbps / fig->read_bound_gbps;
   const std::string env_name = DefaultEnvFallbackReason().empty() ? "uring" : "posix";
   if (args.json) {
     PrintJson(
@@ -250,10 +256,10 @@ int RunBenchIo(const BenchIoArgs& args) {
          {"env", env_name},
          {"codec", args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw"},
          {"save_gbps", fig->save_gbps},
-         {"write_bound_gbps", bounds->write_gbps},
+         {"write_bound_gbps", *write_bound},
          {"save_ratio", save_ratio},
          {"load_gbps", fig->load_gbps},
-         {"read_bound_gbps", bounds->read_gbps},
+         {"read_bound_gbps", fig->read_bound_gbps},
          {"load_ratio", load_ratio}});
   } else {
     std::cout << absl::StrFormat(
@@ -262,8 +268,7 @@ int RunBenchIo(const BenchIoArgs& args) {
         "load  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n",
         FormatBytes(bytes), args.ranks, env_name,
         args.zstd_level.has_value() ? absl::StrCat("zstd-", *args.zstd_level) : "raw",
-        fig->save_gbps, bounds->write_gbps, save_ratio, fig->load_gbps, bounds->read_gbps,
-        load_ratio);
+        fig->save_gbps, *write_bound, save_ratio, fig->load_gbps, fig->read_bound_gbps, load_ratio);
     if (args.keep) std::cout << "kept step " << fig->step << " in " << root << "\n";
   }
   return kExitOk;

@@ -17,63 +17,22 @@
 #include <random>
 #include <thread>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/hf_checkpoint.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/bounce_pool.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr uint64_t kRawIoBytes = uint64_t{8} << 20;
 constexpr int kBatches = 8;
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// Reads [lo, hi) of `file` (4 KiB-aligned) in requests cut on the file's absolute 8 MiB grid,
-// as the reader cuts them, with `threads` threads, each a contiguous run of requests. The
-// buffers are the reader's own (the process-wide pool, taken and given back per call as the
-// reader does): on a VM the host's DMA speed differs from one block of guest memory to another
-// by up to 2x, so separate buffers would compare memory blocks, not readers.
-absl::Status RawRead(const RandomAccessFile& file, uint64_t lo, uint64_t hi, int thread_count) {
-  internal::BouncePool& pool = internal::BouncePool::ReadBuffers();
-  std::vector<internal::AlignedBuffer> bufs;
-  absl::Cleanup give_back = [&] {
-    for (auto& b : bufs) pool.Give(std::move(b));
-  };
-  for (int i = 0; i < thread_count; ++i) {
-    CKPT_ASSIGN_OR_RETURN(internal::AlignedBuffer b, pool.Take());
-    bufs.push_back(std::move(b));
-  }
-  std::vector<std::pair<uint64_t, uint64_t>> requests;
-  for (uint64_t off = lo; off < hi;) {
-    const uint64_t end = std::min(hi, (off / kRawIoBytes + 1) * kRawIoBytes);
-    requests.emplace_back(off, end);
-    off = end;
-  }
-  const size_t n = bufs.size();
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      for (size_t k = requests.size() * i / n; k < requests.size() * (i + 1) / n && results[i].ok();
-           ++k) {
-        auto [a, b] = requests[k];
-        results[i] = file.Read(a, bufs[i].span().first(b - a));
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& st : results) CKPT_RETURN_IF_ERROR(st);
-  return absl::OkStatus();
 }
 
 struct Round {
@@ -119,7 +78,7 @@ absl::StatusOr<Round> RunRound(Env* env, const std::string& dir,
     for (int side = 0; side < 2; ++side) {
       Clock::time_point start = Clock::now();
       if ((side + b + round) % 2 == 0) {
-        CKPT_RETURN_IF_ERROR(RawRead(*raw, lo, hi, threads));
+        CKPT_RETURN_IF_ERROR(RawReadOnGrid(*raw, lo, hi, threads));
         raw_s += Seconds(start);
       } else {
         CKPT_RETURN_IF_ERROR(reader->ReadManyAsF32(requests));
