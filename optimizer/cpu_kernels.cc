@@ -46,12 +46,13 @@ inline void StoreParam(void* p, size_t i, float v) {
 // Software prefetch. The step is bound by how many cache-line misses a core keeps in flight, not
 // by the memory channels (16 cores of the H200 host move 30 B x 5 Gparam/s = 150 GB/s, a fraction
 // of the socket's bandwidth), and the hardware prefetchers restart at every 4 KiB page of each
-// of the nine streams. So each read stream's line is asked for twice ahead: into L2 4 KiB ahead
-// (the request the core cannot afford to wait for), and into L1 1 KiB ahead. On the H200 host
-// (16 threads, 1e9 parameters, FP32 gradients, three passes each) no prefetch ran 4.44-4.67
-// Gparam/s, L1 only 4.84-4.99, both 5.12-5.30 (.dev lab, not in the tree; bench adamw agrees).
-constexpr size_t kPrefetchL1Bytes = 1024;
-constexpr size_t kPrefetchL2Bytes = 4096;
+// of the nine streams. So each read stream's line is asked for twice ahead: into L2 8 KiB ahead
+// and into L1 2 KiB ahead. Lab kernel on the H200 host (16 threads, 1e9 parameters, FP32
+// gradients, three passes each, two sessions): none 4.30-4.67 Gparam/s; L1 1 KiB 4.84-4.99;
+// L1 1 KiB + L2 4 KiB 4.83-5.30; L1 512 B + L2 2 KiB 4.86-4.98; L1 2 KiB + L2 8 KiB 5.04-5.07
+// (best in every pass of its session); streaming stores for master and moments 4.45-4.54.
+constexpr size_t kPrefetchL1Bytes = 2048;
+constexpr size_t kPrefetchL2Bytes = 8192;
 
 template <DType G>
 inline void PrefetchStreams(const KernelArgs& a, size_t i) {
