@@ -17,6 +17,7 @@
 #include "ckpt/optimizer/staged_adamw.h"
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "optimizer/cpu_bounds.h"
 #include "optimizer/host_buffer.h"
 
 namespace ckpt::cli {
@@ -33,66 +34,6 @@ double CpuBytesPerParam(formats::DType grad) {
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// a = b + s * c over `n` floats per array, `threads` static partitions, best of 5 passes.
-// Bytes counted as STREAM does: two reads and one write per element.
-double TriadGBps(uint64_t n, int threads) {
-  std::vector<float> a(n), b(n), c(n);
-  auto part = [&](int t, auto fn) {
-    const uint64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-    fn(lo, hi);
-  };
-  auto run = [&](auto fn) {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { part(t, fn); });
-    for (auto& th : pool) th.join();
-  };
-  run([&](uint64_t lo, uint64_t hi) {
-    for (uint64_t i = lo; i < hi; ++i) b[i] = 1.0f, c[i] = 2.0f, a[i] = 0.0f;
-  });
-  double best = 0;
-  for (int pass = 0; pass < 5; ++pass) {
-    Clock::time_point start = Clock::now();
-    run([&](uint64_t lo, uint64_t hi) {
-      float* pa = a.data();
-      const float* pb = b.data();
-      const float* pc = c.data();
-      for (uint64_t i = lo; i < hi; ++i) pa[i] = pb[i] + 3.0f * pc[i];
-    });
-    best = std::max(best, 12.0 * static_cast<double>(n) / Seconds(start) / 1e9);
-  }
-  return best + (a[n / 2] == 7.0f ? 0.0 : 0.0);  // Keep the stores observable.
-}
-
-// The same nine streams as an AdamW step (read grad, master, m, v; write master, m, v and a
-// 16-bit copy) with one add each instead of the AdamW arithmetic: what memory alone allows for
-// this access pattern, in parameters per second. Best of 3 passes.
-template <typename Grad>
-double StepShapedGparams(uint64_t n, int threads) {
-  std::vector<Grad> g(n, Grad{1});
-  std::vector<float> p(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
-  std::vector<uint16_t> out(n);
-  double best = 0;
-  for (int pass = 0; pass < 3; ++pass) {
-    Clock::time_point start = Clock::now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        const uint64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        for (uint64_t i = lo; i < hi; ++i) {
-          const float gi = static_cast<float>(g[i]);
-          p[i] += gi;
-          m[i] += gi;
-          v[i] += gi;
-          out[i] = static_cast<uint16_t>(formats::FloatBits(p[i]) >> 16);
-        }
-      });
-    }
-    for (auto& th : pool) th.join();
-    best = std::max(best, static_cast<double>(n) / Seconds(start) / 1e9);
-  }
-  return best + (out[n / 2] == 1 ? 0.0 : 0.0);
 }
 
 struct CpuFigures {
@@ -148,14 +89,18 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats:
   CpuFigures f;
   f.engine = (*opt)->engine_name();
   f.gparams = static_cast<double>(n) / best / 1e9;
+  opt->reset();  // Its slabs' memory goes back before the bounds take theirs.
   const int t =
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  f.triad_gbps = TriadGBps(std::max<uint64_t>(n, 32u << 20), t);
+  absl::StatusOr<double> triad = optimizer::internal::MeasureTriadGBps(
+      std::max<uint64_t>(n, 32u << 20), t, optimizer::CpuIsa::kAuto, 5);
+  if (!triad.ok()) return triad.status();
+  f.triad_gbps = *triad;
   f.bound_gparams = f.triad_gbps / CpuBytesPerParam(grad_dtype);
-  // Raw 16-bit words stand in for a 16-bit gradient: the same bytes, and the add is only there
-  // to make the loads count.
-  f.shaped_gparams = grad_dtype == formats::DType::kF32 ? StepShapedGparams<float>(n, t)
-                                                        : StepShapedGparams<uint16_t>(n, t);
+  absl::StatusOr<double> shaped = optimizer::internal::MeasureShapedGparams(
+      g, grad_dtype, params, n, t, optimizer::CpuIsa::kAuto, 3);
+  if (!shaped.ok()) return shaped.status();
+  f.shaped_gparams = *shaped;
   return f;
 }
 

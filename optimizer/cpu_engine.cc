@@ -1,5 +1,6 @@
-// The CPU engine: units cut into tasks of at most kTaskElems elements, spread over a fixed
-// pool of threads, each task one fused pass of the kernel chosen for the CPU at run time.
+// The CPU engine: units cut into tasks of at most TaskElems(elements, threads) elements, spread
+// over a fixed pool of threads, each task one fused pass of the kernel chosen for the CPU at run
+// time.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -14,9 +15,6 @@ namespace ckpt::optimizer {
 namespace {
 
 using internal::KernelArgs;
-
-// Small enough to balance 16+ threads on small models, large enough to amortise dispatch.
-constexpr uint64_t kTaskElems = 1 << 16;
 
 size_t ElementBytes(formats::DType d) { return formats::DTypeSize(d); }
 
@@ -34,10 +32,11 @@ class CpuEngine : public StagedAdamW::Engine {
       uint64_t offset, count;
       uint32_t group;
     };
+    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
     std::vector<Task> tasks;
     for (const Unit& u : units) {
-      for (uint64_t d = 0; d < u.count; d += kTaskElems)
-        tasks.push_back({u.offset + d, std::min(kTaskElems, u.count - d), u.group});
+      for (uint64_t d = 0; d < u.count; d += task_elems)
+        tasks.push_back({u.offset + d, std::min(task_elems, u.count - d), u.group});
     }
     StepReport report;
     if (args.check_finite) {
@@ -64,7 +63,6 @@ class CpuEngine : public StagedAdamW::Engine {
                    constants[t.group]};
       kernel(a);
     });
-    (void)elements;
     return report;
   }
 

@@ -35,6 +35,22 @@ const char* IsaName(CpuIsa isa);
 // Null for unsupported dtype pairs.
 KernelFn SelectKernel(CpuIsa isa, formats::DType grad, formats::DType param);
 
+// How many elements one task of the CPU engine covers when `total` elements are spread over
+// `threads` threads: 256 Ki at most (each task restarts the prefetch streams, so longer tasks
+// waste less), 4 Ki at least, about 8 tasks per thread on small models so threads stay busy.
+// Always a multiple of 64, so every task's 16-bit copy starts as aligned as the first's.
+uint64_t TaskElems(uint64_t total, int threads);
+
+// Memory-only kernels for the benchmark's bounds (ckpt-tool bench adamw).
+// The step's streams with one add per stream in place of the AdamW arithmetic: the same loads,
+// stores, prefetches and vector width as SelectKernel's kernel. Writes garbage into the slabs.
+KernelFn SelectShapedKernel(CpuIsa isa, formats::DType grad, formats::DType param);
+// a[i] = b[i] + s * c[i], the STREAM triad, with the widest vectors of `isa` and the step's
+// prefetches. With `streaming`, non-temporal stores to `a` (12 bytes move per element); without,
+// plain stores, which also read every line of `a` before writing it (16 bytes move).
+void TriadKernel(CpuIsa isa, bool streaming, float* a, const float* b, const float* c, float s,
+                 size_t n);
+
 // Scalar conversions shared by every path (and the tests).
 using formats::Bf16ToFloat;
 using formats::FloatToBf16;

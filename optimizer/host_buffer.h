@@ -14,6 +14,9 @@ namespace ckpt::optimizer::internal {
 // update alias in the L1 cache and costs up to 2.4x on an EPYC). Zero-filled. With `pinned`,
 // the pages come from cudaHostAlloc (CUDA builds) so the GPU can DMA them; otherwise from
 // aligned_alloc.
+// The stagger between the slabs (master 0, exp_avg 1x, exp_avg_sq 2x).
+inline constexpr size_t kSlabStagger = 1024 + 64;
+
 class HostBuffer {
  public:
   HostBuffer() = default;

@@ -14,9 +14,6 @@ namespace ckpt::optimizer {
 
 using formats::DType;
 
-// Offsets that keep the three slabs from starting at the same place within a page.
-constexpr size_t kStagger = 1024 + 64;
-
 struct StagedAdamW::Slabs {
   internal::HostBuffer master, exp_avg, exp_avg_sq;
 };
@@ -170,10 +167,12 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   const size_t moment_bytes = opt->options_.moment_dtype == MomentDType::kF32 ? 4 : 2;
   opt->slabs_ = std::make_unique<Slabs>();
   CKPT_ASSIGN_OR_RETURN(opt->slabs_->master, internal::HostBuffer::Create(size * 4, 0, pinned));
-  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg,
-                        internal::HostBuffer::Create(size * moment_bytes, kStagger, pinned));
-  CKPT_ASSIGN_OR_RETURN(opt->slabs_->exp_avg_sq,
-                        internal::HostBuffer::Create(size * moment_bytes, 2 * kStagger, pinned));
+  CKPT_ASSIGN_OR_RETURN(
+      opt->slabs_->exp_avg,
+      internal::HostBuffer::Create(size * moment_bytes, internal::kSlabStagger, pinned));
+  CKPT_ASSIGN_OR_RETURN(
+      opt->slabs_->exp_avg_sq,
+      internal::HostBuffer::Create(size * moment_bytes, 2 * internal::kSlabStagger, pinned));
   float* master = opt->master().data();
   const void* w = model_weights.data();
   for (uint64_t i = 0; i < size; ++i) {
