@@ -3,17 +3,19 @@
 # that both see the same host (shared hosts drift by tens of percent between minutes). Needs
 # python3 with torch; ckpt-tool from build/ unless --tool says otherwise.
 #   bench/adamw_vs_torch.sh [--params N] [--threads T] [--rounds R] [--grad-dtype F32|BF16|F16]
-#                           [--tool PATH]
+#                           [--moments F32|BF16] [--tool PATH]
+# --grad-dtype and --moments apply to ckpt only: torch's fused step keeps everything in FP32.
 # Prints each round and then the medians and the median of the per-round ratios.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-params=1000000000 threads=16 rounds=5 grad=F32 tool="$here/../build/cli/ckpt-tool"
+params=1000000000 threads=16 rounds=5 grad=F32 moments=F32 tool="$here/../build/cli/ckpt-tool"
 while [ $# -gt 0 ]; do
   case "$1" in
     --params) params=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --grad-dtype) grad=$2; shift 2 ;;
+    --moments) moments=$2; shift 2 ;;
     --tool) tool=$2; shift 2 ;;
     *) echo "adamw_vs_torch.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -26,14 +28,14 @@ for r in $(seq 1 "$rounds"); do
   for who in $order; do
     if [ "$who" = ckpt ]; then
       line=$("$tool" bench adamw --params "$params" --threads "$threads" --steps 4 \
-               --grad-dtype "$grad" --json)
+               --grad-dtype "$grad" --moments "$moments" --json)
     else
       line=$(python3 "$here/torch_adamw.py" --params "$params" --threads "$threads" --steps 4)
     fi
     echo "{\"round\": $r, \"who\": \"$who\", \"result\": $(echo "$line" | tr -d '\n')}" >>"$results"
   done
 done
-python3 - "$results" "$grad" <<'PY'
+python3 - "$results" "$grad grads, $moments moments" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 grad = sys.argv[2]
@@ -44,7 +46,7 @@ for r in sorted({row["round"] for row in rows}):
     ours.append(c["gparams_per_s"]); torch_step.append(t["step_gparams_per_s"])
     torch_copy.append(t["step_and_copy_gparams_per_s"])
     ratios.append(ours[-1] / torch_step[-1]); ratios_copy.append(ours[-1] / torch_copy[-1])
-    print(f"round {r}: ckpt {grad} grads {ours[-1]:.2f} Gparam/s (ratio to its triad bound "
+    print(f"round {r}: ckpt ({grad}) {ours[-1]:.2f} Gparam/s (ratio to its triad bound "
           f"{c['ratio']:.2f}, to its own streams {c['step_shaped_ratio']:.2f})   torch step "
           f"{torch_step[-1]:.2f}, step+BF16 copy {torch_copy[-1]:.2f}   ckpt/torch {ratios[-1]:.2f}")
 med = statistics.median

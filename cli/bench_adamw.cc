@@ -2,7 +2,7 @@
 // in the same run (DESIGN.md §8): for the CPU engine, host memory bandwidth from a STREAM-style
 // triad on the same threads, divided by the bytes a step moves per parameter (30 with FP32
 // gradients: grad, master, two moments read; master and moments written; BF16 copy written; 28
-// with 16-bit gradients); for the CUDA engine,
+// with 16-bit gradients; 8 fewer with BF16 moments); for the CUDA engine,
 // PCIe bandwidth with copies in both directions at once, divided by 12 bytes each way.
 #include <algorithm>
 #include <chrono>
@@ -28,8 +28,9 @@ using optimizer::EngineKind;
 using optimizer::StagedAdamW;
 
 // Master, two moments and the gradient read; master, moments and the BF16 copy written.
-double CpuBytesPerParam(formats::DType grad) {
-  return 12 + static_cast<double>(formats::DTypeSize(grad)) + 12 + 2;
+double CpuBytesPerParam(formats::DType grad, optimizer::MomentDType moments) {
+  const double state = moments == optimizer::MomentDType::kF32 ? 12 : 8;
+  return state + static_cast<double>(formats::DTypeSize(grad)) + state + 2;
 }
 
 double Seconds(Clock::time_point start) {
@@ -42,12 +43,14 @@ struct CpuFigures {
 };
 
 absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats::DType grad_dtype,
+                                    optimizer::MomentDType moments,
                                     const std::string& caller_pages) {
   optimizer::StagedAdamWOptions o;
   o.params = {{"w", {n}, formats::DType::kBF16, 0}};
   o.groups = {optimizer::ParamGroup{}};
   o.pieces = {{0, 0, n}};
   o.threads = threads;
+  o.moment_dtype = moments;
   std::vector<uint16_t> weights(n, formats::FloatToBf16(0.5f));
   auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   if (!opt.ok()) return opt.status();
@@ -96,9 +99,9 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats:
       std::max<uint64_t>(n, 32u << 20), t, optimizer::CpuIsa::kAuto, 5);
   if (!triad.ok()) return triad.status();
   f.triad_gbps = *triad;
-  f.bound_gparams = f.triad_gbps / CpuBytesPerParam(grad_dtype);
+  f.bound_gparams = f.triad_gbps / CpuBytesPerParam(grad_dtype, moments);
   absl::StatusOr<double> shaped = optimizer::internal::MeasureShapedGparams(
-      g, grad_dtype, params, n, t, optimizer::CpuIsa::kAuto, 3);
+      g, grad_dtype, params, n, t, optimizer::CpuIsa::kAuto, 3, moments);
   if (!shaped.ok()) return shaped.status();
   f.shaped_gparams = *shaped;
   return f;
@@ -115,26 +118,30 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
     const formats::DType grad_dtype = args.grad_dtype == "BF16"  ? formats::DType::kBF16
                                       : args.grad_dtype == "F16" ? formats::DType::kF16
                                                                  : formats::DType::kF32;
+    const optimizer::MomentDType moments =
+        args.moments == "BF16" ? optimizer::MomentDType::kBF16 : optimizer::MomentDType::kF32;
+    const double bytes = CpuBytesPerParam(grad_dtype, moments);
     absl::StatusOr<CpuFigures> f =
-        BenchCpu(args.params, args.threads, args.steps, grad_dtype, args.caller_pages);
+        BenchCpu(args.params, args.threads, args.steps, grad_dtype, moments, args.caller_pages);
     if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
     out["cpu"] = {{"engine", f->engine},
                   {"gparams_per_s", f->gparams},
                   {"triad_gbps", f->triad_gbps},
                   {"bound_gparams_per_s", f->bound_gparams},
                   {"ratio", f->gparams / f->bound_gparams},
-                  {"bytes_per_param", CpuBytesPerParam(grad_dtype)},
+                  {"bytes_per_param", bytes},
                   {"grad_dtype", args.grad_dtype},
+                  {"moments", args.moments},
                   {"caller_pages", args.caller_pages},
                   {"device_bytes", 0},
                   {"step_shaped_bound_gparams_per_s", f->shaped_gparams},
                   {"step_shaped_ratio", f->gparams / f->shaped_gparams}};
     if (!args.json) {
       std::cout << absl::StrFormat(
-          "cpu  %-16s %s grads %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f "
+          "cpu  %-16s %s grads%s %6.2f Gparam/s   bound %6.2f Gparam/s (triad %.1f GB/s / %.0f "
           "B/param)   ratio %.2f\n",
-          f->engine, args.grad_dtype, f->gparams, f->bound_gparams, f->triad_gbps,
-          CpuBytesPerParam(grad_dtype), f->gparams / f->bound_gparams);
+          f->engine, args.grad_dtype, args.moments == "BF16" ? ", BF16 moments" : "", f->gparams,
+          f->bound_gparams, f->triad_gbps, bytes, f->gparams / f->bound_gparams);
       std::cout << absl::StrFormat(
           "     same nine streams without the math: %6.2f Gparam/s   ratio %.2f\n",
           f->shaped_gparams, f->gparams / f->shaped_gparams);

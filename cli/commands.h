@@ -71,6 +71,7 @@ struct BenchAdamwArgs {
   std::string engine = "cpu";         // cpu, cuda or both.
   std::string grad_dtype = "F32";     // CPU engine: F32, BF16 or F16 gradients.
   std::string caller_pages = "huge";  // CPU engine: gradient and parameter buffers' pages.
+  std::string moments = "F32";        // CPU engine: moment dtype in the slabs, F32 or BF16.
   int steps = 5;
   bool json = false;
 };

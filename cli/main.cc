@@ -87,6 +87,10 @@ int main(int argc, char** argv) {
       ->add_option("--caller-pages", bench_adamw.caller_pages,
                    "CPU engine: gradient/parameter buffers on huge or small pages")
       ->check(CLI::IsMember({"huge", "small"}));
+  adamw_cmd
+      ->add_option("--moments", bench_adamw.moments,
+                   "CPU engine moments in the slabs: F32 (default) or BF16 (precision-aware)")
+      ->check(CLI::IsMember({"F32", "BF16"}));
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
       ->check(CLI::Range(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");

@@ -68,26 +68,28 @@ absl::StatusOr<double> MeasureTriadGBps(uint64_t n, int threads, CpuIsa isa, int
 
 absl::StatusOr<double> MeasureShapedGparams(const void* grads, formats::DType grad_dtype,
                                             void* params, uint64_t n, int threads, CpuIsa isa,
-                                            int passes) {
+                                            int passes, MomentDType moments) {
   if (n == 0) return absl::InvalidArgumentError("shaped pass over zero elements");
-  KernelFn kernel = SelectShapedKernel(isa, grad_dtype, formats::DType::kBF16);
+  KernelFn kernel = SelectShapedKernel(isa, grad_dtype, formats::DType::kBF16, moments);
   if (kernel == nullptr) return absl::InvalidArgumentError("unsupported gradient dtype");
   if (!CpuSupports(isa)) return absl::FailedPreconditionError("this CPU lacks the requested ISA");
+  const size_t msize = moments == MomentDType::kF32 ? 4 : 2;
   HostBuffer slabs[3];
   for (int s = 0; s < 3; ++s) {
-    absl::StatusOr<HostBuffer> b = HostBuffer::Create(n * 4, s * kSlabStagger, false);
+    absl::StatusOr<HostBuffer> b =
+        HostBuffer::Create(n * (s == 0 ? 4 : msize), s * kSlabStagger, false);
     if (!b.ok()) return b.status();
     slabs[s] = std::move(*b);
   }
   auto* master = reinterpret_cast<float*>(slabs[0].data());
-  auto* m = reinterpret_cast<float*>(slabs[1].data());
-  auto* v = reinterpret_cast<float*>(slabs[2].data());
+  std::byte* m = slabs[1].data();
+  std::byte* v = slabs[2].data();
   const size_t gsize = formats::DTypeSize(grad_dtype);
   ThreadPool pool(threads);
   auto run = [&](uint64_t begin, uint64_t count) {
     KernelArgs a{master + begin,
-                 m + begin,
-                 v + begin,
+                 m + begin * msize,
+                 v + begin * msize,
                  static_cast<const std::byte*>(grads) + begin * gsize,
                  static_cast<std::byte*>(params) + begin * 2,
                  count,

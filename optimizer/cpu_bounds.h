@@ -22,10 +22,10 @@ absl::StatusOr<double> MeasureTriadGBps(uint64_t n, int threads, CpuIsa isa, int
 // Parameters per second (in billions) of the step's own streams without its arithmetic (see
 // SelectShapedKernel): what memory allows for exactly this access pattern. `grads` (n elements
 // of `grad_dtype`) and `params` (n BF16 elements) are the caller's; the three slab-like buffers
-// are allocated here.
+// (moments of `moments` dtype) are allocated here.
 absl::StatusOr<double> MeasureShapedGparams(const void* grads, formats::DType grad_dtype,
                                             void* params, uint64_t n, int threads, CpuIsa isa,
-                                            int passes);
+                                            int passes, MomentDType moments = MomentDType::kF32);
 
 }  // namespace ckpt::optimizer::internal
 

@@ -26,7 +26,8 @@ class CpuEngine : public StagedAdamW::Engine {
                                   const std::vector<StepConstants>& constants,
                                   const SlabView& slabs, formats::DType model_dtype,
                                   uint64_t elements) override {
-    internal::KernelFn kernel = internal::SelectKernel(isa_, args.grad_dtype, model_dtype);
+    internal::KernelFn kernel =
+        internal::SelectKernel(isa_, args.grad_dtype, model_dtype, slabs.moment_dtype);
     if (kernel == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
     struct Task {
       uint64_t offset, count;
@@ -49,13 +50,12 @@ class CpuEngine : public StagedAdamW::Engine {
       }
     }
     const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
-    auto* m = reinterpret_cast<float*>(slabs.exp_avg);
-    auto* v = reinterpret_cast<float*>(slabs.exp_avg_sq);
+    const size_t msize = slabs.moment_dtype == MomentDType::kF32 ? 4 : 2;
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
       KernelArgs a{slabs.master + t.offset,
-                   m + t.offset,
-                   v + t.offset,
+                   slabs.exp_avg + t.offset * msize,
+                   slabs.exp_avg_sq + t.offset * msize,
                    static_cast<const std::byte*>(args.grads) + t.offset * gsize,
                    static_cast<std::byte*>(args.params) + t.offset * psize,
                    t.count,

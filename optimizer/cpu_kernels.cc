@@ -55,60 +55,66 @@ inline void StoreParam(void* p, size_t i, float v) {
 constexpr size_t kPrefetchL1Bytes = 2048;
 constexpr size_t kPrefetchL2Bytes = 8192;
 
-template <DType G>
+inline void PrefetchLine(const char* p) {
+  _mm_prefetch(p + kPrefetchL2Bytes, _MM_HINT_T1);
+  _mm_prefetch(p + kPrefetchL1Bytes, _MM_HINT_T0);
+}
+
+// Called once per 16 elements. A line of a 16-bit stream holds 32 elements: every other call
+// names a new one.
+template <DType G, DType M>
 inline void PrefetchStreams(const KernelArgs& a, size_t i) {
-  constexpr size_t gsize = G == DType::kF32 ? 4 : 2;
-  const char* streams[3] = {reinterpret_cast<const char*>(a.master + i),
-                            reinterpret_cast<const char*>(a.exp_avg + i),
-                            reinterpret_cast<const char*>(a.exp_avg_sq + i)};
-  for (const char* p : streams) {
-    _mm_prefetch(p + kPrefetchL2Bytes, _MM_HINT_T1);
-    _mm_prefetch(p + kPrefetchL1Bytes, _MM_HINT_T0);
+  PrefetchLine(reinterpret_cast<const char*>(a.master + i));
+  if (M == DType::kF32 || i % 32 == 0) {
+    constexpr size_t msize = M == DType::kF32 ? 4 : 2;
+    PrefetchLine(static_cast<const char*>(a.exp_avg) + i * msize);
+    PrefetchLine(static_cast<const char*>(a.exp_avg_sq) + i * msize);
   }
-  // A 16-bit gradient line holds 32 elements: every other call names a new one.
-  if (gsize == 4 || i % 32 == 0) {
-    const char* g = static_cast<const char*>(a.grads) + i * gsize;
-    _mm_prefetch(g + kPrefetchL2Bytes, _MM_HINT_T1);
-    _mm_prefetch(g + kPrefetchL1Bytes, _MM_HINT_T0);
+  if (G == DType::kF32 || i % 32 == 0) {
+    constexpr size_t gsize = G == DType::kF32 ? 4 : 2;
+    PrefetchLine(static_cast<const char*>(a.grads) + i * gsize);
   }
 }
 
-template <DType G, DType P>
+// Moments are FP32 or BF16 (M); a BF16 moment is read and written exactly as a BF16 gradient is
+// read and a BF16 parameter written (round to nearest even). The update uses the FP32 values
+// computed in this step; only what is stored is rounded.
+template <DType G, DType P, DType M>
 inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
   const StepConstants& c = a.c;
   for (size_t i = begin; i < end; ++i) {
     const float g = LoadGrad<G>(a.grads, i) * a.grad_scale;
     float p = a.master[i] * c.decay;
-    const float m = c.beta1 * a.exp_avg[i] + c.omb1 * g;
-    const float v = c.beta2 * a.exp_avg_sq[i] + c.omb2 * (g * g);
+    const float m = c.beta1 * LoadGrad<M>(a.exp_avg, i) + c.omb1 * g;
+    const float v = c.beta2 * LoadGrad<M>(a.exp_avg_sq, i) + c.omb2 * (g * g);
     p = p - (c.step_size * m) / (std::sqrt(v) / c.bc2_sqrt + c.eps);
     a.master[i] = p;
-    a.exp_avg[i] = m;
-    a.exp_avg_sq[i] = v;
+    StoreParam<M>(a.exp_avg, i, m);
+    StoreParam<M>(a.exp_avg_sq, i, v);
     StoreParam<P>(a.params, i, p);
   }
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void ScalarKernel(const KernelArgs& a) {
-  ScalarRange<G, P>(a, 0, a.n);
+  ScalarRange<G, P, M>(a, 0, a.n);
 }
 
 // The memory-only twin of ScalarRange (see Avx512Block).
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 inline void ShapedScalarRange(const KernelArgs& a, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
     const float g = LoadGrad<G>(a.grads, i) * a.grad_scale;
     a.master[i] += g;
-    a.exp_avg[i] += g;
-    a.exp_avg_sq[i] += g;
+    StoreParam<M>(a.exp_avg, i, LoadGrad<M>(a.exp_avg, i) + g);
+    StoreParam<M>(a.exp_avg_sq, i, LoadGrad<M>(a.exp_avg_sq, i) + g);
     StoreParam<P>(a.params, i, a.master[i]);
   }
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void ScalarShapedKernel(const KernelArgs& a) {
-  ShapedScalarRange<G, P>(a, 0, a.n);
+  ShapedScalarRange<G, P, M>(a, 0, a.n);
 }
 
 // --- AVX2 (+FMA-free arithmetic, F16C conversions) -------------------------------------------
@@ -151,7 +157,7 @@ __attribute__((target("avx2,f16c"))) inline void StoreParam8(void* p, size_t i, 
   }
 }
 
-template <DType G, DType P, bool kMath>
+template <DType G, DType P, DType M, bool kMath>
 __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
   const StepConstants& c = a.c;
   const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(c.decay);
@@ -161,41 +167,41 @@ __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
                eps = _mm256_set1_ps(c.eps);
   size_t i = 0;
   for (; i + 8 <= a.n; i += 8) {
-    if (i % 16 == 0) PrefetchStreams<G>(a, i);  // One call per 64-byte line of the FP32 streams.
+    if (i % 16 == 0) PrefetchStreams<G, M>(a, i);  // Once per 64-byte line of the FP32 streams.
     const __m256 g = _mm256_mul_ps(LoadGrad8<G>(a.grads, i), scale);
     __m256 p, m, v;
     if constexpr (kMath) {
       p = _mm256_mul_ps(_mm256_loadu_ps(a.master + i), decay);
-      m = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(a.exp_avg + i)), _mm256_mul_ps(omb1, g));
-      v = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(a.exp_avg_sq + i)),
+      m = _mm256_add_ps(_mm256_mul_ps(b1, LoadGrad8<M>(a.exp_avg, i)), _mm256_mul_ps(omb1, g));
+      v = _mm256_add_ps(_mm256_mul_ps(b2, LoadGrad8<M>(a.exp_avg_sq, i)),
                         _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
       const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
       p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
     } else {
       p = _mm256_add_ps(_mm256_loadu_ps(a.master + i), g);
-      m = _mm256_add_ps(_mm256_loadu_ps(a.exp_avg + i), g);
-      v = _mm256_add_ps(_mm256_loadu_ps(a.exp_avg_sq + i), g);
+      m = _mm256_add_ps(LoadGrad8<M>(a.exp_avg, i), g);
+      v = _mm256_add_ps(LoadGrad8<M>(a.exp_avg_sq, i), g);
     }
     _mm256_storeu_ps(a.master + i, p);
-    _mm256_storeu_ps(a.exp_avg + i, m);
-    _mm256_storeu_ps(a.exp_avg_sq + i, v);
+    StoreParam8<M>(a.exp_avg, i, m);
+    StoreParam8<M>(a.exp_avg_sq, i, v);
     StoreParam8<P>(a.params, i, p);
   }
   if constexpr (kMath) {
-    ScalarRange<G, P>(a, i, a.n);
+    ScalarRange<G, P, M>(a, i, a.n);
   } else {
-    ShapedScalarRange<G, P>(a, i, a.n);
+    ShapedScalarRange<G, P, M>(a, i, a.n);
   }
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void Avx2Kernel(const KernelArgs& a) {
-  Avx2Loop<G, P, true>(a);
+  Avx2Loop<G, P, M, true>(a);
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void Avx2ShapedKernel(const KernelArgs& a) {
-  Avx2Loop<G, P, false>(a);
+  Avx2Loop<G, P, M, false>(a);
 }
 
 // --- AVX-512 ---------------------------------------------------------------------------------
@@ -257,27 +263,26 @@ struct Avx512Constants {
 
 // One 16-element block. kMath false is the benchmark's memory-only twin: the same loads, stores
 // and prefetches with one add per stream in place of the AdamW arithmetic.
-template <DType G, DType P, bool kStream, bool kMath>
+template <DType G, DType P, DType M, bool kStream, bool kMath>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void Avx512Block(
     const KernelArgs& a, const Avx512Constants& k, size_t i) {
   const __m512 g = _mm512_mul_ps(LoadGrad16<G>(a.grads, i), k.scale);
   __m512 p, m, v;
   if constexpr (kMath) {
     p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), k.decay);
-    m = _mm512_add_ps(_mm512_mul_ps(k.b1, _mm512_loadu_ps(a.exp_avg + i)),
-                      _mm512_mul_ps(k.omb1, g));
-    v = _mm512_add_ps(_mm512_mul_ps(k.b2, _mm512_loadu_ps(a.exp_avg_sq + i)),
+    m = _mm512_add_ps(_mm512_mul_ps(k.b1, LoadGrad16<M>(a.exp_avg, i)), _mm512_mul_ps(k.omb1, g));
+    v = _mm512_add_ps(_mm512_mul_ps(k.b2, LoadGrad16<M>(a.exp_avg_sq, i)),
                       _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), k.bc2), k.eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.step, m), denom));
   } else {
     p = _mm512_add_ps(_mm512_loadu_ps(a.master + i), g);
-    m = _mm512_add_ps(_mm512_loadu_ps(a.exp_avg + i), g);
-    v = _mm512_add_ps(_mm512_loadu_ps(a.exp_avg_sq + i), g);
+    m = _mm512_add_ps(LoadGrad16<M>(a.exp_avg, i), g);
+    v = _mm512_add_ps(LoadGrad16<M>(a.exp_avg_sq, i), g);
   }
   _mm512_storeu_ps(a.master + i, p);
-  _mm512_storeu_ps(a.exp_avg + i, m);
-  _mm512_storeu_ps(a.exp_avg_sq + i, v);
+  StoreParam16<M, false>(a.exp_avg, i, m);
+  StoreParam16<M, false>(a.exp_avg_sq, i, v);
   StoreParam16<P, kStream>(a.params, i, p);
 }
 
@@ -285,7 +290,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // destination it goes out with non-temporal stores, which skip the read-for-ownership of every
 // destination line (2 of the 32 bytes a BF16 step moves per parameter). Two blocks per
 // iteration, their prefetches first: +2-4 % on the H200 host (lab, 1e9 parameters, two passes).
-template <DType G, DType P, bool kStream, bool kMath>
+template <DType G, DType P, DType M, bool kStream, bool kMath>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const KernelArgs& a) {
   const StepConstants& c = a.c;
   const Avx512Constants k{
@@ -294,66 +299,68 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const Kerne
       _mm512_set1_ps(c.step_size),  _mm512_set1_ps(c.bc2_sqrt), _mm512_set1_ps(c.eps)};
   size_t i = 0;
   for (; i + 32 <= a.n; i += 32) {
-    PrefetchStreams<G>(a, i);
-    PrefetchStreams<G>(a, i + 16);
-    Avx512Block<G, P, kStream, kMath>(a, k, i);
-    Avx512Block<G, P, kStream, kMath>(a, k, i + 16);
+    PrefetchStreams<G, M>(a, i);
+    PrefetchStreams<G, M>(a, i + 16);
+    Avx512Block<G, P, M, kStream, kMath>(a, k, i);
+    Avx512Block<G, P, M, kStream, kMath>(a, k, i + 16);
   }
   if (i + 16 <= a.n) {
-    Avx512Block<G, P, kStream, kMath>(a, k, i);
+    Avx512Block<G, P, M, kStream, kMath>(a, k, i);
     i += 16;
   }
   if constexpr (kStream) _mm_sfence();  // Order the streaming stores before the step returns.
   if constexpr (kMath) {
-    ScalarRange<G, P>(a, i, a.n);
+    ScalarRange<G, P, M>(a, i, a.n);
   } else {
-    ShapedScalarRange<G, P>(a, i, a.n);
+    ShapedScalarRange<G, P, M>(a, i, a.n);
   }
 }
 
-template <DType G, DType P, bool kMath>
+template <DType G, DType P, DType M, bool kMath>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Dispatch(const KernelArgs& a) {
   // A 16-lane store of the copy is 64 (F32) or 32 bytes wide; streaming needs that alignment.
   const size_t width = P == DType::kF32 ? 64 : 32;
   if (reinterpret_cast<uintptr_t>(a.params) % width == 0) {
-    Avx512Loop<G, P, true, kMath>(a);
+    Avx512Loop<G, P, M, true, kMath>(a);
   } else {
-    Avx512Loop<G, P, false, kMath>(a);
+    Avx512Loop<G, P, M, false, kMath>(a);
   }
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void Avx512Kernel(const KernelArgs& a) {
-  Avx512Dispatch<G, P, true>(a);
+  Avx512Dispatch<G, P, M, true>(a);
 }
 
-template <DType G, DType P>
+template <DType G, DType P, DType M>
 void Avx512ShapedKernel(const KernelArgs& a) {
-  Avx512Dispatch<G, P, false>(a);
+  Avx512Dispatch<G, P, M, false>(a);
 }
 
 int DTypeIndex(DType d) {
   return d == DType::kF32 ? 0 : d == DType::kBF16 ? 1 : d == DType::kF16 ? 2 : -1;
 }
 
-#define CKPT_KERNEL_TABLE(KERNEL)                                               \
-  {                                                                             \
-    {KERNEL<DType::kF32, DType::kF32>, KERNEL<DType::kF32, DType::kBF16>,       \
-     KERNEL<DType::kF32, DType::kF16>},                                         \
-        {KERNEL<DType::kBF16, DType::kF32>, KERNEL<DType::kBF16, DType::kBF16>, \
-         KERNEL<DType::kBF16, DType::kF16>},                                    \
-    {                                                                           \
-      KERNEL<DType::kF16, DType::kF32>, KERNEL<DType::kF16, DType::kBF16>,      \
-          KERNEL<DType::kF16, DType::kF16>                                      \
-    }                                                                           \
+// [grad][param] for one moment dtype, then [moments][grad][param].
+#define CKPT_KERNEL_TABLE(KERNEL, M)                                                  \
+  {                                                                                   \
+    {KERNEL<DType::kF32, DType::kF32, M>, KERNEL<DType::kF32, DType::kBF16, M>,       \
+     KERNEL<DType::kF32, DType::kF16, M>},                                            \
+        {KERNEL<DType::kBF16, DType::kF32, M>, KERNEL<DType::kBF16, DType::kBF16, M>, \
+         KERNEL<DType::kBF16, DType::kF16, M>},                                       \
+        {KERNEL<DType::kF16, DType::kF32, M>, KERNEL<DType::kF16, DType::kBF16, M>,   \
+         KERNEL<DType::kF16, DType::kF16, M>},                                        \
   }
+#define CKPT_KERNEL_TABLES(KERNEL) \
+  { CKPT_KERNEL_TABLE(KERNEL, DType::kF32), CKPT_KERNEL_TABLE(KERNEL, DType::kBF16) }
 
-constexpr KernelFn kScalar[3][3] = CKPT_KERNEL_TABLE(ScalarKernel);
-constexpr KernelFn kAvx2[3][3] = CKPT_KERNEL_TABLE(Avx2Kernel);
-constexpr KernelFn kAvx512[3][3] = CKPT_KERNEL_TABLE(Avx512Kernel);
-constexpr KernelFn kScalarShaped[3][3] = CKPT_KERNEL_TABLE(ScalarShapedKernel);
-constexpr KernelFn kAvx2Shaped[3][3] = CKPT_KERNEL_TABLE(Avx2ShapedKernel);
-constexpr KernelFn kAvx512Shaped[3][3] = CKPT_KERNEL_TABLE(Avx512ShapedKernel);
+using KernelTable = KernelFn[2][3][3];
+constexpr KernelTable kScalar = CKPT_KERNEL_TABLES(ScalarKernel);
+constexpr KernelTable kAvx2 = CKPT_KERNEL_TABLES(Avx2Kernel);
+constexpr KernelTable kAvx512 = CKPT_KERNEL_TABLES(Avx512Kernel);
+constexpr KernelTable kScalarShaped = CKPT_KERNEL_TABLES(ScalarShapedKernel);
+constexpr KernelTable kAvx2Shaped = CKPT_KERNEL_TABLES(Avx2ShapedKernel);
+constexpr KernelTable kAvx512Shaped = CKPT_KERNEL_TABLES(Avx512ShapedKernel);
 
 }  // namespace
 
@@ -401,28 +408,29 @@ const char* IsaName(CpuIsa isa) {
 
 namespace {
 
-KernelFn Select(const KernelFn (&scalar)[3][3], const KernelFn (&avx2)[3][3],
-                const KernelFn (&avx512)[3][3], CpuIsa isa, DType grad, DType param) {
+KernelFn Select(const KernelTable& scalar, const KernelTable& avx2, const KernelTable& avx512,
+                CpuIsa isa, DType grad, DType param, MomentDType moments) {
   const int g = DTypeIndex(grad), p = DTypeIndex(param);
   if (g < 0 || p < 0) return nullptr;
+  const int m = moments == MomentDType::kF32 ? 0 : 1;
   switch (ResolveIsa(isa)) {
     case CpuIsa::kAvx512:
-      return avx512[g][p];
+      return avx512[m][g][p];
     case CpuIsa::kAvx2:
-      return avx2[g][p];
+      return avx2[m][g][p];
     default:
-      return scalar[g][p];
+      return scalar[m][g][p];
   }
 }
 
 }  // namespace
 
-KernelFn SelectKernel(CpuIsa isa, DType grad, DType param) {
-  return Select(kScalar, kAvx2, kAvx512, isa, grad, param);
+KernelFn SelectKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) {
+  return Select(kScalar, kAvx2, kAvx512, isa, grad, param, moments);
 }
 
-KernelFn SelectShapedKernel(CpuIsa isa, DType grad, DType param) {
-  return Select(kScalarShaped, kAvx2Shaped, kAvx512Shaped, isa, grad, param);
+KernelFn SelectShapedKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) {
+  return Select(kScalarShaped, kAvx2Shaped, kAvx512Shaped, isa, grad, param, moments);
 }
 
 uint64_t TaskElems(uint64_t total, int threads) {

@@ -16,8 +16,8 @@ namespace ckpt::optimizer::internal {
 
 struct KernelArgs {
   float* master;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;  // FP32 or BF16 elements, per the kernel's moment dtype.
+  void* exp_avg_sq;
   const void* grads;  // Already offset to the run's first element.
   void* params;       // Likewise.
   size_t n;
@@ -33,7 +33,8 @@ bool CpuSupports(CpuIsa isa);
 CpuIsa ResolveIsa(CpuIsa isa);
 const char* IsaName(CpuIsa isa);
 // Null for unsupported dtype pairs.
-KernelFn SelectKernel(CpuIsa isa, formats::DType grad, formats::DType param);
+KernelFn SelectKernel(CpuIsa isa, formats::DType grad, formats::DType param,
+                      MomentDType moments = MomentDType::kF32);
 
 // How many elements one task of the CPU engine covers when `total` elements are spread over
 // `threads` threads: 256 Ki at most (each task restarts the prefetch streams, so longer tasks
@@ -44,7 +45,8 @@ uint64_t TaskElems(uint64_t total, int threads);
 // Memory-only kernels for the benchmark's bounds (ckpt-tool bench adamw).
 // The step's streams with one add per stream in place of the AdamW arithmetic: the same loads,
 // stores, prefetches and vector width as SelectKernel's kernel. Writes garbage into the slabs.
-KernelFn SelectShapedKernel(CpuIsa isa, formats::DType grad, formats::DType param);
+KernelFn SelectShapedKernel(CpuIsa isa, formats::DType grad, formats::DType param,
+                            MomentDType moments = MomentDType::kF32);
 // a[i] = b[i] + s * c[i], the STREAM triad, with the widest vectors of `isa` and the step's
 // prefetches. With `streaming`, non-temporal stores to `a` (12 bytes move per element); without,
 // plain stores, which also read every line of `a` before writing it (16 bytes move).

@@ -140,10 +140,6 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
   if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
-  if (options.moment_dtype == MomentDType::kBF16 && options.engine == EngineKind::kCpu) {
-    return absl::InvalidArgumentError(
-        "BF16 moments are a CUDA-engine mode; the CPU engine keeps FP32 moments");
-  }
   if (model_weights.size() != size * formats::DTypeSize(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(),
                                                    " bytes, this rank's pieces need ",

@@ -85,8 +85,15 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
   }
   r.params.assign(params, params + weights.size());
   r.master.assign((*opt)->master().begin(), (*opt)->master().end());
-  r.m.assign((*opt)->exp_avg().begin(), (*opt)->exp_avg().end());
-  r.v.assign((*opt)->exp_avg_sq().begin(), (*opt)->exp_avg_sq().end());
+  if (o.moment_dtype == MomentDType::kF32) {
+    r.m.assign((*opt)->exp_avg().begin(), (*opt)->exp_avg().end());
+    r.v.assign((*opt)->exp_avg_sq().begin(), (*opt)->exp_avg_sq().end());
+  } else {
+    for (uint64_t i = 0; i < n; ++i) {
+      r.m.push_back(Decode((*opt)->exp_avg_bytes(), DType::kBF16, i));
+      r.v.push_back(Decode((*opt)->exp_avg_sq_bytes(), DType::kBF16, i));
+    }
+  }
   return r;
 }
 
@@ -197,6 +204,88 @@ TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
       }
     }
   }
+}
+
+// Precision-aware mode: the same recurrence with each stored moment rounded to BF16 (nearest
+// even) after its FP32 update, emulated on the host one operation at a time; every ISA must give
+// exactly its bits, for every gradient dtype.
+Outcome Bf16MomentsEmulation(const StagedAdamWOptions& o, DType grad_dtype, int steps,
+                             float scale) {
+  const uint64_t n = Size(o);
+  const DType model = o.params[0].dtype;
+  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  std::vector<float> p(n);
+  std::vector<uint16_t> m(n, 0), v(n, 0);
+  for (uint64_t i = 0; i < n; ++i) p[i] = Decode(weights.data(), model, i);
+  std::vector<uint32_t> group(n);
+  uint64_t k = 0;
+  for (const Piece& piece : o.pieces) {
+    for (uint64_t j = 0; j < piece.count; ++j) group[k++] = o.params[piece.param].group;
+  }
+  for (int step = 0; step < steps; ++step) {
+    std::vector<float> g = Random(n, 100 + step, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    std::vector<std::byte> gb = Encode(g, grad_dtype);
+    std::vector<StepConstants> c;
+    for (const ParamGroup& pg : o.groups) c.push_back(ComputeStepConstants(pg, step + 1));
+    for (uint64_t i = 0; i < n; ++i) {
+      const StepConstants& sc = c[group[i]];
+      volatile float gs = Decode(gb.data(), grad_dtype, i) * scale;  // volatile: no FMA.
+      volatile float pd = p[i] * sc.decay;
+      volatile float mt = sc.beta1 * Bf16ToFloat(m[i]);
+      volatile float mg = sc.omb1 * gs;
+      const float mm = mt + mg;
+      volatile float vt = sc.beta2 * Bf16ToFloat(v[i]);
+      volatile float gg = gs * gs;
+      volatile float vg = sc.omb2 * gg;
+      const float vv = vt + vg;
+      volatile float den = std::sqrt(vv) / sc.bc2_sqrt + sc.eps;
+      volatile float num = sc.step_size * mm;
+      p[i] = pd - num / den;
+      m[i] = FloatToBf16(mm);
+      v[i] = FloatToBf16(vv);
+    }
+  }
+  Outcome r;
+  r.master = p;
+  for (uint64_t i = 0; i < n; ++i) {
+    r.m.push_back(Bf16ToFloat(m[i]));
+    r.v.push_back(Bf16ToFloat(v[i]));
+  }
+  r.params = Encode(p, model);
+  return r;
+}
+
+TEST(Bf16MomentsTest, EveryIsaMatchesAHostEmulationBitForBit) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (!internal::CpuSupports(isa)) continue;
+    for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(::testing::Message()
+                   << internal::IsaName(isa) << " " << formats::DTypeName(grad) << " grads");
+      StagedAdamWOptions o = TestOptions(DType::kBF16, isa);
+      o.moment_dtype = MomentDType::kBF16;
+      Outcome got = RunSteps(o, grad, 3, 1.5f);
+      Outcome want = Bf16MomentsEmulation(o, grad, 3, 1.5f);
+      ASSERT_EQ(std::memcmp(got.master.data(), want.master.data(), 4 * want.master.size()), 0);
+      ASSERT_EQ(got.m, want.m);
+      ASSERT_EQ(got.v, want.v);
+      ASSERT_EQ(got.params, want.params);
+    }
+  }
+}
+
+TEST(Bf16MomentsTest, StayCloseToTheFp32Reference) {
+  // Each stored moment is rounded once per step, by at most 2^-9 of itself, and the error is
+  // carried on scaled by beta < 1: after three steps at most 3 * 2^-9 of the moment's scale.
+  // Masters stay FP32, updated from the unrounded moments of each step.
+  StagedAdamWOptions o = TestOptions(DType::kBF16, CpuIsa::kAuto);
+  o.moment_dtype = MomentDType::kBF16;
+  Outcome got = RunSteps(o, DType::kF32, 3, 1.5f);
+  Outcome ref = Reference(o, DType::kF32, 3, 1.5f);
+  EXPECT_LE(MaxRelError(got.m, ref.m), 3.0 / 512);
+  EXPECT_LE(MaxRelError(got.v, ref.v), 3.0 / 512);
+  EXPECT_LE(MaxRelError(got.master, ref.master), 1e-3);
+  EXPECT_GT(MaxRelError(got.m, ref.m), 0.0);  // They are rounded, not FP32 after all.
 }
 
 __attribute__((target("f16c"))) uint16_t HardwareHalf(float f) {

@@ -139,6 +139,24 @@ TEST_F(CliTest, BenchAdamwCpuReportsRateBoundAndRatio) {
   EXPECT_EQ(RunTool("bench adamw --params 0").exit_code, 2);  // A usage error.
 }
 
+TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
+  // FP32 gradients: 30 bytes per parameter with FP32 moments, 22 with BF16 ones; 16-bit
+  // gradients 2 fewer. The bound is the triad bandwidth over exactly those bytes.
+  for (auto [flags, bytes] : {std::pair{"", 30.0}, std::pair{" --moments BF16", 22.0},
+                              std::pair{" --grad-dtype BF16 --moments BF16", 20.0}}) {
+    SCOPED_TRACE(flags);
+    Result r = RunTool(std::string("bench adamw --params 50000 --threads 2 --steps 1 --json") +
+                       flags);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    nlohmann::json cpu = nlohmann::json::parse(r.output)["cpu"];
+    EXPECT_DOUBLE_EQ(cpu["bytes_per_param"].get<double>(), bytes);
+    EXPECT_DOUBLE_EQ(cpu["bound_gparams_per_s"].get<double>(),
+                     cpu["triad_gbps"].get<double>() / bytes);
+    EXPECT_GT(cpu["step_shaped_bound_gparams_per_s"].get<double>(), 0);
+  }
+  EXPECT_EQ(RunTool("bench adamw --params 1000 --moments F16").exit_code, 2);
+}
+
 TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_EQ(RunTool("verify " + tmp_.path() + "/missing").exit_code, 2);
   EXPECT_EQ(RunTool("inspect").exit_code, 2);
