@@ -65,11 +65,28 @@ struct Outcome {
   std::vector<std::byte> params;
 };
 
-// Runs `steps` steps; gradients of step s are Random(seed s), zero on every third element.
+// Gradients of step s (from 0): Random(seed 100 + s), zero on every third element, encoded.
+std::vector<std::byte> StepGradients(uint64_t n, int s, DType dtype) {
+  std::vector<float> g = Random(n, 100 + s, 0.5f);
+  for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+  return Encode(g, dtype);
+}
+
+// The initial model weights, and each slab element's param group.
+std::vector<std::byte> InitialWeights(const StagedAdamWOptions& o) {
+  return Encode(Random(Size(o), 1, 1.0f), o.params[0].dtype);
+}
+std::vector<uint32_t> ElementGroups(const StagedAdamWOptions& o) {
+  std::vector<uint32_t> group;
+  for (const Piece& piece : o.pieces)
+    group.insert(group.end(), piece.count, o.params[piece.param].group);
+  return group;
+}
+
+// Runs `steps` steps with StepGradients.
 Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
   const uint64_t n = Size(o);
-  const DType model = o.params[0].dtype;
-  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  std::vector<std::byte> weights = InitialWeights(o);
   auto opt = StagedAdamW::Create(o, weights);
   EXPECT_THAT(opt, IsOk());
   Outcome r;
@@ -77,9 +94,7 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
   std::vector<std::byte> storage(weights.size() + 64);
   std::byte* params = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
   for (int s = 0; s < steps; ++s) {
-    std::vector<float> g = Random(n, 100 + s, 0.5f);
-    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
-    std::vector<std::byte> gbytes = Encode(g, grad_dtype);
+    std::vector<std::byte> gbytes = StepGradients(n, s, grad_dtype);
     auto report = (*opt)->Step({gbytes.data(), grad_dtype, scale, params});
     EXPECT_THAT(report, IsOk());
   }
@@ -101,18 +116,12 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
 Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
   const uint64_t n = Size(o);
   const DType model = o.params[0].dtype;
-  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  std::vector<std::byte> weights = InitialWeights(o);
   std::vector<double> p(n), m(n, 0.0), v(n, 0.0);
   for (uint64_t i = 0; i < n; ++i) p[i] = Decode(weights.data(), model, i);
-  std::vector<uint32_t> group(n);
-  uint64_t k = 0;
-  for (const Piece& piece : o.pieces) {
-    for (uint64_t j = 0; j < piece.count; ++j) group[k++] = o.params[piece.param].group;
-  }
+  const std::vector<uint32_t> group = ElementGroups(o);
   for (int s = 0; s < steps; ++s) {
-    std::vector<float> g = Random(n, 100 + s, 0.5f);
-    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
-    std::vector<std::byte> gbytes = Encode(g, grad_dtype);
+    std::vector<std::byte> gbytes = StepGradients(n, s, grad_dtype);
     for (uint64_t i = 0; i < n; ++i) {
       const ParamGroup& pg = o.groups[group[i]];
       const double t = s + 1, lr = pg.lr, b1 = pg.beta1, b2 = pg.beta2;
@@ -213,19 +222,13 @@ Outcome Bf16MomentsEmulation(const StagedAdamWOptions& o, DType grad_dtype, int 
                              float scale) {
   const uint64_t n = Size(o);
   const DType model = o.params[0].dtype;
-  std::vector<std::byte> weights = Encode(Random(n, 1, 1.0f), model);
+  std::vector<std::byte> weights = InitialWeights(o);
   std::vector<float> p(n);
   std::vector<uint16_t> m(n, 0), v(n, 0);
   for (uint64_t i = 0; i < n; ++i) p[i] = Decode(weights.data(), model, i);
-  std::vector<uint32_t> group(n);
-  uint64_t k = 0;
-  for (const Piece& piece : o.pieces) {
-    for (uint64_t j = 0; j < piece.count; ++j) group[k++] = o.params[piece.param].group;
-  }
+  const std::vector<uint32_t> group = ElementGroups(o);
   for (int step = 0; step < steps; ++step) {
-    std::vector<float> g = Random(n, 100 + step, 0.5f);
-    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
-    std::vector<std::byte> gb = Encode(g, grad_dtype);
+    std::vector<std::byte> gb = StepGradients(n, step, grad_dtype);
     std::vector<StepConstants> c;
     for (const ParamGroup& pg : o.groups) c.push_back(ComputeStepConstants(pg, step + 1));
     for (uint64_t i = 0; i < n; ++i) {

@@ -124,6 +124,15 @@ double MaxRelError(const std::vector<float>& got, const std::vector<float>& want
   return worst / scale;
 }
 
+// Same operations in the same order with IEEE rounding: every bit must agree.
+void ExpectSameState(const State& gpu, const State& cpu) {
+  EXPECT_LE(MaxRelError(gpu.master, cpu.master), 2e-6);
+  EXPECT_EQ(gpu.params, cpu.params) << "BF16 weights must be bit-exact";
+  EXPECT_EQ(std::memcmp(gpu.master.data(), cpu.master.data(), 4 * cpu.master.size()), 0);
+  EXPECT_EQ(gpu.m, cpu.m);
+  EXPECT_EQ(gpu.v, cpu.v);
+}
+
 class CudaParityTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(CudaParityTest, Fp32MomentsMatchTheCpuEngine) {
@@ -131,12 +140,7 @@ TEST_P(CudaParityTest, Fp32MomentsMatchTheCpuEngine) {
   const uint64_t unit = 64 << 10;  // Many units: every slot is reused many times.
   State cpu = RunEngine(Options(EngineKind::kCpu, MomentDType::kF32, unit), GetParam(), 4);
   State gpu = RunEngine(Options(EngineKind::kCuda, MomentDType::kF32, unit), GetParam(), 4);
-  EXPECT_LE(MaxRelError(gpu.master, cpu.master), 2e-6);
-  EXPECT_EQ(gpu.params, cpu.params) << "BF16 weights must be bit-exact";
-  // Same operations in the same order with IEEE rounding: expect every bit to agree.
-  EXPECT_EQ(std::memcmp(gpu.master.data(), cpu.master.data(), 4 * cpu.master.size()), 0);
-  EXPECT_EQ(gpu.m, cpu.m);
-  EXPECT_EQ(gpu.v, cpu.v);
+  ExpectSameState(gpu, cpu);
 }
 
 // BF16 moments: the CPU engine's precision-aware mode is checked against a host emulation of the
@@ -146,11 +150,7 @@ TEST_P(CudaParityTest, Bf16MomentsMatchTheCpuEngine) {
   const uint64_t unit = 64 << 10;
   State cpu = RunEngine(Options(EngineKind::kCpu, MomentDType::kBF16, unit), GetParam(), 4);
   State gpu = RunEngine(Options(EngineKind::kCuda, MomentDType::kBF16, unit), GetParam(), 4);
-  EXPECT_LE(MaxRelError(gpu.master, cpu.master), 2e-6);
-  EXPECT_EQ(gpu.params, cpu.params) << "BF16 weights must be bit-exact";
-  EXPECT_EQ(std::memcmp(gpu.master.data(), cpu.master.data(), 4 * cpu.master.size()), 0);
-  EXPECT_EQ(gpu.m, cpu.m);
-  EXPECT_EQ(gpu.v, cpu.v);
+  ExpectSameState(gpu, cpu);
 }
 
 INSTANTIATE_TEST_SUITE_P(GradDtypes, CudaParityTest,
