@@ -3,12 +3,15 @@
 # that both see the same host (shared hosts drift by tens of percent between minutes). Needs
 # python3 with torch; ckpt-tool from build/ unless --tool says otherwise.
 #   bench/adamw_vs_torch.sh [--params N] [--threads T] [--rounds R] [--grad-dtype F32|BF16|F16]
-#                           [--moments F32|BF16] [--tool PATH]
+#                           [--moments F32|BF16] [--torch-huge-pages] [--tool PATH]
 # --grad-dtype and --moments apply to ckpt only: torch's fused step keeps everything in FP32.
+# --torch-huge-pages runs torch with THP_MEM_ALLOC_ENABLE=1, so its CPU allocator asks for
+# transparent huge pages as ckpt's slabs do (torch's default is 4 KiB pages unless the system
+# sets THP to "always").
 # Prints each round and then the medians and the median of the per-round ratios.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-params=1000000000 threads=16 rounds=5 grad=F32 moments=F32 tool="$here/../build/cli/ckpt-tool"
+params=1000000000 threads=16 rounds=5 grad=F32 moments=F32 torch_thp=0 tool="$here/../build/cli/ckpt-tool"
 while [ $# -gt 0 ]; do
   case "$1" in
     --params) params=$2; shift 2 ;;
@@ -16,6 +19,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2 ;;
     --grad-dtype) grad=$2; shift 2 ;;
     --moments) moments=$2; shift 2 ;;
+    --torch-huge-pages) torch_thp=1; shift ;;
     --tool) tool=$2; shift 2 ;;
     *) echo "adamw_vs_torch.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
@@ -30,7 +34,8 @@ for r in $(seq 1 "$rounds"); do
       line=$("$tool" bench adamw --params "$params" --threads "$threads" --steps 4 \
                --grad-dtype "$grad" --moments "$moments" --json)
     else
-      line=$(python3 "$here/torch_adamw.py" --params "$params" --threads "$threads" --steps 4)
+      line=$(THP_MEM_ALLOC_ENABLE=$torch_thp python3 "$here/torch_adamw.py" --params "$params" \
+               --threads "$threads" --steps 4)
     fi
     echo "{\"round\": $r, \"who\": \"$who\", \"result\": $(echo "$line" | tr -d '\n')}" >>"$results"
   done
@@ -50,7 +55,8 @@ for r in sorted({row["round"] for row in rows}):
           f"{c['ratio']:.2f}, to its own streams {c['step_shaped_ratio']:.2f})   torch step "
           f"{torch_step[-1]:.2f}, step+BF16 copy {torch_copy[-1]:.2f}   ckpt/torch {ratios[-1]:.2f}")
 med = statistics.median
-version = next(x["result"]["torch"] for x in rows if x["who"] == "torch")
+first = next(x["result"] for x in rows if x["who"] == "torch")
+version = first["torch"] + (" (huge pages)" if first.get("huge_pages") else "")
 print(f"median: ckpt {med(ours):.2f} Gparam/s   torch {version} "
       f"fused step {med(torch_step):.2f}, step+copy {med(torch_copy):.2f}   ckpt/torch step "
       f"{med(ratios):.2f} (rounds {min(ratios):.2f}..{max(ratios):.2f}), ckpt/torch step+copy "

@@ -5,6 +5,7 @@ parameters per second, for the step alone and for the step plus the BF16 model c
 ckpt's step also writes (what a trainer keeping FP32 masters on the CPU has to do after it)."""
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -39,5 +40,6 @@ def step_and_copy():
 
 
 print(json.dumps({"torch": torch.__version__, "threads": args.threads, "params": n,
+                  "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
                   "step_gparams_per_s": best(opt.step),
                   "step_and_copy_gparams_per_s": best(step_and_copy)}))
