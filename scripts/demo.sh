@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# ckpt's main job end to end, until the demo trainer exists: save and load synthetic state
-# through the store (measured against the disk's O_DIRECT bounds), then inspect and verify it.
+# ckpt's main job end to end: the demo trainer (demo/demo_trainer.cc) trains a small model on the
+# CPU engine over 2 data-parallel ranks, saving every 4 steps; it is killed with SIGKILL in the
+# middle of the save of step 10, resumes from LATEST (step 8) and must end bit for bit where an
+# uninterrupted run ends; then ckpt-tool inspects and verifies the store and the exported model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
 dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-demo-XXXXXX")
 trap 'rm -rf "$dir"' EXIT
-./build/cli/ckpt-tool bench io --dir "$dir" --size 256M --ranks 2 --keep
-./build/cli/ckpt-tool inspect "$dir/ckpt-bench"
-./build/cli/ckpt-tool verify "$dir/ckpt-bench" --all
+trainer=./build/demo/ckpt-demo-trainer
+status=0
+"$trainer" --out "$dir" --steps 12 --save-every 4 --crash-at 10 || status=$?
+if [ "$status" -ne 137 ]; then
+  echo "demo: the first run should have died of SIGKILL (137), it ended with $status" >&2
+  exit 1
+fi
+echo "--- the process is gone; run it again on the same store"
+"$trainer" --out "$dir" --steps 12 --save-every 4 --resume
+./build/cli/ckpt-tool inspect "$dir/store"
+./build/cli/ckpt-tool verify "$dir/store" --all
+./build/cli/ckpt-tool verify "$dir/final-model"

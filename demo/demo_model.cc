@@ -1,0 +1,261 @@
+#include "demo/demo_model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/formats/float_convert.h"
+
+namespace ckpt::demo {
+namespace {
+
+using formats::DType;
+using formats::StDType;
+using optimizer::ParamSpec;
+using optimizer::Piece;
+
+// A fixed pseudo-random number in [-1, 1) for (a, b, c): splitmix64 over the three.
+float Unit(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t x = a * 0x9e3779b97f4a7c15ull ^ b * 0xbf58476d1ce4e5b9ull ^ c * 0x94d049bb133111ebull;
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<float>(x >> 40) / static_cast<float>(1ull << 23) - 1.0f;
+}
+
+const char* const kStates[3] = {"master", "exp_avg", "exp_avg_sq"};
+
+std::string StateName(const char* state, const std::string& param) {
+  return absl::StrCat("optimizer.", state, ".", param);
+}
+
+// Where each piece starts in the rank's slabs.
+std::vector<uint64_t> SlabOffsets(const std::vector<Piece>& pieces) {
+  std::vector<uint64_t> offsets;
+  uint64_t at = 0;
+  for (const Piece& p : pieces) {
+    offsets.push_back(at);
+    at += p.count;
+  }
+  return offsets;
+}
+
+uint64_t Total(const std::vector<Piece>& pieces) {
+  uint64_t n = 0;
+  for (const Piece& p : pieces) n += p.count;
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ranks) {
+  DemoModel m;
+  for (const HfTensor& t : hf.tensors()) {
+    if (t.dtype != StDType::kBF16 && t.dtype != StDType::kF16 && t.dtype != StDType::kF32) continue;
+    if (t.numel == 0) continue;
+    m.params_.push_back({t.name, t.shape, DType::kBF16, t.shape.size() >= 2 ? 0u : 1u});
+    m.elements_ += t.numel;
+  }
+  if (m.params_.empty())
+    return absl::InvalidArgumentError(absl::StrCat(hf.path(), " holds no floating tensor"));
+  m.groups_ = {optimizer::ParamGroup{.lr = 3e-3f, .weight_decay = 0.1f},
+               optimizer::ParamGroup{.lr = 3e-3f, .weight_decay = 0.0f}};
+  // Small buckets, so that a small model still spans several and ranks cut tensors.
+  optimizer::BucketOptions buckets;
+  buckets.bucket_elems = std::max<uint64_t>(1, m.elements_ / 3);
+  CKPT_ASSIGN_OR_RETURN(std::vector<optimizer::Bucket> b,
+                        optimizer::BuildBuckets(m.params_, buckets, ranks));
+  m.pieces_ = optimizer::RankPieces(b, ranks);
+  return m;
+}
+
+float DemoModel::Target(uint32_t param, uint64_t index) const {
+  const float u = Unit(param, index, 0xbeef);
+  return params_[param].group == 0 ? 0.05f * u : 1.0f + 0.1f * u;
+}
+
+absl::StatusOr<std::vector<uint16_t>> DemoModel::ReadHfWeights(const HfCheckpointReader& hf,
+                                                               int rank) const {
+  const std::vector<Piece>& pieces = pieces_[rank];
+  std::vector<float> f32(Total(pieces));
+  std::vector<HfCheckpointReader::F32Request> requests;
+  const std::vector<uint64_t> offsets = SlabOffsets(pieces);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    requests.push_back({params_[pieces[k].param].name, pieces[k].begin, pieces[k].count,
+                        std::span(f32).subspan(offsets[k], pieces[k].count)});
+  }
+  CKPT_RETURN_IF_ERROR(hf.ReadManyAsF32(requests));
+  std::vector<uint16_t> bf16(f32.size());
+  for (size_t i = 0; i < f32.size(); ++i) bf16[i] = formats::FloatToBf16(f32[i]);
+  return bf16;
+}
+
+absl::Status DemoModel::ExportHf(const std::vector<std::unique_ptr<DemoRank>>& ranks,
+                                 const std::string& dir) const {
+  std::vector<std::vector<uint16_t>> whole(params_.size());
+  std::vector<uint64_t> covered(params_.size(), 0);
+  for (size_t p = 0; p < params_.size(); ++p) whole[p].resize(params_[p].numel());
+  for (const std::unique_ptr<DemoRank>& rank : ranks) {
+    const std::vector<uint64_t> offsets = SlabOffsets(rank->pieces());
+    for (size_t k = 0; k < rank->pieces().size(); ++k) {
+      const Piece& piece = rank->pieces()[k];
+      std::copy_n(rank->weights().begin() + static_cast<ptrdiff_t>(offsets[k]), piece.count,
+                  whole[piece.param].begin() + static_cast<ptrdiff_t>(piece.begin));
+      covered[piece.param] += piece.count;
+    }
+  }
+  std::vector<HfTensorData> tensors;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (covered[p] != params_[p].numel()) {
+      return absl::InternalError(absl::StrCat("the ranks hold ", covered[p], " of the ",
+                                              params_[p].numel(), " elements of ",
+                                              params_[p].name));
+    }
+    tensors.push_back(
+        {params_[p].name, StDType::kBF16, params_[p].shape, std::as_bytes(std::span(whole[p]))});
+  }
+  return WriteHfCheckpoint(dir, tensors);
+}
+
+absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& model, int rank,
+                                                           std::vector<uint16_t> weights,
+                                                           uint64_t step) {
+  std::unique_ptr<DemoRank> r(new DemoRank);
+  r->pieces_ = model.pieces(rank);
+  r->weights_ = std::move(weights);
+  r->grads_.resize(r->weights_.size());
+  if (r->pieces_.empty()) return r;  // Owns only padding: nothing to optimize.
+  optimizer::StagedAdamWOptions o;
+  o.params = model.params();
+  o.groups = model.groups();
+  for (optimizer::ParamGroup& g : o.groups) g.step = step;
+  o.pieces = r->pieces_;
+  o.unit_bytes = 64 << 10;
+  // The ranks share this machine's cores.
+  o.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / model.ranks());
+  CKPT_ASSIGN_OR_RETURN(r->opt_,
+                        optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(r->weights_))));
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Load(const DemoModel& model, int rank,
+                                                         const CheckpointReader& ckpt,
+                                                         uint64_t step) {
+  const std::vector<Piece>& pieces = model.pieces(rank);
+  const std::vector<uint64_t> offsets = SlabOffsets(pieces);
+  std::vector<uint16_t> weights(Total(pieces));
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const Piece& p = pieces[k];
+    CKPT_RETURN_IF_ERROR(
+        ckpt.ReadRange(model.params()[p.param].name, p.begin, p.count,
+                       std::as_writable_bytes(std::span(weights).subspan(offsets[k], p.count))));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<DemoRank> r, Create(model, rank, std::move(weights), step));
+  if (r->opt_ == nullptr) return r;
+  const std::span<float> slabs[3] = {r->opt_->master(), r->opt_->exp_avg(), r->opt_->exp_avg_sq()};
+  for (int s = 0; s < 3; ++s) {
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      const Piece& p = pieces[k];
+      CKPT_RETURN_IF_ERROR(
+          ckpt.ReadRange(StateName(kStates[s], model.params()[p.param].name), p.begin, p.count,
+                         std::as_writable_bytes(slabs[s].subspan(offsets[k], p.count))));
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
+  double loss = 0;
+  size_t at = 0;
+  for (const Piece& p : pieces_) {
+    for (uint64_t j = 0; j < p.count; ++j, ++at) {
+      const float w = formats::Bf16ToFloat(weights_[at]);
+      const float d = w - model.Target(p.param, p.begin + j);
+      grads_[at] = d + 0.01f * Unit(static_cast<uint64_t>(step), p.param, p.begin + j);
+      loss += 0.5 * static_cast<double>(d) * d;
+    }
+  }
+  if (opt_ == nullptr) return loss;
+  optimizer::StepArgs args;
+  args.grads = grads_.data();
+  args.grad_dtype = DType::kF32;
+  args.params = weights_.data();
+  args.check_finite = true;
+  CKPT_ASSIGN_OR_RETURN(optimizer::StepReport report, opt_->Step(args));
+  if (report.skipped) return absl::InternalError("non-finite gradients in the demo's loss");
+  return loss;
+}
+
+absl::Status DemoRank::Save(const DemoModel& model, SaveTransaction* txn, bool half) const {
+  for (const ParamSpec& p : model.params()) {
+    CKPT_RETURN_IF_ERROR(txn->DeclareTensor({p.name, DType::kBF16, p.shape}));
+    for (const char* state : kStates)
+      CKPT_RETURN_IF_ERROR(txn->DeclareTensor({StateName(state, p.name), DType::kF32, p.shape}));
+  }
+  const std::vector<uint64_t> offsets = SlabOffsets(pieces_);
+  const size_t write = half ? (pieces_.size() + 1) / 2 : pieces_.size();
+  for (size_t k = 0; k < write; ++k) {
+    const Piece& p = pieces_[k];
+    const std::string& name = model.params()[p.param].name;
+    CKPT_RETURN_IF_ERROR(txn->WritePiece(
+        name, p.begin, p.count, std::as_bytes(std::span(weights_).subspan(offsets[k], p.count))));
+    const std::span<const float> slabs[3] = {opt_->master(), opt_->exp_avg(), opt_->exp_avg_sq()};
+    for (int s = 0; s < 3; ++s) {
+      CKPT_RETURN_IF_ERROR(txn->WritePiece(StateName(kStates[s], name), p.begin, p.count,
+                                           std::as_bytes(slabs[s].subspan(offsets[k], p.count))));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool DemoRank::SameState(const DemoRank& other) const {
+  if (weights_ != other.weights_ || pieces_ != other.pieces_) return false;
+  if (opt_ == nullptr || other.opt_ == nullptr) return opt_ == other.opt_;
+  const std::span<const float> a[3] = {opt_->master(), opt_->exp_avg(), opt_->exp_avg_sq()};
+  const std::span<const float> b[3] = {other.opt_->master(), other.opt_->exp_avg(),
+                                       other.opt_->exp_avg_sq()};
+  for (int s = 0; s < 3; ++s) {
+    if (a[s].size() != b[s].size() ||
+        std::memcmp(a[s].data(), b[s].data(), a[s].size_bytes()) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status WriteSmallModel(const std::string& dir) {
+  constexpr uint64_t kHidden = 64, kInter = 128, kVocab = 256, kLayers = 2;
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> shapes = {
+      {"model.embed_tokens.weight", {kVocab, kHidden}}};
+  for (uint64_t l = 0; l < kLayers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"})
+      shapes.push_back({absl::StrCat(p, "self_attn.", proj, ".weight"), {kHidden, kHidden}});
+    shapes.push_back({p + "mlp.gate_proj.weight", {kInter, kHidden}});
+    shapes.push_back({p + "mlp.up_proj.weight", {kInter, kHidden}});
+    shapes.push_back({p + "mlp.down_proj.weight", {kHidden, kInter}});
+    shapes.push_back({p + "input_layernorm.weight", {kHidden}});
+    shapes.push_back({p + "post_attention_layernorm.weight", {kHidden}});
+  }
+  shapes.push_back({"model.norm.weight", {kHidden}});
+  shapes.push_back({"lm_head.weight", {kVocab, kHidden}});
+  std::vector<std::vector<uint16_t>> data(shapes.size());
+  std::vector<HfTensorData> tensors;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    uint64_t n = 1;
+    for (uint64_t d : shapes[t].second) n *= d;
+    for (uint64_t i = 0; i < n; ++i) {
+      const float v = shapes[t].second.size() == 1 ? 1.0f : 0.035f * Unit(t, i, 0x1417);
+      data[t].push_back(formats::FloatToBf16(v));
+    }
+    tensors.push_back(
+        {shapes[t].first, StDType::kBF16, shapes[t].second, std::as_bytes(std::span(data[t]))});
+  }
+  return WriteHfCheckpoint(dir, tensors);
+}
+
+}  // namespace ckpt::demo

@@ -1,0 +1,100 @@
+// The demo trainer's model and ranks (demo/demo_trainer.cc): a HuggingFace model's floating
+// tensors as BF16 parameters of StagedAdamW, cut over data-parallel ranks as Megatron's
+// distributed optimizer does, a synthetic loss, and the checkpoint layout of one rank's state.
+//
+// Checkpoint layout (one step): the BF16 weights under each parameter's HF name, and
+// "optimizer.master.<name>", "optimizer.exp_avg.<name>", "optimizer.exp_avg_sq.<name>" (FP32,
+// the parameter's global shape); every rank writes only its pieces, straight from its slabs.
+// Rank 0 stores the step in the blob kStepBlob.
+#ifndef CKPT_DEMO_DEMO_MODEL_H_
+#define CKPT_DEMO_DEMO_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ckpt/checkpoint_reader.h"
+#include "ckpt/checkpoint_writer.h"
+#include "ckpt/hf_checkpoint.h"
+#include "ckpt/optimizer/layout.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt::demo {
+
+inline constexpr const char* kStepBlob = "trainer.step";
+
+class DemoRank;
+
+// What every rank agrees on: the parameters, their groups and who owns which piece. Immutable.
+class DemoModel {
+ public:
+  // The BF16, F16 and F32 tensors of `hf` become BF16 parameters (others are left out); matrices
+  // get weight decay, vectors not. kInvalidArgument when there is no floating tensor.
+  static absl::StatusOr<DemoModel> FromHf(const HfCheckpointReader& hf, int ranks);
+
+  const std::vector<optimizer::ParamSpec>& params() const { return params_; }
+  const std::vector<optimizer::ParamGroup>& groups() const { return groups_; }
+  const std::vector<optimizer::Piece>& pieces(int rank) const { return pieces_[rank]; }
+  uint64_t elements() const { return elements_; }
+  int ranks() const { return static_cast<int>(pieces_.size()); }
+
+  // Rank `rank`'s weights in slab order, rounded to BF16.
+  absl::StatusOr<std::vector<uint16_t>> ReadHfWeights(const HfCheckpointReader& hf, int rank) const;
+  // Gathers every rank's weights into whole tensors and writes them as model.safetensors in
+  // `dir`. kInternal if the ranks' pieces do not cover every parameter exactly once.
+  absl::Status ExportHf(const std::vector<std::unique_ptr<DemoRank>>& ranks,
+                        const std::string& dir) const;
+
+  // The loss's target for element `index` of parameter `param`.
+  float Target(uint32_t param, uint64_t index) const;
+
+ private:
+  std::vector<optimizer::ParamSpec> params_;
+  std::vector<optimizer::ParamGroup> groups_;
+  std::vector<std::vector<optimizer::Piece>> pieces_;
+  uint64_t elements_ = 0;
+};
+
+// One rank: its StagedAdamW (CPU engine), its BF16 weights and gradient buffer. Not
+// thread-safe; each rank is driven by one thread.
+class DemoRank {
+ public:
+  // Masters from `weights` (this rank's elements in slab order); every group has taken `step`
+  // steps.
+  static absl::StatusOr<std::unique_ptr<DemoRank>> Create(const DemoModel& model, int rank,
+                                                          std::vector<uint16_t> weights,
+                                                          uint64_t step);
+  // Weights, masters and moments of this rank's pieces from a committed step.
+  static absl::StatusOr<std::unique_ptr<DemoRank>> Load(const DemoModel& model, int rank,
+                                                        const CheckpointReader& ckpt,
+                                                        uint64_t step);
+
+  // Computes the gradient of the loss at the current BF16 weights (plus noise fixed by `step`)
+  // and takes one optimizer step. Returns this rank's part of the loss before the step.
+  absl::StatusOr<double> Step(const DemoModel& model, int step);
+  // Declares every tensor and writes this rank's pieces (with `half`, only the first half of
+  // them, for the crash).
+  absl::Status Save(const DemoModel& model, SaveTransaction* txn, bool half) const;
+
+  // Weights, masters and both moments equal bit for bit.
+  bool SameState(const DemoRank& other) const;
+  const std::vector<optimizer::Piece>& pieces() const { return pieces_; }
+  const std::vector<uint16_t>& weights() const { return weights_; }
+
+ private:
+  DemoRank() = default;
+  std::vector<optimizer::Piece> pieces_;
+  std::vector<uint16_t> weights_;
+  std::vector<float> grads_;
+  std::unique_ptr<optimizer::StagedAdamW> opt_;  // Null when the rank owns no piece.
+};
+
+// Writes a small Llama-shaped BF16 model (2 layers, hidden 64) as model.safetensors in `dir`.
+absl::Status WriteSmallModel(const std::string& dir);
+
+}  // namespace ckpt::demo
+
+#endif  // CKPT_DEMO_DEMO_MODEL_H_

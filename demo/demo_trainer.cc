@@ -1,0 +1,261 @@
+// ckpt-demo-trainer: ckpt's main job end to end on a small model, with no GPU and no framework.
+//
+//  1. Reads a HuggingFace model (--model, or a small Llama-shaped one it writes first) by element
+//     range into each data-parallel rank's StagedAdamW: Megatron-style buckets cut over --ranks
+//     ranks, each rank a thread with its own store handle, coordinated as a job would be.
+//  2. Trains toward a fixed target: loss = mean of (w - target)^2 / 2, the gradient computed from
+//     the BF16 weights as a backward pass would, plus deterministic noise. Prints the loss.
+//  3. Every --save-every steps saves the BF16 weights, masters and both moments as one
+//     transaction, each rank writing its own pieces straight from the optimizer's slabs.
+//  4. With --crash-at S it begins the save of step S, writes half of every rank's pieces and
+//     kills itself with SIGKILL. Run again with --resume: opening the store recovers it (the
+//     half-written save is removed), every rank reads its state back from LATEST and training
+//     continues. The final state must equal, bit for bit, that of a run that never crashed
+//     (computed in the same process from the initial model); the weights are then exported as
+//     safetensors that transformers loads.
+// Exit codes: 0 done (and equal), 1 a resumed run that differs, 2 bad usage or any error.
+#include <signal.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
+#include "ckpt/env.h"
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/hf_checkpoint.h"
+#include "ckpt/optimizer/layout.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "demo/demo_model.h"
+#include "libckpt/status_macros.h"
+
+namespace ckpt::demo {
+namespace {
+
+using formats::DType;
+using optimizer::Piece;
+using optimizer::StagedAdamW;
+
+struct Flags {
+  std::string out, model;
+  int ranks = 2, steps = 12, save_every = 4, crash_at = 0;
+  bool resume = false;
+};
+
+constexpr const char* kUsage =
+    "usage: ckpt-demo-trainer --out DIR [--model HF_DIR] [--ranks R] [--steps N] "
+    "[--save-every K] [--crash-at S | --resume]\n";
+
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--resume") {
+      f.resume = true;
+      continue;
+    }
+    if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(a, " needs a value"));
+    const std::string v = argv[++i];
+    int* number = a == "--ranks"        ? &f.ranks
+                  : a == "--steps"      ? &f.steps
+                  : a == "--save-every" ? &f.save_every
+                  : a == "--crash-at"   ? &f.crash_at
+                                        : nullptr;
+    if (a == "--out") {
+      f.out = v;
+    } else if (a == "--model") {
+      f.model = v;
+    } else if (number == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
+    } else if (!absl::SimpleAtoi(v, number) || *number < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(a, " wants a number, not \"", v, "\""));
+    }
+  }
+  if (f.out.empty()) return absl::InvalidArgumentError("--out is required");
+  if (f.ranks < 1 || f.steps < 1 || f.save_every < 1)
+    return absl::InvalidArgumentError("--ranks, --steps and --save-every must be positive");
+  if (f.crash_at > f.steps) return absl::InvalidArgumentError("--crash-at is past --steps");
+  if (f.resume && f.crash_at > 0)
+    return absl::InvalidArgumentError("--crash-at and --resume are two separate runs");
+  return f;
+}
+
+// Runs fn(rank) on one thread per rank and returns the first error.
+template <typename Fn>
+absl::Status OnEveryRank(int ranks, Fn fn) {
+  std::vector<absl::Status> status(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back([&, r] { status[r] = fn(r); });
+  for (std::thread& t : threads) t.join();
+  for (absl::Status& s : status) CKPT_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+// The whole job's state: one DemoRank per data-parallel rank.
+struct Job {
+  DemoModel model;
+  std::vector<std::unique_ptr<DemoRank>> ranks;
+};
+
+absl::StatusOr<Job> StartFromHf(const std::string& path, int ranks) {
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf, HfCheckpointReader::Open(path));
+  Job job;
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks));
+  for (int r = 0; r < ranks; ++r) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint16_t> w, job.model.ReadHfWeights(*hf, r));
+    CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Create(job.model, r, std::move(w), /*step=*/0));
+    job.ranks.push_back(std::move(rank));
+  }
+  return job;
+}
+
+// Steps from `first` to `last` inclusive; saves every `save_every` steps through `stores` (one
+// handle per rank) unless they are empty; at `crash_at` saves half and dies.
+absl::Status Train(Job& job, int first, int last, const Flags& f,
+                   std::vector<std::unique_ptr<CheckpointStore>>* stores, bool verbose) {
+  const int n = static_cast<int>(job.ranks.size());
+  ThreadGroup group(n);
+  for (int step = first; step <= last; ++step) {
+    std::vector<double> loss(n);
+    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(loss[r], job.ranks[r]->Step(job.model, step));
+      return absl::OkStatus();
+    }));
+    double total = 0;
+    for (double l : loss) total += l;
+    if (verbose) std::printf("step %3d  loss %.6e\n", step, total / job.model.elements());
+    const bool crash = step == f.crash_at;
+    if (stores->empty() || (step % f.save_every != 0 && !crash)) continue;
+    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
+                            (*stores)[r]->BeginSave(step, group.member(r)));
+      CKPT_RETURN_IF_ERROR(job.ranks[r]->Save(job.model, txn.get(), /*half=*/crash));
+      if (r == 0) {
+        const std::string s = absl::StrCat(step);
+        CKPT_RETURN_IF_ERROR(txn->WriteBlob(kStepBlob, std::as_bytes(std::span(s))));
+      }
+      if (crash) {
+        CKPT_RETURN_IF_ERROR(group.member(r)->Barrier());  // Every rank has written its half.
+        if (r == 0) {
+          std::printf("step %3d  save half written: crashing (SIGKILL)\n", step);
+          std::fflush(stdout);
+          raise(SIGKILL);
+        }
+        for (;;) pause();  // The other ranks die with the process.
+      }
+      return txn->Commit();
+    }));
+    if (verbose) std::printf("step %3d  saved\n", step);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStores(const std::string& root,
+                                                                         int ranks) {
+  std::vector<std::unique_ptr<CheckpointStore>> stores;
+  for (int r = 0; r < ranks; ++r) {
+    StoreOptions o;
+    o.primary = r == 0;  // Rank 0 creates the root and recovers it before the others open.
+    CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, o));
+    if (r == 0) {
+      for (const std::string& removed : store->recovery().removed)
+        std::printf("recovery removed %s\n", removed.c_str());
+    }
+    stores.push_back(std::move(store));
+  }
+  return stores;
+}
+
+absl::StatusOr<Job> ResumeFromLatest(const std::string& init_model, const CheckpointStore& store,
+                                     int ranks, int* step) {
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf,
+                        HfCheckpointReader::Open(init_model));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> ckpt, store.OpenLatest());
+  CKPT_ASSIGN_OR_RETURN(std::string blob, ckpt->ReadBlob(kStepBlob));
+  if (!absl::SimpleAtoi(blob, step))
+    return absl::DataLossError(absl::StrCat("blob ", kStepBlob, " holds \"", blob, "\""));
+  Job job;
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks));
+  for (int r = 0; r < ranks; ++r) {
+    CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Load(job.model, r, *ckpt, *step));
+    job.ranks.push_back(std::move(rank));
+  }
+  return job;
+}
+
+absl::Status Run(const Flags& f, bool* equal) {
+  const std::string init_model = f.model.empty() ? f.out + "/init-model" : f.model;
+  const std::string root = f.out + "/store";
+  if (!f.resume) {
+    Env* env = Env::Default();
+    absl::StatusOr<bool> exists = env->IsDirectory(f.out);
+    if (!exists.ok() || !*exists) CKPT_RETURN_IF_ERROR(env->CreateDir(f.out));
+    if (f.model.empty()) CKPT_RETURN_IF_ERROR(WriteSmallModel(init_model));
+  }
+  CKPT_ASSIGN_OR_RETURN(auto stores, OpenStores(root, f.ranks));
+  int first = 1;
+  Job job;
+  if (f.resume) {
+    int step = 0;
+    CKPT_ASSIGN_OR_RETURN(job, ResumeFromLatest(init_model, *stores[0], f.ranks, &step));
+    std::printf("resumed from step %d (LATEST)\n", step);
+    first = step + 1;
+  } else {
+    CKPT_ASSIGN_OR_RETURN(job, StartFromHf(init_model, f.ranks));
+    std::printf("model %s: %zu tensors, %llu parameters over %d ranks\n", init_model.c_str(),
+                job.model.params().size(), static_cast<unsigned long long>(job.model.elements()),
+                f.ranks);
+  }
+  CKPT_RETURN_IF_ERROR(Train(job, first, f.steps, f, &stores, /*verbose=*/true));
+  if (f.resume) {
+    // The same job without a crash, from the initial model, never saved.
+    CKPT_ASSIGN_OR_RETURN(Job reference, StartFromHf(init_model, f.ranks));
+    std::vector<std::unique_ptr<CheckpointStore>> none;
+    CKPT_RETURN_IF_ERROR(Train(reference, 1, f.steps, f, &none, /*verbose=*/false));
+    *equal = true;
+    for (int r = 0; r < f.ranks; ++r)
+      *equal = *equal && job.ranks[r]->SameState(*reference.ranks[r]);
+    std::printf("resumed run %s an uninterrupted one bit for bit (weights, masters, moments)\n",
+                *equal ? "equals" : "DIFFERS FROM");
+  }
+  const std::string final_model = f.out + "/final-model";
+  CKPT_RETURN_IF_ERROR(job.model.ExportHf(job.ranks, final_model));
+  // With the model's config beside the weights, transformers' from_pretrained loads the result.
+  for (const char* name : {"config.json", "generation_config.json"}) {
+    absl::StatusOr<std::string> text = ReadFileToString(Env::Default(), init_model + "/" + name);
+    if (text.ok()) {
+      CKPT_RETURN_IF_ERROR(WriteFileAtomically(Env::Default(), final_model + "/" + name, *text));
+    }
+  }
+  std::printf("exported %s\n", final_model.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace ckpt::demo
+
+int main(int argc, char** argv) {
+  absl::StatusOr<ckpt::demo::Flags> flags = ckpt::demo::ParseFlags(argc, argv);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "ckpt-demo-trainer: %s\n%s", std::string(flags.status().message()).c_str(),
+                 ckpt::demo::kUsage);
+    return 2;
+  }
+  bool equal = true;
+  absl::Status s = ckpt::demo::Run(*flags, &equal);
+  if (!s.ok()) {
+    std::fprintf(stderr, "ckpt-demo-trainer: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  return equal ? 0 : 1;
+}
