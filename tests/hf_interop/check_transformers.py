@@ -4,7 +4,8 @@
 Needs torch, safetensors and transformers (not part of ctest; run on a machine that has them):
 
     python3 tests/hf_interop/check_transformers.py --tool build/cli/ckpt-tool \
-        --testdata ../shared/testdata/hf_tiny_models --work /tmp/hf-interop
+        --testdata ../shared/testdata/hf_tiny_models --work /tmp/hf-interop \
+        [--demo-trainer build/demo/ckpt-demo-trainer]
 
 1. Each transformers-written tiny model is rewritten by `ckpt-tool hf-reshard`, once as one file
    and once sharded; every tensor loaded with safetensors.torch.load_file must equal the original
@@ -12,6 +13,8 @@ Needs torch, safetensors and transformers (not part of ctest; run on a machine t
    same state dict and the same logits as the original.
 2. A file with one tensor of each torch dtype safetensors supports, written by
    safetensors.torch.save_file, goes through hf-reshard and must load back bit-exactly.
+3. With --demo-trainer: each tiny model is trained by the demo trainer, killed mid-save and
+   resumed; its export must load with from_pretrained holding exactly the exported bits.
 """
 import argparse
 import glob
@@ -103,11 +106,44 @@ def check_dtypes(tool, work):
     return exact
 
 
+def check_demo_trainer(trainer, testdata, work):
+    """The demo trainer's export of each tiny model (after a crash and a resume) loads with
+    from_pretrained, holds exactly the exported bits, has changed, and gives finite logits."""
+    from transformers import AutoModelForCausalLM
+    ok = True
+    for model in sorted(os.listdir(testdata)):
+        src = os.path.join(testdata, model)
+        out = os.path.join(work, f"demo-{model}")
+        shutil.rmtree(out, ignore_errors=True)
+        common = [trainer, "--out", out, "--model", src, "--ranks", "3", "--steps", "6",
+                  "--save-every", "2"]
+        crashed = subprocess.run(common + ["--crash-at", "5"], capture_output=True)
+        resumed = subprocess.run(common + ["--resume"], capture_output=True, text=True)
+        equal = crashed.returncode == -9 and resumed.returncode == 0 and \
+            "equals an uninterrupted one bit for bit" in resumed.stdout
+        final = os.path.join(out, "final-model")
+        exported = load_dir(final)
+        original = load_dir(src)
+        m = AutoModelForCausalLM.from_pretrained(final, torch_dtype=torch.bfloat16)
+        sd = m.state_dict()
+        # Tied embeddings: transformers fills lm_head from embed_tokens, so compare what the file has.
+        same = all(k in sd and same_bits(sd[k], exported[k]) for k in exported)
+        trained = any(not same_bits(exported[k], original[k].to(torch.bfloat16)) for k in exported)
+        ids = torch.arange(1, 17).unsqueeze(0) % m.config.vocab_size
+        with torch.no_grad():
+            finite = bool(torch.isfinite(m(ids).logits).all())
+        print(f"demo {model}: killed and resumed bit-exact: {equal}, from_pretrained holds the "
+              f"export: {same}, weights changed: {trained}, logits finite: {finite}")
+        ok &= equal and same and trained and finite
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tool", required=True)
     p.add_argument("--testdata", required=True)
     p.add_argument("--work", required=True)
+    p.add_argument("--demo-trainer", help="ckpt-demo-trainer: also check its exports")
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
     import safetensors
@@ -115,6 +151,8 @@ def main():
     print(f"torch {torch.__version__}, safetensors {safetensors.__version__}, transformers {transformers.__version__}")
     ok = check_dtypes(args.tool, args.work)
     ok &= check_models(args.tool, args.testdata, args.work)
+    if args.demo_trainer:
+        ok &= check_demo_trainer(args.demo_trainer, args.testdata, args.work)
     print("ALL OK" if ok else "FAILED")
     return 0 if ok else 1
 
