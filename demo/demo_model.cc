@@ -52,8 +52,10 @@ uint64_t Total(const std::vector<Piece>& pieces) {
 
 }  // namespace
 
-absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ranks) {
+absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ranks,
+                                            optimizer::EngineKind engine) {
   DemoModel m;
+  m.engine_ = engine;
   for (const HfTensor& t : hf.tensors()) {
     if (t.dtype != StDType::kBF16 && t.dtype != StDType::kF16 && t.dtype != StDType::kF32) continue;
     if (t.numel == 0) continue;
@@ -134,11 +136,15 @@ absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& mode
   o.groups = model.groups();
   for (optimizer::ParamGroup& g : o.groups) g.step = step;
   o.pieces = r->pieces_;
+  o.engine = model.engine();
   o.unit_bytes = 64 << 10;
   // The ranks share this machine's cores.
   o.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / model.ranks());
   CKPT_ASSIGN_OR_RETURN(r->opt_,
                         optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(r->weights_))));
+  if (model.engine() == optimizer::EngineKind::kCuda) {
+    CKPT_ASSIGN_OR_RETURN(r->device_, NewDeviceStep(r->weights_.size()));
+  }
   return r;
 }
 
@@ -180,12 +186,17 @@ absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
     }
   }
   if (opt_ == nullptr) return loss;
-  optimizer::StepArgs args;
-  args.grads = grads_.data();
-  args.grad_dtype = DType::kF32;
-  args.params = weights_.data();
-  args.check_finite = true;
-  CKPT_ASSIGN_OR_RETURN(optimizer::StepReport report, opt_->Step(args));
+  optimizer::StepReport report;
+  if (device_ != nullptr) {
+    CKPT_ASSIGN_OR_RETURN(report, device_->Step(*opt_, grads_, weights_));
+  } else {
+    optimizer::StepArgs args;
+    args.grads = grads_.data();
+    args.grad_dtype = DType::kF32;
+    args.params = weights_.data();
+    args.check_finite = true;
+    CKPT_ASSIGN_OR_RETURN(report, opt_->Step(args));
+  }
   if (report.skipped) return absl::InternalError("non-finite gradients in the demo's loss");
   return loss;
 }

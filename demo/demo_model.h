@@ -20,6 +20,7 @@
 #include "ckpt/hf_checkpoint.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "demo/device_step.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt::demo {
@@ -32,14 +33,17 @@ class DemoRank;
 class DemoModel {
  public:
   // The BF16, F16 and F32 tensors of `hf` become BF16 parameters (others are left out); matrices
-  // get weight decay, vectors not. kInvalidArgument when there is no floating tensor.
-  static absl::StatusOr<DemoModel> FromHf(const HfCheckpointReader& hf, int ranks);
+  // get weight decay, vectors not; every rank steps on `engine`. kInvalidArgument when there is
+  // no floating tensor.
+  static absl::StatusOr<DemoModel> FromHf(const HfCheckpointReader& hf, int ranks,
+                                          optimizer::EngineKind engine);
 
   const std::vector<optimizer::ParamSpec>& params() const { return params_; }
   const std::vector<optimizer::ParamGroup>& groups() const { return groups_; }
   const std::vector<optimizer::Piece>& pieces(int rank) const { return pieces_[rank]; }
   uint64_t elements() const { return elements_; }
   int ranks() const { return static_cast<int>(pieces_.size()); }
+  optimizer::EngineKind engine() const { return engine_; }
 
   // Rank `rank`'s weights in slab order, rounded to BF16.
   absl::StatusOr<std::vector<uint16_t>> ReadHfWeights(const HfCheckpointReader& hf, int rank) const;
@@ -56,6 +60,7 @@ class DemoModel {
   std::vector<optimizer::ParamGroup> groups_;
   std::vector<std::vector<optimizer::Piece>> pieces_;
   uint64_t elements_ = 0;
+  optimizer::EngineKind engine_ = optimizer::EngineKind::kCpu;
 };
 
 // One rank: its StagedAdamW (CPU engine), its BF16 weights and gradient buffer. Not
@@ -90,6 +95,7 @@ class DemoRank {
   std::vector<uint16_t> weights_;
   std::vector<float> grads_;
   std::unique_ptr<optimizer::StagedAdamW> opt_;  // Null when the rank owns no piece.
+  std::unique_ptr<DeviceStep> device_;           // CUDA engine only.
 };
 
 // Writes a small Llama-shaped BF16 model (2 layers, hidden 64) as model.safetensors in `dir`.

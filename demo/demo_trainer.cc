@@ -13,6 +13,8 @@
 //     continues. The final state must equal, bit for bit, that of a run that never crashed
 //     (computed in the same process from the initial model); the weights are then exported as
 //     safetensors that transformers loads.
+// --engine cuda steps every rank on StagedAdamW's CUDA engine (gradients and weights in device
+// memory, state in pinned slabs) instead of the CPU engine.
 // Exit codes: 0 done (and equal), 1 a resumed run that differs, 2 bad usage or any error.
 #include <signal.h>
 
@@ -47,14 +49,14 @@ using optimizer::Piece;
 using optimizer::StagedAdamW;
 
 struct Flags {
-  std::string out, model;
+  std::string out, model, engine = "cpu";
   int ranks = 2, steps = 12, save_every = 4, crash_at = 0;
   bool resume = false;
 };
 
 constexpr const char* kUsage =
     "usage: ckpt-demo-trainer --out DIR [--model HF_DIR] [--ranks R] [--steps N] "
-    "[--save-every K] [--crash-at S | --resume]\n";
+    "[--save-every K] [--crash-at S | --resume] [--engine cpu|cuda]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -75,6 +77,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       f.out = v;
     } else if (a == "--model") {
       f.model = v;
+    } else if (a == "--engine") {
+      if (v != "cpu" && v != "cuda")
+        return absl::InvalidArgumentError(absl::StrCat("--engine is cpu or cuda, not \"", v, "\""));
+      f.engine = v;
     } else if (number == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
     } else if (!absl::SimpleAtoi(v, number) || *number < 0) {
@@ -107,10 +113,15 @@ struct Job {
   std::vector<std::unique_ptr<DemoRank>> ranks;
 };
 
-absl::StatusOr<Job> StartFromHf(const std::string& path, int ranks) {
+optimizer::EngineKind Engine(const Flags& f) {
+  return f.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
+}
+
+absl::StatusOr<Job> StartFromHf(const std::string& path, const Flags& f) {
+  const int ranks = f.ranks;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf, HfCheckpointReader::Open(path));
   Job job;
-  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks));
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f)));
   for (int r = 0; r < ranks; ++r) {
     CKPT_ASSIGN_OR_RETURN(std::vector<uint16_t> w, job.model.ReadHfWeights(*hf, r));
     CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Create(job.model, r, std::move(w), /*step=*/0));
@@ -177,7 +188,8 @@ absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStores(const s
 }
 
 absl::StatusOr<Job> ResumeFromLatest(const std::string& init_model, const CheckpointStore& store,
-                                     int ranks, int* step) {
+                                     const Flags& f, int* step) {
+  const int ranks = f.ranks;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf,
                         HfCheckpointReader::Open(init_model));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> ckpt, store.OpenLatest());
@@ -185,7 +197,7 @@ absl::StatusOr<Job> ResumeFromLatest(const std::string& init_model, const Checkp
   if (!absl::SimpleAtoi(blob, step))
     return absl::DataLossError(absl::StrCat("blob ", kStepBlob, " holds \"", blob, "\""));
   Job job;
-  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks));
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f)));
   for (int r = 0; r < ranks; ++r) {
     CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Load(job.model, r, *ckpt, *step));
     job.ranks.push_back(std::move(rank));
@@ -207,19 +219,19 @@ absl::Status Run(const Flags& f, bool* equal) {
   Job job;
   if (f.resume) {
     int step = 0;
-    CKPT_ASSIGN_OR_RETURN(job, ResumeFromLatest(init_model, *stores[0], f.ranks, &step));
+    CKPT_ASSIGN_OR_RETURN(job, ResumeFromLatest(init_model, *stores[0], f, &step));
     std::printf("resumed from step %d (LATEST)\n", step);
     first = step + 1;
   } else {
-    CKPT_ASSIGN_OR_RETURN(job, StartFromHf(init_model, f.ranks));
-    std::printf("model %s: %zu tensors, %llu parameters over %d ranks\n", init_model.c_str(),
-                job.model.params().size(), static_cast<unsigned long long>(job.model.elements()),
-                f.ranks);
+    CKPT_ASSIGN_OR_RETURN(job, StartFromHf(init_model, f));
+    std::printf("model %s: %zu tensors, %llu parameters over %d ranks, %s engine\n",
+                init_model.c_str(), job.model.params().size(),
+                static_cast<unsigned long long>(job.model.elements()), f.ranks, f.engine.c_str());
   }
   CKPT_RETURN_IF_ERROR(Train(job, first, f.steps, f, &stores, /*verbose=*/true));
   if (f.resume) {
     // The same job without a crash, from the initial model, never saved.
-    CKPT_ASSIGN_OR_RETURN(Job reference, StartFromHf(init_model, f.ranks));
+    CKPT_ASSIGN_OR_RETURN(Job reference, StartFromHf(init_model, f));
     std::vector<std::unique_ptr<CheckpointStore>> none;
     CKPT_RETURN_IF_ERROR(Train(reference, 1, f.steps, f, &none, /*verbose=*/false));
     *equal = true;
