@@ -262,17 +262,20 @@ Outcome Bf16MomentsEmulation(const StagedAdamWOptions& o, DType grad_dtype, int 
 TEST(Bf16MomentsTest, EveryIsaMatchesAHostEmulationBitForBit) {
   for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     if (!internal::CpuSupports(isa)) continue;
-    for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
-      SCOPED_TRACE(::testing::Message()
-                   << internal::IsaName(isa) << " " << formats::DTypeName(grad) << " grads");
-      StagedAdamWOptions o = TestOptions(DType::kBF16, isa);
-      o.moment_dtype = MomentDType::kBF16;
-      Outcome got = RunSteps(o, grad, 3, 1.5f);
-      Outcome want = Bf16MomentsEmulation(o, grad, 3, 1.5f);
-      ASSERT_EQ(std::memcmp(got.master.data(), want.master.data(), 4 * want.master.size()), 0);
-      ASSERT_EQ(got.m, want.m);
-      ASSERT_EQ(got.v, want.v);
-      ASSERT_EQ(got.params, want.params);
+    for (DType model : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+        SCOPED_TRACE(::testing::Message()
+                     << internal::IsaName(isa) << " " << formats::DTypeName(grad) << " grads, "
+                     << formats::DTypeName(model) << " model");
+        StagedAdamWOptions o = TestOptions(model, isa);
+        o.moment_dtype = MomentDType::kBF16;
+        Outcome got = RunSteps(o, grad, 3, 1.5f);
+        Outcome want = Bf16MomentsEmulation(o, grad, 3, 1.5f);
+        ASSERT_EQ(std::memcmp(got.master.data(), want.master.data(), 4 * want.master.size()), 0);
+        ASSERT_EQ(got.m, want.m);
+        ASSERT_EQ(got.v, want.v);
+        ASSERT_EQ(got.params, want.params);
+      }
     }
   }
 }
