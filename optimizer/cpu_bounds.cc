@@ -1,5 +1,7 @@
 #include "optimizer/cpu_bounds.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -32,6 +34,81 @@ double BestSeconds(ThreadPool& pool, uint64_t n, int passes, Fn task) {
 }
 
 }  // namespace
+
+namespace {
+
+void TriadScalar(float* a, const float* b, const float* c, float s, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
+}
+
+// Scalar up to the first `align`-byte boundary of `a`, so the vector loop can stream.
+size_t TriadHead(float* a, const float* b, const float* c, float s, size_t n, size_t align) {
+  const size_t mis = reinterpret_cast<uintptr_t>(a) % align;
+  if (mis % sizeof(float) != 0) return n;  // Cannot ever align: all scalar.
+  const size_t head = std::min(n, mis == 0 ? 0 : (align - mis) / sizeof(float));
+  TriadScalar(a, b, c, s, 0, head);
+  return head;
+}
+
+template <bool kStream>
+__attribute__((target("avx512f"))) void TriadAvx512(float* a, const float* b, const float* c,
+                                                    float s, size_t n) {
+  size_t i = kStream ? TriadHead(a, b, c, s, n, 64) : 0;
+  const __m512 vs = _mm512_set1_ps(s);
+  for (; i + 16 <= n; i += 16) {
+    for (const float* p : {b + i, c + i}) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
+    }
+    const __m512 r =
+        _mm512_add_ps(_mm512_loadu_ps(b + i), _mm512_mul_ps(vs, _mm512_loadu_ps(c + i)));
+    if constexpr (kStream) {
+      _mm512_stream_ps(a + i, r);
+    } else {
+      _mm512_storeu_ps(a + i, r);
+    }
+  }
+  if constexpr (kStream) _mm_sfence();
+  TriadScalar(a, b, c, s, i, n);
+}
+
+template <bool kStream>
+__attribute__((target("avx2"))) void TriadAvx2(float* a, const float* b, const float* c, float s,
+                                               size_t n) {
+  size_t i = kStream ? TriadHead(a, b, c, s, n, 32) : 0;
+  const __m256 vs = _mm256_set1_ps(s);
+  for (; i + 8 <= n; i += 8) {
+    if (i % 16 == 0) {
+      for (const float* p : {b + i, c + i}) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
+      }
+    }
+    const __m256 r =
+        _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_mul_ps(vs, _mm256_loadu_ps(c + i)));
+    if constexpr (kStream) {
+      _mm256_stream_ps(a + i, r);
+    } else {
+      _mm256_storeu_ps(a + i, r);
+    }
+  }
+  if constexpr (kStream) _mm_sfence();
+  TriadScalar(a, b, c, s, i, n);
+}
+
+}  // namespace
+
+void TriadKernel(CpuIsa isa, bool streaming, float* a, const float* b, const float* c, float s,
+                 size_t n) {
+  switch (ResolveIsa(isa)) {
+    case CpuIsa::kAvx512:
+      return streaming ? TriadAvx512<true>(a, b, c, s, n) : TriadAvx512<false>(a, b, c, s, n);
+    case CpuIsa::kAvx2:
+      return streaming ? TriadAvx2<true>(a, b, c, s, n) : TriadAvx2<false>(a, b, c, s, n);
+    default:
+      return TriadScalar(a, b, c, s, 0, n);
+  }
+}
 
 absl::StatusOr<double> MeasureTriadGBps(uint64_t n, int threads, CpuIsa isa, int passes) {
   if (n == 0) return absl::InvalidArgumentError("triad over zero elements");

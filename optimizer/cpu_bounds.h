@@ -13,6 +13,12 @@
 
 namespace ckpt::optimizer::internal {
 
+// a[i] = b[i] + s * c[i], the STREAM triad, with the widest vectors of `isa` and the step's
+// prefetches. With `streaming`, non-temporal stores to `a` (12 bytes move per element); without,
+// plain stores, which also read every line of `a` before writing it (16 bytes move).
+void TriadKernel(CpuIsa isa, bool streaming, float* a, const float* b, const float* c, float s,
+                 size_t n);
+
 // Host memory bandwidth in GB/s from the STREAM triad a = b + s * c over `n` floats per array,
 // counting the bytes that actually move: the better of streaming stores (12 bytes per element)
 // and plain ones (16: each line of `a` is read before it is written). STREAM itself counts 12

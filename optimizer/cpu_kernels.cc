@@ -48,12 +48,11 @@ inline void StoreParam(void* p, size_t i, float v) {
 // by the memory channels (16 cores of the H200 host move 30 B x 5 Gparam/s = 150 GB/s, a fraction
 // of the socket's bandwidth), and the hardware prefetchers restart at every 4 KiB page of each
 // of the nine streams. So each read stream's line is asked for twice ahead: into L2 8 KiB ahead
-// and into L1 2 KiB ahead. Lab kernel on the H200 host (16 threads, 1e9 parameters, FP32
-// gradients, three passes each, two sessions): none 4.30-4.67 Gparam/s; L1 1 KiB 4.84-4.99;
-// L1 1 KiB + L2 4 KiB 4.83-5.30; L1 512 B + L2 2 KiB 4.86-4.98; L1 2 KiB + L2 8 KiB 5.04-5.07
-// (best in every pass of its session); streaming stores for master and moments 4.45-4.54.
-constexpr size_t kPrefetchL1Bytes = 2048;
-constexpr size_t kPrefetchL2Bytes = 8192;
+// and into L1 2 KiB ahead (kPrefetchL2Bytes, kPrefetchL1Bytes in cpu_kernels.h). Lab kernel on the
+// H200 host (16 threads, 1e9 parameters, FP32 gradients, three passes each, two sessions):
+// none 4.30-4.67 Gparam/s; L1 1 KiB 4.84-4.99; L1 1 KiB + L2 4 KiB 4.83-5.30; L1 512 B + L2 2
+// KiB 4.86-4.98; L1 2 KiB + L2 8 KiB 5.04-5.07 (best in every pass of its session); streaming
+// stores for master and moments 4.45-4.54.
 
 inline void PrefetchLine(const char* p) {
   _mm_prefetch(p + kPrefetchL2Bytes, _MM_HINT_T1);
@@ -437,81 +436,6 @@ uint64_t TaskElems(uint64_t total, int threads) {
   constexpr uint64_t kMin = 1 << 12, kMax = 1 << 18;
   const uint64_t per = total / (8 * static_cast<uint64_t>(std::max(threads, 1)));
   return std::clamp(per / 64 * 64, kMin, kMax);
-}
-
-namespace {
-
-void TriadScalar(float* a, const float* b, const float* c, float s, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) a[i] = b[i] + s * c[i];
-}
-
-// Scalar up to the first `align`-byte boundary of `a`, so the vector loop can stream.
-size_t TriadHead(float* a, const float* b, const float* c, float s, size_t n, size_t align) {
-  const size_t mis = reinterpret_cast<uintptr_t>(a) % align;
-  if (mis % sizeof(float) != 0) return n;  // Cannot ever align: all scalar.
-  const size_t head = std::min(n, mis == 0 ? 0 : (align - mis) / sizeof(float));
-  TriadScalar(a, b, c, s, 0, head);
-  return head;
-}
-
-template <bool kStream>
-__attribute__((target("avx512f"))) void TriadAvx512(float* a, const float* b, const float* c,
-                                                    float s, size_t n) {
-  size_t i = kStream ? TriadHead(a, b, c, s, n, 64) : 0;
-  const __m512 vs = _mm512_set1_ps(s);
-  for (; i + 16 <= n; i += 16) {
-    for (const float* p : {b + i, c + i}) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
-    }
-    const __m512 r =
-        _mm512_add_ps(_mm512_loadu_ps(b + i), _mm512_mul_ps(vs, _mm512_loadu_ps(c + i)));
-    if constexpr (kStream) {
-      _mm512_stream_ps(a + i, r);
-    } else {
-      _mm512_storeu_ps(a + i, r);
-    }
-  }
-  if constexpr (kStream) _mm_sfence();
-  TriadScalar(a, b, c, s, i, n);
-}
-
-template <bool kStream>
-__attribute__((target("avx2"))) void TriadAvx2(float* a, const float* b, const float* c, float s,
-                                               size_t n) {
-  size_t i = kStream ? TriadHead(a, b, c, s, n, 32) : 0;
-  const __m256 vs = _mm256_set1_ps(s);
-  for (; i + 8 <= n; i += 8) {
-    if (i % 16 == 0) {
-      for (const float* p : {b + i, c + i}) {
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
-      }
-    }
-    const __m256 r =
-        _mm256_add_ps(_mm256_loadu_ps(b + i), _mm256_mul_ps(vs, _mm256_loadu_ps(c + i)));
-    if constexpr (kStream) {
-      _mm256_stream_ps(a + i, r);
-    } else {
-      _mm256_storeu_ps(a + i, r);
-    }
-  }
-  if constexpr (kStream) _mm_sfence();
-  TriadScalar(a, b, c, s, i, n);
-}
-
-}  // namespace
-
-void TriadKernel(CpuIsa isa, bool streaming, float* a, const float* b, const float* c, float s,
-                 size_t n) {
-  switch (ResolveIsa(isa)) {
-    case CpuIsa::kAvx512:
-      return streaming ? TriadAvx512<true>(a, b, c, s, n) : TriadAvx512<false>(a, b, c, s, n);
-    case CpuIsa::kAvx2:
-      return streaming ? TriadAvx2<true>(a, b, c, s, n) : TriadAvx2<false>(a, b, c, s, n);
-    default:
-      return TriadScalar(a, b, c, s, 0, n);
-  }
 }
 
 }  // namespace ckpt::optimizer::internal

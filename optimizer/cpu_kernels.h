@@ -14,6 +14,11 @@
 
 namespace ckpt::optimizer::internal {
 
+// How far ahead every kernel prefetches each read stream, into L1 and into L2 (the measurements
+// behind the distances are in cpu_kernels.cc); the benchmark's triad uses the same.
+inline constexpr size_t kPrefetchL1Bytes = 2048;
+inline constexpr size_t kPrefetchL2Bytes = 8192;
+
 struct KernelArgs {
   float* master;
   void* exp_avg;  // FP32 or BF16 elements, per the kernel's moment dtype.
@@ -47,11 +52,6 @@ uint64_t TaskElems(uint64_t total, int threads);
 // stores, prefetches and vector width as SelectKernel's kernel. Writes garbage into the slabs.
 KernelFn SelectShapedKernel(CpuIsa isa, formats::DType grad, formats::DType param,
                             MomentDType moments = MomentDType::kF32);
-// a[i] = b[i] + s * c[i], the STREAM triad, with the widest vectors of `isa` and the step's
-// prefetches. With `streaming`, non-temporal stores to `a` (12 bytes move per element); without,
-// plain stores, which also read every line of `a` before writing it (16 bytes move).
-void TriadKernel(CpuIsa isa, bool streaming, float* a, const float* b, const float* c, float s,
-                 size_t n);
 
 // Scalar conversions shared by every path (and the tests).
 using formats::Bf16ToFloat;
