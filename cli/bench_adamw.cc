@@ -43,8 +43,8 @@ struct CpuFigures {
 };
 
 absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats::DType grad_dtype,
-                                    optimizer::MomentDType moments,
-                                    const std::string& caller_pages) {
+                                    optimizer::MomentDType moments, const std::string& caller_pages,
+                                    bool check_finite) {
   optimizer::StagedAdamWOptions o;
   o.params = {{"w", {n}, formats::DType::kBF16, 0}};
   o.groups = {optimizer::ParamGroup{}};
@@ -82,6 +82,7 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats:
   const void* g = grad_buf->data();
   void* params = param_buf->data();
   optimizer::StepArgs args{g, grad_dtype, 1.0f, params};
+  args.check_finite = check_finite;
   if (auto s = (*opt)->Step(args); !s.ok()) return s.status();  // Warm: pages touched.
   double best = 1e30;
   for (int i = 0; i < steps; ++i) {
@@ -121,8 +122,8 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
     const optimizer::MomentDType moments =
         args.moments == "BF16" ? optimizer::MomentDType::kBF16 : optimizer::MomentDType::kF32;
     const double bytes = CpuBytesPerParam(grad_dtype, moments);
-    absl::StatusOr<CpuFigures> f =
-        BenchCpu(args.params, args.threads, args.steps, grad_dtype, moments, args.caller_pages);
+    absl::StatusOr<CpuFigures> f = BenchCpu(args.params, args.threads, args.steps, grad_dtype,
+                                            moments, args.caller_pages, args.check_finite);
     if (!f.ok()) return ReportError("bench adamw: cpu", f.status());
     out["cpu"] = {{"engine", f->engine},
                   {"gparams_per_s", f->gparams},
@@ -132,6 +133,7 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
                   {"bytes_per_param", bytes},
                   {"grad_dtype", args.grad_dtype},
                   {"moments", args.moments},
+                  {"check_finite", args.check_finite},
                   {"caller_pages", args.caller_pages},
                   {"device_bytes", 0},
                   {"step_shaped_bound_gparams_per_s", f->shaped_gparams},

@@ -72,6 +72,7 @@ struct BenchAdamwArgs {
   std::string grad_dtype = "F32";     // CPU engine: F32, BF16 or F16 gradients.
   std::string caller_pages = "huge";  // CPU engine: gradient and parameter buffers' pages.
   std::string moments = "F32";        // CPU engine: moment dtype in the slabs, F32 or BF16.
+  bool check_finite = false;          // CPU engine: steps check the gradients for NaN/Inf first.
   int steps = 5;
   bool json = false;
 };

@@ -91,6 +91,8 @@ int main(int argc, char** argv) {
       ->add_option("--moments", bench_adamw.moments,
                    "CPU engine moments in the slabs: F32 (default) or BF16 (precision-aware)")
       ->check(CLI::IsMember({"F32", "BF16"}));
+  adamw_cmd->add_flag("--check-finite", bench_adamw.check_finite,
+                      "CPU engine: every step checks the gradients for NaN/Inf first");
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
       ->check(CLI::Range(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");

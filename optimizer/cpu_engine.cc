@@ -73,29 +73,19 @@ class CpuEngine : public StagedAdamW::Engine {
  private:
   template <typename Range>
   void CheckFinite(const StepArgs& args, size_t tasks, Range range, StepReport* report) {
+    internal::NonFiniteFn check = internal::SelectNonFiniteKernel(isa_, args.grad_dtype);
+    const size_t gsize = ElementBytes(args.grad_dtype);
     std::mutex mu;
     pool_.ParallelFor(tasks, [&](size_t i) {
       auto [offset, count] = range(i);
-      uint64_t bad = 0, first = ~uint64_t{0};
-      for (uint64_t k = offset; k < offset + count; ++k) {
-        float g;
-        if (args.grad_dtype == formats::DType::kF32) {
-          g = static_cast<const float*>(args.grads)[k];
-        } else if (args.grad_dtype == formats::DType::kBF16) {
-          g = internal::Bf16ToFloat(static_cast<const uint16_t*>(args.grads)[k]);
-        } else {
-          g = internal::HalfToFloat(static_cast<const uint16_t*>(args.grads)[k]);
-        }
-        if (!std::isfinite(g * args.grad_scale)) {
-          ++bad;
-          first = std::min(first, k);
-        }
-      }
-      if (bad > 0) {
+      const internal::NonFinite bad =
+          check(static_cast<const std::byte*>(args.grads) + offset * gsize, count, args.grad_scale);
+      if (bad.count > 0) {
         std::lock_guard<std::mutex> lock(mu);
-        report->first_nonfinite =
-            report->nonfinite == 0 ? first : std::min(report->first_nonfinite, first);
-        report->nonfinite += bad;
+        report->first_nonfinite = report->nonfinite == 0
+                                      ? offset + bad.first
+                                      : std::min(report->first_nonfinite, offset + bad.first);
+        report->nonfinite += bad.count;
       }
     });
   }

@@ -336,6 +336,65 @@ void Avx512ShapedKernel(const KernelArgs& a) {
   Avx512Dispatch<G, P, M, false>(a);
 }
 
+// --- The check_finite pass -----------------------------------------------------------------
+// An element is non-finite when all exponent bits of grad * scale are set (NaN or +-Inf), the
+// test std::isfinite makes.
+
+constexpr uint32_t kExponentBits = 0x7f800000u;
+
+inline void NoteNonFinite(uint32_t mask, size_t i, NonFinite* r) {
+  r->count += static_cast<uint64_t>(__builtin_popcount(mask));
+  if (r->first == ~uint64_t{0}) r->first = i + static_cast<size_t>(__builtin_ctz(mask));
+}
+
+template <DType G>
+void ScalarNonFiniteRange(const void* grads, size_t begin, size_t end, float scale, NonFinite* r) {
+  for (size_t i = begin; i < end; ++i) {
+    if (!std::isfinite(LoadGrad<G>(grads, i) * scale)) NoteNonFinite(1, i, r);
+  }
+}
+
+template <DType G>
+NonFinite ScalarNonFinite(const void* grads, size_t n, float scale) {
+  NonFinite r;
+  ScalarNonFiniteRange<G>(grads, 0, n, scale, &r);
+  return r;
+}
+
+template <DType G>
+__attribute__((target("avx2,f16c"))) NonFinite Avx2NonFinite(const void* grads, size_t n,
+                                                             float scale) {
+  NonFinite r;
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256i exponent = _mm256_set1_epi32(static_cast<int>(kExponentBits));
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(LoadGrad8<G>(grads, i), vs));
+    const __m256i all_set = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent);
+    const uint32_t mask = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(all_set)));
+    if (mask != 0) NoteNonFinite(mask, i, &r);
+  }
+  ScalarNonFiniteRange<G>(grads, i, n, scale, &r);
+  return r;
+}
+
+template <DType G>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) NonFinite Avx512NonFinite(const void* grads,
+                                                                               size_t n,
+                                                                               float scale) {
+  NonFinite r;
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512i exponent = _mm512_set1_epi32(static_cast<int>(kExponentBits));
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(LoadGrad16<G>(grads, i), vs));
+    const __mmask16 mask = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);
+    if (mask != 0) NoteNonFinite(mask, i, &r);
+  }
+  ScalarNonFiniteRange<G>(grads, i, n, scale, &r);
+  return r;
+}
+
 int DTypeIndex(DType d) {
   return d == DType::kF32 ? 0 : d == DType::kBF16 ? 1 : d == DType::kF16 ? 2 : -1;
 }
@@ -430,6 +489,25 @@ KernelFn SelectKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) 
 
 KernelFn SelectShapedKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) {
   return Select(kScalarShaped, kAvx2Shaped, kAvx512Shaped, isa, grad, param, moments);
+}
+
+NonFiniteFn SelectNonFiniteKernel(CpuIsa isa, DType grad) {
+  constexpr NonFiniteFn kScalarCheck[3] = {
+      ScalarNonFinite<DType::kF32>, ScalarNonFinite<DType::kBF16>, ScalarNonFinite<DType::kF16>};
+  constexpr NonFiniteFn kAvx2Check[3] = {Avx2NonFinite<DType::kF32>, Avx2NonFinite<DType::kBF16>,
+                                         Avx2NonFinite<DType::kF16>};
+  constexpr NonFiniteFn kAvx512Check[3] = {
+      Avx512NonFinite<DType::kF32>, Avx512NonFinite<DType::kBF16>, Avx512NonFinite<DType::kF16>};
+  const int g = DTypeIndex(grad);
+  if (g < 0) return nullptr;
+  switch (ResolveIsa(isa)) {
+    case CpuIsa::kAvx512:
+      return kAvx512Check[g];
+    case CpuIsa::kAvx2:
+      return kAvx2Check[g];
+    default:
+      return kScalarCheck[g];
+  }
 }
 
 uint64_t TaskElems(uint64_t total, int threads) {

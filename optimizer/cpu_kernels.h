@@ -41,6 +41,16 @@ const char* IsaName(CpuIsa isa);
 KernelFn SelectKernel(CpuIsa isa, formats::DType grad, formats::DType param,
                       MomentDType moments = MomentDType::kF32);
 
+// Gradients that are NaN or infinite once multiplied by the step's scale (a finite gradient that
+// the scale overflows counts too): how many, and the index of the first (UINT64_MAX if none).
+struct NonFinite {
+  uint64_t count = 0;
+  uint64_t first = ~uint64_t{0};
+};
+using NonFiniteFn = NonFinite (*)(const void* grads, size_t n, float scale);
+// The check_finite pass, vectorized like the step. Null for an unsupported gradient dtype.
+NonFiniteFn SelectNonFiniteKernel(CpuIsa isa, formats::DType grad);
+
 // How many elements one task of the CPU engine covers when `total` elements are spread over
 // `threads` threads: 256 Ki at most (each task restarts the prefetch streams, so longer tasks
 // waste less), 4 Ki at least, about 8 tasks per thread on small models so threads stay busy.

@@ -378,6 +378,48 @@ TEST_F(BadInputTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   EXPECT_TRUE(report->skipped);
 }
 
+// The check_finite pass: every ISA counts exactly what std::isfinite rejects in grad * scale,
+// NaN and both infinities anywhere (first block, middle, scalar tail), finite values the scale
+// overflows, and names the first.
+TEST(NonFiniteKernelTest, EveryIsaCountsWhatIsfiniteRejects) {
+  const size_t n = 1000 + 13;
+  for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+    // Finite in every dtype; times 1e34 past FP32's range (the product is taken in FP32).
+    const float big = grad == DType::kF16 ? 60000.0f : 3e38f;
+    for (float scale : {1.0f, 1e34f}) {
+      std::vector<float> g = Random(n, 5, 1.0f);
+      g[3] = std::nanf("");
+      g[500] = std::numeric_limits<float>::infinity();
+      g[1001] = -std::numeric_limits<float>::infinity();
+      g[n - 1] = std::nanf("");
+      g[40] = big;
+      g[700] = -big;
+      const std::vector<std::byte> bytes = Encode(g, grad);
+      uint64_t want = 0, first = ~uint64_t{0};
+      for (size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(Decode(bytes.data(), grad, i) * scale)) {
+          ++want;
+          first = std::min<uint64_t>(first, i);
+        }
+      }
+      ASSERT_EQ(want, scale == 1.0f ? 4u : 6u);
+      for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (!internal::CpuSupports(isa)) continue;
+        SCOPED_TRACE(::testing::Message() << internal::IsaName(isa) << " "
+                                          << formats::DTypeName(grad) << " scale " << scale);
+        const internal::NonFinite got =
+            internal::SelectNonFiniteKernel(isa, grad)(bytes.data(), n, scale);
+        EXPECT_EQ(got.count, want);
+        EXPECT_EQ(got.first, first);
+        const internal::NonFinite none = internal::SelectNonFiniteKernel(isa, grad)(
+            bytes.data() + 4 * formats::DTypeSize(grad), 30, scale);  // Elements 4..33: finite.
+        EXPECT_EQ(none.count, 0u);
+        EXPECT_EQ(none.first, ~uint64_t{0});
+      }
+    }
+  }
+}
+
 TEST_F(BadInputTest, NullMisalignedAndUnsupportedBuffersAreRefusedWithStateUntouched) {
   std::vector<float> before = Snapshot();
   EXPECT_THAT(opt_->Step({nullptr, DType::kF32, 1.0f, params_.data()}),

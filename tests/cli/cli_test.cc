@@ -145,8 +145,8 @@ TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
   for (auto [flags, bytes] : {std::pair{"", 30.0}, std::pair{" --moments BF16", 22.0},
                               std::pair{" --grad-dtype BF16 --moments BF16", 20.0}}) {
     SCOPED_TRACE(flags);
-    Result r = RunTool(std::string("bench adamw --params 50000 --threads 2 --steps 1 --json") +
-                       flags);
+    Result r =
+        RunTool(std::string("bench adamw --params 50000 --threads 2 --steps 1 --json") + flags);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     nlohmann::json cpu = nlohmann::json::parse(r.output)["cpu"];
     EXPECT_DOUBLE_EQ(cpu["bytes_per_param"].get<double>(), bytes);
@@ -155,6 +155,10 @@ TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
     EXPECT_GT(cpu["step_shaped_bound_gparams_per_s"].get<double>(), 0);
   }
   EXPECT_EQ(RunTool("bench adamw --params 1000 --moments F16").exit_code, 2);
+  Result checked =
+      RunTool("bench adamw --params 50000 --threads 2 --steps 1 --check-finite --json");
+  ASSERT_EQ(checked.exit_code, 0) << checked.output;
+  EXPECT_TRUE(nlohmann::json::parse(checked.output)["cpu"]["check_finite"].get<bool>());
 }
 
 TEST_F(CliTest, UsageErrorsExitTwo) {
