@@ -32,6 +32,7 @@ struct GcArgs {
   uint64_t keep_last = 0;
   uint64_t keep_every = 0;
   bool dry_run = false;
+  bool purge_quarantine = false;
   bool json = false;
 };
 int RunGc(const GcArgs& args);

@@ -19,8 +19,24 @@
 namespace ckpt::cli {
 
 int ReportError(absl::string_view context, const absl::Status& status) {
-  std::cerr << "ckpt-tool: " << context << ": " << status.message() << "\n";
+  std::cerr << "ckpt-tool: " << context << ": " << Printable(status.message()) << "\n";
   return kExitUsage;
+}
+
+std::string Printable(absl::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      absl::StrAppendFormat(&out, "\\x%02x", u);
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else {
+      out += c;
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {

@@ -20,8 +20,13 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitDamage = 1;  // Damage or invalid input found.
 inline constexpr int kExitUsage = 2;   // Bad usage, or the root cannot be read.
 
-// Prints "ckpt-tool: <context>: <status>" to stderr and returns kExitUsage.
+// Prints "ckpt-tool: <context>: <status>" to stderr (Printable) and returns kExitUsage.
 int ReportError(absl::string_view context, const absl::Status& status);
+
+// `text` safe for a terminal: control bytes (below 0x20, and 0x7f) become \xNN and a backslash
+// becomes \\, so a name read from a file cannot move the cursor or rewrite what was printed.
+// Other bytes (UTF-8 names) pass unchanged. JSON output is escaped by the JSON encoder instead.
+std::string Printable(absl::string_view text);
 
 // Parses "123", "4K", "2M", "2G", "1T" (powers of 1024).
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);

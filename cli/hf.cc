@@ -3,26 +3,70 @@
 #include <iostream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/hf_checkpoint.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
 namespace ckpt::cli {
 
-bool IsHfPath(const std::string& path) {
+absl::StatusOr<PathKind> DetectPathKind(const std::string& path) {
   Env* env = Env::Default();
-  absl::StatusOr<bool> is_dir = env->IsDirectory(path);
-  if (!is_dir.ok()) return absl::EndsWith(path, ".safetensors");
-  if (!*is_dir) return true;  // A plain file can only be a safetensors file.
-  return env->GetFileSize(JoinPath(path, kHfIndexFileName)).ok() ||
-         env->GetFileSize(JoinPath(path, kHfSingleFileName)).ok();
+  absl::StatusOr<std::string> real = env->RealPath(path);
+  if (!real.ok()) return real.status();
+  absl::StatusOr<bool> is_dir = env->IsDirectory(*real);
+  if (!is_dir.ok()) return is_dir.status();
+  PathKind kind;
+  if (!*is_dir) {
+    if (absl::EndsWith(path, ".safetensors")) {
+      kind.hf = true;
+      return kind;
+    }
+    // A safetensors file by its first bytes: an 8-byte little-endian length, then '{'.
+    absl::StatusOr<std::unique_ptr<RandomAccessFile>> f =
+        env->NewRandomAccessFile(path, FileOptions{});
+    std::byte head[9] = {};
+    if (f.ok() && (*f)->size() >= 9 && (*f)->Read(0, head).ok() &&
+        head[8] == std::byte{'{'}) {
+      kind.hf = true;
+      return kind;
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": is a file, but neither a .safetensors file nor a directory; give "
+                           "a ckpt root, a .safetensors file or an HF model directory"));
+  }
+  absl::StatusOr<std::vector<std::string>> names = env->GetChildren(*real);
+  if (!names.ok()) return names.status();
+  for (const std::string& name : *names) {
+    if (name == kHfSingleFileName || name == kHfIndexFileName) kind.hf = true;
+    if (name == "LATEST" || name == "LOCK" || name == kQuarantineDirName ||
+        absl::StartsWith(name, "step-") || absl::StartsWith(name, ".staging-") ||
+        absl::StartsWith(name, ".deleting-")) {
+      kind.ckpt = true;
+    }
+  }
+  if (!kind.hf) kind.ckpt = true;
+  return kind;
+}
+
+absl::StatusOr<bool> TreatAsHf(const std::string& path, const char* command) {
+  absl::StatusOr<PathKind> detected = DetectPathKind(path);
+  if (!detected.ok()) return detected.status();
+  const PathKind kind = *detected;
+  if (kind.hf && kind.ckpt) {
+    std::cerr << "ckpt-tool: " << command << ": note: " << Printable(path)
+              << " holds both a ckpt store and an HF model; checking it as a ckpt root (give "
+                 "the .safetensors file itself to check the model)\n";
+  }
+  return kind.hf && !kind.ckpt;
 }
 
 int InspectHf(const std::string& path, bool json) {
   absl::StatusOr<std::unique_ptr<HfCheckpointReader>> r = HfCheckpointReader::Open(path);
   if (!r.ok()) {
-    std::cerr << "ckpt-tool: inspect: " << r.status().message() << "\n";
+    std::cerr << "ckpt-tool: inspect: " << Printable(r.status().message()) << "\n";
     return absl::IsDataLoss(r.status()) ? kExitDamage : kExitUsage;
   }
   uint64_t total = 0;
@@ -50,20 +94,21 @@ int InspectHf(const std::string& path, bool json) {
     PrintJson(out);
     return kExitOk;
   }
-  std::cout << path << ": safetensors, " << (*r)->shard_metadata().size() << " file(s), "
+  std::cout << Printable(path) << ": safetensors, " << (*r)->shard_metadata().size() << " file(s), "
             << (*r)->tensors().size() << " tensors, " << FormatBytes(total) << "\n";
   for (const auto& [shard, meta] : (*r)->shard_metadata()) {
     std::vector<std::string> kv;
-    for (const auto& [k, v] : meta) kv.push_back(k + "=" + v);
-    std::cout << "  " << shard << "  metadata {" << absl::StrJoin(kv, ", ") << "}\n";
+    for (const auto& [k, v] : meta) kv.push_back(Printable(k) + "=" + Printable(v));
+    std::cout << "  " << Printable(shard) << "  metadata {" << absl::StrJoin(kv, ", ") << "}\n";
   }
   for (const nlohmann::json& t : tensors) {
     std::vector<std::string> dims;
     for (const nlohmann::json& d : t["shape"]) dims.push_back(d.dump());
-    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>()
+    std::cout << "  " << Printable(t["name"].get<std::string>()) << "  "
+              << t["dtype"].get<std::string>()
               << "  [" << absl::StrJoin(dims, ", ") << "]  "
               << FormatBytes(t["bytes"].get<uint64_t>());
-    if ((*r)->sharded()) std::cout << "  " << t["shard"].get<std::string>();
+    if ((*r)->sharded()) std::cout << "  " << Printable(t["shard"].get<std::string>());
     std::cout << "\n";
   }
   return kExitOk;
@@ -83,10 +128,11 @@ int VerifyHf(const std::string& path, bool json) {
     }
     PrintJson(out);
   } else if (valid) {
-    std::cout << path << ": valid (" << (*r)->tensors().size() << " tensors in "
+    std::cout << Printable(path) << ": valid (" << (*r)->tensors().size() << " tensors in "
               << (*r)->shard_metadata().size() << " file(s))\n";
   } else {
-    std::cout << (code == kExitDamage ? "INVALID " : "") << r.status().message() << "\n";
+    std::cout << (code == kExitDamage ? "INVALID " : "") << Printable(r.status().message())
+              << "\n";
   }
   return code;
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/checkpoint_reader.h"
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "cli/commands.h"
 #include "cli/common.h"
@@ -69,16 +70,25 @@ json StepDetails(const formats::Manifest& m) {
 }
 
 void PrintHuman(const json& out) {
-  std::cout << "root: " << out["root"].get<std::string>() << "\n";
+  std::cout << "root: " << Printable(out["root"].get<std::string>()) << "\n";
   std::cout << "LATEST: "
             << (out["latest"].is_null() ? std::string("(none)") : out["latest"].dump()) << "\n";
+  if (out.contains("latest_problem")) {
+    std::cout << "  WARNING: " << Printable(out["latest_problem"].get<std::string>()) << "\n";
+  }
   std::cout << "steps:\n";
   for (const json& s : out["steps"]) {
-    std::cout << "  " << s["dir"].get<std::string>() << "  " << s["state"].get<std::string>()
+    std::cout << "  " << s["dir"].get<std::string>() << "  "
+              << Printable(s["state"].get<std::string>())
               << (s.value("latest", false) ? "  <- LATEST" : "") << "\n";
   }
   for (const json& g : out["garbage"])
-    std::cout << "  " << g.get<std::string>() << "  uncommitted (removed at next Open)\n";
+    std::cout << "  " << Printable(g.get<std::string>())
+              << "  uncommitted (removed at next Open)\n";
+  if (!out["quarantine"].empty()) {
+    std::cout << "quarantine/ (set aside by recovery; ckpt-tool gc --purge-quarantine deletes):\n";
+    for (const json& q : out["quarantine"]) std::cout << "  " << Printable(q.get<std::string>()) << "\n";
+  }
   if (!out.contains("details")) return;
   const json& d = out["details"];
   std::cout << "\nstep " << d["step"] << " (world size " << d["world_size"] << ")\n";
@@ -86,19 +96,20 @@ void PrintHuman(const json& out) {
   for (const json& t : d["tensors"]) {
     std::vector<std::string> dims;
     for (const json& x : t["shape"]) dims.push_back(x.dump());
-    std::cout << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>()
-              << "  [" << absl::StrJoin(dims, ", ") << "]  "
+    std::cout << "  " << Printable(t["name"].get<std::string>()) << "  "
+              << t["dtype"].get<std::string>() << "  [" << absl::StrJoin(dims, ", ") << "]  "
               << FormatBytes(t["bytes"].get<uint64_t>()) << "\n";
   }
   std::cout << "pieces:\n";
   for (const json& p : d["pieces"]) {
-    std::cout << "  rank " << p["rank"] << "  " << p["tensor"].get<std::string>() << "  ["
-              << p["begin"] << ", " << p["begin"].get<uint64_t>() + p["count"].get<uint64_t>()
-              << ")  " << p["chunks"] << " chunks\n";
+    std::cout << "  rank " << p["rank"] << "  " << Printable(p["tensor"].get<std::string>())
+              << "  [" << p["begin"] << ", "
+              << p["begin"].get<uint64_t>() + p["count"].get<uint64_t>() << ")  " << p["chunks"]
+              << " chunks\n";
   }
   std::cout << "files:\n";
   for (const json& f : d["files"]) {
-    std::cout << "  " << f["name"].get<std::string>() << "  "
+    std::cout << "  " << Printable(f["name"].get<std::string>()) << "  "
               << FormatBytes(f["bytes"].get<uint64_t>()) << "  " << f["chunks"] << " chunks\n";
   }
   const json& c = d["compression"];
@@ -107,15 +118,32 @@ void PrintHuman(const json& out) {
             << FormatBytes(c["stored_bytes"].get<uint64_t>()) << " stored\n";
   std::cout << "blobs:\n";
   for (const json& b : d["blobs"]) {
-    std::cout << "  rank " << b["rank"] << "  " << b["name"].get<std::string>() << "  "
+    std::cout << "  rank " << b["rank"] << "  " << Printable(b["name"].get<std::string>()) << "  "
               << FormatBytes(b["bytes"].get<uint64_t>()) << "\n";
   }
+}
+
+// Opens step directory `name` as the store's OpenStep would: only a real directory.
+absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStepDir(Env* env, const std::string& root,
+                                                              const std::string& name) {
+  const std::string dir = JoinPath(root, name);
+  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
+  if (!is_dir.ok()) return is_dir.status();
+  if (!*is_dir) {
+    return absl::FailedPreconditionError(
+        "not a directory (a symbolic link or a file), which ckpt never puts under a step's name");
+  }
+  StoreOptions options;
+  options.env = env;
+  return CheckpointReader::Open(dir, options);
 }
 
 }  // namespace
 
 int RunInspect(const InspectArgs& args) {
-  if (IsHfPath(args.root)) return InspectHf(args.root, args.json);
+  absl::StatusOr<bool> hf = TreatAsHf(args.root, "inspect");
+  if (!hf.ok()) return ReportError("inspect", hf.status());
+  if (*hf) return InspectHf(args.root, args.json);
   Env* env = Env::Default();
   absl::StatusOr<std::vector<std::string>> names = env->GetChildren(args.root);
   if (!names.ok()) return ReportError("inspect", names.status());
@@ -123,20 +151,19 @@ int RunInspect(const InspectArgs& args) {
   json out = {{"root", args.root},
               {"latest", nullptr},
               {"steps", json::array()},
-              {"garbage", json::array()}};
+              {"garbage", json::array()},
+              {"quarantine", json::array()}};
+  bool damage = false;
   std::optional<uint64_t> latest;
-  const std::string latest_path = JoinPath(args.root, internal::kLatestName);
-  absl::StatusOr<std::string> latest_bytes = ReadFileToString(env, latest_path);
-  if (latest_bytes.ok()) {
-    absl::StatusOr<uint64_t> step = formats::DecodeLatest(AsBytes(*latest_bytes), latest_path);
-    if (step.ok()) {
-      latest = *step;
-      out["latest"] = *step;
-    } else {
-      out["latest_problem"] = std::string(step.status().message());
-    }
+  absl::StatusOr<std::optional<uint64_t>> named = ReadLatest(env, args.root);
+  if (!named.ok()) {
+    out["latest_problem"] = std::string(named.status().message());
+  } else if (named->has_value()) {
+    latest = **named;
+    out["latest"] = *latest;
   }
   std::map<uint64_t, std::unique_ptr<CheckpointReader>> readers;
+  bool latest_found = false;
   for (const std::string& name : *names) {
     if (internal::IsGarbageName(name)) {
       out["garbage"].push_back(name);
@@ -144,10 +171,8 @@ int RunInspect(const InspectArgs& args) {
     }
     std::optional<uint64_t> step = internal::ParseStepDirName(name);
     if (!step.has_value()) continue;
-    StoreOptions options;
-    options.env = env;
-    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
-        CheckpointReader::Open(JoinPath(args.root, name), options);
+    latest_found = latest_found || latest == *step;
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenStepDir(env, args.root, name);
     json entry = {{"step", *step}, {"dir", name}, {"latest", latest == *step}};
     if (reader.ok()) {
       entry["state"] =
@@ -155,8 +180,22 @@ int RunInspect(const InspectArgs& args) {
       readers[*step] = std::move(reader).value();
     } else {
       entry["state"] = absl::StrCat("damaged: ", reader.status().message());
+      damage = true;
     }
     out["steps"].push_back(entry);
+  }
+  if (!out.contains("latest_problem")) {
+    if (latest.has_value() && !latest_found) {
+      out["latest_problem"] = absl::StrCat("LATEST names step ", *latest, ", which does not exist");
+    } else if (!latest.has_value() && !out["steps"].empty()) {
+      out["latest_problem"] = "LATEST is missing, while the root holds step directories";
+    }
+  }
+  absl::StatusOr<std::vector<std::string>> quarantined =
+      env->GetChildren(JoinPath(args.root, kQuarantineDirName));
+  if (quarantined.ok()) {
+    std::sort(quarantined->begin(), quarantined->end());
+    for (const std::string& q : *quarantined) out["quarantine"].push_back(q);
   }
   std::optional<uint64_t> shown = args.step.has_value() ? args.step : latest;
   if (shown.has_value()) {
@@ -175,7 +214,7 @@ int RunInspect(const InspectArgs& args) {
   } else {
     PrintHuman(out);
   }
-  return kExitOk;
+  return damage || out.contains("latest_problem") ? kExitDamage : kExitOk;
 }
 
 }  // namespace ckpt::cli

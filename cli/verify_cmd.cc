@@ -17,15 +17,17 @@ nlohmann::json ProblemJson(const VerifyProblem& p) {
 }
 
 void PrintProblem(const VerifyProblem& p) {
-  std::cout << "  DAMAGED " << p.file;
+  std::cout << "  DAMAGED " << Printable(p.file);
   if (p.chunk.has_value()) std::cout << " chunk " << *p.chunk;
-  std::cout << " offset " << p.offset << ": " << p.message << "\n";
+  std::cout << " offset " << p.offset << ": " << Printable(p.message) << "\n";
 }
 
 }  // namespace
 
 int RunVerify(const VerifyArgs& args) {
-  if (IsHfPath(args.root)) return VerifyHf(args.root, args.json);
+  absl::StatusOr<bool> hf = TreatAsHf(args.root, "verify");
+  if (!hf.ok()) return ReportError("verify", hf.status());
+  if (*hf) return VerifyHf(args.root, args.json);
   Env* env = Env::Default();
   ProgressBar bar("verify", 1, !args.json);
   absl::StatusOr<StoreVerifyReport> report =
@@ -56,7 +58,7 @@ int RunVerify(const VerifyArgs& args) {
     PrintJson(out);
   } else {
     for (const VerifyProblem& p : report->problems) PrintProblem(p);
-    if (report->steps.empty()) std::cout << args.root << ": no step to verify\n";
+    if (report->steps.empty()) std::cout << Printable(args.root) << ": no step to verify\n";
     for (const StepVerifyReport& s : report->steps) {
       std::cout << "step " << s.step << ": " << (s.problems.empty() ? "OK" : "DAMAGED") << " ("
                 << s.chunks_checked << " chunks, " << FormatBytes(s.bytes_checked) << " checked)\n";

@@ -48,6 +48,9 @@ using formats::DType;
 using optimizer::Piece;
 using optimizer::StagedAdamW;
 
+// config.json and generation_config.json are small; a larger one is not a model config.
+constexpr uint64_t kMaxConfigBytes = 16 << 20;
+
 struct Flags {
   std::string out, model, engine = "cpu";
   int ranks = 2, steps = 12, save_every = 4, crash_at = 0;
@@ -246,7 +249,7 @@ absl::Status Run(const Flags& f, bool* equal) {
   CKPT_RETURN_IF_ERROR(job.model.ExportHf(job.ranks, final_model));
   // With the model's config beside the weights, transformers' from_pretrained loads the result.
   for (const char* name : {"config.json", "generation_config.json"}) {
-    absl::StatusOr<std::string> text = ReadFileToString(Env::Default(), init_model + "/" + name);
+    absl::StatusOr<std::string> text = ReadFileToString(Env::Default(), init_model + "/" + name, kMaxConfigBytes);
     if (text.ok()) {
       CKPT_RETURN_IF_ERROR(WriteFileAtomically(Env::Default(), final_model + "/" + name, *text));
     }

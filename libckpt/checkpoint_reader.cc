@@ -37,13 +37,26 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   Env* env = options.env != nullptr ? options.env : Env::Default();
   std::unique_ptr<CheckpointReader> reader(new CheckpointReader(step_dir, options, env));
   const std::string manifest_path = JoinPath(step_dir, internal::kManifestName);
-  CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env, manifest_path));
+  CKPT_ASSIGN_OR_RETURN(std::string bytes,
+                        ReadFileToString(env, manifest_path, formats::kMaxManifestBytes,
+                                         FileOptions{.follow_symlinks = false}));
   CKPT_ASSIGN_OR_RETURN(reader->manifest_, formats::ParseManifest(AsBytes(bytes), manifest_path));
+  // A step directory holds the step its name says: a MANIFEST copied or renamed from another
+  // step would hand out the wrong state under the right name.
+  absl::string_view base = step_dir;
+  while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
+  base = base.substr(base.rfind('/') + 1);
+  if (std::optional<uint64_t> named = internal::ParseStepDirName(base);
+      named.has_value() && *named != reader->manifest_.step) {
+    return absl::DataLossError(absl::StrCat(manifest_path, ": names step ",
+                                            reader->manifest_.step, ", but its directory is ",
+                                            base));
+  }
   for (const formats::DataFileInfo& f : reader->manifest_.files) {
     const std::string path = JoinPath(step_dir, f.name);
-    CKPT_ASSIGN_OR_RETURN(
-        std::unique_ptr<RandomAccessFile> file,
-        env->NewRandomAccessFile(path, FileOptions{.direct_io = options.direct_io}));
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                          env->NewRandomAccessFile(path, FileOptions{.direct_io = options.direct_io,
+                                                                     .follow_symlinks = false}));
     if (file->size() != f.size_bytes) {
       return absl::DataLossError(
           absl::StrCat(path, ": is ", file->size(), " bytes, MANIFEST says ", f.size_bytes));

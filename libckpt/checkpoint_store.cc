@@ -1,15 +1,5 @@
-// Recovery and retention of a checkpoint root. The save protocol is in checkpoint_writer.cc.
-//
-// Recovery at Open (primary handle), each step idempotent so a crash during recovery is
-// repaired by the next Open:
-// 1. Take <root>/LOCK: only one primary may recover, save or delete.
-// 2. Remove .staging-* and .deleting-* directories and LATEST.tmp: saves that never reached
-//    their commit point and deletions already decided. SyncDir(root).
-// 3. Read LATEST. If it is missing, damaged, or names a step whose MANIFEST does not parse and
-//    verify, choose the newest step whose MANIFEST does and rewrite LATEST durably (tmp, Sync,
-//    rename, SyncDir). With no such step, remove LATEST: the store is empty.
-// 4. Remove step directories newer than LATEST; LATEST is the commit point, so they were never
-//    published (a crash between rename and LATEST). SyncDir(root).
+// Opening, saving through and retention of a checkpoint root. The save protocol is in
+// checkpoint_writer.cc, recovery in recovery.cc.
 //
 // Retention: every doomed step is renamed to .deleting-step-N-<nonce>, then the root is synced
 // once, then the renamed trees are removed. A step is never half there: it is renamed whole, and
@@ -33,6 +23,26 @@ namespace ckpt {
 
 using internal::StepDirName;
 
+absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& root) {
+  const std::string path = JoinPath(root, internal::kLatestName);
+  absl::StatusOr<std::string> bytes =
+      ReadFileToString(env, path, formats::kLatestBytes, FileOptions{.follow_symlinks = false});
+  if (absl::IsNotFound(bytes.status())) return std::optional<uint64_t>();
+  CKPT_RETURN_IF_ERROR(bytes.status());
+  CKPT_ASSIGN_OR_RETURN(uint64_t step, formats::DecodeLatest(AsBytes(*bytes), path));
+  return std::optional<uint64_t>(step);
+}
+
+absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
+  std::vector<uint64_t> steps;
+  for (const std::string& name : names) {
+    if (std::optional<uint64_t> step = internal::ParseStepDirName(name)) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
 CheckpointStore::CheckpointStore(std::string root, const StoreOptions& options, Env* env)
     : root_(std::move(root)), options_(options), env_(env) {}
 
@@ -42,116 +52,38 @@ void CheckpointStore::Log(absl::string_view message) const {
   if (options_.logger) options_.logger(message);
 }
 
+std::optional<uint64_t> CheckpointStore::latest_step() const {
+  absl::MutexLock lock(&mu_);
+  return latest_;
+}
+
 absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     const std::string& root, const StoreOptions& options) {
   Env* env = options.env != nullptr ? options.env : Env::Default();
-  std::unique_ptr<CheckpointStore> store(new CheckpointStore(root, options, env));
-  absl::StatusOr<bool> is_dir = env->IsDirectory(root);
-  if (!is_dir.ok() && absl::IsNotFound(is_dir.status()) && options.primary) {
+  const bool writable = options.primary && !options.read_only;
+  absl::StatusOr<std::string> real = env->RealPath(root);
+  if (absl::IsNotFound(real.status()) && writable) {
     CKPT_RETURN_IF_ERROR(env->CreateDir(root));
     CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(root)));
-    is_dir = true;
+    real = env->RealPath(root);
   }
-  CKPT_RETURN_IF_ERROR(is_dir.status());
-  if (!*is_dir) return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
-  if (options.primary) {
-    CKPT_ASSIGN_OR_RETURN(store->lock_, env->LockFile(JoinPath(root, internal::kLockName)));
+  CKPT_RETURN_IF_ERROR(real.status());
+  CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(*real));
+  if (!is_dir) return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
+  std::unique_ptr<CheckpointStore> store(new CheckpointStore(*real, options, env));
+  if (writable) {
+    CKPT_ASSIGN_OR_RETURN(store->lock_, env->LockFile(JoinPath(*real, internal::kLockName)));
     CKPT_RETURN_IF_ERROR(store->Recover());
-  } else {
-    absl::StatusOr<std::string> latest =
-        ReadFileToString(env, JoinPath(root, internal::kLatestName));
-    if (latest.ok()) {
-      CKPT_ASSIGN_OR_RETURN(
-          uint64_t step,
-          formats::DecodeLatest(AsBytes(*latest), JoinPath(root, internal::kLatestName)));
-      store->latest_ = step;
-    } else if (!absl::IsNotFound(latest.status())) {
-      return latest.status();
-    }
+    return store;
   }
+  CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, ReadLatest(env, *real));
+  absl::MutexLock lock(&store->mu_);
+  store->latest_ = latest;
   return store;
 }
 
-absl::Status CheckpointStore::RemoveGarbage() {
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env_->GetChildren(root_));
-  bool removed = false;
-  for (const std::string& name : names) {
-    if (!internal::IsGarbageName(name)) continue;
-    CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, JoinPath(root_, name)));
-    recovery_.removed.push_back(name);
-    Log(absl::StrCat("recovery removed ", JoinPath(root_, name)));
-    removed = true;
-  }
-  if (removed) CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  return absl::OkStatus();
-}
-
-absl::Status CheckpointStore::RepairLatest() {
-  const std::string latest_path = JoinPath(root_, internal::kLatestName);
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
-  std::optional<uint64_t> named;
-  absl::StatusOr<std::string> bytes = ReadFileToString(env_, latest_path);
-  if (bytes.ok()) {
-    absl::StatusOr<uint64_t> step = formats::DecodeLatest(AsBytes(*bytes), latest_path);
-    if (step.ok()) {
-      absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenStep(*step);
-      if (reader.ok()) {
-        latest_ = *step;
-        return absl::OkStatus();
-      }
-      recovery_.latest_problem =
-          absl::StrCat("LATEST names step ", *step, ": ", reader.status().message());
-    } else {
-      recovery_.latest_problem = std::string(step.status().message());
-    }
-  } else if (absl::IsNotFound(bytes.status())) {
-    if (steps.empty()) return absl::OkStatus();  // A new, empty store.
-    recovery_.latest_problem = "LATEST is missing";
-  } else {
-    return bytes.status();
-  }
-  // Fall back to the newest step whose manifest and data file headers verify.
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (OpenStep(*it).ok()) {
-      CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, latest_path, formats::EncodeLatest(*it)));
-      latest_ = *it;
-      recovery_.latest_repaired = true;
-      Log(absl::StrCat("recovery: ", recovery_.latest_problem, "; LATEST now names step ", *it));
-      return absl::OkStatus();
-    }
-  }
-  // Nothing verifies: the store holds no committed state.
-  absl::Status removed = env_->RemoveFile(latest_path);
-  if (!removed.ok() && !absl::IsNotFound(removed)) return removed;
-  recovery_.latest_repaired = true;
-  Log(absl::StrCat("recovery: ", recovery_.latest_problem, "; no step verifies"));
-  return env_->SyncDir(root_);
-}
-
-absl::Status CheckpointStore::Recover() {
-  CKPT_RETURN_IF_ERROR(RemoveGarbage());
-  CKPT_RETURN_IF_ERROR(RepairLatest());
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
-  bool removed = false;
-  for (uint64_t step : steps) {
-    if (latest_.has_value() && step <= *latest_) continue;
-    CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, JoinPath(root_, StepDirName(step))));
-    recovery_.removed.push_back(StepDirName(step));
-    Log(absl::StrCat("recovery removed unpublished ", StepDirName(step)));
-    removed = true;
-  }
-  if (removed) CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps() const {
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env_->GetChildren(root_));
-  std::vector<uint64_t> steps;
-  for (const std::string& name : names) {
-    if (std::optional<uint64_t> step = internal::ParseStepDirName(name)) steps.push_back(*step);
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
+  return ListStepDirs(env_, root_);
 }
 
 absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
@@ -165,8 +97,10 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
   std::string staging;
   if (coordinator->rank() == 0) {
     absl::Status s;
-    if (!options_.primary) {
-      s = absl::FailedPreconditionError("rank 0 must save through the primary store handle");
+    absl::MutexLock lock(&mu_);
+    if (!options_.primary || options_.read_only) {
+      s = absl::FailedPreconditionError(
+          "rank 0 must save through the primary, writable store handle");
     } else if (save_in_flight_) {
       s = absl::FailedPreconditionError(absl::StrCat(root_, ": another save is in flight"));
     } else if (latest_.has_value() && step <= *latest_) {
@@ -191,7 +125,10 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     }
     return absl::Status(static_cast<absl::StatusCode>(code), view.substr(space + 1));
   }
-  save_in_flight_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    save_in_flight_ = true;
+  }
   std::unique_ptr<SaveTransaction> txn(
       new SaveTransaction(this, coordinator, step, std::string(view), absl::OkStatus()));
   txn->own_coordinator_ = std::move(own);
@@ -199,7 +136,13 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
 }
 
 void CheckpointStore::OnCommitted(uint64_t step) {
+  absl::MutexLock lock(&mu_);
   if (!latest_.has_value() || *latest_ < step) latest_ = step;
+}
+
+void CheckpointStore::OnSaveEnded() {
+  absl::MutexLock lock(&mu_);
+  save_in_flight_ = false;
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint64_t step) const {
@@ -207,31 +150,44 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint
   options.env = env_;
   const std::string dir = JoinPath(root_, StepDirName(step));
   absl::StatusOr<bool> is_dir = env_->IsDirectory(dir);
-  if (!is_dir.ok() || !*is_dir) {
+  if (absl::IsNotFound(is_dir.status())) {
     return absl::NotFoundError(absl::StrCat(root_, ": no step ", step));
+  }
+  CKPT_RETURN_IF_ERROR(is_dir.status());
+  if (!*is_dir) {
+    // ckpt only ever renames a directory to a step's name: a link or file there is not ours.
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": is not a directory (a symbolic link or a file), which ckpt never "
+                          "puts under a step's name"));
   }
   return CheckpointReader::Open(dir, options);
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest() const {
-  if (!latest_.has_value()) return absl::NotFoundError(absl::StrCat(root_, ": no committed step"));
-  return OpenStep(*latest_);
+  std::optional<uint64_t> latest = latest_step();
+  if (!latest.has_value()) return absl::NotFoundError(absl::StrCat(root_, ": no committed step"));
+  return OpenStep(*latest);
 }
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const RetentionPolicy& policy,
                                                                       bool dry_run) {
-  if (!options_.primary) {
-    return absl::FailedPreconditionError("retention needs the primary store handle");
+  if (!dry_run && (!options_.primary || options_.read_only)) {
+    return absl::FailedPreconditionError("retention needs the primary, writable store handle");
   }
-  if (save_in_flight_) {
-    return absl::FailedPreconditionError(absl::StrCat(root_, ": a save is in flight"));
+  std::optional<uint64_t> latest;
+  {
+    absl::MutexLock lock(&mu_);
+    if (save_in_flight_) {
+      return absl::FailedPreconditionError(absl::StrCat(root_, ": a save is in flight"));
+    }
+    latest = latest_;
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
   if (policy.keep_last == 0) return std::vector<uint64_t>{};
   std::set<uint64_t> keep;
   for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
     keep.insert(steps[steps.size() - 1 - i]);
-  if (latest_.has_value()) keep.insert(*latest_);
+  if (latest.has_value()) keep.insert(*latest);
   std::vector<uint64_t> doomed;
   for (uint64_t step : steps) {
     bool every = policy.keep_every > 0 && step % policy.keep_every == 0;

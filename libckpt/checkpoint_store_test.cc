@@ -201,11 +201,11 @@ TEST_F(StoreTest, BadArgumentsAreRefusedAndTheTransactionStaysUsable) {
   EXPECT_THAT((*reader)->ReadBlob("nope"), StatusIs(absl::StatusCode::kNotFound));
 }
 
-TEST_F(StoreTest, DamagedLatestFallsBackToNewestVerifyingStep) {
+TEST_F(StoreTest, DamagedLatestFallsBackAndQuarantinesNewerStepsWithoutDeletingThem) {
   for (uint64_t step : {1, 2, 3})
     CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
   // Break step 3's MANIFEST and LATEST: recovery must pick step 2 and rewrite LATEST.
-  auto manifest = ReadFileToString(env_.get(), "/store/step-00000003/MANIFEST");
+  auto manifest = ReadFileToString(env_.get(), "/store/step-00000003/MANIFEST", UINT64_MAX);
   CKPT_ASSERT_OK(manifest);
   (*manifest)[50] ^= 1;
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), "/store/step-00000003/MANIFEST", *manifest));
@@ -213,7 +213,17 @@ TEST_F(StoreTest, DamagedLatestFallsBackToNewestVerifyingStep) {
   auto store = Open();
   EXPECT_TRUE(store->recovery().latest_repaired);
   EXPECT_EQ(store->latest_step(), std::optional<uint64_t>(2));
-  EXPECT_THAT(store->recovery().removed, ElementsAre("step-00000003"));  // Newer than LATEST now.
+  // Step 3 is newer than the new LATEST, but proven damaged, not proven unpublished: it is
+  // moved aside whole, never deleted.
+  EXPECT_THAT(store->recovery().removed, ElementsAre());
+  ASSERT_EQ(store->recovery().quarantined.size(), 1u);
+  auto quarantined = store->ListQuarantine();
+  CKPT_ASSERT_OK(quarantined);
+  ASSERT_EQ(quarantined->size(), 1u);
+  auto kept = ReadFileToString(env_.get(), "/store/quarantine/" + (*quarantined)[0] + "/MANIFEST",
+                               UINT64_MAX);
+  CKPT_ASSERT_OK(kept);
+  EXPECT_EQ(*kept, *manifest);
   store.reset();
   auto state = testing::CheckStoreConsistent(kRoot, options_);
   CKPT_ASSERT_OK(state);

@@ -321,7 +321,9 @@ absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes
     }
     const std::string path =
         JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
-    CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env_, path));
+    CKPT_ASSIGN_OR_RETURN(std::string bytes,
+                          ReadFileToString(env_, path, formats::kMaxManifestBytes,
+                                           FileOptions{.follow_symlinks = false}));
     if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != vote) {
       return absl::DataLossError(
           absl::StrCat(path, ": does not match the digest rank ", r, " voted"));

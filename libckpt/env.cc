@@ -51,28 +51,44 @@ std::string Dirname(absl::string_view path) {
   return std::string(path.substr(0, slash));
 }
 
-absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path) {
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
+                                             uint64_t max_bytes, const FileOptions& options) {
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                        env->NewRandomAccessFile(path, FileOptions{}));
+                        env->NewRandomAccessFile(path, options));
+  // Checked before the allocation: a sparse 1 TiB file must not become a 1 TiB string.
+  if (file->size() > max_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": ", file->size(),
+                                            " bytes, more than the ", max_bytes,
+                                            " such a file may hold"));
+  }
   std::string data(file->size(), '\0');
   CKPT_RETURN_IF_ERROR(
       file->Read(0, std::span<std::byte>(reinterpret_cast<std::byte*>(data.data()), data.size())));
   return data;
 }
 
-absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data) {
-  const std::string tmp = absl::StrCat(path, ".tmp");
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                        env->NewWritableFile(tmp, FileOptions{}));
-  absl::Status status = file->Append(AsBytes(data));
+absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
+                             std::span<const std::span<const std::byte>> parts,
+                             const FileOptions& options) {
+  // The exclusive create below fails rather than write through a name planted after this.
+  absl::Status stale = env->RemoveFile(tmp);
+  if (!stale.ok() && !absl::IsNotFound(stale)) return stale;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, options));
+  absl::Status status;
+  for (std::span<const std::byte> part : parts) {
+    if (status.ok()) status = file->Append(part);
+  }
   if (status.ok()) status = file->Sync();
   status.Update(file->Close());
   if (status.ok()) status = env->RenameFile(tmp, path);
-  if (!status.ok()) {
-    // Best effort: a leftover tmp file is harmless garbage that recovery ignores.
-    env->RemoveFile(tmp).IgnoreError();
-    return status;
-  }
+  // Best effort: a leftover tmp file is inert garbage, removed by the next write of `path`.
+  if (!status.ok()) env->RemoveFile(tmp).IgnoreError();
+  return status;
+}
+
+absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data) {
+  const std::span<const std::byte> parts[] = {AsBytes(data)};
+  CKPT_RETURN_IF_ERROR(WriteFileViaTmp(env, absl::StrCat(path, ".tmp"), path, parts));
   return env->SyncDir(Dirname(path));
 }
 

@@ -105,18 +105,9 @@ void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
 
 absl::Status WriteWhole(Env* env, const std::string& dir, const std::string& name,
                         const std::vector<std::span<const std::byte>>& parts) {
-  const std::string tmp = JoinPath(dir, absl::StrCat(".", name, ".tmp"));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                        env->NewWritableFile(tmp, FileOptions{.direct_io = true}));
-  absl::Status s;
-  for (std::span<const std::byte> part : parts) {
-    if (s.ok()) s = file->Append(part);
-  }
-  if (s.ok()) s = file->Sync();
-  s.Update(file->Close());
-  if (s.ok()) s = env->RenameFile(tmp, JoinPath(dir, name));
-  if (!s.ok()) env->RemoveFile(tmp).IgnoreError();  // Best effort: a dot-tmp file is inert.
-  return s;
+  // A dot-name tmp, so that a crash never leaves a half file under a name transformers reads.
+  return WriteFileViaTmp(env, JoinPath(dir, absl::StrCat(".", name, ".tmp")), JoinPath(dir, name),
+                         parts, FileOptions{.direct_io = true});
 }
 
 }  // namespace
@@ -161,13 +152,17 @@ absl::StatusOr<std::unique_ptr<HfCheckpointReader>> HfCheckpointReader::Open(
   r->path_ = path;
   r->options_ = options;
   r->env_ = options.env != nullptr ? options.env : Env::Default();
-  CKPT_ASSIGN_OR_RETURN(bool is_dir, r->env_->IsDirectory(path));
+  // The type of what `path` resolves to: a model directory given as a link is a directory.
+  // Names stay as given (a cached model's file links to a blob named by its hash).
+  CKPT_ASSIGN_OR_RETURN(std::string real, r->env_->RealPath(path));
+  CKPT_ASSIGN_OR_RETURN(bool is_dir, r->env_->IsDirectory(real));
   if (!is_dir) {
     CKPT_RETURN_IF_ERROR(
         r->OpenShard(std::string(absl::string_view(path).substr(path.rfind('/') + 1)), path));
   } else {
     const std::string index_path = JoinPath(path, kHfIndexFileName);
-    absl::StatusOr<std::string> index_bytes = ReadFileToString(r->env_, index_path);
+    absl::StatusOr<std::string> index_bytes =
+        ReadFileToString(r->env_, index_path, formats::kMaxSafetensorsHeaderBytes);
     if (index_bytes.ok()) {
       CKPT_ASSIGN_OR_RETURN(formats::HfIndex index,
                             formats::ParseHfIndex(AsBytes(*index_bytes), index_path));
@@ -418,7 +413,8 @@ absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTenso
       return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
   }
   // Step 1.
-  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
+  absl::StatusOr<std::string> real = env->RealPath(dir);
+  absl::StatusOr<bool> is_dir = real.ok() ? env->IsDirectory(*real) : real.status();
   if (absl::IsNotFound(is_dir.status())) {
     CKPT_RETURN_IF_ERROR(env->CreateDir(dir));
     CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(dir)));

@@ -95,9 +95,9 @@ class MemEnv : public Env {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);
     CKPT_RETURN_IF_ERROR(CheckParentLocked(path));
-    auto it = nodes_.find(path);
-    if (it != nodes_.end() && it->second.is_dir) {
-      return absl::FailedPreconditionError(absl::StrCat("create ", path, ": is a directory"));
+    if (nodes_.count(path)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("create ", path, ": the name is taken; not overwriting it"));
     }
     auto file = std::make_shared<FileData>();
     nodes_[path] = Node{false, file};
@@ -249,6 +249,16 @@ class MemEnv : public Env {
     }
     if (!nodes_.count(path)) nodes_[path] = Node{false, std::make_shared<FileData>()};
     return std::unique_ptr<FileLock>(new MemFileLock(this, path));
+  }
+
+  // MemEnv has no links: a path that exists is its own real path.
+  absl::StatusOr<std::string> RealPath(const std::string& raw_path) override {
+    std::string path = Normalize(raw_path);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!IsDirLocked(path) && !nodes_.count(path)) {
+      return absl::NotFoundError(absl::StrCat("resolve ", path, ": no such file"));
+    }
+    return path;
   }
 
   void Unlock(const std::string& path) {

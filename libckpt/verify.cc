@@ -4,6 +4,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/formats/manifest.h"
 #include "libckpt/aligned_buffer.h"
 #include "libckpt/checksum.h"
@@ -27,7 +28,7 @@ void VerifyDataFile(Env* env, const std::string& dir, const formats::Manifest& m
                     const VerifyProgress& progress) {
   const std::string path = JoinPath(dir, f.name);
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> file =
-      env->NewRandomAccessFile(path, FileOptions{.direct_io = true});
+      env->NewRandomAccessFile(path, FileOptions{.direct_io = true, .follow_symlinks = false});
   if (!file.ok()) {
     report->problems.push_back(Problem(path, std::nullopt, 0, file.status().message()));
     return;
@@ -101,9 +102,17 @@ absl::StatusOr<StepVerifyReport> VerifyStepDir(Env* env, const std::string& dir,
                                                const VerifyProgress& progress) {
   StepVerifyReport report;
   report.dir = dir;
+  CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(dir));
+  if (!is_dir) {
+    report.problems.push_back(Problem(dir, std::nullopt, 0,
+                                      "not a directory (a symbolic link or a file), which ckpt "
+                                      "never puts under a step's name"));
+    return report;
+  }
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(dir));
   const std::string manifest_path = JoinPath(dir, internal::kManifestName);
-  absl::StatusOr<std::string> bytes = ReadFileToString(env, manifest_path);
+  absl::StatusOr<std::string> bytes = ReadFileToString(
+      env, manifest_path, formats::kMaxManifestBytes, FileOptions{.follow_symlinks = false});
   if (!bytes.ok()) {
     report.problems.push_back(Problem(manifest_path, std::nullopt, 0, bytes.status().message()));
     return report;
@@ -141,28 +150,21 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
                                               std::optional<uint64_t> step, bool all,
                                               const VerifyProgress& progress) {
   StoreVerifyReport report;
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
-  std::vector<uint64_t> steps;
-  for (const std::string& name : names) {
-    if (std::optional<uint64_t> s = internal::ParseStepDirName(name)) steps.push_back(*s);
-  }
-  std::sort(steps.begin(), steps.end());
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
   const std::string latest_path = JoinPath(root, internal::kLatestName);
-  absl::StatusOr<std::string> latest = ReadFileToString(env, latest_path);
-  if (latest.ok()) {
-    absl::StatusOr<uint64_t> named = formats::DecodeLatest(AsBytes(*latest), latest_path);
-    if (!named.ok()) {
-      report.problems.push_back(Problem(latest_path, std::nullopt, 0, named.status().message()));
-    } else {
-      report.latest = *named;
-      if (!std::binary_search(steps.begin(), steps.end(), *named)) {
-        report.problems.push_back(
-            Problem(latest_path, std::nullopt, 0,
-                    absl::StrCat("names step ", *named, ", which does not exist")));
-      }
-    }
-  } else if (!absl::IsNotFound(latest.status()) || !steps.empty()) {
+  absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(env, root);
+  if (!latest.ok()) {
     report.problems.push_back(Problem(latest_path, std::nullopt, 0, latest.status().message()));
+  } else if (latest->has_value()) {
+    report.latest = **latest;
+    if (!std::binary_search(steps.begin(), steps.end(), **latest)) {
+      report.problems.push_back(
+          Problem(latest_path, std::nullopt, 0,
+                  absl::StrCat("names step ", **latest, ", which does not exist")));
+    }
+  } else if (!steps.empty()) {
+    report.problems.push_back(Problem(latest_path, std::nullopt, 0,
+                                      "missing, while the root holds step directories"));
   }
   std::vector<uint64_t> chosen;
   if (step.has_value()) {
@@ -177,14 +179,23 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
     chosen = {*report.latest};
   }
   for (uint64_t s : chosen) {
-    CKPT_ASSIGN_OR_RETURN(StepVerifyReport r,
-                          VerifyStepDir(env, JoinPath(root, internal::StepDirName(s)), progress));
-    if (r.problems.empty() && r.step != s) {
-      r.problems.push_back(Problem(JoinPath(root, internal::StepDirName(s)), std::nullopt, 0,
-                                   absl::StrCat("MANIFEST names step ", r.step)));
+    const std::string dir = JoinPath(root, internal::StepDirName(s));
+    absl::StatusOr<StepVerifyReport> r = VerifyStepDir(env, dir, progress);
+    if (!r.ok()) {
+      // A step that vanished (a concurrent gc) or cannot be listed is reported, and the others
+      // are still checked.
+      StepVerifyReport failed;
+      failed.dir = dir;
+      failed.problems.push_back(Problem(dir, std::nullopt, 0,
+                                        absl::StrCat("could not be checked: ",
+                                                     r.status().message())));
+      r = std::move(failed);
+    } else if (r->problems.empty() && r->step != s) {
+      r->problems.push_back(
+          Problem(dir, std::nullopt, 0, absl::StrCat("MANIFEST names step ", r->step)));
     }
-    r.step = s;
-    report.steps.push_back(std::move(r));
+    r->step = s;
+    report.steps.push_back(*std::move(r));
   }
   return report;
 }

@@ -11,6 +11,7 @@
 #include "libckpt/io_error.h"
 #include "libckpt/posix/posix_file_ops.h"
 #include "libckpt/posix/scoped_fd.h"
+#include "libckpt/status_macros.h"
 
 namespace ckpt {
 namespace {
@@ -68,18 +69,15 @@ class PosixEnv : public internal::PosixMetadataEnv {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path, const FileOptions& /*options*/) override {
-    ScopedFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd.valid()) return IoError(errno, absl::StrCat("create ", path));
+    CKPT_ASSIGN_OR_RETURN(ScopedFd fd, internal::CreateNewFile(path, 0));
     return std::unique_ptr<WritableFile>(new PosixWritableFile(path, std::move(fd)));
   }
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
-      const std::string& path, const FileOptions& /*options*/) override {
-    ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid()) return IoError(errno, absl::StrCat("open ", path));
-    struct stat st;
-    if (::fstat(fd.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+      const std::string& path, const FileOptions& options) override {
+    CKPT_ASSIGN_OR_RETURN(internal::OpenedFile f,
+                          internal::OpenRegularFileForRead(path, options.follow_symlinks, 0));
     return std::unique_ptr<RandomAccessFile>(
-        new PosixRandomAccessFile(path, std::move(fd), static_cast<uint64_t>(st.st_size)));
+        new PosixRandomAccessFile(path, std::move(f.fd), f.size));
   }
 };
 

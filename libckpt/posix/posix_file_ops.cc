@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "libckpt/io_error.h"
@@ -14,6 +15,27 @@
 
 namespace ckpt::internal {
 namespace {
+
+const char* TypeName(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+absl::Status NotRegular(const std::string& path, mode_t mode) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("open ", path, ": is ", TypeName(mode), ", not a regular file"));
+}
+
+absl::Status SymlinkRefused(const std::string& path, absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "open ", what, " ", path, ": is a symbolic link, which ckpt never creates there; not "
+      "following it"));
+}
 
 class PosixFileLock : public FileLock {
  public:
@@ -89,8 +111,15 @@ absl::StatusOr<bool> PosixIsDirectory(const std::string& path) {
 }
 
 absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path) {
-  ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  if (!fd.valid()) return IoError(errno, absl::StrCat("open lock file ", path));
+  // O_NOFOLLOW: a dangling link planted at LOCK would otherwise make us create its target.
+  ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
+  if (!fd.valid()) {
+    if (errno == ELOOP) return SymlinkRefused(path, "lock file");
+    return IoError(errno, absl::StrCat("open lock file ", path));
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+  if (!S_ISREG(st.st_mode)) return NotRegular(path, st.st_mode);
   if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     if (err == EWOULDBLOCK) {
@@ -100,6 +129,55 @@ absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path)
     return IoError(err, absl::StrCat("lock ", path));
   }
   return std::unique_ptr<FileLock>(new PosixFileLock(std::move(fd)));
+}
+
+absl::StatusOr<std::string> PosixRealPath(const std::string& path) {
+  char* resolved = ::realpath(path.c_str(), nullptr);
+  if (resolved == nullptr) return IoError(errno, absl::StrCat("resolve ", path));
+  std::string out(resolved);
+  ::free(resolved);
+  return out;
+}
+
+absl::StatusOr<OpenedFile> OpenRegularFileForRead(const std::string& path, bool follow_symlinks,
+                                                  int extra_flags) {
+  // Checked before the open so that a FIFO or device is not opened at all...
+  struct stat st;
+  int rc = follow_symlinks ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st);
+  if (rc != 0) return IoError(errno, absl::StrCat("open ", path));
+  if (S_ISLNK(st.st_mode)) return SymlinkRefused(path, "file");
+  if (!S_ISREG(st.st_mode)) return NotRegular(path, st.st_mode);
+  // ...and again on the descriptor, since the name may have changed in between; O_NONBLOCK
+  // keeps that open from waiting on a FIFO swapped in, and is ignored by regular files.
+  int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | extra_flags;
+  if (!follow_symlinks) flags |= O_NOFOLLOW;
+  OpenedFile out;
+  out.fd = ScopedFd(::open(path.c_str(), flags));
+  if (!out.fd.valid()) {
+    if (errno == ELOOP && !follow_symlinks) return SymlinkRefused(path, "file");
+    return IoError(errno, absl::StrCat("open ", path));
+  }
+  if (::fstat(out.fd.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+  if (!S_ISREG(st.st_mode)) return NotRegular(path, st.st_mode);
+  out.size = static_cast<uint64_t>(st.st_size);
+  out.dev = st.st_dev;
+  out.ino = st.st_ino;
+  return out;
+}
+
+absl::StatusOr<ScopedFd> CreateNewFile(const std::string& path, int extra_flags) {
+  // O_EXCL also refuses a symbolic link at `path`, dangling or not, without following it.
+  ScopedFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | extra_flags, 0644));
+  if (!fd.valid()) {
+    const int err = errno;
+    if (err == EEXIST) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "create ", path, ": the name is taken (a stale file or a planted link); not "
+          "overwriting it"));
+    }
+    return IoError(err, absl::StrCat("create ", path));
+  }
+  return fd;
 }
 
 absl::Status PosixWriteAt(int fd, const std::byte* data, size_t n, uint64_t offset,

@@ -3,6 +3,8 @@
 #ifndef CKPT_LIBCKPT_POSIX_POSIX_FILE_OPS_H_
 #define CKPT_LIBCKPT_POSIX_POSIX_FILE_OPS_H_
 
+#include <sys/types.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "ckpt/env.h"
+#include "libckpt/posix/scoped_fd.h"
 
 namespace ckpt::internal {
 
@@ -22,6 +25,23 @@ absl::StatusOr<std::vector<std::string>> PosixGetChildren(const std::string& dir
 absl::StatusOr<uint64_t> PosixGetFileSize(const std::string& path);
 absl::StatusOr<bool> PosixIsDirectory(const std::string& path);
 absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path);
+absl::StatusOr<std::string> PosixRealPath(const std::string& path);
+
+// A regular file opened for reading, with its identity and size at open.
+struct OpenedFile {
+  ScopedFd fd;
+  uint64_t size = 0;
+  dev_t dev = 0;
+  ino_t ino = 0;
+};
+// Opens `path` read-only (plus `extra_flags`, e.g. O_DIRECT) under Env::NewRandomAccessFile's
+// contract: the type is checked before the open and again on the descriptor, the open never
+// blocks (O_NONBLOCK: a FIFO would wait for a writer), and with follow_symlinks false a link
+// is refused (O_NOFOLLOW).
+absl::StatusOr<OpenedFile> OpenRegularFileForRead(const std::string& path, bool follow_symlinks,
+                                                  int extra_flags);
+// Creates `path` for writing under Env::NewWritableFile's contract (O_CREAT | O_EXCL).
+absl::StatusOr<ScopedFd> CreateNewFile(const std::string& path, int extra_flags);
 
 // Full pwrite/pread loops that retry EINTR and short transfers.
 absl::Status PosixWriteAt(int fd, const std::byte* data, size_t n, uint64_t offset,
@@ -50,6 +70,9 @@ class PosixMetadataEnv : public Env {
   }
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
     return PosixLockFile(path);
+  }
+  absl::StatusOr<std::string> RealPath(const std::string& path) override {
+    return PosixRealPath(path);
   }
 };
 

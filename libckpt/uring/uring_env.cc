@@ -389,20 +389,18 @@ class UringRandomAccessFile : public RandomAccessFile {
   std::shared_ptr<RingPool> pool_;
 };
 
-absl::StatusOr<ScopedFd> OpenMaybeDirect(const std::string& path, int flags, bool direct,
-                                         bool* got_direct) {
+// Creates `path` (exclusively), then turns on O_DIRECT when asked and the file system allows
+// it. Setting it with F_SETFL after the create, rather than at open, keeps a refusal (tmpfs and
+// some network file systems answer EINVAL) from leaving a created file that the exclusive
+// create of a retry would then find; buffered IO is still correct.
+absl::StatusOr<ScopedFd> CreateMaybeDirect(const std::string& path, bool direct,
+                                           bool* got_direct) {
   *got_direct = false;
+  CKPT_ASSIGN_OR_RETURN(ScopedFd fd, internal::CreateNewFile(path, 0));
   if (direct) {
-    ScopedFd fd(::open(path.c_str(), flags | O_DIRECT, 0644));
-    if (fd.valid()) {
-      *got_direct = true;
-      return fd;
-    }
-    // tmpfs and some network file systems refuse O_DIRECT; buffered IO is still correct.
-    if (errno != EINVAL) return IoError(errno, absl::StrCat("open ", path));
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    *got_direct = flags >= 0 && ::fcntl(fd.get(), F_SETFL, flags | O_DIRECT) == 0;
   }
-  ScopedFd fd(::open(path.c_str(), flags, 0644));
-  if (!fd.valid()) return IoError(errno, absl::StrCat("open ", path));
   return fd;
 }
 
@@ -411,9 +409,7 @@ class UringEnv : public internal::PosixMetadataEnv {
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path, const FileOptions& options) override {
     bool direct = false;
-    CKPT_ASSIGN_OR_RETURN(ScopedFd fd,
-                          OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                                          options.direct_io, &direct));
+    CKPT_ASSIGN_OR_RETURN(ScopedFd fd, CreateMaybeDirect(path, options.direct_io, &direct));
     const size_t buffer_bytes = direct ? kDirectWriteBufferBytes : kBufferedWriteBufferBytes;
     std::vector<UringWritableFile::Slot> slots(kWriteSlots);
     std::vector<iovec> iovecs;
@@ -435,14 +431,18 @@ class UringEnv : public internal::PosixMetadataEnv {
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
       const std::string& path, const FileOptions& options) override {
-    ScopedFd buffered(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!buffered.valid()) return IoError(errno, absl::StrCat("open ", path));
-    struct stat st;
-    if (::fstat(buffered.get(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+    CKPT_ASSIGN_OR_RETURN(internal::OpenedFile buffered,
+                          internal::OpenRegularFileForRead(path, options.follow_symlinks, 0));
     ScopedFd direct;
-    if (options.direct_io) direct = ScopedFd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT));
+    if (options.direct_io) {
+      // The direct descriptor must be the very file the buffered one checked; when the name
+      // moved in between, or O_DIRECT is refused, reads stay buffered.
+      absl::StatusOr<internal::OpenedFile> d =
+          internal::OpenRegularFileForRead(path, options.follow_symlinks, O_DIRECT);
+      if (d.ok() && d->dev == buffered.dev && d->ino == buffered.ino) direct = std::move(d->fd);
+    }
     return std::unique_ptr<RandomAccessFile>(new UringRandomAccessFile(
-        path, std::move(direct), std::move(buffered), static_cast<uint64_t>(st.st_size), pool_));
+        path, std::move(direct), std::move(buffered.fd), buffered.size, pool_));
   }
 
  private:

@@ -51,7 +51,7 @@ class EnvConformanceTest : public ::testing::TestWithParam<EnvFactory> {
 
 TEST_P(EnvConformanceTest, WrittenBytesReadBack) {
   Write(Path("a"), "hello world");
-  auto data = ReadFileToString(env_.get(), Path("a"));
+  auto data = ReadFileToString(env_.get(), Path("a"), 1 << 20);
   CKPT_ASSERT_OK(data);
   EXPECT_EQ(*data, "hello world");
   auto size = env_->GetFileSize(Path("a"));
@@ -111,7 +111,7 @@ TEST_P(EnvConformanceTest, RenameReplacesAtomically) {
   Write(Path("x.tmp"), "new");
   CKPT_ASSERT_OK(env_->RenameFile(Path("x.tmp"), Path("x")));
   CKPT_ASSERT_OK(env_->SyncDir(root_));
-  EXPECT_EQ(*ReadFileToString(env_.get(), Path("x")), "new");
+  EXPECT_EQ(*ReadFileToString(env_.get(), Path("x"), 1 << 20), "new");
   EXPECT_THAT(env_->GetFileSize(Path("x.tmp")), StatusIs(absl::StatusCode::kNotFound));
 }
 
@@ -125,7 +125,7 @@ TEST_P(EnvConformanceTest, DirectoriesListRenameAndRemove) {
   EXPECT_THAT(*children, UnorderedElementsAre("f1", "f2"));
   EXPECT_THAT(env_->RemoveDir(Path("d")), StatusIs(absl::StatusCode::kFailedPrecondition));
   CKPT_ASSERT_OK(env_->RenameFile(Path("d"), Path("e")));
-  EXPECT_EQ(*ReadFileToString(env_.get(), Path("e/f2")), "2");
+  EXPECT_EQ(*ReadFileToString(env_.get(), Path("e/f2"), 1 << 20), "2");
   EXPECT_TRUE(*env_->IsDirectory(Path("e")));
   EXPECT_FALSE(*env_->IsDirectory(Path("e/f1")));
   CKPT_ASSERT_OK(RemoveRecursively(env_.get(), Path("e")));
@@ -144,7 +144,7 @@ TEST_P(EnvConformanceTest, LockIsExclusiveUntilReleased) {
 TEST_P(EnvConformanceTest, WriteFileAtomicallyLeavesNoTemp) {
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), Path("LATEST"), "v1"));
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), Path("LATEST"), "v2"));
-  EXPECT_EQ(*ReadFileToString(env_.get(), Path("LATEST")), "v2");
+  EXPECT_EQ(*ReadFileToString(env_.get(), Path("LATEST"), 1 << 20), "v2");
   EXPECT_THAT(*env_->GetChildren(root_), UnorderedElementsAre("LATEST"));
 }
 

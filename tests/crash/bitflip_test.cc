@@ -34,6 +34,7 @@ absl::Status ReadEverything(Env* env) {
 }
 
 absl::Status Overwrite(Env* env, const std::string& path, const std::string& bytes) {
+  CKPT_RETURN_IF_ERROR(env->RemoveFile(path));  // NewWritableFile never replaces a name.
   CKPT_ASSIGN_OR_RETURN(auto file, env->NewWritableFile(path, FileOptions{}));
   CKPT_RETURN_IF_ERROR(file->Append(AsBytes(bytes)));
   return file->Close();
@@ -47,7 +48,7 @@ TEST(BitFlipTest, EveryFlipIsReportedByVerifyAndRefusedByTheReader) {
   CKPT_ASSERT_OK(ReadEverything(env.get()));
   for (const std::string name : {"MANIFEST", "rank-00000.data"}) {
     const std::string path = std::string(kStep) + "/" + name;
-    auto original = ReadFileToString(env.get(), path);
+    auto original = ReadFileToString(env.get(), path, UINT64_MAX);
     CKPT_ASSERT_OK(original);
     for (size_t bit = 0; bit < original->size() * 8; ++bit) {
       std::string damaged = *original;

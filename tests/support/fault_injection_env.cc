@@ -12,6 +12,9 @@
 namespace ckpt::testing {
 namespace {
 
+// The test Env reads back whatever its target holds.
+constexpr uint64_t kNoSizeLimit = UINT64_MAX;
+
 std::string Normalize(absl::string_view path) {
   while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
   return std::string(path);
@@ -130,6 +133,11 @@ absl::Status FaultInjectionEnv::BeforeMutation(Op op, const std::string& what) {
   return absl::OkStatus();
 }
 
+void FaultInjectionEnv::FailReadOpens(const std::string& path_suffix, int errnum) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  read_failures_.emplace_back(path_suffix, errnum);
+}
+
 void FaultInjectionEnv::AfterMutation() {
   if (crash_after_.has_value() && calls_ >= *crash_after_) crashed_ = true;
 }
@@ -137,7 +145,7 @@ void FaultInjectionEnv::AfterMutation() {
 std::optional<std::string> FaultInjectionEnv::DurableContents(const std::string& path) {
   absl::StatusOr<bool> is_dir = target()->IsDirectory(path);
   if (!is_dir.ok() || *is_dir) return std::nullopt;
-  absl::StatusOr<std::string> bytes = ReadFileToString(target(), path);
+  absl::StatusOr<std::string> bytes = ReadFileToString(target(), path, kNoSizeLimit);
   if (!bytes.ok()) return std::nullopt;
   auto it = files_.find(path);
   if (it != files_.end() && bytes->size() > it->second->synced) bytes->resize(it->second->synced);
@@ -187,6 +195,11 @@ absl::StatusOr<std::unique_ptr<RandomAccessFile>> FaultInjectionEnv::NewRandomAc
     const std::string& path, const FileOptions& options) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   CKPT_RETURN_IF_ERROR(CheckAlive("open " + path));
+  for (const auto& [suffix, errnum] : read_failures_) {
+    if (absl::EndsWith(path, suffix)) {
+      return internal::IoError(errnum, absl::StrCat("injected failure: open ", path));
+    }
+  }
   return target()->NewRandomAccessFile(path, options);
 }
 
@@ -278,13 +291,16 @@ absl::StatusOr<std::unique_ptr<FileLock>> FaultInjectionEnv::LockFile(const std:
 }
 
 absl::Status FaultInjectionEnv::Truncate(const std::string& path, uint64_t size) {
-  CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(target(), path));
+  CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(target(), path, kNoSizeLimit));
   if (bytes.size() <= size) return absl::OkStatus();
   bytes.resize(size);
   return Restore(path, bytes);
 }
 
 absl::Status FaultInjectionEnv::Restore(const std::string& path, const std::string& contents) {
+  // NewWritableFile never replaces a name: the old contents go first.
+  absl::Status removed = target()->RemoveFile(path);
+  if (!removed.ok() && !absl::IsNotFound(removed)) return removed;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
                         target()->NewWritableFile(path, FileOptions{}));
   absl::Status s = file->Append(AsBytes(contents));
@@ -330,6 +346,7 @@ absl::Status FaultInjectionEnv::DropUnsyncedData(std::optional<uint64_t> seed) {
   failures_.clear();
   tear_append_.reset();
   crash_after_.reset();
+  read_failures_.clear();
   crashed_ = false;
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "ckpt/checkpoint_reader.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/coordinator.h"
@@ -19,26 +20,40 @@ namespace ckpt {
 
 // What Open() found and did to make the root consistent.
 struct RecoveryReport {
-  std::vector<std::string> removed;  // Garbage and unpublished steps removed.
-  bool latest_repaired = false;      // LATEST was missing or damaged and was rewritten.
-  std::string latest_problem;        // Why, when latest_repaired.
+  std::vector<std::string> removed;      // Garbage and unpublished steps removed.
+  std::vector<std::string> quarantined;  // Entries moved into quarantine/ (never deleted).
+  bool latest_repaired = false;          // LATEST was missing or damaged and was rewritten.
+  std::string latest_problem;            // Why, when latest_repaired.
 };
+
+// The name of the folder below a root into which recovery moves steps it must set aside.
+inline constexpr char kQuarantineDirName[] = "quarantine";
+
+// Reads <root>/LATEST without following a link. nullopt when there is none; kDataLoss when it
+// is damaged (wrong size, magic or checksum); kFailedPrecondition when it is not a regular
+// file; IO and permission errors as they come.
+absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& root);
+// The steps that have an entry named like a step directory in `root`, ascending. Whether each
+// is a directory, or verifies, is not checked.
+absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root);
 
 // A root directory holding committed steps, LATEST and in-progress saves. The primary handle
 // owns the root (LOCK) and is the only one that commits, recovers and deletes; see
-// StoreOptions::primary. One save at a time per store. Safe for concurrent readers; BeginSave
-// and ApplyRetention must not run concurrently with each other.
+// StoreOptions::primary and StoreOptions::read_only. One save at a time per store.
+// Thread safety: latest_step(), OpenStep(), OpenLatest() and ListSteps() are safe to call
+// concurrently with each other and with a save's commit; BeginSave and ApplyRetention must not
+// run concurrently with each other.
 class CheckpointStore {
  public:
-  // Opens `root`, creating it if absent (primary only). The primary recovers:
-  //   1. takes <root>/LOCK (kFailedPrecondition if another handle holds it);
-  //   2. removes staging and deleting directories left by a crash;
-  //   3. reads LATEST; if it is missing or damaged, or names a step whose MANIFEST does not
-  //      verify, picks the newest step whose MANIFEST verifies and rewrites LATEST durably;
-  //   4. removes step directories newer than LATEST: LATEST is the commit point, so they were
-  //      never published.
-  // A non-primary handle only reads LATEST. Returns kNotFound when a non-primary root is
-  // missing, IO errors as they come.
+  // Opens `root`, creating it if absent (a writable primary only). A root given as a symbolic
+  // link to a directory is resolved once; root() is the resolved path. The primary recovers,
+  // by the rules written at the top of libckpt/recovery.cc: garbage is removed, what is proven
+  // damaged is set aside in quarantine/, and what cannot be read (permission, IO error, a newer
+  // format version, a link or FIFO where the store keeps a file) is left in place while Open
+  // returns kFailedPrecondition naming it and why. A non-primary or read-only handle only
+  // reads LATEST and changes nothing. Returns kNotFound when a non-primary or read-only root
+  // is missing, kFailedPrecondition when the LOCK is held, kDataLoss when a read-only handle
+  // finds LATEST damaged, IO errors as they come.
   static absl::StatusOr<std::unique_ptr<CheckpointStore>> Open(const std::string& root,
                                                                const StoreOptions& options);
   ~CheckpointStore();
@@ -48,19 +63,22 @@ class CheckpointStore {
   const StoreOptions& options() const { return options_; }
   const RecoveryReport& recovery() const { return recovery_; }
   // The step LATEST named at Open or after the last commit through this handle.
-  std::optional<uint64_t> latest_step() const { return latest_; }
+  std::optional<uint64_t> latest_step() const;
   // Steps with a directory in the root, ascending (manifests not verified).
   absl::StatusOr<std::vector<uint64_t>> ListSteps() const;
+  // Names of the entries of quarantine/ (empty when there is none).
+  absl::StatusOr<std::vector<std::string>> ListQuarantine() const;
 
   // Begins saving `step` on this rank. Collective over `coordinator` (null: a single process).
   // Rank 0 must call it on the primary handle. kFailedPrecondition on every rank when `step`
-  // is not newer than LATEST or another save is in flight; IO errors of creating the staging
-  // directory on every rank. Local errors after that are reported by Commit().
+  // is not newer than LATEST, another save is in flight or the handle is read-only; IO errors
+  // of creating the staging directory on every rank. Local errors after that are reported by
+  // Commit().
   absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(uint64_t step,
                                                              Coordinator* coordinator = nullptr);
 
   // Opens a committed step for reading. kNotFound if there is none; kDataLoss if its MANIFEST
-  // or a data file header is damaged.
+  // or a data file header is damaged, or its MANIFEST names another step.
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStep(uint64_t step) const;
   // kNotFound when nothing has been committed.
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest() const;
@@ -68,28 +86,36 @@ class CheckpointStore {
   // Deletes the committed steps `policy` does not keep (never the one LATEST names); each
   // deletion is an atomic rename followed by removal, so a crash leaves every remaining step
   // whole. With dry_run nothing changes. Returns the steps deleted (or that would be).
-  // Primary only (kFailedPrecondition otherwise).
+  // kFailedPrecondition on a non-primary or read-only handle (a dry run works on any).
   absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
                                                        bool dry_run = false);
+  // Deletes everything in quarantine/ (rename-then-remove, as retention does). Returns the
+  // names deleted (or that would be, with dry_run). Primary, writable handle only.
+  absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run = false);
 
  private:
   friend class SaveTransaction;
   CheckpointStore(std::string root, const StoreOptions& options, Env* env);
+  // Recovery (libckpt/recovery.cc).
   absl::Status Recover();
   absl::Status RemoveGarbage();
-  absl::Status RepairLatest();
+  absl::Status FallBack();
+  absl::Status RemoveUnpublished();
+  absl::Status Quarantine(const std::vector<uint64_t>& steps);
   void Log(absl::string_view message) const;
   // Called by rank 0's transaction once LATEST durably names `step`.
   void OnCommitted(uint64_t step);
-  void OnSaveEnded() { save_in_flight_ = false; }
+  void OnSaveEnded();
 
   const std::string root_;
   const StoreOptions options_;
   Env* const env_;
   std::unique_ptr<FileLock> lock_;
   RecoveryReport recovery_;
-  std::optional<uint64_t> latest_;
-  bool save_in_flight_ = false;
+  // latest_ is written by the committing thread and read by any: guarded.
+  mutable absl::Mutex mu_;
+  std::optional<uint64_t> latest_ ABSL_GUARDED_BY(mu_);
+  bool save_in_flight_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace ckpt

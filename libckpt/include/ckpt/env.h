@@ -28,6 +28,11 @@ struct FileOptions {
   // size and alignment stay correct; aligned ones (4 KiB offsets, lengths and addresses) are
   // the fast path.
   bool direct_io = false;
+  // Reads only: follow a symbolic link at the last component of the path. The store's own
+  // files (LATEST, MANIFEST, data files) are opened with false: ckpt never makes a link there,
+  // so a link is someone else's and is refused (kFailedPrecondition) rather than followed. HF
+  // model files may be links (the HuggingFace cache links snapshots to blobs).
+  bool follow_symlinks = true;
 };
 
 // A file being written from the start. Not thread-safe: one writer per file.
@@ -74,10 +79,16 @@ class Env {
   // a PosixEnv (the reason is kept in DefaultEnvFallbackReason()). Never null; never deleted.
   static Env* Default();
 
-  // Creates `path` (truncating an existing file). kNotFound if the directory does not exist.
+  // Creates a new, empty file at `path`. kAlreadyExists when anything (a file, a directory, a
+  // symbolic link, dangling or not) has that name: an existing name is never truncated and a
+  // planted link is never written through (O_CREAT | O_EXCL). kNotFound if the directory does
+  // not exist. Callers that replace a file remove the old name first.
   virtual absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path, const FileOptions& options) = 0;
-  // Opens an existing file. kNotFound if it does not exist.
+  // Opens an existing regular file. kNotFound if it does not exist; kFailedPrecondition naming
+  // the type when it is not a regular file (a FIFO, device or socket is never opened in a way
+  // that can block, and a directory is refused), and when it is a symbolic link and
+  // options.follow_symlinks is false.
   virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
       const std::string& path, const FileOptions& options) = 0;
   // Atomically renames `src` to `dst`, replacing a file `dst`. Durable after SyncDir.
@@ -97,8 +108,12 @@ class Env {
   // OK and true for a directory, false for anything else; kNotFound if absent.
   virtual absl::StatusOr<bool> IsDirectory(const std::string& path) = 0;
   // Takes an exclusive advisory lock on `path` (created if absent). kFailedPrecondition if
-  // another holder has it, in this process or another.
+  // another holder has it, in this process or another, or if `path` is a symbolic link (never
+  // followed: a dangling link would otherwise create its target) or not a regular file.
   virtual absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) = 0;
+  // The absolute path of `path` with every symbolic link resolved, so that a root given as a
+  // link to a directory is resolved once and worked below. kNotFound if it does not exist.
+  virtual absl::StatusOr<std::string> RealPath(const std::string& path) = 0;
 };
 
 // Forwards every call to a target Env; test Envs override only what they change.
@@ -135,6 +150,9 @@ class EnvWrapper : public Env {
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
     return target_->LockFile(path);
   }
+  absl::StatusOr<std::string> RealPath(const std::string& path) override {
+    return target_->RealPath(path);
+  }
 
  private:
   Env* target_;
@@ -151,9 +169,20 @@ std::unique_ptr<Env> NewMemEnv();
 std::string DefaultEnvFallbackReason();
 
 // Helpers built on Env.
-// Reads a whole file into a string.
-absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path);
-// Writes `data` to `path` durably: tmp file, Append, Sync, Close, rename, SyncDir(parent).
+// Reads a whole regular file into a string. The size is checked before anything is allocated:
+// kDataLoss naming the file and both sizes when it holds more than `max_bytes`.
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
+                                             uint64_t max_bytes,
+                                             const FileOptions& options = FileOptions{});
+// Writes `parts` to `path` through `tmp` (same directory): a stale `tmp` (ours from a crash, or
+// a link someone planted) is unlinked, never followed; then `tmp` is created exclusively,
+// appended, synced, closed and renamed over `path`. The rename is durable only after the
+// directory is synced, which is left to the caller (several files may share one SyncDir). On
+// failure `tmp` is removed (best effort) and `path` is untouched.
+absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
+                             std::span<const std::span<const std::byte>> parts,
+                             const FileOptions& options = FileOptions{});
+// WriteFileViaTmp through `path`.tmp, then SyncDir of the parent: durable on return.
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data);
 // Removes `path` and, if it is a directory, everything below it. Not durable until the parent
 // directory is synced. kNotFound if absent.

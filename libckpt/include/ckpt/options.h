@@ -26,6 +26,10 @@ struct StoreOptions {
   // directories, repairs LATEST), commits saves as rank 0 and applies retention. Exactly one
   // handle per root is primary; the other ranks of a job open theirs with primary = false.
   bool primary = true;
+  // Opens without the LOCK and without recovery, and changes nothing on disk: saves and
+  // retention are refused (kFailedPrecondition); only reads and a retention dry run work. What
+  // read-only tools (`ckpt-tool inspect`, `verify`, `gc --dry-run`) use.
+  bool read_only = false;
   // Raw bytes per chunk of a piece. Every chunk is checksummed and may be compressed on its own.
   uint64_t chunk_bytes = uint64_t{4} << 20;
   formats::Codec codec = formats::Codec::kRaw;
