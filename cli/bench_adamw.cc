@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/staged_adamw.h"
@@ -113,6 +114,14 @@ absl::StatusOr<CpuFigures> BenchCpu(uint64_t n, int threads, int steps, formats:
 int RunBenchAdamw(const BenchAdamwArgs& args) {
   if (args.params == 0)
     return ReportError("bench adamw", absl::InvalidArgumentError("--params must be positive"));
+  // Slabs (up to 12 B), gradients (up to 4 B), weights (2 B) and the bound's buffers: 32 B per
+  // parameter covers every layout.
+  constexpr uint64_t kBytesPerParam = 32;
+  absl::Status fits =
+      CheckFitsInMemory(args.params > UINT64_MAX / kBytesPerParam ? UINT64_MAX
+                                                                  : args.params * kBytesPerParam,
+                        absl::StrCat("bench adamw --params ", args.params));
+  if (!fits.ok()) return ReportError("bench adamw", fits);
   nlohmann::json out = {{"params", args.params}};
   bool any = false;
   if (args.engine == "cpu" || args.engine == "both") {

@@ -225,6 +225,10 @@ int RunBenchIo(const BenchIoArgs& args) {
   const uint64_t bytes = *size / 4 * 4;
   if (bytes == 0)
     return ReportError("bench io", absl::InvalidArgumentError("--size must be at least 4 bytes"));
+  // The state, and the buffer it is loaded back into.
+  absl::Status fits = CheckFitsInMemory(bytes > UINT64_MAX / 2 ? UINT64_MAX : 2 * bytes,
+                                        absl::StrCat("bench io --size ", args.size));
+  if (!fits.ok()) return ReportError("bench io", fits);
   Env* env = Env::Default();
   absl::StatusOr<bool> is_dir = env->IsDirectory(args.dir);
   if (!is_dir.ok() || !*is_dir) {

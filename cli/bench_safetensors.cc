@@ -104,7 +104,17 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
   Env* env = Env::Default();
   const uint64_t esize = formats::StDTypeBits(*dtype) / 8;
   const int tensors = std::max(1, args.tensors);
-  const uint64_t elems = std::max<uint64_t>(1, *size / esize / static_cast<uint64_t>(tensors));
+  if (*size < esize * static_cast<uint64_t>(tensors)) {
+    return ReportError("bench safetensors",
+                       absl::InvalidArgumentError(absl::StrCat(
+                           "--size ", args.size, " is less than one ", args.dtype,
+                           " element per tensor (", tensors, " tensors x ", esize, " B)")));
+  }
+  const uint64_t elems = *size / esize / static_cast<uint64_t>(tensors);
+  // The tensors' FP32 copies, plus one tensor's source bytes.
+  absl::Status fits = CheckFitsInMemory(elems * static_cast<uint64_t>(tensors) * 4 + elems * esize,
+                                        absl::StrCat("bench safetensors --size ", args.size));
+  if (!fits.ok()) return ReportError("bench safetensors", fits);
   std::vector<uint16_t> source(elems * esize / 2 + 1);
   std::mt19937 rng(1);
   for (uint16_t& x : source)

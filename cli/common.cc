@@ -39,6 +39,17 @@ std::string Printable(absl::string_view text) {
   return out;
 }
 
+absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page_bytes = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_bytes <= 0) return absl::OkStatus();  // Unknown: let allocation tell.
+  const uint64_t physical = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_bytes);
+  if (bytes <= physical) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", FormatBytes(bytes),
+                                                   " of memory; this machine has ",
+                                                   FormatBytes(physical)));
+}
+
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   uint64_t multiplier = 1;
   absl::string_view digits = text;

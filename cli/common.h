@@ -28,6 +28,10 @@ int ReportError(absl::string_view context, const absl::Status& status);
 // Other bytes (UTF-8 names) pass unchanged. JSON output is escaped by the JSON encoder instead.
 std::string Printable(absl::string_view text);
 
+// kResourceExhausted naming `what` when `bytes` exceed the machine's physical memory: a
+// benchmark that would need more fails with a clear message instead of std::bad_alloc.
+absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what);
+
 // Parses "123", "4K", "2M", "2G", "1T" (powers of 1024).
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
 std::string FormatBytes(uint64_t bytes);

@@ -30,6 +30,13 @@ int RunHfReshard(const HfReshardArgs& args) {
   std::sort(order.begin(), order.end(), [](const HfTensor* a, const HfTensor* b) {
     return std::tie(a->shard, a->file_offset) < std::tie(b->shard, b->file_offset);
   });
+  uint64_t total = 0;
+  for (const HfTensor* t : order) {
+    total = t->byte_size > UINT64_MAX - total ? UINT64_MAX : total + t->byte_size;
+  }
+  absl::Status fits = CheckFitsInMemory(
+      total, absl::StrCat("hf-reshard holds every tensor of ", args.src, " in memory; it"));
+  if (!fits.ok()) return ReportError("hf-reshard", fits);
   std::vector<std::string> storage;
   storage.reserve(order.size());
   std::vector<HfTensorData> tensors;

@@ -1,16 +1,68 @@
 // ckpt-tool: inspect, verify, gc and benchmark checkpoint stores. The only place CLI11 appears;
 // its exceptions stay here.
+#include <charconv>
+#include <cstdint>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
 #include "cli/common.h"
 
+namespace {
+
+// A whole number in [lo, hi], written in plain decimal digits. CLI11 would read "-1" into an
+// unsigned option as 2^64-1, and its range checks print their bounds as doubles.
+CLI::Validator WholeNumber(uint64_t lo, uint64_t hi) {
+  const std::string range = std::to_string(lo) + " to " + std::to_string(hi);
+  return CLI::Validator(
+      [lo, hi, range](std::string& text) -> std::string {
+        uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (text.empty() || ec != std::errc() || ptr != end || value < lo || value > hi) {
+          return "must be a whole number from " + range + ", got \"" + text + "\"";
+        }
+        return std::string();
+      },
+      "INT in " + range);
+}
+
+// Names an unknown subcommand: CLI11 would only say that a subcommand is required.
+bool UnknownSubcommand(CLI::App& app, int argc, char** argv, std::string* message) {
+  CLI::App* level = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.empty() || arg[0] == '-') return false;
+    std::vector<std::string> known;
+    for (CLI::App* sub : level->get_subcommands([](CLI::App*) { return true; }))
+      known.push_back(sub->get_name());
+    if (known.empty()) return false;
+    bool found = false;
+    for (CLI::App* sub : level->get_subcommands([](CLI::App*) { return true; })) {
+      if (sub->get_name() == arg) {
+        level = sub;
+        found = true;
+      }
+    }
+    if (!found) {
+      *message = "unknown subcommand \"" + arg + "\" of " + level->get_name() + "; expected one of:";
+      for (const std::string& k : known) *message += " " + k;
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace ckpt::cli;
-  CLI::App app{"ckpt-tool: inspect, verify and maintain ckpt checkpoint stores"};
+  CLI::App app{"ckpt-tool: inspect, verify and maintain ckpt checkpoint stores", "ckpt-tool"};
   app.require_subcommand(1);
+  const CLI::Validator kStep = WholeNumber(0, UINT64_MAX);
 
   InspectArgs inspect;
   CLI::App* inspect_cmd =
@@ -20,7 +72,8 @@ int main(int argc, char** argv) {
   inspect_cmd
       ->add_option("path", inspect.root, "ckpt root, .safetensors file or HF model directory")
       ->required();
-  inspect_cmd->add_option("--step", inspect.step, "Show this step (default: the one LATEST names)");
+  inspect_cmd->add_option("--step", inspect.step, "Show this step (default: the one LATEST names)")
+      ->check(kStep);
   inspect_cmd->add_flag("--json", inspect.json, "Print one JSON object");
 
   VerifyArgs verify;
@@ -28,7 +81,8 @@ int main(int argc, char** argv) {
       "verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
   verify_cmd->add_option("path", verify.root, "ckpt root, .safetensors file or HF model directory")
       ->required();
-  CLI::Option* step_opt = verify_cmd->add_option("--step", verify.step, "Verify this step");
+  CLI::Option* step_opt =
+      verify_cmd->add_option("--step", verify.step, "Verify this step")->check(kStep);
   verify_cmd->add_flag("--all", verify.all, "Verify every step")->excludes(step_opt);
   verify_cmd->add_flag("--json", verify.json, "Print one JSON object");
 
@@ -37,9 +91,13 @@ int main(int argc, char** argv) {
   gc_cmd->add_option("root", gc.root, "Checkpoint root directory")->required();
   gc_cmd->add_option("--keep-last", gc.keep_last, "Keep the newest K steps")
       ->required()
-      ->check(CLI::PositiveNumber);
-  gc_cmd->add_option("--keep-every", gc.keep_every, "Also keep steps that are multiples of N");
-  gc_cmd->add_flag("--dry-run", gc.dry_run, "Only print what would be deleted");
+      ->check(WholeNumber(1, UINT64_MAX));
+  gc_cmd->add_option("--keep-every", gc.keep_every, "Also keep steps that are multiples of N")
+      ->check(WholeNumber(0, UINT64_MAX));
+  gc_cmd->add_flag("--dry-run", gc.dry_run,
+                   "Only print what would be deleted (opens read-only: no recovery, no change)");
+  gc_cmd->add_flag("--purge-quarantine", gc.purge_quarantine,
+                   "Also delete the steps recovery set aside in quarantine/");
   gc_cmd->add_flag("--json", gc.json, "Print one JSON object");
 
   CLI::App* bench_cmd =
@@ -50,9 +108,9 @@ int main(int argc, char** argv) {
       "io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
   io_cmd->add_option("--dir", bench_io.dir, "Directory to benchmark in (must exist)")->required();
   io_cmd->add_option("--size", bench_io.size, "Bytes of state, e.g. 2G")->required();
-  io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")->check(CLI::Range(1, 256));
+  io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")->check(WholeNumber(1, 256));
   io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")
-      ->check(CLI::Range(1, 19));
+      ->check(WholeNumber(1, 19));
   io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");
   io_cmd->add_flag("--json", bench_io.json, "Print one JSON object");
 
@@ -64,20 +122,22 @@ int main(int argc, char** argv) {
   st_cmd->add_option("--size", bench_st.size, "File size, e.g. 2G")->required();
   st_cmd->add_option("--dtype", bench_st.dtype, "BF16, F16 or F32");
   st_cmd->add_option("--tensors", bench_st.tensors, "Number of tensors")
-      ->check(CLI::Range(1, 100000));
-  st_cmd->add_option("--threads", bench_st.threads, "Reader threads")->check(CLI::Range(1, 256));
+      ->check(WholeNumber(1, 100000));
+  st_cmd->add_option("--threads", bench_st.threads, "Reader threads")->check(WholeNumber(1, 256));
   st_cmd
       ->add_option("--rounds", bench_st.rounds,
                    "Rounds of (bound, write, read); the median is reported")
-      ->check(CLI::Range(1, 100));
+      ->check(WholeNumber(1, 100));
   st_cmd->add_flag("--json", bench_st.json, "Print one JSON object");
 
   BenchAdamwArgs bench_adamw;
   CLI::App* adamw_cmd = bench_cmd->add_subcommand(
       "adamw", "StagedAdamW steps per second against host-memory or PCIe bounds");
   adamw_cmd->add_option("--params", bench_adamw.params, "Parameters (elements) on this rank")
-      ->required();
-  adamw_cmd->add_option("--threads", bench_adamw.threads, "CPU engine threads (0: every core)");
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  adamw_cmd->add_option("--threads", bench_adamw.threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
   adamw_cmd->add_option("--engine", bench_adamw.engine, "cpu, cuda or both")
       ->check(CLI::IsMember({"cpu", "cuda", "both"}));
   adamw_cmd
@@ -94,7 +154,7 @@ int main(int argc, char** argv) {
   adamw_cmd->add_flag("--check-finite", bench_adamw.check_finite,
                       "CPU engine: every step checks the gradients for NaN/Inf first");
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
-      ->check(CLI::Range(1, 1000));
+      ->check(WholeNumber(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
 
   HfReshardArgs reshard;
@@ -108,6 +168,11 @@ int main(int argc, char** argv) {
                           "Shard the output at this many bytes, e.g. 5G");
   reshard_cmd->add_flag("--json", reshard.json, "Print one JSON object");
 
+  std::string unknown;
+  if (UnknownSubcommand(app, argc, argv, &unknown)) {
+    std::cerr << "ckpt-tool: " << Printable(unknown) << "\nRun with --help for more information.\n";
+    return kExitUsage;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -31,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "libckpt/checksum.h"
 #include "libckpt/coding.h"
+#include "formats/strict_json.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt::formats {
@@ -45,29 +46,6 @@ constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;
 
 absl::string_view Magic(ManifestKind kind) {
   return kind == ManifestKind::kManifest ? "CKPTMANI" : "CKPTPART";
-}
-
-// Rejects inputs nested deeper than kMaxJsonDepth before the parser sees them.
-bool DepthWithinLimit(absl::string_view text) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    char c = text[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-      continue;
-    }
-    if (c == '"')
-      in_string = true;
-    else if (c == '[' || c == '{') {
-      if (++depth > kMaxJsonDepth) return false;
-    } else if (c == ']' || c == '}')
-      --depth;
-  }
-  return true;
 }
 
 // Reads JSON fields with type checks; the first failure is kept and names the field.
@@ -491,9 +469,13 @@ absl::StatusOr<Manifest> ParseManifest(std::span<const std::byte> bytes, absl::s
         absl::StrCat(file, ": manifest format version ", version, " is not supported"));
   }
   absl::string_view text = AsStringView(bytes.subspan(kManifestHeaderBytes));
-  if (!DepthWithinLimit(text)) return Invalid(file, "JSON nests too deeply");
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return Invalid(file, "JSON does not parse");
+  internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxJsonDepth);
+  if (parsed.too_deep) return Invalid(file, "JSON nests too deeply");
+  if (!parsed.duplicate.empty()) {
+    return Invalid(file, absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
+  }
+  if (!parsed.ok()) return Invalid(file, "JSON does not parse");
+  const json& root = parsed.value;
 
   Reader r{std::string(file)};
   Manifest m;

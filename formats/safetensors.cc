@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "libckpt/coding.h"
+#include "formats/strict_json.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt::formats {
@@ -74,47 +75,6 @@ constexpr std::array<StDTypeEntry, 22> kStDTypes = {{
 
 absl::Status Rule(absl::string_view file, absl::string_view rule, absl::string_view detail) {
   return absl::DataLossError(absl::StrCat(file, ": ", rule, ": ", detail));
-}
-
-// Depth of [ and { outside strings must stay within `limit`.
-bool DepthWithin(absl::string_view text, int limit) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return false;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return true;
-}
-
-// Parses JSON, rejecting duplicate keys in any object. Returns a discarded value on failure and
-// sets *duplicate to the first repeated key.
-json ParseStrictJson(absl::string_view text, std::string* duplicate) {
-  std::vector<std::set<std::string>> keys;
-  json::parser_callback_t cb = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) {
-      keys.emplace_back();
-    } else if (event == json::parse_event_t::object_end) {
-      if (!keys.empty()) keys.pop_back();
-    } else if (event == json::parse_event_t::key && !keys.empty() && parsed.is_string()) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!keys.back().insert(key).second && duplicate->empty()) *duplicate = key;
-    }
-    return true;
-  };
-  return json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/false);
 }
 
 // Reads a JSON array of unsigned integers.
@@ -289,16 +249,16 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::by
                              " after the JSON object is not a space (0x20) padding byte"));
   }
   text = text.substr(0, last + 1);
-  if (!DepthWithin(text, kMaxHeaderDepth))
-    return Rule(file, "InvalidHeader", "JSON nests too deeply");
-  std::string duplicate;
-  json root = ParseStrictJson(text, &duplicate);
-  if (root.is_discarded() || !root.is_object()) {
+  internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxHeaderDepth);
+  if (parsed.too_deep) return Rule(file, "InvalidHeader", "JSON nests too deeply");
+  if (!parsed.duplicate.empty()) {
+    return Rule(file, "InvalidHeader",
+                absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
+  }
+  if (!parsed.ok() || !parsed.value.is_object()) {
     return Rule(file, "InvalidHeader", "header is not a UTF-8 JSON object");
   }
-  if (!duplicate.empty()) {
-    return Rule(file, "InvalidHeader", absl::StrCat("key \"", duplicate, "\" appears twice"));
-  }
+  const json& root = parsed.value;
   for (auto it = root.begin(); it != root.end(); ++it) {
     if (it.key() == "__metadata__") {
       if (!it.value().is_object())
@@ -399,14 +359,15 @@ absl::StatusOr<HfIndex> ParseHfIndex(std::span<const std::byte> bytes, absl::str
                 absl::StrCat(bytes.size(), " bytes exceeds ", kMaxSafetensorsHeaderBytes));
   }
   absl::string_view text = AsStringView(bytes);
-  if (!DepthWithin(text, kMaxHeaderDepth))
-    return Rule(file, "InvalidIndex", "JSON nests too deeply");
-  std::string duplicate;
-  json root = ParseStrictJson(text, &duplicate);
-  if (root.is_discarded() || !root.is_object())
+  internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxHeaderDepth);
+  if (parsed.too_deep) return Rule(file, "InvalidIndex", "JSON nests too deeply");
+  if (!parsed.duplicate.empty()) {
+    return Rule(file, "InvalidIndex",
+                absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
+  }
+  if (!parsed.ok() || !parsed.value.is_object())
     return Rule(file, "InvalidIndex", "not a UTF-8 JSON object");
-  if (!duplicate.empty())
-    return Rule(file, "InvalidIndex", absl::StrCat("key \"", duplicate, "\" appears twice"));
+  const json& root = parsed.value;
   HfIndex index;
   auto meta = root.find("metadata");
   if (meta != root.end() && !meta->is_null()) {

@@ -70,9 +70,19 @@ absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
 absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
                              std::span<const std::span<const std::byte>> parts,
                              const FileOptions& options) {
-  // The exclusive create below fails rather than write through a name planted after this.
-  absl::Status stale = env->RemoveFile(tmp);
-  if (!stale.ok() && !absl::IsNotFound(stale)) return stale;
+  // A regular file left at `tmp` is ours from a crash and is removed; anything else there (a
+  // link, a FIFO, a directory) was planted, and is an error, not a target. The exclusive
+  // create below fails rather than write through a name planted after this check.
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> stale =
+      env->NewRandomAccessFile(tmp, FileOptions{.follow_symlinks = false});
+  if (stale.ok()) {
+    stale->reset();
+    CKPT_RETURN_IF_ERROR(env->RemoveFile(tmp));
+  } else if (!absl::IsNotFound(stale.status())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "write ", path, ": refusing to use the temporary name ", tmp, ", which ckpt did not "
+        "make: ", stale.status().message()));
+  }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, options));
   absl::Status status;
   for (std::span<const std::byte> part : parts) {

@@ -174,9 +174,10 @@ std::string DefaultEnvFallbackReason();
 absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
                                              uint64_t max_bytes,
                                              const FileOptions& options = FileOptions{});
-// Writes `parts` to `path` through `tmp` (same directory): a stale `tmp` (ours from a crash, or
-// a link someone planted) is unlinked, never followed; then `tmp` is created exclusively,
-// appended, synced, closed and renamed over `path`. The rename is durable only after the
+// Writes `parts` to `path` through `tmp` (same directory): a regular file at `tmp` (ours from a
+// crash) is removed, anything else there (a link, FIFO or directory someone planted) is
+// kFailedPrecondition and never followed; then `tmp` is created exclusively, appended,
+// synced, closed and renamed over `path`. The rename is durable only after the
 // directory is synced, which is left to the caller (several files may share one SyncDir). On
 // failure `tmp` is removed (best effort) and `path` is untouched.
 absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
