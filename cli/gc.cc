@@ -3,6 +3,7 @@
 // read-only (no LOCK, no recovery) and changes nothing.
 #include <iostream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/checkpoint_store.h"
 #include "cli/commands.h"
@@ -42,8 +43,12 @@ int RunGc(const GcArgs& args) {
                {"recovery_problem", recovery.latest_problem}});
     return kExitOk;
   }
-  if (!recovery.latest_problem.empty())
-    std::cout << "recovery: " << Printable(recovery.latest_problem) << "\n";
+  if (recovery.latest_repaired) {
+    const std::optional<uint64_t> latest = (*store)->latest_step();
+    std::cout << "recovery: " << Printable(recovery.latest_problem) << "; LATEST now names "
+              << (latest.has_value() ? absl::StrCat("step ", *latest) : std::string("no step"))
+              << "\n";
+  }
   for (const std::string& r : recovery.removed)
     std::cout << "recovery removed " << Printable(r) << "\n";
   for (const std::string& q : recovery.quarantined)

@@ -14,6 +14,8 @@ namespace {
 
 // The test Env reads back whatever its target holds.
 constexpr uint64_t kNoSizeLimit = UINT64_MAX;
+// The largest replaced or removed file whose durable contents are kept for DropUnsyncedData.
+constexpr uint64_t kMaxSavedBytes = uint64_t{1} << 30;
 
 std::string Normalize(absl::string_view path) {
   while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
@@ -145,7 +147,8 @@ void FaultInjectionEnv::AfterMutation() {
 std::optional<std::string> FaultInjectionEnv::DurableContents(const std::string& path) {
   absl::StatusOr<bool> is_dir = target()->IsDirectory(path);
   if (!is_dir.ok() || *is_dir) return std::nullopt;
-  absl::StatusOr<std::string> bytes = ReadFileToString(target(), path, kNoSizeLimit);
+  // A file too large to keep in memory (a sparse one a test planted) is not restorable.
+  absl::StatusOr<std::string> bytes = ReadFileToString(target(), path, kMaxSavedBytes);
   if (!bytes.ok()) return std::nullopt;
   auto it = files_.find(path);
   if (it != files_.end() && bytes->size() > it->second->synced) bytes->resize(it->second->synced);

@@ -1,11 +1,15 @@
 #include "tests/support/synthetic_state.h"
 
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/verify.h"
+#include "libckpt/checksum.h"
+#include "libckpt/coding.h"
 #include "libckpt/status_macros.h"
 
 namespace ckpt::testing {
@@ -126,6 +130,29 @@ absl::StatusOr<std::optional<uint64_t>> CheckStoreConsistent(const std::string& 
       return absl::InternalError("blob differs");
   }
   return latest;
+}
+
+absl::Status RewriteManifestVersion(const std::string& path, uint32_t version) {
+  std::string m;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::NotFoundError(path);
+    m.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  if (m.size() < 32) return absl::DataLossError(absl::StrCat(path, ": too short"));
+  std::string v;
+  PutFixed32(&v, version);
+  m.replace(8, 4, v);
+  StreamingChecksum sum;
+  sum.Update(AsBytes(absl::string_view(m).substr(0, 24)));
+  sum.Update(AsBytes(absl::string_view(m).substr(32)));
+  std::string digest;
+  PutFixed64(&digest, sum.Digest());
+  m.replace(24, 8, digest);
+  std::remove(path.c_str());
+  std::ofstream out(path, std::ios::binary);
+  out << m;
+  return out.good() ? absl::OkStatus() : absl::InternalError(absl::StrCat("write ", path));
 }
 
 }  // namespace ckpt::testing

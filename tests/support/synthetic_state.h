@@ -33,6 +33,10 @@ absl::Status SaveSyntheticStep(const std::string& root, const StoreOptions& opti
 absl::StatusOr<std::optional<uint64_t>> CheckStoreConsistent(const std::string& root,
                                                              const StoreOptions& options);
 
+// Rewrites the format version of the MANIFEST at `path` (a file on the real file system) and
+// re-seals its checksum, as a writer of that version would have written it.
+absl::Status RewriteManifestVersion(const std::string& path, uint32_t version);
+
 }  // namespace ckpt::testing
 
 #endif  // CKPT_TESTS_SUPPORT_SYNTHETIC_STATE_H_

@@ -1,0 +1,282 @@
+// Recovery never deletes what it cannot read (recovery.cc): for each way the step LATEST names
+// can be unreadable, Open either refuses and changes nothing, or falls back and sets the newer
+// steps aside in quarantine/, byte for byte. Runs on a real directory through PosixEnv, with
+// EACCES injected by a FaultInjectionEnv (the tests may run as root, whom chmod does not stop).
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "ckpt/checkpoint_store.h"
+#include "libckpt/coding.h"
+#include "tests/support/fault_injection_env.h"
+#include "tests/support/status_matchers.h"
+#include "tests/support/synthetic_state.h"
+#include "tests/support/temp_dir.h"
+#include "tests/support/tree_snapshot.h"
+
+namespace ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::FaultInjectionEnv;
+using testing::StatusIs;
+using testing::TreeSnapshot;
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void Spit(const std::string& path, const std::string& bytes) {
+  fs::remove(path);
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+struct Case {
+  const char* name;
+  // Damages the store under `root`; may arm `env`.
+  std::function<void(const std::string& root, FaultInjectionEnv* env)> damage;
+  // kOk: recovery falls back to step 2, step 3 set aside. Otherwise the code Open returns.
+  absl::StatusCode open_code;
+  std::optional<uint64_t> latest_after = std::nullopt;
+};
+
+class RecoveryTest : public ::testing::Test {
+ protected:
+  RecoveryTest() : posix_(NewPosixEnv()), env_(posix_.get()) {
+    root_ = tmp_.path() + "/store";
+    options_.env = posix_.get();
+    options_.chunk_bytes = 1000;
+  }
+  void SaveThreeSteps() {
+    for (uint64_t step : {1, 2, 3})
+      CKPT_ASSERT_OK(testing::SaveSyntheticStep(root_, options_, 2, step));
+  }
+  std::string Step(int step) { return root_ + "/step-0000000" + std::to_string(step); }
+
+  testing::ScopedTempDir tmp_;
+  std::unique_ptr<Env> posix_;
+  FaultInjectionEnv env_;
+  std::string root_;
+  StoreOptions options_;
+};
+
+class UnreadableStepTest : public RecoveryTest, public ::testing::WithParamInterface<Case> {};
+
+// Every file of `step_dir` in `before` is in `after`, byte for byte, at its place or under
+// one quarantine/<step>-<nonce>/ directory.
+void ExpectStepKept(const TreeSnapshot& before, const TreeSnapshot& after, const std::string& name) {
+  std::string moved_to;
+  for (const auto& [path, what] : after) {
+    if (absl::StartsWith(path, "quarantine/" + name + "-") && what == "dir" &&
+        path.find('/', 11) == std::string::npos) {
+      moved_to = path;
+    }
+  }
+  for (const auto& [path, what] : before) {
+    if (!absl::StartsWith(path, name + "/")) continue;
+    auto here = after.find(path);
+    if (here != after.end() && here->second == what) continue;
+    ASSERT_FALSE(moved_to.empty()) << path << " is gone and " << name << " is not in quarantine/";
+    auto there = after.find(moved_to + path.substr(name.size()));
+    ASSERT_NE(there, after.end()) << path << " lost";
+    EXPECT_EQ(there->second, what) << path << " changed";
+  }
+}
+
+TEST_P(UnreadableStepTest, RecoveryNeverDeletesAStepItCannotRead) {
+  const Case& c = GetParam();
+  SaveThreeSteps();
+  c.damage(root_, &env_);
+  const TreeSnapshot before = testing::SnapshotTree(root_);
+  StoreOptions o = options_;
+  o.env = &env_;
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(root_, o);
+  const TreeSnapshot after = testing::SnapshotTree(root_);
+  if (c.open_code != absl::StatusCode::kOk) {
+    ASSERT_THAT(store, StatusIs(c.open_code));
+    EXPECT_THAT(std::string(store.status().message()), ::testing::HasSubstr("nothing was changed"));
+    EXPECT_EQ(testing::DescribeDifference(before, after), "");
+    return;
+  }
+  CKPT_ASSERT_OK(store);
+  EXPECT_EQ((*store)->latest_step(), c.latest_after);
+  for (const char* step : {"step-00000001", "step-00000002", "step-00000003"}) {
+    ExpectStepKept(before, after, step);
+  }
+  // What was set aside stays set aside: a second open changes nothing more.
+  store->reset();
+  auto again = CheckpointStore::Open(root_, o);
+  CKPT_ASSERT_OK(again);
+  EXPECT_EQ(testing::DescribeDifference(after, testing::SnapshotTree(root_)), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, UnreadableStepTest,
+    ::testing::Values(
+        Case{"NewerManifestVersion",
+             [](const std::string& root, FaultInjectionEnv*) {
+               CKPT_ASSERT_OK(
+                   testing::RewriteManifestVersion(root + "/step-00000003/MANIFEST", 2));
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"PermissionDeniedOnADataFile",
+             [](const std::string&, FaultInjectionEnv* env) {
+               env->FailReadOpens("step-00000003/rank-00001.data", EACCES);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"PermissionDeniedOnLatest",
+             [](const std::string&, FaultInjectionEnv* env) { env->FailReadOpens("/LATEST", EACCES); },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"IoErrorOnTheManifest",
+             [](const std::string&, FaultInjectionEnv* env) {
+               env->FailReadOpens("step-00000003/MANIFEST", EIO);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"StepDirectoryIsASymlink",
+             [](const std::string& root, FaultInjectionEnv*) {
+               fs::rename(root + "/step-00000003", root + "/../elsewhere");
+               fs::create_directory_symlink(root + "/../elsewhere", root + "/step-00000003");
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"DataFileIsASymlink",
+             [](const std::string& root, FaultInjectionEnv*) {
+               const std::string f = root + "/step-00000003/rank-00000.data";
+               fs::rename(f, root + "/../rank-00000.data");
+               fs::create_symlink(root + "/../rank-00000.data", f);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"ManifestIsAFifo",
+             [](const std::string& root, FaultInjectionEnv*) {
+               fs::remove(root + "/step-00000003/MANIFEST");
+               ASSERT_EQ(::mkfifo((root + "/step-00000003/MANIFEST").c_str(), 0644), 0);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"LatestIsAFifo",
+             [](const std::string& root, FaultInjectionEnv*) {
+               fs::remove(root + "/LATEST");
+               ASSERT_EQ(::mkfifo((root + "/LATEST").c_str(), 0644), 0);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"DamagedLatestAndAnUnreadableNewestStep",
+             [](const std::string& root, FaultInjectionEnv* env) {
+               Spit(root + "/LATEST", "garbage");
+               env->FailReadOpens("step-00000003/MANIFEST", EACCES);
+             },
+             absl::StatusCode::kFailedPrecondition},
+        Case{"OneFieldOfTheManifestDamaged",
+             [](const std::string& root, FaultInjectionEnv*) {
+               std::string m = Slurp(root + "/step-00000003/MANIFEST");
+               m[m.size() / 2] ^= 0x04;
+               Spit(root + "/step-00000003/MANIFEST", m);
+             },
+             absl::StatusCode::kOk, 2},
+        Case{"TruncatedDataFile",
+             [](const std::string& root, FaultInjectionEnv*) {
+               fs::resize_file(root + "/step-00000003/rank-00001.data", 4096 + 100);
+             },
+             absl::StatusCode::kOk, 2},
+        Case{"SparseTebibyteLatest",
+             [](const std::string& root, FaultInjectionEnv*) {
+               fs::resize_file(root + "/LATEST", uint64_t{1} << 40);
+             },
+             absl::StatusCode::kOk, 3},
+        Case{"LatestNamesAMissingStep",
+             [](const std::string& root, FaultInjectionEnv*) {
+               Spit(root + "/LATEST", formats::EncodeLatest(99));
+             },
+             absl::StatusCode::kOk, 3}),
+    [](const ::testing::TestParamInfo<Case>& p) { return std::string(p.param.name); });
+
+TEST_F(RecoveryTest, AFileWithAStepNameNewerThanLatestIsQuarantinedNotDeleted) {
+  SaveThreeSteps();
+  Spit(root_ + "/step-00000009", "not ours");
+  auto store = CheckpointStore::Open(root_, options_);
+  CKPT_ASSERT_OK(store);
+  EXPECT_EQ((*store)->latest_step(), std::optional<uint64_t>(3));
+  ASSERT_EQ((*store)->recovery().quarantined.size(), 1u);
+  EXPECT_EQ(Slurp(root_ + "/" + (*store)->recovery().quarantined[0]), "not ours");
+}
+
+TEST_F(RecoveryTest, ReadOnlyOpenChangesNothing) {
+  SaveThreeSteps();
+  fs::create_directory(root_ + "/.staging-step-00000004-0123456789abcdef");
+  fs::copy(Step(3), root_ + "/step-00000005", fs::copy_options::recursive);
+  const TreeSnapshot before = testing::SnapshotTree(root_);
+  StoreOptions o = options_;
+  o.read_only = true;
+  auto store = CheckpointStore::Open(root_, o);
+  CKPT_ASSERT_OK(store);
+  EXPECT_EQ((*store)->latest_step(), std::optional<uint64_t>(3));
+  EXPECT_THAT((*store)->ApplyRetention({1, 0}, /*dry_run=*/false),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT((*store)->BeginSave(6), StatusIs(absl::StatusCode::kFailedPrecondition));
+  auto doomed = (*store)->ApplyRetention({1, 0}, /*dry_run=*/true);
+  CKPT_ASSERT_OK(doomed);
+  EXPECT_EQ(testing::DescribeDifference(before, testing::SnapshotTree(root_)), "");
+}
+
+TEST_F(RecoveryTest, QuarantineIsPurgedOnlyOnRequest) {
+  SaveThreeSteps();
+  Spit(root_ + "/LATEST", "garbage");
+  fs::resize_file(Step(3) + "/rank-00000.data", 5000);
+  {
+    auto store = CheckpointStore::Open(root_, options_);
+    CKPT_ASSERT_OK(store);
+    auto listed = (*store)->ListQuarantine();
+    CKPT_ASSERT_OK(listed);
+    EXPECT_EQ(listed->size(), 1u);
+  }
+  auto store = CheckpointStore::Open(root_, options_);
+  CKPT_ASSERT_OK(store);
+  auto dry = (*store)->PurgeQuarantine(/*dry_run=*/true);
+  CKPT_ASSERT_OK(dry);
+  EXPECT_EQ(dry->size(), 1u);
+  EXPECT_EQ((*store)->ListQuarantine()->size(), 1u);
+  auto purged = (*store)->PurgeQuarantine();
+  CKPT_ASSERT_OK(purged);
+  EXPECT_EQ(purged->size(), 1u);
+  EXPECT_TRUE((*store)->ListQuarantine()->empty());
+  EXPECT_TRUE(fs::exists(Step(2) + "/MANIFEST"));
+}
+
+TEST_F(RecoveryTest, DanglingLockSymlinkIsRefusedAndItsTargetNotCreated) {
+  SaveThreeSteps();
+  fs::remove(root_ + "/LOCK");
+  fs::create_symlink(tmp_.path() + "/planted-target", root_ + "/LOCK");
+  EXPECT_THAT(CheckpointStore::Open(root_, options_),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_FALSE(fs::exists(tmp_.path() + "/planted-target"));
+}
+
+TEST_F(RecoveryTest, RootGivenAsASymlinkIsResolvedOnce) {
+  SaveThreeSteps();
+  fs::create_directory_symlink(root_, tmp_.path() + "/link");
+  auto store = CheckpointStore::Open(tmp_.path() + "/link", options_);
+  CKPT_ASSERT_OK(store);
+  EXPECT_EQ((*store)->latest_step(), std::optional<uint64_t>(3));
+  EXPECT_EQ((*store)->root(), fs::canonical(root_).string());
+  CKPT_ASSERT_OK((*store)->OpenLatest());
+}
+
+TEST_F(RecoveryTest, ReaderRefusesAStepWhoseManifestNamesAnotherStep) {
+  SaveThreeSteps();
+  fs::copy(Step(2), root_ + "/step-00000007", fs::copy_options::recursive);
+  StoreOptions o = options_;
+  o.read_only = true;
+  auto store = CheckpointStore::Open(root_, o);
+  CKPT_ASSERT_OK(store);
+  EXPECT_THAT((*store)->OpenStep(7), StatusIs(absl::StatusCode::kDataLoss));
+  CKPT_ASSERT_OK((*store)->OpenStep(2));
+}
+
+}  // namespace
+}  // namespace ckpt
