@@ -330,6 +330,10 @@ absl::Status ValidateBlobs(const Manifest& m, absl::string_view file,
   for (const BlobInfo& b : m.blobs) {
     std::string owner = absl::StrCat("blob \"", b.name, "\" of rank ", b.rank);
     if (!IsValidName(b.name)) return Invalid(file, "a blob has an invalid name");
+    if (b.size_bytes > kMaxBlobBytes) {
+      return Invalid(file, absl::StrCat(owner, " declares ", b.size_bytes,
+                                        " bytes, more than a blob may hold (", kMaxBlobBytes, ")"));
+    }
     if (!names.insert({b.rank, b.name}).second) return Invalid(file, owner + " appears twice");
     if (b.file >= m.files.size() || m.files[b.file].rank != b.rank) {
       return Invalid(file, owner + " names a file of another rank or none");

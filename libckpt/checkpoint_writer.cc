@@ -212,6 +212,11 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
   if (!formats::IsValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat("invalid blob name \"", name, "\""));
   }
+  if (data.size() > formats::kMaxBlobBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" has ", data.size(),
+                                                   " bytes, more than a blob may hold (",
+                                                   formats::kMaxBlobBytes, ")"));
+  }
   for (const formats::BlobInfo& b : part_.blobs) {
     if (b.name == name)
       return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" written twice"));

@@ -6,14 +6,18 @@ cd "$(dirname "$0")/.."
 seconds="${1:-20}"
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCKPT_BUILD_FUZZERS=ON \
   -DCKPT_BUILD_TESTS=OFF -DCKPT_CUDA=OFF > /dev/null
-cmake --build build-fuzz -j2 --target manifest_fuzz safetensors_fuzz hf_index_fuzz
+cmake --build build-fuzz -j2 --target manifest_fuzz safetensors_fuzz hf_index_fuzz store_fuzz
 work=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-fuzz-XXXXXX")
 trap 'rm -rf "$work"' EXIT
-for target in manifest safetensors hf_index; do
+# Each target is <directory>/<name>: binary build-fuzz/<directory>/<name>_fuzz, seeds in
+# <directory>/corpus/<name>/.
+for spec in formats/fuzz/manifest formats/fuzz/safetensors formats/fuzz/hf_index libckpt/fuzz/store; do
+  dir="${spec%/*}"
+  target="${spec##*/}"
   mkdir -p "$work/$target"
-  cp formats/fuzz/corpus/$target/* "$work/$target/"
+  cp "$dir/corpus/$target"/* "$work/$target/"
   echo "fuzz: $target for ${seconds}s"
-  ./build-fuzz/formats/fuzz/${target}_fuzz -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  ./build-fuzz/$dir/${target}_fuzz -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -artifact_prefix="$work/" "$work/$target" 2>&1 | grep -E "^(Done|#[0-9]+ +DONE)|ERROR|SUMMARY" || true
   if ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* >/dev/null 2>&1; then
     echo "fuzz: $target found a failing input:"; ls "$work"/crash-* "$work"/leak-* "$work"/timeout-* "$work"/oom-* 2>/dev/null

@@ -20,6 +20,10 @@ namespace ckpt::formats {
 inline constexpr uint64_t kManifestHeaderBytes = 32;
 // A manifest larger than this is refused before parsing.
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
+// Blobs are small opaque records (scheduler, RNG, data position); a reader allocates a blob's
+// declared size before its chunks are decoded, so the size is capped (zstd chunks can declare
+// far more raw bytes than the file holds).
+inline constexpr uint64_t kMaxBlobBytes = uint64_t{256} << 20;
 
 struct TensorInfo {
   std::string name;
