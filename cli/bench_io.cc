@@ -13,7 +13,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::cli {
 namespace {
@@ -63,6 +63,12 @@ absl::StatusOr<double> MeasureRawWriteOnce(Env* env, const std::string& dir, uin
   FillState(std::span(reinterpret_cast<float*>(buf.data()), kRawIoBytes / 4), 7);
   auto path = [&](int i) { return JoinPath(dir, absl::StrCat(".ckpt-bench-raw-", i, ".tmp")); };
   auto share = [&](int i) { return bytes * (i + 1) / streams - bytes * i / streams; };
+  // A run killed mid-measurement leaves its scratch files: ours to unlink (a link is unlinked,
+  // never followed), since NewWritableFile never replaces a name.
+  for (int i = 0; i < streams; ++i) {
+    absl::Status stale = env->RemoveFile(path(i));
+    if (!stale.ok() && !absl::IsNotFound(stale)) return stale;
+  }
   std::atomic<uint64_t> progress{0};
   Clock::time_point start = Clock::now();
   CKPT_RETURN_IF_ERROR(RunRanks(streams, [&](int i) -> absl::Status {

@@ -23,7 +23,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::cli {
 namespace {

@@ -12,8 +12,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
-#include "libckpt/coding.h"
-#include "libckpt/filename.h"
+#include "ckpt/base/coding.h"
 
 namespace ckpt::cli {
 namespace {
@@ -145,9 +144,10 @@ int RunInspect(const InspectArgs& args) {
   if (!hf.ok()) return ReportError("inspect", hf.status());
   if (*hf) return InspectHf(args.root, args.json);
   Env* env = Env::Default();
-  absl::StatusOr<std::vector<std::string>> names = env->GetChildren(args.root);
-  if (!names.ok()) return ReportError("inspect", names.status());
-  std::sort(names->begin(), names->end());
+  absl::StatusOr<std::vector<uint64_t>> steps = ListStepDirs(env, args.root);
+  if (!steps.ok()) return ReportError("inspect", steps.status());
+  absl::StatusOr<std::vector<std::string>> uncommitted = ListUncommitted(env, args.root);
+  if (!uncommitted.ok()) return ReportError("inspect", uncommitted.status());
   json out = {{"root", args.root},
               {"latest", nullptr},
               {"steps", json::array()},
@@ -164,20 +164,16 @@ int RunInspect(const InspectArgs& args) {
   }
   std::map<uint64_t, std::unique_ptr<CheckpointReader>> readers;
   bool latest_found = false;
-  for (const std::string& name : *names) {
-    if (internal::IsGarbageName(name)) {
-      out["garbage"].push_back(name);
-      continue;
-    }
-    std::optional<uint64_t> step = internal::ParseStepDirName(name);
-    if (!step.has_value()) continue;
-    latest_found = latest_found || latest == *step;
+  for (const std::string& name : *uncommitted) out["garbage"].push_back(name);
+  for (const uint64_t step : *steps) {
+    const std::string name = StepDirectoryName(step);
+    latest_found = latest_found || latest == step;
     absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenStepDir(env, args.root, name);
-    json entry = {{"step", *step}, {"dir", name}, {"latest", latest == *step}};
+    json entry = {{"step", step}, {"dir", name}, {"latest", latest == step}};
     if (reader.ok()) {
       entry["state"] =
-          latest.has_value() && *step > *latest ? "unpublished (newer than LATEST)" : "committed";
-      readers[*step] = std::move(reader).value();
+          latest.has_value() && step > *latest ? "unpublished (newer than LATEST)" : "committed";
+      readers[step] = std::move(reader).value();
     } else {
       entry["state"] = absl::StrCat("damaged: ", reader.status().message());
       damage = true;

@@ -21,7 +21,7 @@
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "demo/device_step.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::demo {
 

@@ -39,7 +39,7 @@
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "demo/demo_model.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::demo {
 namespace {

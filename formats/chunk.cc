@@ -20,8 +20,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 
 namespace ckpt::formats {
 namespace {

@@ -6,8 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt::formats {

@@ -31,9 +31,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "formats/strict_json.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::formats {
 namespace {

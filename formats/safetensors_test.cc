@@ -5,7 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt::formats {

@@ -8,11 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
 #include "libckpt/read_pipeline.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 

@@ -15,9 +15,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 
@@ -41,6 +41,18 @@ absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& 
   }
   std::sort(steps.begin(), steps.end());
   return steps;
+}
+
+std::string StepDirectoryName(uint64_t step) { return StepDirName(step); }
+
+absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::string& root) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
+  std::vector<std::string> out;
+  for (std::string& name : names) {
+    if (internal::IsGarbageName(name)) out.push_back(std::move(name));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 CheckpointStore::CheckpointStore(std::string root, const StoreOptions& options, Env* env)

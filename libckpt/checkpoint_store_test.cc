@@ -7,9 +7,9 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/verify.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"

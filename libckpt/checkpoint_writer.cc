@@ -33,10 +33,10 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "ckpt/checkpoint_store.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

@@ -3,7 +3,7 @@
 #include <map>
 
 #include "absl/synchronization/mutex.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 

@@ -4,8 +4,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "libckpt/coding.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

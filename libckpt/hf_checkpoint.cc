@@ -9,7 +9,6 @@
 // 4. SyncDir(dir): the renames and removals are durable only now.
 #include "ckpt/hf_checkpoint.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -23,11 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "ckpt/base/cpu_features.h"
 #include "ckpt/formats/float_convert.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/read_pipeline.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {
@@ -38,13 +38,6 @@ using internal::kDirectIoAlignment;
 
 constexpr uint64_t kSliceBytes = uint64_t{8} << 20;
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
-
-// F16C from CPUID leaf 1 (ECX bit 29); not every compiler's __builtin_cpu_supports knows it.
-bool HasAvx2F16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 &&
-         (ecx & (1u << 29)) != 0;
-}
 
 // Scalar conversion of n elements. Written as plain loads and shifts so the compiler vectorises
 // the BF16 loop at -O3. Little-endian host: a BF16 is the high half of its float.
@@ -91,7 +84,7 @@ __attribute__((target("avx2,f16c"))) void Convert16Avx2(StDType dtype, const uns
 }
 
 void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
-  static const bool kAvx2 = HasAvx2F16c();
+  static const bool kAvx2 = CpuHasAvx2F16c();
   const size_t n = in.size() / (formats::StDTypeBits(dtype) / 8);
   const auto* src = reinterpret_cast<const unsigned char*>(in.data());
   if (dtype == StDType::kF32) {

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/formats/float_convert.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
 

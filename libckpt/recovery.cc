@@ -43,9 +43,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/checkpoint_store.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

@@ -15,7 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "ckpt/checkpoint_store.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"

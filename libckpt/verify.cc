@@ -7,10 +7,10 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/formats/manifest.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

@@ -10,12 +10,13 @@
 // paths agree bit for bit.
 #include "optimizer/cpu_kernels.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#include "ckpt/base/cpu_features.h"
 
 namespace ckpt::optimizer::internal {
 namespace {
@@ -422,26 +423,15 @@ constexpr KernelTable kAvx512Shaped = CKPT_KERNEL_TABLES(Avx512ShapedKernel);
 
 }  // namespace
 
-namespace {
-
-// F16C from CPUID leaf 1 (ECX bit 29); not every compiler's __builtin_cpu_supports knows it.
-bool HasF16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
-}
-
-}  // namespace
-
 bool CpuSupports(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAuto:
     case CpuIsa::kScalar:
       return true;
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && HasF16c();
+      return CpuHasAvx2F16c();
     case CpuIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
+      return CpuHasAvx512();
   }
   return false;
 }

@@ -6,7 +6,7 @@
 #include <span>
 
 #include "ckpt/formats/safetensors.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);

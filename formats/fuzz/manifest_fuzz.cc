@@ -9,8 +9,8 @@
 #include <string>
 
 #include "ckpt/formats/manifest.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 
 namespace {
 

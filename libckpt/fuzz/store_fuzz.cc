@@ -33,8 +33,8 @@
 #include "ckpt/formats/chunk.h"
 #include "ckpt/formats/manifest.h"
 #include "ckpt/verify.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
 
 namespace {

@@ -11,7 +11,7 @@
 #include "libckpt/io_error.h"
 #include "libckpt/posix/posix_file_ops.h"
 #include "libckpt/posix/scoped_fd.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

@@ -6,7 +6,7 @@
 
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/benchmark.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/host_buffer.h"

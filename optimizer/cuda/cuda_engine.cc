@@ -27,7 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 #include "optimizer/cuda/adamw_kernel.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"

@@ -16,7 +16,7 @@
 
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/run_command.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"

@@ -8,7 +8,7 @@
 
 #include "ckpt/env.h"
 #include "libckpt/aligned_buffer.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"

@@ -5,8 +5,8 @@
 
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
-#include "libckpt/coding.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"
 

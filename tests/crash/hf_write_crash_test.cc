@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "ckpt/checkpoint_store.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"

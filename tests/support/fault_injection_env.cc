@@ -5,9 +5,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "libckpt/coding.h"
+#include "ckpt/base/coding.h"
 #include "libckpt/io_error.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::testing {
 namespace {

@@ -8,9 +8,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/verify.h"
-#include "libckpt/checksum.h"
-#include "libckpt/coding.h"
-#include "libckpt/status_macros.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::testing {
 namespace {

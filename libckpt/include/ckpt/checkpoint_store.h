@@ -36,6 +36,11 @@ absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& 
 // The steps that have an entry named like a step directory in `root`, ascending. Whether each
 // is a directory, or verifies, is not checked.
 absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root);
+// The name of `step`'s directory below a root ("step-00001200").
+std::string StepDirectoryName(uint64_t step);
+// The entries of `root` left by saves that never committed or deletions in progress (staging
+// and deleting directories, LATEST.tmp), sorted: what the next recovery removes.
+absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::string& root);
 
 // A root directory holding committed steps, LATEST and in-progress saves. The primary handle
 // owns the root (LOCK) and is the only one that commits, recovers and deletes; see

@@ -1,6 +1,6 @@
 // The one checksum of ckpt: XXH3-64 from libxxhash (STYLE.md §4). Never hand-rolled.
-#ifndef CKPT_LIBCKPT_CHECKSUM_H_
-#define CKPT_LIBCKPT_CHECKSUM_H_
+#ifndef CKPT_BASE_CHECKSUM_H_
+#define CKPT_BASE_CHECKSUM_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -36,4 +36,4 @@ class StreamingChecksum {
 
 }  // namespace ckpt
 
-#endif  // CKPT_LIBCKPT_CHECKSUM_H_
+#endif  // CKPT_BASE_CHECKSUM_H_

@@ -1,6 +1,6 @@
 // Status propagation helpers used by every module (STYLE.md §2).
-#ifndef CKPT_LIBCKPT_STATUS_MACROS_H_
-#define CKPT_LIBCKPT_STATUS_MACROS_H_
+#ifndef CKPT_BASE_STATUS_MACROS_H_
+#define CKPT_BASE_STATUS_MACROS_H_
 
 #include <utility>
 #include "absl/strings/string_view.h"
@@ -39,4 +39,4 @@ inline absl::Status Annotate(const absl::Status& status, absl::string_view conte
 #define CKPT_ASSIGN_OR_RETURN(lhs, expr) \
   CKPT_ASSIGN_OR_RETURN_IMPL_(CKPT_STATUS_CONCAT_(ckpt_statusor_, __LINE__), lhs, expr)
 
-#endif  // CKPT_LIBCKPT_STATUS_MACROS_H_
+#endif  // CKPT_BASE_STATUS_MACROS_H_

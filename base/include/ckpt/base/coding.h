@@ -1,6 +1,6 @@
 // Explicit little-endian encoding of fixed-width integers (STYLE.md §4): never memcpy a struct.
-#ifndef CKPT_LIBCKPT_CODING_H_
-#define CKPT_LIBCKPT_CODING_H_
+#ifndef CKPT_BASE_CODING_H_
+#define CKPT_BASE_CODING_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -49,4 +49,4 @@ constexpr uint64_t RoundUp(uint64_t n, uint64_t align) { return (n + align - 1) 
 
 }  // namespace ckpt
 
-#endif  // CKPT_LIBCKPT_CODING_H_
+#endif  // CKPT_BASE_CODING_H_
