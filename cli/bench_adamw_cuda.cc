@@ -1,9 +1,11 @@
 // The CUDA half of `ckpt-tool bench adamw`.
-#include "absl/strings/str_format.h"
-#include "ckpt/optimizer/benchmark.h"
-#include "cli/commands.h"
-
 #include <iostream>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "ckpt/bench/adamw_bench.h"
+#include "cli/commands.h"
 
 namespace ckpt::cli {
 
@@ -11,8 +13,8 @@ absl::StatusOr<nlohmann::json> BenchAdamwCuda(const BenchAdamwArgs& args) {
   nlohmann::json out = nlohmann::json::object();
   for (auto [moments, name] : {std::pair{optimizer::MomentDType::kF32, "fp32_moments"},
                                std::pair{optimizer::MomentDType::kBF16, "bf16_moments"}}) {
-    absl::StatusOr<optimizer::CudaStepBenchmark> b =
-        optimizer::RunCudaStepBenchmark(args.params, args.steps, moments, uint64_t{64} << 20, 2);
+    absl::StatusOr<bench::CudaStepBenchmark> b =
+        bench::RunCudaStepBenchmark(args.params, args.steps, moments, uint64_t{64} << 20, 2);
     if (!b.ok()) return b.status();
     const double ratio = b->gparams_per_s / b->bound_gparams_per_s;
     out[name] = {{"engine", b->engine},

@@ -2,19 +2,13 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <iostream>
-#include <thread>
 #include <utility>
-#include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "libckpt/aligned_buffer.h"
-#include "libckpt/bounce_pool.h"
 
 namespace ckpt::cli {
 
@@ -45,9 +39,8 @@ absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what) {
   if (pages <= 0 || page_bytes <= 0) return absl::OkStatus();  // Unknown: let allocation tell.
   const uint64_t physical = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_bytes);
   if (bytes <= physical) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", FormatBytes(bytes),
-                                                   " of memory; this machine has ",
-                                                   FormatBytes(physical)));
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " needs ", FormatBytes(bytes), " of memory; this machine has ", FormatBytes(physical)));
 }
 
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
@@ -118,43 +111,6 @@ void ProgressBar::Finish() {
   Update(total_);
   finished_ = true;
   std::cerr << "\n";
-}
-
-absl::Status RawReadOnGrid(const RandomAccessFile& file, uint64_t lo, uint64_t hi, int threads) {
-  constexpr uint64_t kGrid = uint64_t{8} << 20;
-  std::vector<std::pair<uint64_t, uint64_t>> requests;
-  for (uint64_t off = lo; off < hi;) {
-    const uint64_t end = std::min(hi, (off / kGrid + 1) * kGrid);
-    requests.emplace_back(off, end);
-    off = end;
-  }
-  internal::BouncePool& pool = internal::BouncePool::ReadBuffers();
-  const size_t n = static_cast<size_t>(std::max(1, threads));
-  std::vector<internal::AlignedBuffer> bufs;
-  absl::Cleanup give_back = [&] {
-    for (auto& b : bufs) pool.Give(std::move(b));
-  };
-  for (size_t i = 0; i < n; ++i) {
-    absl::StatusOr<internal::AlignedBuffer> b = pool.Take();
-    if (!b.ok()) return b.status();
-    bufs.push_back(*std::move(b));
-  }
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> pool_threads;
-  for (size_t i = 0; i < n; ++i) {
-    pool_threads.emplace_back([&, i] {
-      for (size_t k = requests.size() * i / n; k < requests.size() * (i + 1) / n && results[i].ok();
-           ++k) {
-        auto [a, b] = requests[k];
-        results[i] = file.Read(a, bufs[i].span().first(b - a));
-      }
-    });
-  }
-  for (auto& t : pool_threads) t.join();
-  for (const auto& st : results) {
-    if (!st.ok()) return st;
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace ckpt::cli

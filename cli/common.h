@@ -57,13 +57,6 @@ class ProgressBar {
 
 bool StderrIsTerminal();
 
-// The raw side of a paired read bound: reads [lo, hi) of `file` (4 KiB-aligned) with O_DIRECT
-// in requests cut on the file's absolute 8 MiB grid, as our readers cut them, with `threads`
-// threads, each a contiguous run of requests, into the readers' own pooled bounce buffers (on a
-// VM the host's DMA speed depends on the memory read into, up to 2-3x, so separate buffers
-// would compare memory blocks, not readers).
-absl::Status RawReadOnGrid(const RandomAccessFile& file, uint64_t lo, uint64_t hi, int threads);
-
 }  // namespace ckpt::cli
 
 #endif  // CKPT_CLI_COMMON_H_

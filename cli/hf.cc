@@ -28,14 +28,14 @@ absl::StatusOr<PathKind> DetectPathKind(const std::string& path) {
     absl::StatusOr<std::unique_ptr<RandomAccessFile>> f =
         env->NewRandomAccessFile(path, FileOptions{});
     std::byte head[9] = {};
-    if (f.ok() && (*f)->size() >= 9 && (*f)->Read(0, head).ok() &&
-        head[8] == std::byte{'{'}) {
+    if (f.ok() && (*f)->size() >= 9 && (*f)->Read(0, head).ok() && head[8] == std::byte{'{'}) {
       kind.hf = true;
       return kind;
     }
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": is a file, but neither a .safetensors file nor a directory; give "
-                           "a ckpt root, a .safetensors file or an HF model directory"));
+        absl::StrCat(path,
+                     ": is a file, but neither a .safetensors file nor a directory; give "
+                     "a ckpt root, a .safetensors file or an HF model directory"));
   }
   absl::StatusOr<std::vector<std::string>> names = env->GetChildren(*real);
   if (!names.ok()) return names.status();
@@ -105,8 +105,7 @@ int InspectHf(const std::string& path, bool json) {
     std::vector<std::string> dims;
     for (const nlohmann::json& d : t["shape"]) dims.push_back(d.dump());
     std::cout << "  " << Printable(t["name"].get<std::string>()) << "  "
-              << t["dtype"].get<std::string>()
-              << "  [" << absl::StrJoin(dims, ", ") << "]  "
+              << t["dtype"].get<std::string>() << "  [" << absl::StrJoin(dims, ", ") << "]  "
               << FormatBytes(t["bytes"].get<uint64_t>());
     if ((*r)->sharded()) std::cout << "  " << Printable(t["shard"].get<std::string>());
     std::cout << "\n";
@@ -131,8 +130,7 @@ int VerifyHf(const std::string& path, bool json) {
     std::cout << Printable(path) << ": valid (" << (*r)->tensors().size() << " tensors in "
               << (*r)->shard_metadata().size() << " file(s))\n";
   } else {
-    std::cout << (code == kExitDamage ? "INVALID " : "") << Printable(r.status().message())
-              << "\n";
+    std::cout << (code == kExitDamage ? "INVALID " : "") << Printable(r.status().message()) << "\n";
   }
   return code;
 }

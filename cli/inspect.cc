@@ -6,13 +6,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_reader.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
-#include "ckpt/base/coding.h"
 
 namespace ckpt::cli {
 namespace {
@@ -86,7 +86,8 @@ void PrintHuman(const json& out) {
               << "  uncommitted (removed at next Open)\n";
   if (!out["quarantine"].empty()) {
     std::cout << "quarantine/ (set aside by recovery; ckpt-tool gc --purge-quarantine deletes):\n";
-    for (const json& q : out["quarantine"]) std::cout << "  " << Printable(q.get<std::string>()) << "\n";
+    for (const json& q : out["quarantine"])
+      std::cout << "  " << Printable(q.get<std::string>()) << "\n";
   }
   if (!out.contains("details")) return;
   const json& d = out["details"];

@@ -48,7 +48,8 @@ bool UnknownSubcommand(CLI::App& app, int argc, char** argv, std::string* messag
       }
     }
     if (!found) {
-      *message = "unknown subcommand \"" + arg + "\" of " + level->get_name() + "; expected one of:";
+      *message =
+          "unknown subcommand \"" + arg + "\" of " + level->get_name() + "; expected one of:";
       for (const std::string& k : known) *message += " " + k;
       return true;
     }
@@ -108,7 +109,8 @@ int main(int argc, char** argv) {
       "io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
   io_cmd->add_option("--dir", bench_io.dir, "Directory to benchmark in (must exist)")->required();
   io_cmd->add_option("--size", bench_io.size, "Bytes of state, e.g. 2G")->required();
-  io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")->check(WholeNumber(1, 256));
+  io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")
+      ->check(WholeNumber(1, 256));
   io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")
       ->check(WholeNumber(1, 19));
   io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");

@@ -1,11 +1,13 @@
 #include "demo/demo_model.h"
 
 #include <algorithm>
-#include <cstring>
+#include <array>
+#include <bit>
 #include <span>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/formats/float_convert.h"
 
 namespace ckpt::demo {
@@ -13,6 +15,7 @@ namespace {
 
 using formats::DType;
 using formats::StDType;
+using optimizer::MomentDType;
 using optimizer::ParamSpec;
 using optimizer::Piece;
 
@@ -50,12 +53,34 @@ uint64_t Total(const std::vector<Piece>& pieces) {
   return n;
 }
 
+// The dtype of each of kStates in the slabs and in the checkpoint.
+std::array<DType, 3> StateDTypes(MomentDType moments) {
+  const DType m = moments == MomentDType::kF32 ? DType::kF32 : DType::kBF16;
+  return {DType::kF32, m, m};
+}
+
+// The slabs of `opt` as bytes, in kStates order (moments in their slab dtype, FP32 or BF16).
+std::array<std::span<const std::byte>, 3> SlabBytes(const optimizer::StagedAdamW& opt) {
+  return {std::as_bytes(opt.master()), opt.exp_avg_bytes(), opt.exp_avg_sq_bytes()};
+}
+
+// The same memory, writable, to load a checkpoint into.
+std::array<std::span<std::byte>, 3> MutableSlabBytes(optimizer::StagedAdamW& opt) {
+  return {std::as_writable_bytes(opt.mutable_master()), opt.mutable_exp_avg_bytes(),
+          opt.mutable_exp_avg_sq_bytes()};
+}
+
+void AppendBytes(std::string* out, std::span<const std::byte> bytes) {
+  out->append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
 }  // namespace
 
 absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ranks,
-                                            optimizer::EngineKind engine) {
+                                            optimizer::EngineKind engine, MomentDType moments) {
   DemoModel m;
   m.engine_ = engine;
+  m.moments_ = moments;
   for (const HfTensor& t : hf.tensors()) {
     if (t.dtype != StDType::kBF16 && t.dtype != StDType::kF16 && t.dtype != StDType::kF32) continue;
     if (t.numel == 0) continue;
@@ -137,6 +162,7 @@ absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& mode
   for (optimizer::ParamGroup& g : o.groups) g.step = step;
   o.pieces = r->pieces_;
   o.engine = model.engine();
+  o.moment_dtype = model.moments();
   o.unit_bytes = 64 << 10;
   // The ranks share this machine's cores.
   o.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / model.ranks());
@@ -162,13 +188,21 @@ absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Load(const DemoModel& model,
   }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<DemoRank> r, Create(model, rank, std::move(weights), step));
   if (r->opt_ == nullptr) return r;
-  const std::span<float> slabs[3] = {r->opt_->master(), r->opt_->exp_avg(), r->opt_->exp_avg_sq()};
+  const std::array<std::span<std::byte>, 3> slabs = MutableSlabBytes(*r->opt_);
+  const std::array<DType, 3> dtypes = StateDTypes(model.moments());
   for (int s = 0; s < 3; ++s) {
+    const size_t size = formats::DTypeSize(dtypes[s]);
     for (size_t k = 0; k < pieces.size(); ++k) {
       const Piece& p = pieces[k];
-      CKPT_RETURN_IF_ERROR(
-          ckpt.ReadRange(StateName(kStates[s], model.params()[p.param].name), p.begin, p.count,
-                         std::as_writable_bytes(slabs[s].subspan(offsets[k], p.count))));
+      const std::string name = StateName(kStates[s], model.params()[p.param].name);
+      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, ckpt.FindTensor(name));
+      if (info->dtype != dtypes[s]) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(name, " was saved as ", formats::DTypeName(info->dtype),
+                         ", this run keeps ", formats::DTypeName(dtypes[s]), " (--moments)"));
+      }
+      CKPT_RETURN_IF_ERROR(ckpt.ReadRange(name, p.begin, p.count,
+                                          slabs[s].subspan(offsets[k] * size, p.count * size)));
     }
   }
   return r;
@@ -202,10 +236,11 @@ absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
 }
 
 absl::Status DemoRank::Save(const DemoModel& model, SaveTransaction* txn, bool half) const {
+  const std::array<DType, 3> dtypes = StateDTypes(model.moments());
   for (const ParamSpec& p : model.params()) {
     CKPT_RETURN_IF_ERROR(txn->DeclareTensor({p.name, DType::kBF16, p.shape}));
-    for (const char* state : kStates)
-      CKPT_RETURN_IF_ERROR(txn->DeclareTensor({StateName(state, p.name), DType::kF32, p.shape}));
+    for (int s = 0; s < 3; ++s)
+      CKPT_RETURN_IF_ERROR(txn->DeclareTensor({StateName(kStates[s], p.name), dtypes[s], p.shape}));
   }
   const std::vector<uint64_t> offsets = SlabOffsets(pieces_);
   const size_t write = half ? (pieces_.size() + 1) / 2 : pieces_.size();
@@ -214,28 +249,48 @@ absl::Status DemoRank::Save(const DemoModel& model, SaveTransaction* txn, bool h
     const std::string& name = model.params()[p.param].name;
     CKPT_RETURN_IF_ERROR(txn->WritePiece(
         name, p.begin, p.count, std::as_bytes(std::span(weights_).subspan(offsets[k], p.count))));
-    const std::span<const float> slabs[3] = {opt_->master(), opt_->exp_avg(), opt_->exp_avg_sq()};
+    const std::array<std::span<const std::byte>, 3> slabs = SlabBytes(*opt_);
     for (int s = 0; s < 3; ++s) {
+      const size_t size = formats::DTypeSize(dtypes[s]);
       CKPT_RETURN_IF_ERROR(txn->WritePiece(StateName(kStates[s], name), p.begin, p.count,
-                                           std::as_bytes(slabs[s].subspan(offsets[k], p.count))));
+                                           slabs[s].subspan(offsets[k] * size, p.count * size)));
     }
   }
   return absl::OkStatus();
 }
 
-bool DemoRank::SameState(const DemoRank& other) const {
-  if (weights_ != other.weights_ || pieces_ != other.pieces_) return false;
-  if (opt_ == nullptr || other.opt_ == nullptr) return opt_ == other.opt_;
-  const std::span<const float> a[3] = {opt_->master(), opt_->exp_avg(), opt_->exp_avg_sq()};
-  const std::span<const float> b[3] = {other.opt_->master(), other.opt_->exp_avg(),
-                                       other.opt_->exp_avg_sq()};
-  for (int s = 0; s < 3; ++s) {
-    if (a[s].size() != b[s].size() ||
-        std::memcmp(a[s].data(), b[s].data(), a[s].size_bytes()) != 0) {
-      return false;
-    }
+void DemoRank::AppendState(std::string* out) const {
+  PutFixed64(out, weights_.size());
+  PutFixed32(out, opt_ == nullptr ? 0 : static_cast<uint32_t>(opt_->moment_bytes()));
+  if (opt_ != nullptr) {
+    for (std::span<const std::byte> slab : SlabBytes(*opt_)) AppendBytes(out, slab);
   }
-  return true;
+  AppendBytes(out, std::as_bytes(std::span(weights_)));
+  if (opt_ == nullptr) {
+    PutFixed32(out, 0);
+    return;
+  }
+  PutFixed32(out, static_cast<uint32_t>(opt_->groups().size()));
+  for (const optimizer::ParamGroup& g : opt_->groups()) {
+    PutFixed64(out, g.step);
+    for (float v : {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay})
+      PutFixed32(out, std::bit_cast<uint32_t>(v));
+  }
+}
+
+bool DemoRank::SameState(const DemoRank& other) const {
+  if (pieces_ != other.pieces_) return false;
+  std::string a, b;
+  AppendState(&a);
+  other.AppendState(&b);
+  return a == b;
+}
+
+std::string DumpState(const std::vector<std::unique_ptr<DemoRank>>& ranks) {
+  std::string out(kStateDumpMagic);
+  PutFixed32(&out, static_cast<uint32_t>(ranks.size()));
+  for (const std::unique_ptr<DemoRank>& rank : ranks) rank->AppendState(&out);
+  return out;
 }
 
 absl::Status WriteSmallModel(const std::string& dir) {

@@ -14,8 +14,14 @@
 //     (computed in the same process from the initial model); the weights are then exported as
 //     safetensors that transformers loads.
 // --engine cuda steps every rank on StagedAdamW's CUDA engine (gradients and weights in device
-// memory, state in pinned slabs) instead of the CPU engine.
-// Exit codes: 0 done (and equal), 1 a resumed run that differs, 2 bad usage or any error.
+// memory, state in pinned slabs) instead of the CPU engine; it is probed before anything else.
+// --moments BF16 keeps the moments as BF16 in the slabs and in the checkpoint (StagedAdamW's
+// precision-aware mode; F32 by default); a resumed run must use the moments it was saved with.
+// --dump-state FILE writes every rank's whole state at the end of the run (masters, moments as
+// the slabs' bytes, weights, every group's step and hyper-parameters; format in demo_model.h),
+// so that a resumed run and an uninterrupted one can be compared byte for byte from outside.
+// Exit codes: 0 done (and equal), 1 a resumed run that differs, 2 bad usage or any error,
+// 3 --engine cuda where CUDA cannot run (a build without CUDA, or no usable device).
 #include <signal.h>
 
 #include <cmath>
@@ -31,6 +37,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/env.h"
@@ -39,7 +46,6 @@
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "demo/demo_model.h"
-#include "ckpt/base/status_macros.h"
 
 namespace ckpt::demo {
 namespace {
@@ -51,15 +57,20 @@ using optimizer::StagedAdamW;
 // config.json and generation_config.json are small; a larger one is not a model config.
 constexpr uint64_t kMaxConfigBytes = 16 << 20;
 
+// The exit code for --engine cuda on a machine or build without CUDA.
+constexpr int kExitNoEngine = 3;
+
 struct Flags {
-  std::string out, model, engine = "cpu";
+  std::string out, model, engine = "cpu", dump_state;
+  optimizer::MomentDType moments = optimizer::MomentDType::kF32;
   int ranks = 2, steps = 12, save_every = 4, crash_at = 0;
   bool resume = false;
 };
 
 constexpr const char* kUsage =
     "usage: ckpt-demo-trainer --out DIR [--model HF_DIR] [--ranks R] [--steps N] "
-    "[--save-every K] [--crash-at S | --resume] [--engine cpu|cuda]\n";
+    "[--save-every K] [--crash-at S | --resume] [--engine cpu|cuda] [--moments F32|BF16] "
+    "[--dump-state FILE]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -84,6 +95,13 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       if (v != "cpu" && v != "cuda")
         return absl::InvalidArgumentError(absl::StrCat("--engine is cpu or cuda, not \"", v, "\""));
       f.engine = v;
+    } else if (a == "--moments") {
+      if (v != "F32" && v != "BF16")
+        return absl::InvalidArgumentError(
+            absl::StrCat("--moments is F32 or BF16, not \"", v, "\""));
+      f.moments = v == "F32" ? optimizer::MomentDType::kF32 : optimizer::MomentDType::kBF16;
+    } else if (a == "--dump-state") {
+      f.dump_state = v;
     } else if (number == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", a));
     } else if (!absl::SimpleAtoi(v, number) || *number < 0) {
@@ -120,11 +138,26 @@ optimizer::EngineKind Engine(const Flags& f) {
   return f.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
 }
 
+// Whether --engine cuda can run here at all, asked before anything else so that its answer is
+// never confused with another error: a one-element CUDA-engine optimizer and device buffers.
+// kUnimplemented in a build without CUDA, kFailedPrecondition without a usable device.
+absl::Status ProbeEngine(const Flags& f) {
+  if (Engine(f) != optimizer::EngineKind::kCuda) return absl::OkStatus();
+  optimizer::StagedAdamWOptions o;
+  o.params = {optimizer::ParamSpec{"probe", {1}, DType::kBF16, 0}};
+  o.groups = {optimizer::ParamGroup{}};
+  o.pieces = {Piece{0, 0, 1}};
+  o.engine = optimizer::EngineKind::kCuda;
+  const uint16_t weight[1] = {0};
+  CKPT_RETURN_IF_ERROR(StagedAdamW::Create(o, std::as_bytes(std::span(weight))).status());
+  return NewDeviceStep(1).status();
+}
+
 absl::StatusOr<Job> StartFromHf(const std::string& path, const Flags& f) {
   const int ranks = f.ranks;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf, HfCheckpointReader::Open(path));
   Job job;
-  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f)));
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f), f.moments));
   for (int r = 0; r < ranks; ++r) {
     CKPT_ASSIGN_OR_RETURN(std::vector<uint16_t> w, job.model.ReadHfWeights(*hf, r));
     CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Create(job.model, r, std::move(w), /*step=*/0));
@@ -202,7 +235,7 @@ absl::StatusOr<Job> ResumeFromLatest(const std::string& init_model, const Checkp
   if (!absl::SimpleAtoi(blob, step))
     return absl::DataLossError(absl::StrCat("blob ", kStepBlob, " holds \"", blob, "\""));
   Job job;
-  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f)));
+  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f), f.moments));
   for (int r = 0; r < ranks; ++r) {
     CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Load(job.model, r, *ckpt, *step));
     job.ranks.push_back(std::move(rank));
@@ -229,9 +262,10 @@ absl::Status Run(const Flags& f, bool* equal) {
     first = step + 1;
   } else {
     CKPT_ASSIGN_OR_RETURN(job, StartFromHf(init_model, f));
-    std::printf("model %s: %zu tensors, %llu parameters over %d ranks, %s engine\n",
+    std::printf("model %s: %zu tensors, %llu parameters over %d ranks, %s engine, %s moments\n",
                 init_model.c_str(), job.model.params().size(),
-                static_cast<unsigned long long>(job.model.elements()), f.ranks, f.engine.c_str());
+                static_cast<unsigned long long>(job.model.elements()), f.ranks, f.engine.c_str(),
+                f.moments == optimizer::MomentDType::kF32 ? "F32" : "BF16");
   }
   CKPT_RETURN_IF_ERROR(Train(job, first, f.steps, f, &stores, /*verbose=*/true));
   if (f.resume) {
@@ -245,11 +279,16 @@ absl::Status Run(const Flags& f, bool* equal) {
     std::printf("resumed run %s an uninterrupted one bit for bit (weights, masters, moments)\n",
                 *equal ? "equals" : "DIFFERS FROM");
   }
+  if (!f.dump_state.empty()) {
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(Env::Default(), f.dump_state, DumpState(job.ranks)));
+    std::printf("state dumped to %s\n", f.dump_state.c_str());
+  }
   const std::string final_model = f.out + "/final-model";
   CKPT_RETURN_IF_ERROR(job.model.ExportHf(job.ranks, final_model));
   // With the model's config beside the weights, transformers' from_pretrained loads the result.
   for (const char* name : {"config.json", "generation_config.json"}) {
-    absl::StatusOr<std::string> text = ReadFileToString(Env::Default(), init_model + "/" + name, kMaxConfigBytes);
+    absl::StatusOr<std::string> text =
+        ReadFileToString(Env::Default(), init_model + "/" + name, kMaxConfigBytes);
     if (text.ok()) {
       CKPT_RETURN_IF_ERROR(WriteFileAtomically(Env::Default(), final_model + "/" + name, *text));
     }
@@ -266,6 +305,16 @@ int main(int argc, char** argv) {
   if (!flags.ok()) {
     std::fprintf(stderr, "ckpt-demo-trainer: %s\n%s", std::string(flags.status().message()).c_str(),
                  ckpt::demo::kUsage);
+    return 2;
+  }
+  absl::Status engine = ckpt::demo::ProbeEngine(*flags);
+  if (absl::IsUnimplemented(engine) || absl::IsFailedPrecondition(engine)) {
+    std::fprintf(stderr, "ckpt-demo-trainer: --engine %s cannot run here: %s\n",
+                 flags->engine.c_str(), engine.ToString().c_str());
+    return ckpt::demo::kExitNoEngine;
+  }
+  if (!engine.ok()) {
+    std::fprintf(stderr, "ckpt-demo-trainer: %s\n", engine.ToString().c_str());
     return 2;
   }
   bool equal = true;

@@ -1,42 +1,42 @@
+// ckpt's dtypes are a subset of safetensors' (formats/safetensors.cc holds the one table of
+// names and widths); this file only maps between the two.
 #include "ckpt/formats/dtype.h"
 
 #include <array>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/formats/safetensors.h"
 
 namespace ckpt::formats {
 namespace {
 
-struct DTypeEntry {
-  DType dtype;
-  absl::string_view name;
-  size_t size;
+// Indexed by DType.
+constexpr std::array<StDType, 10> kAsStDType = {
+    StDType::kF32, StDType::kBF16, StDType::kF16, StDType::kF64, StDType::kI64,
+    StDType::kI32, StDType::kI16,  StDType::kI8,  StDType::kU8,  StDType::kBool,
 };
-
-constexpr std::array<DTypeEntry, 10> kDTypes = {{
-    {DType::kF32, "F32", 4},
-    {DType::kBF16, "BF16", 2},
-    {DType::kF16, "F16", 2},
-    {DType::kF64, "F64", 8},
-    {DType::kI64, "I64", 8},
-    {DType::kI32, "I32", 4},
-    {DType::kI16, "I16", 2},
-    {DType::kI8, "I8", 1},
-    {DType::kU8, "U8", 1},
-    {DType::kBool, "BOOL", 1},
-}};
 
 }  // namespace
 
-absl::string_view DTypeName(DType dtype) { return kDTypes[static_cast<size_t>(dtype)].name; }
+StDType ToStDType(DType dtype) { return kAsStDType[static_cast<size_t>(dtype)]; }
 
-size_t DTypeSize(DType dtype) { return kDTypes[static_cast<size_t>(dtype)].size; }
+absl::StatusOr<DType> FromStDType(StDType dtype) {
+  for (size_t i = 0; i < kAsStDType.size(); ++i) {
+    if (kAsStDType[i] == dtype) return static_cast<DType>(i);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("safetensors dtype ", StDTypeName(dtype), " has no ckpt dtype"));
+}
+
+absl::string_view DTypeName(DType dtype) { return StDTypeName(ToStDType(dtype)); }
+
+size_t DTypeSize(DType dtype) { return StDTypeBits(ToStDType(dtype)) / 8; }
 
 absl::StatusOr<DType> ParseDType(absl::string_view name) {
-  for (const DTypeEntry& e : kDTypes) {
-    if (e.name == name) return e.dtype;
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown dtype \"", name, "\""));
+  absl::StatusOr<StDType> st = ParseStDType(name);
+  absl::StatusOr<DType> d = st.ok() ? FromStDType(*st) : st.status();
+  if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("unknown dtype \"", name, "\""));
+  return d;
 }
 
 }  // namespace ckpt::formats

@@ -31,8 +31,8 @@
 #include "absl/strings/str_format.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
-#include "formats/strict_json.h"
 #include "ckpt/base/status_macros.h"
+#include "formats/strict_json.h"
 
 namespace ckpt::formats {
 namespace {

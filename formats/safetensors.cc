@@ -32,8 +32,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "ckpt/base/coding.h"
-#include "formats/strict_json.h"
 #include "ckpt/base/status_macros.h"
+#include "formats/strict_json.h"
 
 namespace ckpt::formats {
 namespace {
@@ -362,8 +362,7 @@ absl::StatusOr<HfIndex> ParseHfIndex(std::span<const std::byte> bytes, absl::str
   internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxHeaderDepth);
   if (parsed.too_deep) return Rule(file, "InvalidIndex", "JSON nests too deeply");
   if (!parsed.duplicate.empty()) {
-    return Rule(file, "InvalidIndex",
-                absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
+    return Rule(file, "InvalidIndex", absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
   }
   if (!parsed.ok() || !parsed.value.is_object())
     return Rule(file, "InvalidIndex", "not a UTF-8 JSON object");

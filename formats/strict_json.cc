@@ -18,9 +18,7 @@ class StrictBuilder : public nlohmann::json_sax<json> {
   bool boolean(bool v) override { return Put(json(v)) != nullptr; }
   bool number_integer(number_integer_t v) override { return Put(json(v)) != nullptr; }
   bool number_unsigned(number_unsigned_t v) override { return Put(json(v)) != nullptr; }
-  bool number_float(number_float_t v, const string_t&) override {
-    return Put(json(v)) != nullptr;
-  }
+  bool number_float(number_float_t v, const string_t&) override { return Put(json(v)) != nullptr; }
   bool string(string_t& v) override { return Put(json(std::move(v))) != nullptr; }
   bool binary(binary_t& v) override { return Put(json::binary(std::move(v))) != nullptr; }
   bool start_object(std::size_t) override { return Open(json::object()); }

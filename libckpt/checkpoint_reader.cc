@@ -7,12 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "libckpt/aligned_buffer.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
+#include "libckpt/aligned_buffer.h"
 #include "libckpt/filename.h"
 #include "libckpt/read_pipeline.h"
-#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 
@@ -48,9 +48,8 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
   base = base.substr(base.rfind('/') + 1);
   if (std::optional<uint64_t> named = internal::ParseStepDirName(base);
       named.has_value() && *named != reader->manifest_.step) {
-    return absl::DataLossError(absl::StrCat(manifest_path, ": names step ",
-                                            reader->manifest_.step, ", but its directory is ",
-                                            base));
+    return absl::DataLossError(absl::StrCat(manifest_path, ": names step ", reader->manifest_.step,
+                                            ", but its directory is ", base));
   }
   for (const formats::DataFileInfo& f : reader->manifest_.files) {
     const std::string path = JoinPath(step_dir, f.name);

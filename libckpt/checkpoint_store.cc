@@ -16,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "ckpt/base/coding.h"
-#include "libckpt/filename.h"
 #include "ckpt/base/status_macros.h"
+#include "libckpt/filename.h"
 
 namespace ckpt {
 
@@ -122,20 +122,17 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
       staging = JoinPath(root_, internal::StagingDirName(step, internal::NewNonce()));
       s = env_->CreateDir(staging);
     }
-    message = s.ok() ? absl::StrCat("ok ", staging)
-                     : absl::StrCat("err ", static_cast<int>(s.code()), " ", s.message());
+    message = s.ok() ? absl::StrCat("ok ", staging) : absl::StrCat("err ", EncodeStatus(s));
   }
   CKPT_ASSIGN_OR_RETURN(std::string outcome, coordinator->Broadcast(message, 0));
   absl::string_view view = outcome;
   if (!absl::ConsumePrefix(&view, "ok ")) {
-    absl::ConsumePrefix(&view, "err ");
-    size_t space = view.find(' ');
-    int code = 0;
-    if (space == absl::string_view::npos || !absl::SimpleAtoi(view.substr(0, space), &code) ||
-        code <= 0 || code > 16) {
+    absl::Status refused =
+        absl::ConsumePrefix(&view, "err ") ? DecodeStatus(view) : absl::OkStatus();
+    if (refused.ok()) {
       return absl::InternalError(absl::StrCat("malformed begin message from rank 0: ", outcome));
     }
-    return absl::Status(static_cast<absl::StatusCode>(code), view.substr(space + 1));
+    return refused;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -169,8 +166,9 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint
   if (!*is_dir) {
     // ckpt only ever renames a directory to a step's name: a link or file there is not ours.
     return absl::FailedPreconditionError(
-        absl::StrCat(dir, ": is not a directory (a symbolic link or a file), which ckpt never "
-                          "puts under a step's name"));
+        absl::StrCat(dir,
+                     ": is not a directory (a symbolic link or a file), which ckpt never "
+                     "puts under a step's name"));
   }
   return CheckpointReader::Open(dir, options);
 }

@@ -6,10 +6,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "ckpt/verify.h"
 #include "ckpt/base/coding.h"
-#include "libckpt/filename.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/verify.h"
+#include "libckpt/filename.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"

@@ -32,11 +32,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "ckpt/checkpoint_store.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
-#include "libckpt/filename.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "libckpt/filename.h"
 
 namespace ckpt {
 namespace {
@@ -46,21 +46,6 @@ using formats::Manifest;
 
 constexpr size_t kHashSliceBytes = 256 << 10;
 constexpr std::byte kZeros[formats::kBlockBytes] = {};
-
-std::string EncodeFailure(const absl::Status& s) {
-  return absl::StrCat(static_cast<int>(s.code()), " ", s.message());
-}
-
-// Inverse of EncodeFailure; a malformed message becomes kInternal.
-absl::Status DecodeFailure(absl::string_view text) {
-  std::pair<absl::string_view, absl::string_view> parts =
-      absl::StrSplit(text, absl::MaxSplits(' ', 1));
-  int code = 0;
-  if (!absl::SimpleAtoi(parts.first, &code) || code <= 0 || code > 16) {
-    return absl::InternalError(absl::StrCat("malformed outcome: ", text));
-  }
-  return absl::Status(static_cast<absl::StatusCode>(code), parts.second);
-}
 
 bool SameDeclaration(const formats::TensorInfo& a, const formats::TensorInfo& b) {
   return a.dtype == b.dtype && a.shape == b.shape;
@@ -274,7 +259,7 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
   absl::Status local = FinishLocal(&vote);
   if (!local.ok()) {
     if (file_ != nullptr) file_->Close().IgnoreError();  // Already failing; the file is garbage.
-    vote = absl::StrCat("no ", EncodeFailure(local));
+    vote = absl::StrCat("no ", EncodeStatus(local));
   }
   absl::StatusOr<std::vector<std::string>> votes = coordinator_->AllGather(vote);
   absl::Status outcome;
@@ -289,12 +274,11 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
     }
   }
   if (votes.ok()) {
-    absl::StatusOr<std::string> result =
-        coordinator_->Broadcast(outcome.ok() ? "ok" : EncodeFailure(outcome), 0);
+    absl::StatusOr<std::string> result = coordinator_->Broadcast(EncodeStatus(outcome), 0);
     if (!result.ok()) {
       outcome.Update(result.status());
     } else if (rank != 0) {
-      outcome = *result == "ok" ? absl::OkStatus() : DecodeFailure(*result);
+      outcome = DecodeStatus(*result);
     }
   } else {
     outcome.Update(votes.status());
@@ -321,7 +305,8 @@ absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes
     absl::string_view vote = votes[r];
     if (!absl::ConsumePrefix(&vote, "ok ")) {
       absl::ConsumePrefix(&vote, "no ");
-      absl::Status why = DecodeFailure(vote);
+      absl::Status why = DecodeStatus(vote);
+      if (why.ok()) why = absl::InternalError("a \"no\" vote carried an OK status");
       return absl::Status(why.code(), absl::StrCat("rank ", r, " voted no: ", why.message()));
     }
     const std::string path =

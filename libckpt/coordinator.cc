@@ -2,6 +2,9 @@
 
 #include <map>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "ckpt/base/status_macros.h"
 
@@ -17,6 +20,22 @@ absl::StatusOr<std::string> Coordinator::Broadcast(absl::string_view value, int 
 }
 
 absl::Status Coordinator::Barrier() { return AllGather("").status(); }
+
+std::string EncodeStatus(const absl::Status& status) {
+  if (status.ok()) return "0";
+  return absl::StrCat(static_cast<int>(status.code()), " ", status.message());
+}
+
+absl::Status DecodeStatus(absl::string_view text) {
+  if (text == "0") return absl::OkStatus();
+  std::pair<absl::string_view, absl::string_view> parts =
+      absl::StrSplit(text, absl::MaxSplits(' ', 1));
+  int code = 0;
+  if (!absl::SimpleAtoi(parts.first, &code) || code <= 0 || code > 16) {
+    return absl::InternalError(absl::StrCat("malformed status from another rank: ", text));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), parts.second);
+}
 
 // Round r of AllGather: ranks deposit into `slots`; the last to arrive publishes the round's
 // result under its generation, and each rank takes its copy and releases it.

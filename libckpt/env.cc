@@ -51,15 +51,14 @@ std::string Dirname(absl::string_view path) {
   return std::string(path.substr(0, slash));
 }
 
-absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
-                                             uint64_t max_bytes, const FileOptions& options) {
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path, uint64_t max_bytes,
+                                             const FileOptions& options) {
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
                         env->NewRandomAccessFile(path, options));
   // Checked before the allocation: a sparse 1 TiB file must not become a 1 TiB string.
   if (file->size() > max_bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": ", file->size(),
-                                            " bytes, more than the ", max_bytes,
-                                            " such a file may hold"));
+    return absl::DataLossError(absl::StrCat(path, ": ", file->size(), " bytes, more than the ",
+                                            max_bytes, " such a file may hold"));
   }
   std::string data(file->size(), '\0');
   CKPT_RETURN_IF_ERROR(
@@ -79,9 +78,11 @@ absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string
     stale->reset();
     CKPT_RETURN_IF_ERROR(env->RemoveFile(tmp));
   } else if (!absl::IsNotFound(stale.status())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "write ", path, ": refusing to use the temporary name ", tmp, ", which ckpt did not "
-        "make: ", stale.status().message()));
+    return absl::FailedPreconditionError(absl::StrCat("write ", path,
+                                                      ": refusing to use the temporary name ", tmp,
+                                                      ", which ckpt did not "
+                                                      "make: ",
+                                                      stale.status().message()));
   }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, options));
   absl::Status status;

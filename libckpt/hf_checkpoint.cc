@@ -22,12 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/base/cpu_features.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
 #include "libckpt/aligned_buffer.h"
-#include "ckpt/base/coding.h"
 #include "libckpt/read_pipeline.h"
-#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

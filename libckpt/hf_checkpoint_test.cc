@@ -7,10 +7,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "ckpt/formats/float_convert.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/formats/float_convert.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/testdata.h"
 
 namespace ckpt {
 namespace {
@@ -29,10 +30,7 @@ struct Model {
 
 class HfTestdataTest : public ::testing::TestWithParam<Model> {
  protected:
-  void SetUp() override {
-    if (!NewPosixEnv()->IsDirectory(kTestdata).ok())
-      GTEST_SKIP() << "no shared testdata at " << kTestdata;
-  }
+  void SetUp() override { CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(kTestdata + "/" + GetParam().dir); }
 };
 
 // Reads every tensor of the transformers-written checkpoint, writes it back through our writer

@@ -7,8 +7,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "ckpt/env.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/env.h"
 
 namespace ckpt {
 namespace {

@@ -42,10 +42,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "ckpt/checkpoint_store.h"
 #include "ckpt/base/coding.h"
-#include "libckpt/filename.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "libckpt/filename.h"
 
 namespace ckpt {
 namespace {
@@ -92,12 +92,11 @@ absl::Status CheckpointStore::Recover() {
   absl::Status opened = OpenStep(step).status();
   switch (VerdictOf(opened)) {
     case Verdict::kUnknown:
-      return Refuse(absl::StrCat(JoinPath(root_, internal::StepDirName(step)),
-                                 " (the step LATEST names)"),
-                    opened);
+      return Refuse(
+          absl::StrCat(JoinPath(root_, internal::StepDirName(step)), " (the step LATEST names)"),
+          opened);
     case Verdict::kDamaged:
-      recovery_.latest_problem =
-          absl::StrCat("LATEST names step ", step, ": ", opened.message());
+      recovery_.latest_problem = absl::StrCat("LATEST names step ", step, ": ", opened.message());
       return FallBack();
     case Verdict::kGood:
       break;
@@ -134,7 +133,8 @@ absl::Status CheckpointStore::FallBack() {
     absl::Status opened = OpenStep(*it).status();
     Verdict verdict = VerdictOf(opened);
     if (verdict == Verdict::kUnknown) {
-      return Refuse(absl::StrCat(JoinPath(root_, internal::StepDirName(*it)), " (newer than any "
+      return Refuse(absl::StrCat(JoinPath(root_, internal::StepDirName(*it)),
+                                 " (newer than any "
                                  "step that verifies, while ",
                                  recovery_.latest_problem, ")"),
                     opened);
@@ -182,13 +182,11 @@ absl::Status CheckpointStore::Quarantine(const std::vector<uint64_t>& steps) {
     }
   }
   for (uint64_t step : steps) {
-    const std::string name =
-        absl::StrCat(internal::StepDirName(step), "-", internal::NewNonce());
+    const std::string name = absl::StrCat(internal::StepDirName(step), "-", internal::NewNonce());
     CKPT_RETURN_IF_ERROR(
         env_->RenameFile(JoinPath(root_, internal::StepDirName(step)), JoinPath(dir, name)));
     recovery_.quarantined.push_back(absl::StrCat(kQuarantineDirName, "/", name));
-    Log(absl::StrCat("recovery moved ", internal::StepDirName(step), " to ",
-                     JoinPath(dir, name)));
+    Log(absl::StrCat("recovery moved ", internal::StepDirName(step), " to ", JoinPath(dir, name)));
   }
   CKPT_RETURN_IF_ERROR(env_->SyncDir(dir));
   return env_->SyncDir(root_);
@@ -236,8 +234,8 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::PurgeQuarantine(bool d
   const std::string dir = JoinPath(root_, kQuarantineDirName);
   std::vector<std::string> trash;
   for (const std::string& name : names) {
-    trash.push_back(JoinPath(root_, absl::StrCat(internal::kDeletingPrefix, "quarantine-",
-                                                 internal::NewNonce())));
+    trash.push_back(JoinPath(
+        root_, absl::StrCat(internal::kDeletingPrefix, "quarantine-", internal::NewNonce())));
     CKPT_RETURN_IF_ERROR(env_->RenameFile(JoinPath(dir, name), trash.back()));
   }
   CKPT_RETURN_IF_ERROR(env_->SyncDir(dir));

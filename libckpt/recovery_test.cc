@@ -14,8 +14,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
-#include "ckpt/checkpoint_store.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/checkpoint_store.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"
@@ -73,7 +73,8 @@ class UnreadableStepTest : public RecoveryTest, public ::testing::WithParamInter
 
 // Every file of `step_dir` in `before` is in `after`, byte for byte, at its place or under
 // one quarantine/<step>-<nonce>/ directory.
-void ExpectStepKept(const TreeSnapshot& before, const TreeSnapshot& after, const std::string& name) {
+void ExpectStepKept(const TreeSnapshot& before, const TreeSnapshot& after,
+                    const std::string& name) {
   std::string moved_to;
   for (const auto& [path, what] : after) {
     if (absl::StartsWith(path, "quarantine/" + name + "-") && what == "dir" &&
@@ -124,8 +125,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Case{"NewerManifestVersion",
              [](const std::string& root, FaultInjectionEnv*) {
-               CKPT_ASSERT_OK(
-                   testing::RewriteManifestVersion(root + "/step-00000003/MANIFEST", 2));
+               CKPT_ASSERT_OK(testing::RewriteManifestVersion(root + "/step-00000003/MANIFEST", 2));
              },
              absl::StatusCode::kFailedPrecondition},
         Case{"PermissionDeniedOnADataFile",
@@ -134,7 +134,9 @@ INSTANTIATE_TEST_SUITE_P(
              },
              absl::StatusCode::kFailedPrecondition},
         Case{"PermissionDeniedOnLatest",
-             [](const std::string&, FaultInjectionEnv* env) { env->FailReadOpens("/LATEST", EACCES); },
+             [](const std::string&, FaultInjectionEnv* env) {
+               env->FailReadOpens("/LATEST", EACCES);
+             },
              absl::StatusCode::kFailedPrecondition},
         Case{"IoErrorOnTheManifest",
              [](const std::string&, FaultInjectionEnv* env) {

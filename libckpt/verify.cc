@@ -4,13 +4,13 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/formats/manifest.h"
 #include "libckpt/aligned_buffer.h"
-#include "ckpt/base/checksum.h"
-#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
-#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {
@@ -163,8 +163,8 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
                   absl::StrCat("names step ", **latest, ", which does not exist")));
     }
   } else if (!steps.empty()) {
-    report.problems.push_back(Problem(latest_path, std::nullopt, 0,
-                                      "missing, while the root holds step directories"));
+    report.problems.push_back(
+        Problem(latest_path, std::nullopt, 0, "missing, while the root holds step directories"));
   }
   std::vector<uint64_t> chosen;
   if (step.has_value()) {
@@ -186,9 +186,8 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
       // are still checked.
       StepVerifyReport failed;
       failed.dir = dir;
-      failed.problems.push_back(Problem(dir, std::nullopt, 0,
-                                        absl::StrCat("could not be checked: ",
-                                                     r.status().message())));
+      failed.problems.push_back(Problem(
+          dir, std::nullopt, 0, absl::StrCat("could not be checked: ", r.status().message())));
       r = std::move(failed);
     } else if (r->problems.empty() && r->step != s) {
       r->problems.push_back(

@@ -150,7 +150,7 @@ absl::StatusOr<double> MeasureShapedGparams(const void* grads, formats::DType gr
   KernelFn kernel = SelectShapedKernel(isa, grad_dtype, formats::DType::kBF16, moments);
   if (kernel == nullptr) return absl::InvalidArgumentError("unsupported gradient dtype");
   if (!CpuSupports(isa)) return absl::FailedPreconditionError("this CPU lacks the requested ISA");
-  const size_t msize = moments == MomentDType::kF32 ? 4 : 2;
+  const size_t msize = MomentBytes(moments);
   HostBuffer slabs[3];
   for (int s = 0; s < 3; ++s) {
     absl::StatusOr<HostBuffer> b =

@@ -18,7 +18,7 @@ using internal::KernelArgs;
 
 size_t ElementBytes(formats::DType d) { return formats::DTypeSize(d); }
 
-class CpuEngine : public StagedAdamW::Engine {
+class CpuEngine : public internal::Engine {
  public:
   CpuEngine(int threads, CpuIsa isa) : isa_(isa), pool_(threads) {}
 
@@ -50,7 +50,7 @@ class CpuEngine : public StagedAdamW::Engine {
       }
     }
     const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
-    const size_t msize = slabs.moment_dtype == MomentDType::kF32 ? 4 : 2;
+    const size_t msize = MomentBytes(slabs.moment_dtype);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
       KernelArgs a{slabs.master + t.offset,
@@ -96,13 +96,13 @@ class CpuEngine : public StagedAdamW::Engine {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa) {
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCpuEngine(int threads, CpuIsa isa) {
   if (!internal::CpuSupports(isa)) {
     return absl::FailedPreconditionError(
         absl::StrCat("this CPU cannot run the ", internal::IsaName(isa), " engine"));
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return std::unique_ptr<StagedAdamW::Engine>(new CpuEngine(threads, internal::ResolveIsa(isa)));
+  return std::unique_ptr<internal::Engine>(new CpuEngine(threads, internal::ResolveIsa(isa)));
 }
 
 }  // namespace ckpt::optimizer

@@ -62,17 +62,19 @@ inline void PrefetchLine(const char* p) {
 
 // Called once per 16 elements. A line of a 16-bit stream holds 32 elements: every other call
 // names a new one.
+// Bytes of one element of a stream the kernels read: FP32, or a 16-bit type (BF16, F16).
+template <DType D>
+constexpr size_t kStreamBytes = D == DType::kF32 ? 4 : 2;
+
 template <DType G, DType M>
 inline void PrefetchStreams(const KernelArgs& a, size_t i) {
   PrefetchLine(reinterpret_cast<const char*>(a.master + i));
   if (M == DType::kF32 || i % 32 == 0) {
-    constexpr size_t msize = M == DType::kF32 ? 4 : 2;
-    PrefetchLine(static_cast<const char*>(a.exp_avg) + i * msize);
-    PrefetchLine(static_cast<const char*>(a.exp_avg_sq) + i * msize);
+    PrefetchLine(static_cast<const char*>(a.exp_avg) + i * kStreamBytes<M>);
+    PrefetchLine(static_cast<const char*>(a.exp_avg_sq) + i * kStreamBytes<M>);
   }
   if (G == DType::kF32 || i % 32 == 0) {
-    constexpr size_t gsize = G == DType::kF32 ? 4 : 2;
-    PrefetchLine(static_cast<const char*>(a.grads) + i * gsize);
+    PrefetchLine(static_cast<const char*>(a.grads) + i * kStreamBytes<G>);
   }
 }
 

@@ -31,7 +31,10 @@ struct SlabView {
   MomentDType moment_dtype;
 };
 
-class StagedAdamW::Engine {
+// An update engine: the seam that tests and backends swap (CPU SIMD, CUDA streamed). Owned by
+// one StagedAdamW; not thread-safe (one Step at a time, as the optimizer).
+namespace internal {
+class Engine {
  public:
   virtual ~Engine() = default;
   // Updates every unit; `constants` is indexed by group. REQUIRES: args validated.
@@ -48,11 +51,12 @@ class StagedAdamW::Engine {
   // Host memory for slabs: pinned (cudaHostAlloc) for the CUDA engine, aligned otherwise.
   virtual bool wants_pinned_slabs() const { return false; }
 };
+}  // namespace internal
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCpuEngine(int threads, CpuIsa isa);
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCpuEngine(int threads, CpuIsa isa);
 // kUnimplemented in a build without CUDA; kFailedPrecondition without a usable device.
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(
-    const StagedAdamWOptions& options, const std::vector<Unit>& units);
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
+                                                                const std::vector<Unit>& units);
 
 }  // namespace ckpt::optimizer
 

@@ -1,6 +1,6 @@
 // The one place that knows whether CUDA was built in (STYLE.md §7).
 #include "absl/strings/str_cat.h"
-#include "ckpt/optimizer/benchmark.h"
+#include "ckpt/bench/adamw_bench.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
 
@@ -10,8 +10,8 @@
 
 namespace ckpt::optimizer {
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngine(
-    const StagedAdamWOptions& options, const std::vector<Unit>& units) {
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
+                                                                const std::vector<Unit>& units) {
 #if CKPT_HAVE_CUDA
   return internal::NewCudaEngineImpl(options, units);
 #else

@@ -160,7 +160,7 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCudaEngine(opt->options_, opt->units_));
   }
   const bool pinned = opt->engine_->wants_pinned_slabs();
-  const size_t moment_bytes = opt->options_.moment_dtype == MomentDType::kF32 ? 4 : 2;
+  const size_t moment_bytes = MomentBytes(opt->options_.moment_dtype);
   opt->slabs_ = std::make_unique<Slabs>();
   CKPT_ASSIGN_OR_RETURN(opt->slabs_->master, internal::HostBuffer::Create(size * 4, 0, pinned));
   CKPT_ASSIGN_OR_RETURN(
@@ -169,7 +169,7 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(
       opt->slabs_->exp_avg_sq,
       internal::HostBuffer::Create(size * moment_bytes, 2 * internal::kSlabStagger, pinned));
-  float* master = opt->master().data();
+  float* master = opt->mutable_master().data();
   const void* w = model_weights.data();
   for (uint64_t i = 0; i < size; ++i) {
     if (dtype == DType::kF32) {
@@ -217,18 +217,31 @@ absl::Status StagedAdamW::Synchronize() { return engine_->Synchronize(); }
 uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }
 std::string StagedAdamW::engine_name() const { return engine_->name(); }
 
-std::span<float> StagedAdamW::master() const {
+std::span<const float> StagedAdamW::master() const {
+  return {reinterpret_cast<const float*>(slabs_->master.data()), size_};
+}
+std::span<const float> StagedAdamW::exp_avg() const {
+  if (options_.moment_dtype != MomentDType::kF32) return {};
+  return {reinterpret_cast<const float*>(slabs_->exp_avg.data()), size_};
+}
+std::span<const float> StagedAdamW::exp_avg_sq() const {
+  if (options_.moment_dtype != MomentDType::kF32) return {};
+  return {reinterpret_cast<const float*>(slabs_->exp_avg_sq.data()), size_};
+}
+std::span<const std::byte> StagedAdamW::exp_avg_bytes() const {
+  return {slabs_->exp_avg.data(), size_ * moment_bytes()};
+}
+std::span<const std::byte> StagedAdamW::exp_avg_sq_bytes() const {
+  return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
+}
+std::span<float> StagedAdamW::mutable_master() {
   return {reinterpret_cast<float*>(slabs_->master.data()), size_};
 }
-std::span<float> StagedAdamW::exp_avg() const {
-  if (options_.moment_dtype != MomentDType::kF32) return {};
-  return {reinterpret_cast<float*>(slabs_->exp_avg.data()), size_};
+std::span<std::byte> StagedAdamW::mutable_exp_avg_bytes() {
+  return {slabs_->exp_avg.data(), size_ * moment_bytes()};
 }
-std::span<float> StagedAdamW::exp_avg_sq() const {
-  if (options_.moment_dtype != MomentDType::kF32) return {};
-  return {reinterpret_cast<float*>(slabs_->exp_avg_sq.data()), size_};
+std::span<std::byte> StagedAdamW::mutable_exp_avg_sq_bytes() {
+  return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
 }
-const std::byte* StagedAdamW::exp_avg_bytes() const { return slabs_->exp_avg.data(); }
-const std::byte* StagedAdamW::exp_avg_sq_bytes() const { return slabs_->exp_avg_sq.data(); }
 
 }  // namespace ckpt::optimizer

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "optimizer/cpu_kernels.h"
+#include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
 
@@ -22,6 +23,7 @@ using internal::FloatToBf16;
 using internal::FloatToHalf;
 using internal::HalfToFloat;
 using testing::IsOk;
+using testing::MaxRelError;
 constexpr auto Random = testing::RandomNormal;
 constexpr auto Encode = testing::EncodeFloats;
 using testing::StatusIs;
@@ -105,8 +107,8 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
     r.v.assign((*opt)->exp_avg_sq().begin(), (*opt)->exp_avg_sq().end());
   } else {
     for (uint64_t i = 0; i < n; ++i) {
-      r.m.push_back(Decode((*opt)->exp_avg_bytes(), DType::kBF16, i));
-      r.v.push_back(Decode((*opt)->exp_avg_sq_bytes(), DType::kBF16, i));
+      r.m.push_back(Decode((*opt)->exp_avg_bytes().data(), DType::kBF16, i));
+      r.v.push_back(Decode((*opt)->exp_avg_sq_bytes().data(), DType::kBF16, i));
     }
   }
   return r;
@@ -140,18 +142,6 @@ Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, floa
     r.v.push_back(static_cast<float>(v[i]));
   }
   return r;
-}
-
-// Normwise relative error: the largest elementwise error over the largest magnitude. Moments
-// cross zero when gradients change sign, so an elementwise ratio there measures cancellation in
-// the reference, not the optimizer; FP32 carries about 6e-8 of the vector's scale per operation.
-double MaxRelError(const std::vector<float>& got, const std::vector<float>& want) {
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
-  }
-  return worst / scale;
 }
 
 // Elementwise relative error for elements at least `floor` in magnitude.

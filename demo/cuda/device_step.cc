@@ -13,8 +13,8 @@ namespace {
 absl::Status CudaOk(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();  // Clears a sticky error so later calls report their own.
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(err), " (",
-                                           cudaGetErrorString(err), ")");
+  const std::string message =
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
   if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
   if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
     return absl::FailedPreconditionError(message);
@@ -50,9 +50,9 @@ class CudaDeviceStep : public DeviceStep {
                                              std::span<uint16_t> weights) override {
     if (grads.size_bytes() > grad_bytes_ || weights.size_bytes() > weight_bytes_)
       return absl::InvalidArgumentError("more elements than the device buffers hold");
-    CKPT_RETURN_IF_ERROR(CudaOk(cudaMemcpyAsync(grads_, grads.data(), grads.size_bytes(),
-                                                cudaMemcpyHostToDevice, stream_),
-                                "copy gradients in"));
+    CKPT_RETURN_IF_ERROR(CudaOk(
+        cudaMemcpyAsync(grads_, grads.data(), grads.size_bytes(), cudaMemcpyHostToDevice, stream_),
+        "copy gradients in"));
     optimizer::StepArgs args;
     args.grads = grads_;
     args.grad_dtype = formats::DType::kF32;

@@ -5,8 +5,8 @@
 #include <cstdlib>
 #include <span>
 
-#include "ckpt/formats/safetensors.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/formats/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);

@@ -8,9 +8,9 @@
 #include <span>
 #include <string>
 
-#include "ckpt/formats/manifest.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/formats/manifest.h"
 
 namespace {
 

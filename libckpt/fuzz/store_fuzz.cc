@@ -28,13 +28,13 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/chunk.h"
 #include "ckpt/formats/manifest.h"
 #include "ckpt/verify.h"
-#include "ckpt/base/checksum.h"
-#include "ckpt/base/coding.h"
 #include "libckpt/filename.h"
 
 namespace {

@@ -7,11 +7,11 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/env.h"
 #include "libckpt/io_error.h"
 #include "libckpt/posix/posix_file_ops.h"
 #include "libckpt/posix/scoped_fd.h"
-#include "ckpt/base/status_macros.h"
 
 namespace ckpt {
 namespace {

@@ -32,9 +32,10 @@ absl::Status NotRegular(const std::string& path, mode_t mode) {
 }
 
 absl::Status SymlinkRefused(const std::string& path, absl::string_view what) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "open ", what, " ", path, ": is a symbolic link, which ckpt never creates there; not "
-      "following it"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("open ", what, " ", path,
+                   ": is a symbolic link, which ckpt never creates there; not "
+                   "following it"));
 }
 
 class PosixFileLock : public FileLock {
@@ -171,9 +172,10 @@ absl::StatusOr<ScopedFd> CreateNewFile(const std::string& path, int extra_flags)
   if (!fd.valid()) {
     const int err = errno;
     if (err == EEXIST) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "create ", path, ": the name is taken (a stale file or a planted link); not "
-          "overwriting it"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("create ", path,
+                       ": the name is taken (a stale file or a planted link); not "
+                       "overwriting it"));
     }
     return IoError(err, absl::StrCat("create ", path));
   }

@@ -26,12 +26,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/env.h"
 #include "libckpt/aligned_buffer.h"
 #include "libckpt/io_error.h"
 #include "libckpt/posix/posix_file_ops.h"
 #include "libckpt/posix/scoped_fd.h"
-#include "ckpt/base/status_macros.h"
 #include "libckpt/uring/uring_ring.h"
 
 namespace ckpt {
@@ -393,8 +393,7 @@ class UringRandomAccessFile : public RandomAccessFile {
 // it. Setting it with F_SETFL after the create, rather than at open, keeps a refusal (tmpfs and
 // some network file systems answer EINVAL) from leaving a created file that the exclusive
 // create of a retry would then find; buffered IO is still correct.
-absl::StatusOr<ScopedFd> CreateMaybeDirect(const std::string& path, bool direct,
-                                           bool* got_direct) {
+absl::StatusOr<ScopedFd> CreateMaybeDirect(const std::string& path, bool direct, bool* got_direct) {
   *got_direct = false;
   CKPT_ASSIGN_OR_RETURN(ScopedFd fd, internal::CreateNewFile(path, 0));
   if (direct) {

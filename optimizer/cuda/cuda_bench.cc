@@ -4,9 +4,9 @@
 #include <chrono>
 #include <vector>
 
-#include "ckpt/formats/float_convert.h"
-#include "ckpt/optimizer/benchmark.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/bench/adamw_bench.h"
+#include "ckpt/formats/float_convert.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/host_buffer.h"

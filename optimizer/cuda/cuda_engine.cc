@@ -48,7 +48,7 @@ struct Slot {
   CudaEvent h2d_done, kernel_done, d2h_done;
 };
 
-class CudaEngine : public StagedAdamW::Engine {
+class CudaEngine : public internal::Engine {
  public:
   CudaEngine(int slots, uint64_t unit_elems, MomentDType moments)
       : slot_count_(slots), unit_elems_(unit_elems), moments_(moments) {}
@@ -56,7 +56,7 @@ class CudaEngine : public StagedAdamW::Engine {
 
   absl::Status Restore() override {
     if (!slots_.empty()) return absl::OkStatus();
-    const size_t mbytes = moments_ == MomentDType::kF32 ? 4 : 2;
+    const size_t mbytes = MomentBytes(moments_);
     std::vector<Slot> slots(static_cast<size_t>(slot_count_));
     for (Slot& s : slots) {
       CKPT_ASSIGN_OR_RETURN(s.master_in, DeviceBuffer::Create(unit_elems_ * 4));
@@ -133,7 +133,7 @@ class CudaEngine : public StagedAdamW::Engine {
     }
     const size_t gsize = formats::DTypeSize(args.grad_dtype),
                  psize = formats::DTypeSize(model_dtype);
-    const size_t mbytes = moments_ == MomentDType::kF32 ? 4 : 2;
+    const size_t mbytes = MomentBytes(moments_);
     // A unit's copy-in must see the previous step's copy-out of the same unit, which ran in the
     // same slot: wait for the slot's last copy-out once, at the start of the step.
     for (Slot& s : slots_)
@@ -227,22 +227,20 @@ class CudaEngine : public StagedAdamW::Engine {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
     const StagedAdamWOptions& options, const std::vector<Unit>& units) {
-  (void)units;
   int devices = 0;
-  cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no usable CUDA device: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
-  }
+  absl::Status counted = CudaStatus(cudaGetDeviceCount(&devices), "no usable CUDA device");
+  if (!counted.ok()) return absl::FailedPreconditionError(counted.message());
   if (devices == 0) return absl::FailedPreconditionError("no CUDA device visible");
   if (options.slot_count < 1) return absl::InvalidArgumentError("slot_count must be at least 1");
-  auto engine = std::make_unique<CudaEngine>(
-      options.slot_count, std::max<uint64_t>(16, options.unit_bytes / 4), options.moment_dtype);
+  // Device buffers are sized by the units the layout actually cut, so they can never be
+  // smaller than a unit whatever rule cut them.
+  uint64_t unit_elems = 1;
+  for (const Unit& u : units) unit_elems = std::max(unit_elems, u.count);
+  auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, options.moment_dtype);
   CKPT_RETURN_IF_ERROR(engine->Restore());
-  return std::unique_ptr<StagedAdamW::Engine>(std::move(engine));
+  return std::unique_ptr<internal::Engine>(std::move(engine));
 }
 
 absl::StatusOr<void*> AllocatePinned(size_t bytes) {

@@ -10,7 +10,7 @@
 
 namespace ckpt::optimizer::internal {
 
-absl::StatusOr<std::unique_ptr<StagedAdamW::Engine>> NewCudaEngineImpl(
+absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
     const StagedAdamWOptions& options, const std::vector<Unit>& units);
 
 }  // namespace ckpt::optimizer::internal

@@ -13,6 +13,7 @@
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/engine.h"
+#include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
 
@@ -21,6 +22,7 @@ namespace {
 
 using formats::DType;
 using testing::IsOk;
+using testing::MaxRelError;
 constexpr auto Random = testing::RandomNormal;
 constexpr auto Encode = testing::EncodeFloats;
 
@@ -104,24 +106,16 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
   }
   CKPT_EXPECT_OK((*opt)->Synchronize());
   s.master.assign((*opt)->master().begin(), (*opt)->master().end());
-  const size_t mb = o.moment_dtype == MomentDType::kF32 ? 4 : 2;
-  s.m.assign((*opt)->exp_avg_bytes(), (*opt)->exp_avg_bytes() + n * mb);
-  s.v.assign((*opt)->exp_avg_sq_bytes(), (*opt)->exp_avg_sq_bytes() + n * mb);
+  const size_t mb = MomentBytes(o.moment_dtype);
+  s.m.assign((*opt)->exp_avg_bytes().begin(), (*opt)->exp_avg_bytes().end());
+  s.v.assign((*opt)->exp_avg_sq_bytes().begin(), (*opt)->exp_avg_sq_bytes().end());
+  EXPECT_EQ(s.m.size(), n * mb);
   if (cuda) {
     cudaFree(dgrads);
     cudaFree(dparams);
     cudaStreamDestroy(stream);
   }
   return s;
-}
-
-double MaxRelError(const std::vector<float>& got, const std::vector<float>& want) {
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(want[i])));
-  }
-  return worst / scale;
 }
 
 // Same operations in the same order with IEEE rounding: every bit must agree.

@@ -22,20 +22,26 @@ class CudaStream {
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream_, cudaStreamNonBlocking));
     return s;
   }
-  ~CudaStream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);  // Destructors never report.
-  }
+  ~CudaStream() { Reset(); }
   CudaStream(const CudaStream&) = delete;  // Would destroy the stream twice.
   CudaStream& operator=(const CudaStream&) = delete;
   CudaStream(CudaStream&& o) noexcept : stream_(std::exchange(o.stream_, nullptr)) {}
+  // Releases the stream this one owned, then takes `o`'s; `o` owns nothing afterwards.
   CudaStream& operator=(CudaStream&& o) noexcept {
-    std::swap(stream_, o.stream_);
+    if (this != &o) {
+      Reset();
+      stream_ = std::exchange(o.stream_, nullptr);
+    }
     return *this;
   }
   bool valid() const { return stream_ != nullptr; }
   cudaStream_t get() const { return stream_; }
 
  private:
+  void Reset() noexcept {
+    // Destructors never report; cudaErrorCudartUnloading at exit is ignored with the rest.
+    if (stream_ != nullptr) cudaStreamDestroy(std::exchange(stream_, nullptr));
+  }
   cudaStream_t stream_ = nullptr;
 };
 
@@ -47,20 +53,25 @@ class CudaEvent {
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e.event_, cudaEventDisableTiming));
     return e;
   }
-  ~CudaEvent() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
-  }
+  ~CudaEvent() { Reset(); }
   CudaEvent(const CudaEvent&) = delete;  // Would destroy the event twice.
   CudaEvent& operator=(const CudaEvent&) = delete;
   CudaEvent(CudaEvent&& o) noexcept : event_(std::exchange(o.event_, nullptr)) {}
+  // Releases the event this one owned, then takes `o`'s; `o` owns nothing afterwards.
   CudaEvent& operator=(CudaEvent&& o) noexcept {
-    std::swap(event_, o.event_);
+    if (this != &o) {
+      Reset();
+      event_ = std::exchange(o.event_, nullptr);
+    }
     return *this;
   }
   bool valid() const { return event_ != nullptr; }
   cudaEvent_t get() const { return event_; }
 
  private:
+  void Reset() noexcept {
+    if (event_ != nullptr) cudaEventDestroy(std::exchange(event_, nullptr));
+  }
   cudaEvent_t event_ = nullptr;
 };
 
@@ -73,16 +84,18 @@ class DeviceBuffer {
     b.size_ = bytes;
     return b;
   }
-  ~DeviceBuffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
+  ~DeviceBuffer() { Reset(); }
   DeviceBuffer(const DeviceBuffer&) = delete;  // A copy could not name its stream (RMM's rule).
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   DeviceBuffer(DeviceBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  // Frees the memory this one owned, then takes `o`'s; `o` owns nothing afterwards.
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(size_, o.size_);
+    if (this != &o) {
+      Reset();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
     return *this;
   }
   bool valid() const { return data_ != nullptr; }
@@ -90,6 +103,10 @@ class DeviceBuffer {
   size_t size() const { return size_; }
 
  private:
+  void Reset() noexcept {
+    if (data_ != nullptr) cudaFree(std::exchange(data_, nullptr));
+    size_ = 0;
+  }
   void* data_ = nullptr;
   size_t size_ = 0;
 };

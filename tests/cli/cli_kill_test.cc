@@ -13,9 +13,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
-#include "ckpt/base/coding.h"
 #include "tests/support/run_command.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"

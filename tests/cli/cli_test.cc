@@ -14,12 +14,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/verify.h"
-#include "ckpt/base/coding.h"
 #include "tests/support/run_command.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/testdata.h"
 
 namespace ckpt {
 namespace {
@@ -86,7 +87,7 @@ TEST_F(CliTest, VerifyNamesDamagedFileChunkAndOffsetWithExitOne) {
 
 TEST_F(CliTest, HfPathsInspectVerifyAndReshard) {
   const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-tiny";
-  if (!NewPosixEnv()->IsDirectory(qwen).ok()) GTEST_SKIP() << "no shared testdata at " << qwen;
+  CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(qwen);
   Result inspect = RunTool("inspect " + qwen + " --json");
   ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
   nlohmann::json j = nlohmann::json::parse(inspect.output);

@@ -6,9 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ckpt/base/coding.h"
 #include "ckpt/env.h"
 #include "libckpt/aligned_buffer.h"
-#include "ckpt/base/coding.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/temp_dir.h"

@@ -3,10 +3,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "ckpt/checkpoint_store.h"
-#include "ckpt/verify.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/verify.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"
 

@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
-#include "ckpt/base/coding.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 

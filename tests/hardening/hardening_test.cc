@@ -37,7 +37,7 @@ using testing::TreeSnapshot;
 
 // What must hold of the committed steps after the command.
 enum class Keep {
-  kAll,           // The tree is exactly as before the command (LOCK aside).
+  kAll,            // The tree is exactly as before the command (LOCK aside).
   kStepsSomewhere  // Every file of steps 1-3 is in place or under quarantine/, same bytes.
 };
 
@@ -194,9 +194,11 @@ const Case kCases[] = {
      },
      "gc {root} --keep-last 1 --dry-run", 0, "would delete 2 step(s): 1, 2"},
     // 2. FIFOs never block.
-    {"FifoLatestInspect", [](const std::string& root, const std::string&) { Fifo(root + "/LATEST"); },
-     "inspect {root}", 1, "FIFO"},
-    {"FifoLatestVerify", [](const std::string& root, const std::string&) { Fifo(root + "/LATEST"); },
+    {"FifoLatestInspect",
+     [](const std::string& root, const std::string&) { Fifo(root + "/LATEST"); }, "inspect {root}",
+     1, "FIFO"},
+    {"FifoLatestVerify",
+     [](const std::string& root, const std::string&) { Fifo(root + "/LATEST"); },
      "verify {root} --all", 1, "FIFO"},
     {"FifoLatestGc", [](const std::string& root, const std::string&) { Fifo(root + "/LATEST"); },
      "gc {root} --keep-last 10", 2, "FIFO"},
@@ -226,10 +228,14 @@ const Case kCases[] = {
      "hf-reshard {dir}/model {dir}/out", 2, "FIFO"},
     // 3. Huge files are refused before anything is allocated.
     {"SparseTebibyteLatestInspect",
-     [](const std::string& root, const std::string&) { Sparse(root + "/LATEST", uint64_t{1} << 40); },
+     [](const std::string& root, const std::string&) {
+       Sparse(root + "/LATEST", uint64_t{1} << 40);
+     },
      "inspect {root}", 1, "1099511627776 bytes"},
     {"SparseTebibyteLatestGcFallsBackToTheNewestStep",
-     [](const std::string& root, const std::string&) { Sparse(root + "/LATEST", uint64_t{1} << 40); },
+     [](const std::string& root, const std::string&) {
+       Sparse(root + "/LATEST", uint64_t{1} << 40);
+     },
      "gc {root} --keep-last 10", 0, "LATEST now names step 3", Keep::kStepsSomewhere},
     {"SparseTebibyteManifestVerify",
      [](const std::string& root, const std::string&) {
@@ -266,8 +272,7 @@ const Case kCases[] = {
        fs::remove(root + "/LOCK");
        fs::create_symlink(dir + "/created-by-ckpt", root + "/LOCK");
      },
-     "gc {root} --keep-last 10", 2, "symbolic link", Keep::kAll,
-     "test ! -e {dir}/created-by-ckpt"},
+     "gc {root} --keep-last 10", 2, "symbolic link", Keep::kAll, "test ! -e {dir}/created-by-ckpt"},
     // 6 (user paths). Directories given as links work, the same in every command.
     {"RootGivenAsSymlinkInspect",
      [](const std::string& root, const std::string& dir) {
@@ -325,8 +330,8 @@ const Case kCases[] = {
      [](const std::string& root, const std::string&) { Spit(root + "/step-00000009", "x"); },
      "verify {root} --all", 1, "step 3: OK"},
     {"CkptRootHoldingAModelIsVerifiedAsACkptRoot",
-     [](const std::string& root, const std::string&) { HfModel(root); },
-     "verify {root}", 0, "holds both a ckpt store and an HF model"},
+     [](const std::string& root, const std::string&) { HfModel(root); }, "verify {root}", 0,
+     "holds both a ckpt store and an HF model"},
     {"RegularFileGivenAsARootIsNamed",
      [](const std::string&, const std::string& dir) { Spit(dir + "/notes.txt", "hello"); },
      "inspect {dir}/notes.txt", 2, "neither a .safetensors file nor a directory"},

@@ -6,8 +6,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/coding.h"
-#include "libckpt/io_error.h"
 #include "ckpt/base/status_macros.h"
+#include "libckpt/io_error.h"
 
 namespace ckpt::testing {
 namespace {

@@ -7,10 +7,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "ckpt/verify.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/verify.h"
 
 namespace ckpt::testing {
 namespace {

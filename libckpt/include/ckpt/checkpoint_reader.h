@@ -17,12 +17,17 @@
 namespace ckpt {
 
 // Holds a step's validated manifest and open data files. Every chunk a read touches is
-// checksummed before its bytes are used. Safe for concurrent use.
+// checksummed before its bytes are used. Thread safety: immutable after Open, so ReadRange,
+// ReadBlob and manifest() are safe to call concurrently from any number of threads (each read
+// uses its own buffers; the data files are read with positioned reads only).
 class CheckpointReader {
  public:
   // Opens the step directory `step_dir`: parses and validates MANIFEST, opens every data file
   // and checks its header and size. kNotFound if MANIFEST is missing; kDataLoss (naming the
-  // file and offset) for any damage. Uses options.env, direct_io and read_threads.
+  // file and offset) for any damage, and when the directory is named for another step than
+  // its MANIFEST's; kUnimplemented for a newer format version; kFailedPrecondition when
+  // MANIFEST or a data file is a symbolic link or not a regular file. Uses options.env,
+  // direct_io and read_threads.
   static absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& step_dir,
                                                                 const StoreOptions& options);
   ~CheckpointReader();

@@ -9,6 +9,7 @@
 #include <vector>
 #include "absl/strings/string_view.h"
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace ckpt {
@@ -28,6 +29,12 @@ class Coordinator {
   virtual absl::StatusOr<std::string> Broadcast(absl::string_view value, int root);
   virtual absl::Status Barrier();
 };
+
+// A Status as ranks exchange it through a Coordinator: "<code> <message>" ("0" for OK). The
+// one encoding of every vote and outcome, so all ranks return the same code and message.
+std::string EncodeStatus(const absl::Status& status);
+// The inverse; text that no EncodeStatus produced becomes kInternal naming it.
+absl::Status DecodeStatus(absl::string_view text);
 
 // A job of one rank.
 class SingleProcessCoordinator : public Coordinator {

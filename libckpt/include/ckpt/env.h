@@ -71,6 +71,10 @@ class FileLock {
   virtual ~FileLock() = default;
 };
 
+// The file system as ckpt sees it. Thread safety: every Env of ours (PosixEnv, UringEnv,
+// MemEnv, FaultInjectionEnv) is safe for concurrent use, calls included; the objects it returns
+// are not shared unless their class says so (a WritableFile has one writer, a RandomAccessFile
+// is safe for concurrent reads). An Env outlives every file and lock it handed out.
 class Env {
  public:
   virtual ~Env() = default;
@@ -171,8 +175,7 @@ std::string DefaultEnvFallbackReason();
 // Helpers built on Env.
 // Reads a whole regular file into a string. The size is checked before anything is allocated:
 // kDataLoss naming the file and both sizes when it holds more than `max_bytes`.
-absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path,
-                                             uint64_t max_bytes,
+absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path, uint64_t max_bytes,
                                              const FileOptions& options = FileOptions{});
 // Writes `parts` to `path` through `tmp` (same directory): a regular file at `tmp` (ours from a
 // crash) is removed, anything else there (a link, FIFO or directory someone planted) is

@@ -19,6 +19,12 @@ absl::StatusOr<DType> ParseDType(absl::string_view name);
 // Bytes per element.
 size_t DTypeSize(DType dtype);
 
+// The same element type in safetensors' terms (every DType is one), and back: kInvalidArgument
+// for a safetensors dtype ckpt does not store (F8_*, F4, U16, ...).
+enum class StDType : uint8_t;
+StDType ToStDType(DType dtype);
+absl::StatusOr<DType> FromStDType(StDType dtype);
+
 }  // namespace ckpt::formats
 
 #endif  // CKPT_FORMATS_DTYPE_H_

@@ -18,6 +18,9 @@ struct CUstream_st;  // cudaStream_t, named without including CUDA.
 struct CUevent_st;   // cudaEvent_t.
 
 namespace ckpt::optimizer {
+namespace internal {
+class Engine;  // CPU or CUDA; optimizer/engine.h. Not part of the API.
+}  // namespace internal
 
 enum class EngineKind { kCpu, kCuda };
 // Instruction sets of the CPU engine; kAuto picks the widest the CPU has.
@@ -27,6 +30,8 @@ enum class CpuIsa { kAuto, kScalar, kAvx2, kAvx512 };
 // bytes per parameter instead of 24, the CPU engine's step moves 22 instead of 30 (FP32
 // gradients). Both engines give the same bits. FP32 is the default and the reference.
 enum class MomentDType { kF32, kBF16 };
+// Bytes of one moment element in the slabs.
+constexpr size_t MomentBytes(MomentDType dtype) { return dtype == MomentDType::kF32 ? 4 : 2; }
 
 struct StagedAdamWOptions {
   std::vector<ParamSpec> params;   // Every parameter of the model (global shapes).
@@ -109,17 +114,24 @@ class StagedAdamW {
   const std::vector<ParamGroup>& groups() const { return options_.groups; }
   const StagedAdamWOptions& options() const { return options_; }
   formats::DType model_dtype() const { return model_dtype_; }
-  // The slabs, in slab order. exp_avg/exp_avg_sq are FP32 views only in MomentDType::kF32.
-  std::span<float> master() const;
-  std::span<float> exp_avg() const;
-  std::span<float> exp_avg_sq() const;
-  // Bytes per moment element in the slabs (4 or 2).
-  const std::byte* exp_avg_bytes() const;
-  const std::byte* exp_avg_sq_bytes() const;
+  // Read-only views of the slabs, in slab order. exp_avg() and exp_avg_sq() view FP32 moments
+  // and are empty in MomentDType::kBF16; the *_bytes() views hold size() * moment_bytes()
+  // bytes in either mode. CUDA engine: call Synchronize() first.
+  std::span<const float> master() const;
+  std::span<const float> exp_avg() const;
+  std::span<const float> exp_avg_sq() const;
+  std::span<const std::byte> exp_avg_bytes() const;
+  std::span<const std::byte> exp_avg_sq_bytes() const;
+  // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
+  size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
+  // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step
+  // starts from what was written. REQUIRES: no Step in flight (CUDA engine: Synchronize()
+  // returned since the last Step).
+  std::span<float> mutable_master();
+  std::span<std::byte> mutable_exp_avg_bytes();
+  std::span<std::byte> mutable_exp_avg_sq_bytes();
   // Which instruction set the CPU engine runs ("scalar", "avx2", "avx512").
   std::string engine_name() const;
-
-  class Engine;  // CPU or CUDA; see optimizer/engine.h.
 
  private:
   struct Slabs;
@@ -129,7 +141,7 @@ class StagedAdamW {
   uint64_t size_ = 0;
   std::vector<Unit> units_;
   std::unique_ptr<Slabs> slabs_;
-  std::unique_ptr<Engine> engine_;  // Declared after the slabs: destroyed (drained) first.
+  std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 };
 
 }  // namespace ckpt::optimizer

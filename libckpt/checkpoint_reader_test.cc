@@ -1,0 +1,230 @@
+#include "ckpt/checkpoint_reader.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/env.h"
+#include "ckpt/formats/chunk.h"
+#include "ckpt/formats/manifest.h"
+#include "tests/support/status_matchers.h"
+#include "tests/support/synthetic_state.h"
+
+namespace ckpt {
+namespace {
+
+using testing::IsOk;
+using testing::StatusIs;
+
+constexpr char kRoot[] = "/store";
+constexpr int kRanks = 3;  // "w" (3000 floats) is cut at 1000 and 2000.
+constexpr uint64_t kMaxFileBytes = uint64_t{1} << 30;
+
+class CheckpointReaderTest : public ::testing::Test {
+ protected:
+  CheckpointReaderTest() : env_(NewMemEnv()) {
+    options_.env = env_.get();
+    options_.chunk_bytes = 1000;  // 250 floats a chunk: each rank's piece spans four.
+  }
+
+  absl::Status Save(uint64_t step) {
+    return testing::SaveSyntheticStep(kRoot, options_, kRanks, step);
+  }
+  static std::string StepDir(uint64_t step) { return JoinPath(kRoot, StepDirectoryName(step)); }
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(uint64_t step) {
+    return CheckpointReader::Open(StepDir(step), options_);
+  }
+
+  // Elements [begin, begin + count) of "w" as read, and as saved at `step`.
+  static absl::StatusOr<std::vector<float>> ReadWeights(const CheckpointReader& reader,
+                                                        uint64_t begin, uint64_t count) {
+    std::vector<float> out(count);
+    CKPT_RETURN_IF_ERROR(
+        reader.ReadRange("w", begin, count, std::as_writable_bytes(std::span(out))));
+    return out;
+  }
+  static std::vector<float> Weights(uint64_t step, uint64_t begin, uint64_t count) {
+    std::vector<float> w = testing::WeightsAt(step);
+    return std::vector<float>(w.begin() + begin, w.begin() + begin + count);
+  }
+  // Expects the read of [begin, begin + count) to succeed and equal what `step` saved.
+  static void ExpectWeights(const CheckpointReader& reader, uint64_t step, uint64_t begin,
+                            uint64_t count) {
+    absl::StatusOr<std::vector<float>> got = ReadWeights(reader, begin, count);
+    ASSERT_THAT(got, IsOk()) << begin << "+" << count;
+    EXPECT_EQ(*got, Weights(step, begin, count)) << begin << "+" << count;
+  }
+
+  // The piece of "w" that `rank` saved, or null.
+  static const formats::PieceInfo* WeightPiece(const CheckpointReader& reader, uint32_t rank) {
+    absl::StatusOr<const formats::TensorInfo*> w = reader.FindTensor("w");
+    if (!w.ok()) return nullptr;
+    const formats::Manifest& m = reader.manifest();
+    for (const formats::PieceInfo& p : m.pieces) {
+      if (&m.tensors[p.tensor] == *w && p.rank == rank) return &p;
+    }
+    return nullptr;
+  }
+
+  // Replaces the file at `path` with edit(its bytes).
+  absl::Status Rewrite(const std::string& path, const std::function<void(std::string*)>& edit) {
+    CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env_.get(), path, kMaxFileBytes));
+    edit(&bytes);
+    return WriteFileAtomically(env_.get(), path, bytes);
+  }
+  absl::Status FlipByte(const std::string& path, uint64_t offset) {
+    return Rewrite(path, [offset](std::string* b) { b->at(offset) ^= 0x20; });
+  }
+
+  // Copies every file of step `from`'s directory into a new directory named for step `to`.
+  absl::Status CopyStepDir(uint64_t from, uint64_t to) {
+    CKPT_RETURN_IF_ERROR(env_->CreateDir(StepDir(to)));
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env_->GetChildren(StepDir(from)));
+    for (const std::string& name : names) {
+      CKPT_ASSIGN_OR_RETURN(
+          std::string bytes,
+          ReadFileToString(env_.get(), JoinPath(StepDir(from), name), kMaxFileBytes));
+      CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_.get(), JoinPath(StepDir(to), name), bytes));
+    }
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<Env> env_;
+  StoreOptions options_;
+};
+
+TEST_F(CheckpointReaderTest, RangeAcrossRanksAndChunksReadsBackExactly) {
+  CKPT_ASSERT_OK(Save(4));
+  auto reader = Open(4);
+  CKPT_ASSERT_OK(reader);
+  ASSERT_EQ((*reader)->manifest().world_size, static_cast<uint32_t>(kRanks));
+  EXPECT_EQ((*reader)->step(), 4u);
+  // [700, 2400) starts in rank 0's third chunk and ends in rank 2's second.
+  ExpectWeights(**reader, 4, 700, 1700);
+  ExpectWeights(**reader, 4, 0, testing::kWeightElems);
+}
+
+TEST_F(CheckpointReaderTest, SingleElementsAtPieceAndChunkEdgesReadBackExactly) {
+  CKPT_ASSERT_OK(Save(4));
+  auto reader = Open(4);
+  CKPT_ASSERT_OK(reader);
+  for (uint64_t begin : std::vector<uint64_t>{0, 249, 250, 999, 1000, 1999, 2000, 2999}) {
+    ExpectWeights(**reader, 4, begin, 1);
+  }
+}
+
+TEST_F(CheckpointReaderTest, RangeOutsideTensorIsInvalidArgument) {
+  CKPT_ASSERT_OK(Save(1));
+  auto reader = Open(1);
+  CKPT_ASSERT_OK(reader);
+  EXPECT_THAT(ReadWeights(**reader, testing::kWeightElems - 10, 11),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ReadWeights(**reader, testing::kWeightElems + 1, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(CheckpointReaderTest, OutputOfWrongSizeIsInvalidArgument) {
+  CKPT_ASSERT_OK(Save(1));
+  auto reader = Open(1);
+  CKPT_ASSERT_OK(reader);
+  std::vector<float> out(10);
+  EXPECT_THAT((*reader)->ReadRange("w", 0, 11, std::as_writable_bytes(std::span(out))),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(CheckpointReaderTest, UnknownTensorIsNotFound) {
+  CKPT_ASSERT_OK(Save(1));
+  auto reader = Open(1);
+  CKPT_ASSERT_OK(reader);
+  std::vector<float> out(1);
+  EXPECT_THAT((*reader)->ReadRange("nope", 0, 1, std::as_writable_bytes(std::span(out))),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->FindTensor("nope"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(CheckpointReaderTest, ReadBlobReturnsEachRanksBytes) {
+  CKPT_ASSERT_OK(Save(3));
+  auto reader = Open(3);
+  CKPT_ASSERT_OK(reader);
+  for (int rank = 0; rank < kRanks; ++rank) {
+    auto blob = (*reader)->ReadBlob("sched", static_cast<uint32_t>(rank));
+    CKPT_ASSERT_OK(blob);
+    EXPECT_EQ(*blob, testing::SchedulerBlobAt(3, rank)) << rank;
+  }
+}
+
+TEST_F(CheckpointReaderTest, ReadBlobOfUnknownNameOrRankIsNotFound) {
+  CKPT_ASSERT_OK(Save(3));
+  auto reader = Open(3);
+  CKPT_ASSERT_OK(reader);
+  EXPECT_THAT((*reader)->ReadBlob("nope", 0), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT((*reader)->ReadBlob("sched", kRanks), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(CheckpointReaderTest, FlippedChunkByteFailsReadsOfThatChunkOnly) {
+  CKPT_ASSERT_OK(Save(2));
+  std::string path;
+  uint64_t chunk_elems = 0;
+  {
+    auto reader = Open(2);
+    CKPT_ASSERT_OK(reader);
+    const formats::PieceInfo* p = WeightPiece(**reader, 0);
+    ASSERT_NE(p, nullptr);
+    ASSERT_GT(p->chunk_count, 1u);
+    ASSERT_EQ(p->begin, 0u);
+    const formats::DataFileInfo& f = (*reader)->manifest().files[p->file];
+    path = JoinPath(StepDir(2), f.name);
+    chunk_elems = p->chunk_elems;
+    CKPT_ASSERT_OK(FlipByte(path, f.chunks[p->first_chunk].offset + formats::kChunkHeaderBytes));
+  }
+  auto reader = Open(2);
+  CKPT_ASSERT_OK(reader);
+  EXPECT_THAT(ReadWeights(**reader, 0, 10), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(ReadWeights(**reader, chunk_elems - 1, 2), StatusIs(absl::StatusCode::kDataLoss));
+  ExpectWeights(**reader, 2, chunk_elems, 10);
+  ExpectWeights(**reader, 2, 1000, 10);  // Rank 1's file.
+}
+
+TEST_F(CheckpointReaderTest, DataFileOfWrongSizeIsRefusedAtOpen) {
+  CKPT_ASSERT_OK(Save(2));
+  CKPT_ASSERT_OK(
+      Rewrite(JoinPath(StepDir(2), "rank-00001.data"), [](std::string* b) { b->push_back('x'); }));
+  EXPECT_THAT(Open(2), StatusIs(absl::StatusCode::kDataLoss));
+}
+
+TEST_F(CheckpointReaderTest, ManifestNamingAnotherStepIsRefusedAtOpen) {
+  CKPT_ASSERT_OK(Save(1));
+  CKPT_ASSERT_OK(CopyStepDir(1, 7));
+  EXPECT_THAT(Open(7), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(Open(1), IsOk());
+}
+
+TEST_F(CheckpointReaderTest, DirectoryWithoutManifestIsNotFound) {
+  CKPT_ASSERT_OK(Save(1));
+  CKPT_ASSERT_OK(env_->RemoveFile(JoinPath(StepDir(1), "MANIFEST")));
+  EXPECT_THAT(Open(1), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(CheckpointReaderTest, ZstdChunksReadBackExactly) {
+  options_.codec = formats::Codec::kZstd;
+  CKPT_ASSERT_OK(Save(5));
+  auto reader = Open(5);
+  CKPT_ASSERT_OK(reader);
+  const formats::PieceInfo* p = WeightPiece(**reader, 1);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ((*reader)->manifest().files[p->file].chunks[p->first_chunk].codec,
+            formats::Codec::kZstd);
+  ExpectWeights(**reader, 5, 0, testing::kWeightElems);
+  ExpectWeights(**reader, 5, 1100, 300);
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,100 @@
+// What `ckpt-tool bench adamw` measures: StagedAdamW steps in Gparam/s beside the bound measured
+// in the same run (DESIGN.md §8). For the CPU engine the bound is host memory bandwidth from a
+// STREAM-style triad on the same threads, divided by the bytes a step moves per parameter, and
+// the step's own nine streams without its arithmetic; for the CUDA engine, PCIe bandwidth with
+// copies in both directions at once, divided by the bytes each way. These measurements need
+// the optimizer's internals (slab-like host buffers, the bound kernels), so they live here and
+// not in cli/. Not installed: this header is for ckpt-tool only, not part of the public API.
+// Functions never print; ckpt-tool prints. Rates are in Gparam/s (1e9 parameters per second)
+// and GB/s (1e9 bytes per second).
+#ifndef CKPT_OPTIMIZER_BENCH_ADAMW_BENCH_H_
+#define CKPT_OPTIMIZER_BENCH_ADAMW_BENCH_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ckpt/formats/dtype.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+// The CUDA half is declared in ckpt::optimizer, where the CUDA engine's code defines it
+// (optimizer/cuda/cuda_bench.cc; optimizer/engine_factory.cc without CUDA). Those files include
+// this header by its path from the repository root, through optimizer's private root: the
+// layering check keeps "ckpt/bench/..." includes to cli/ and bench/ folders. ckpt::bench names
+// both with using-declarations below.
+namespace ckpt::optimizer {
+
+// The CUDA engine's step rate against the PCIe duplex bound, as RunCudaStepBenchmark measures
+// it (1 GiB each way at once, best of 3, before the steps). A plain value.
+struct CudaStepBenchmark {
+  std::string engine;        // The engine's name.
+  double gparams_per_s = 0;  // Best timed step, the caller's stream synchronized.
+  double h2d_gbps = 0;       // Host-to-device rate while device-to-host runs at the same time.
+  double d2h_gbps = 0;
+  double bytes_per_param = 0;      // Each way: 12 (FP32 moments) or 8 (BF16 moments).
+  double bound_gparams_per_s = 0;  // The slower direction's rate / bytes_per_param.
+  uint64_t device_bytes = 0;       // Held by the engine.
+};
+
+// Runs `steps` timed steps over `params` BF16 parameters with FP32 gradients on the first
+// device, in units of `unit_bytes` over `slots` slots. kUnimplemented without CUDA;
+// kFailedPrecondition without a device; kResourceExhausted when host or device memory runs out.
+// REQUIRES: params > 0, steps > 0, slots > 0, unit_bytes a positive multiple of 4.
+absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps,
+                                                       MomentDType moments, uint64_t unit_bytes,
+                                                       int slots);
+
+}  // namespace ckpt::optimizer
+
+namespace ckpt::bench {
+
+using optimizer::CudaStepBenchmark;
+using optimizer::RunCudaStepBenchmark;
+
+// Where the caller's gradient and parameter buffers come from in the CPU benchmark.
+enum class CallerPages {
+  // Laid out as a trainer's pinned staging buffers or our slabs are: 2 MiB-aligned,
+  // MADV_HUGEPAGE, offset from the slabs so that the streams do not alias in cache.
+  kHuge,
+  // Page-aligned 4 KiB pages, what a plain allocator gives.
+  kSmall,
+};
+
+// What RunCpuStepBenchmark measures: one rank's parameters, all in one tensor of one group. A
+// plain value.
+struct CpuStepBenchOptions {
+  uint64_t params = 0;  // BF16 parameters; at least 1.
+  int threads = 0;      // Engine and bound threads; 0: every core.
+  int steps = 5;        // Timed steps after one warm-up step; the best is reported. At least 1.
+  formats::DType grad_dtype = formats::DType::kF32;  // F32, BF16 or F16.
+  optimizer::MomentDType moments = optimizer::MomentDType::kF32;
+  CallerPages caller_pages = CallerPages::kHuge;
+  bool check_finite = false;  // Steps check the gradients for NaN/Inf first.
+};
+
+// The CPU engine's step rate and the bounds measured right after it on the same threads. A
+// plain value.
+struct CpuStepBenchmark {
+  std::string engine;              // The engine's name (which instruction set it chose).
+  double gparams_per_s = 0;        // Best timed step.
+  double triad_gbps = 0;           // Host memory bandwidth (STREAM triad, bytes that really move).
+  double bytes_per_param = 0;      // See CpuBytesPerParam.
+  double bound_gparams_per_s = 0;  // triad_gbps / bytes_per_param.
+  double shaped_bound_gparams_per_s = 0;  // The step's streams without the math.
+};
+
+// Bytes a CPU step moves per parameter: master, both moments and the gradient read; master,
+// moments and the BF16 copy written. 30 with FP32 gradients and FP32 moments, 28 with 16-bit
+// gradients, 8 fewer with BF16 moments.
+double CpuBytesPerParam(formats::DType grad_dtype, optimizer::MomentDType moments);
+
+// Creates a StagedAdamW over `options.params` parameters with the CPU engine, times
+// `options.steps` steps on synthetic gradients, then frees its slabs and measures the triad and
+// step-shaped bounds. Returns kInvalidArgument for fewer than one parameter or step or an
+// unsupported gradient dtype; kResourceExhausted when memory runs out; any error of
+// StagedAdamW::Create or Step.
+absl::StatusOr<CpuStepBenchmark> RunCpuStepBenchmark(const CpuStepBenchOptions& options);
+
+}  // namespace ckpt::bench
+
+#endif  // CKPT_OPTIMIZER_BENCH_ADAMW_BENCH_H_
