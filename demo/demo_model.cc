@@ -89,8 +89,8 @@ absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ra
   }
   if (m.params_.empty())
     return absl::InvalidArgumentError(absl::StrCat(hf.path(), " holds no floating tensor"));
-  m.groups_ = {optimizer::ParamGroup{.lr = 3e-3f, .weight_decay = 0.1f},
-               optimizer::ParamGroup{.lr = 3e-3f, .weight_decay = 0.0f}};
+  m.groups_ = {optimizer::ParamGroup{.lr = 3e-3, .weight_decay = 0.1},
+               optimizer::ParamGroup{.lr = 3e-3, .weight_decay = 0.0}};
   // Small buckets, so that a small model still spans several and ranks cut tensors.
   optimizer::BucketOptions buckets;
   buckets.bucket_elems = std::max<uint64_t>(1, m.elements_ / 3);
@@ -273,8 +273,8 @@ void DemoRank::AppendState(std::string* out) const {
   PutFixed32(out, static_cast<uint32_t>(opt_->groups().size()));
   for (const optimizer::ParamGroup& g : opt_->groups()) {
     PutFixed64(out, g.step);
-    for (float v : {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay})
-      PutFixed32(out, std::bit_cast<uint32_t>(v));
+    for (double v : {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay})
+      PutFixed64(out, std::bit_cast<uint64_t>(v));
   }
 }
 

@@ -18,7 +18,7 @@
 //                                              rank owns nothing (n is 0 then)
 //     n*4 bytes master, n*b exp_avg, n*b exp_avg_sq   the optimizer's slabs
 //     n*2 bytes                                the BF16 model weights
-//     u32 groups; per group: u64 step, f32 lr, beta1, beta2, eps, weight_decay (0 groups when
+//     u32 groups; per group: u64 step, f64 lr, beta1, beta2, eps, weight_decay (0 groups when
 //                                              the rank owns nothing)
 #ifndef CKPT_DEMO_DEMO_MODEL_H_
 #define CKPT_DEMO_DEMO_MODEL_H_

@@ -22,6 +22,9 @@ struct StepConstants {
   float bc2_sqrt;    // sqrt(1 - beta2^t)
 };
 StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
+// OK when every hyper-parameter of `group` is in range; kInvalidArgument naming group `index`,
+// the field and its value otherwise.
+absl::Status ValidateHyperParameters(const ParamGroup& group, size_t index);
 
 // The slabs as an engine sees them.
 struct SlabView {

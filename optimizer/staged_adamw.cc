@@ -23,10 +23,10 @@ StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
   StepConstants c;
-  c.beta1 = g.beta1;
-  c.beta2 = g.beta2;
-  c.eps = g.eps;
-  c.decay = static_cast<float>(1.0 - static_cast<double>(g.lr) * g.weight_decay);
+  c.beta1 = static_cast<float>(g.beta1);
+  c.beta2 = static_cast<float>(g.beta2);
+  c.eps = static_cast<float>(g.eps);
+  c.decay = static_cast<float>(1.0 - g.lr * g.weight_decay);
   c.omb1 = static_cast<float>(1.0 - b1);
   c.omb2 = static_cast<float>(1.0 - b2);
   c.step_size = static_cast<float>(g.lr / bc1);
@@ -37,6 +37,25 @@ StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
 namespace {
 
 bool SupportedFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
+
+}  // namespace
+
+absl::Status ValidateHyperParameters(const ParamGroup& g, size_t index) {
+  auto bad = [&](absl::string_view what, double value) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("param group ", index, ": ", what, " = ", value, " is out of range"));
+  };
+  if (!(g.lr >= 0) || !std::isfinite(g.lr)) return bad("lr", g.lr);
+  if (!(g.beta1 >= 0 && g.beta1 < 1)) return bad("beta1", g.beta1);
+  if (!(g.beta2 >= 0 && g.beta2 < 1)) return bad("beta2", g.beta2);
+  if (!(g.eps > 0) || !std::isfinite(g.eps)) return bad("eps", g.eps);
+  if (!(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
+    return bad("weight_decay", g.weight_decay);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
 
 absl::Status ValidateGroups(const StagedAdamWOptions& o) {
   if (o.groups.empty()) return absl::InvalidArgumentError("no param groups");
@@ -49,15 +68,9 @@ absl::Status ValidateGroups(const StagedAdamWOptions& o) {
     used[p.group] = true;
   }
   for (size_t i = 0; i < o.groups.size(); ++i) {
-    const ParamGroup& g = o.groups[i];
     if (!used[i])
       return absl::InvalidArgumentError(absl::StrCat("param group ", i, " has no parameters"));
-    if (!(g.lr >= 0) || !std::isfinite(g.lr) || !(g.beta1 >= 0 && g.beta1 < 1) ||
-        !(g.beta2 >= 0 && g.beta2 < 1) || !(g.eps > 0) || !std::isfinite(g.eps) ||
-        !(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("param group ", i, " has out-of-range hyper-parameters"));
-    }
+    CKPT_RETURN_IF_ERROR(ValidateHyperParameters(o.groups[i], i));
   }
   return absl::OkStatus();
 }
@@ -209,6 +222,19 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
     for (ParamGroup& g : options_.groups) ++g.step;
   }
   return report;
+}
+
+absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
+  if (index >= options_.groups.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("param group ", index, " does not exist (", options_.groups.size(), ")"));
+  }
+  CKPT_RETURN_IF_ERROR(ValidateHyperParameters(group, index));
+  ParamGroup& g = options_.groups[index];
+  const uint64_t step = g.step;
+  g = group;
+  g.step = step;
+  return absl::OkStatus();
 }
 
 absl::Status StagedAdamW::ReleaseDevice() { return engine_->Release(); }

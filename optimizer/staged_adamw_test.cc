@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "optimizer/cpu_kernels.h"
+#include "optimizer/engine.h"
 #include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
@@ -85,8 +86,13 @@ std::vector<uint32_t> ElementGroups(const StagedAdamWOptions& o) {
   return group;
 }
 
-// Runs `steps` steps with StepGradients.
-Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
+// A learning-rate schedule: step s (from 0) runs every group at its lr times lr_factor[s].
+using LrFactors = std::vector<double>;
+
+// Runs `steps` steps with StepGradients, setting each group's lr before each step when
+// `lr_factor` is given.
+Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale,
+                 const LrFactors* lr_factor = nullptr) {
   const uint64_t n = Size(o);
   std::vector<std::byte> weights = InitialWeights(o);
   auto opt = StagedAdamW::Create(o, weights);
@@ -96,6 +102,11 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
   std::vector<std::byte> storage(weights.size() + 64);
   std::byte* params = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
   for (int s = 0; s < steps; ++s) {
+    for (size_t g = 0; lr_factor != nullptr && g < o.groups.size(); ++g) {
+      ParamGroup group = o.groups[g];
+      group.lr *= (*lr_factor)[static_cast<size_t>(s)];
+      EXPECT_THAT((*opt)->SetGroup(g, group), IsOk());
+    }
     std::vector<std::byte> gbytes = StepGradients(n, s, grad_dtype);
     auto report = (*opt)->Step({gbytes.data(), grad_dtype, scale, params});
     EXPECT_THAT(report, IsOk());
@@ -115,7 +126,8 @@ Outcome RunSteps(const StagedAdamWOptions& o, DType grad_dtype, int steps, float
 }
 
 // The torch.optim.AdamW formula in double, from the same initial weights and gradients.
-Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale) {
+Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, float scale,
+                  const LrFactors* lr_factor = nullptr) {
   const uint64_t n = Size(o);
   const DType model = o.params[0].dtype;
   std::vector<std::byte> weights = InitialWeights(o);
@@ -126,7 +138,8 @@ Outcome Reference(const StagedAdamWOptions& o, DType grad_dtype, int steps, floa
     std::vector<std::byte> gbytes = StepGradients(n, s, grad_dtype);
     for (uint64_t i = 0; i < n; ++i) {
       const ParamGroup& pg = o.groups[group[i]];
-      const double t = s + 1, lr = pg.lr, b1 = pg.beta1, b2 = pg.beta2;
+      const double t = s + 1, b1 = pg.beta1, b2 = pg.beta2;
+      const double lr = pg.lr * (lr_factor != nullptr ? (*lr_factor)[static_cast<size_t>(s)] : 1.0);
       const double gi = static_cast<double>(Decode(gbytes.data(), grad_dtype, i)) * scale;
       p[i] *= 1.0 - lr * pg.weight_decay;
       m[i] = b1 * m[i] + (1.0 - b1) * gi;
@@ -186,6 +199,62 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(formats::DTypeName(p.param.grad)) + "_grads_" +
              std::string(formats::DTypeName(p.param.model)) + "_model";
     });
+
+// Warmup then decay, as a trainer's scheduler sets it through SetGroup before each step, with
+// several hyper-parameter sets (torch's defaults, high beta2, strong decay, tiny eps).
+TEST(AdamWScheduleTest, PerStepLearningRatesMatchTheDoubleReference) {
+  const LrFactors warmup_then_decay = {0.1, 0.4, 1.0, 0.8, 0.5, 0.2};
+  const std::vector<std::vector<ParamGroup>> sets = {
+      {ParamGroup{}, ParamGroup{.lr = 1e-3, .weight_decay = 0.0}},
+      {ParamGroup{.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1},
+       ParamGroup{.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.9999, .eps = 1e-8, .weight_decay = 0.0}},
+      {ParamGroup{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.5},
+       ParamGroup{.lr = 5e-3, .beta1 = 0.0, .beta2 = 0.5, .eps = 1e-12, .weight_decay = 0.01}},
+  };
+  for (size_t k = 0; k < sets.size(); ++k) {
+    StagedAdamWOptions o = TestOptions(DType::kF32, CpuIsa::kAuto);
+    for (size_t g = 0; g < o.groups.size(); ++g) o.groups[g] = sets[k][g % sets[k].size()];
+    Outcome got = RunSteps(o, DType::kF32, 6, 1.0f, &warmup_then_decay);
+    Outcome want = Reference(o, DType::kF32, 6, 1.0f, &warmup_then_decay);
+    EXPECT_LE(MaxRelError(got.master, want.master), 2e-6) << "set " << k;
+    EXPECT_LE(MaxRelError(got.m, want.m), 2e-6) << "set " << k;
+    EXPECT_LE(MaxRelError(got.v, want.v), 2e-6) << "set " << k;
+    // A constant schedule would end elsewhere: the schedule really reached the engine.
+    Outcome constant = RunSteps(o, DType::kF32, 6, 1.0f);
+    EXPECT_GT(MaxRelError(constant.master, want.master), 1e-5) << "set " << k;
+  }
+}
+
+TEST(AdamWScheduleTest, HyperParametersAreKeptInDouble) {
+  // 1 - beta2 from a double 0.999 is 1.0000000000000009e-3; from a float it would be off by
+  // 1.3e-5 relative. The per-step constant is rounded once, from the double.
+  StepConstants c = ComputeStepConstants(ParamGroup{.beta2 = 0.999}, 1);
+  EXPECT_EQ(c.omb2, static_cast<float>(1.0 - 0.999));
+  EXPECT_NE(c.omb2, static_cast<float>(1.0 - static_cast<double>(0.999f)));
+}
+
+TEST(AdamWScheduleTest, SetGroupValidatesAndKeepsTheStepCounter) {
+  StagedAdamWOptions o = TestOptions(DType::kF32, CpuIsa::kAuto);
+  std::vector<std::byte> weights = InitialWeights(o);
+  auto opt = StagedAdamW::Create(o, weights);
+  ASSERT_THAT(opt, IsOk());
+  std::vector<std::byte> grads = StepGradients(Size(o), 0, DType::kF32);
+  std::vector<std::byte> params(weights.size());
+  ASSERT_THAT((*opt)->Step({grads.data(), DType::kF32, 1.0f, params.data()}), IsOk());
+  ParamGroup next{.lr = 5e-4, .beta1 = 0.85, .weight_decay = 0.2, .step = 999};
+  ASSERT_THAT((*opt)->SetGroup(0, next), IsOk());
+  EXPECT_EQ((*opt)->groups()[0].lr, 5e-4);
+  EXPECT_EQ((*opt)->groups()[0].beta1, 0.85);
+  EXPECT_EQ((*opt)->groups()[0].step, 1u) << "the group's own step counter is kept";
+  for (ParamGroup bad :
+       {ParamGroup{.lr = -1}, ParamGroup{.lr = INFINITY}, ParamGroup{.beta1 = 1.0},
+        ParamGroup{.beta2 = -0.1}, ParamGroup{.eps = 0}, ParamGroup{.weight_decay = NAN}}) {
+    EXPECT_THAT((*opt)->SetGroup(0, bad), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  EXPECT_THAT((*opt)->SetGroup(o.groups.size(), ParamGroup{}),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ((*opt)->groups()[0].lr, 5e-4) << "a refused SetGroup changes nothing";
+}
 
 TEST(AdamWIsaTest, SimdPathsEqualTheScalarPathBitForBit) {
   for (DType model : {DType::kF32, DType::kBF16, DType::kF16}) {

@@ -92,7 +92,7 @@ std::optional<Dump> ParseDump(const std::string& bytes) {
     if (take(slabs) == nullptr || (p = take(4)) == nullptr) return std::nullopt;
     rank.steps.resize(DecodeFixed32(p));
     for (uint64_t& step : rank.steps) {
-      if ((p = take(8 + 5 * 4)) == nullptr) return std::nullopt;
+      if ((p = take(8 + 5 * 8)) == nullptr) return std::nullopt;
       step = DecodeFixed64(p);
     }
   }

@@ -22,12 +22,15 @@ struct ParamSpec {
   uint64_t numel() const;
 };
 
+// AdamW hyper-parameters of one group, kept in double as torch keeps Python floats: each step's
+// constants (1 - beta, bias corrections, lr * weight_decay) are derived from them in double and
+// rounded to float once (with beta2 = 0.999 held as a float, 1 - beta2 would be off by 1.3e-5).
 struct ParamGroup {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.01f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
   uint64_t step = 0;  // Steps taken by this group (the bias-correction exponent is step + 1).
 };
 

@@ -99,6 +99,13 @@ class StagedAdamW {
   // state untouched. Increments every group's step.
   absl::StatusOr<StepReport> Step(const StepArgs& args);
 
+  // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
+  // weight-decay schedules), keeping its step counter (`group.step` is ignored).
+  // kInvalidArgument naming the group and the value for an index that does not exist or a
+  // hyper-parameter out of range (lr and weight_decay finite and >= 0, betas in [0, 1), eps
+  // finite and > 0); the group is then unchanged.
+  absl::Status SetGroup(size_t index, const ParamGroup& group);
+
   // CUDA engine: drains and frees every slot, stream and event; the slabs stay. Restore makes
   // fresh ones; the next Step is identical to one without a release in between.
   absl::Status ReleaseDevice();
