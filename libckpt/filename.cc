@@ -36,7 +36,7 @@ std::string DeletingDirName(uint64_t step, absl::string_view nonce) {
 
 bool IsGarbageName(absl::string_view name) {
   return absl::StartsWith(name, kStagingPrefix) || absl::StartsWith(name, kDeletingPrefix) ||
-         name == absl::StrCat(kLatestName, ".tmp");
+         absl::StartsWith(name, kUndoPrefix) || name == absl::StrCat(kLatestName, ".tmp");
 }
 
 std::string NewNonce() {

@@ -23,6 +23,8 @@ inline constexpr absl::string_view kLockName = "LOCK";
 inline constexpr absl::string_view kManifestName = "MANIFEST";
 inline constexpr absl::string_view kStagingPrefix = ".staging-";
 inline constexpr absl::string_view kDeletingPrefix = ".deleting-";
+// Undo snapshots a load spills (optimizer/checkpointer.cc); garbage once the load has ended.
+inline constexpr absl::string_view kUndoPrefix = ".undo-";
 
 std::string StepDirName(uint64_t step);  // "step-00001200"
 std::optional<uint64_t> ParseStepDirName(absl::string_view name);
@@ -30,7 +32,7 @@ std::string DataFileName(uint32_t rank);  // "rank-00003.data"
 std::string PartFileName(uint32_t rank);  // "rank-00003.part"
 std::string StagingDirName(uint64_t step, absl::string_view nonce);
 std::string DeletingDirName(uint64_t step, absl::string_view nonce);
-// True for names recovery may delete: staging and deleting directories.
+// True for names recovery may delete: staging, deleting and undo directories, LATEST.tmp.
 bool IsGarbageName(absl::string_view name);
 // A fresh random nonce of 16 hex digits.
 std::string NewNonce();

@@ -196,7 +196,24 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   return opt;
 }
 
+absl::Status StagedAdamW::CheckClean(absl::string_view what) const {
+  if (lifecycle_ == Lifecycle::kClean) return absl::OkStatus();
+  if (lifecycle_ == Lifecycle::kLoading) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": a load is being applied"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": the optimizer is poisoned by a failed load that could not be rolled back (",
+      poison_reason_, "); a complete load clears it"));
+}
+
+void StagedAdamW::RestoreGroups(const std::vector<ParamGroup>& groups) {
+  options_.groups = groups;
+  ++state_version_;
+}
+
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
+  CKPT_RETURN_IF_ERROR(CheckClean("step"));
+  ++state_version_;
   if (!SupportedFloat(args.grad_dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
@@ -229,7 +246,9 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
     return absl::InvalidArgumentError(
         absl::StrCat("param group ", index, " does not exist (", options_.groups.size(), ")"));
   }
+  CKPT_RETURN_IF_ERROR(CheckClean("set a param group"));
   CKPT_RETURN_IF_ERROR(ValidateHyperParameters(group, index));
+  ++state_version_;
   ParamGroup& g = options_.groups[index];
   const uint64_t step = g.step;
   g = group;
@@ -261,12 +280,15 @@ std::span<const std::byte> StagedAdamW::exp_avg_sq_bytes() const {
   return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
 }
 std::span<float> StagedAdamW::mutable_master() {
+  ++state_version_;
   return {reinterpret_cast<float*>(slabs_->master.data()), size_};
 }
 std::span<std::byte> StagedAdamW::mutable_exp_avg_bytes() {
+  ++state_version_;
   return {slabs_->exp_avg.data(), size_ * moment_bytes()};
 }
 std::span<std::byte> StagedAdamW::mutable_exp_avg_sq_bytes() {
+  ++state_version_;
   return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
 }
 

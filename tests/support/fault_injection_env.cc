@@ -103,6 +103,7 @@ void FaultInjectionEnv::Disarm() {
   failures_.clear();
   tear_append_.reset();
   crash_after_.reset();
+  read_failures_.clear();
 }
 
 uint64_t FaultInjectionEnv::mutating_calls() const {
@@ -135,9 +136,9 @@ absl::Status FaultInjectionEnv::BeforeMutation(Op op, const std::string& what) {
   return absl::OkStatus();
 }
 
-void FaultInjectionEnv::FailReadOpens(const std::string& path_suffix, int errnum) {
+void FaultInjectionEnv::FailReadOpens(const std::string& path_suffix, int errnum, int skip) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  read_failures_.emplace_back(path_suffix, errnum);
+  read_failures_.push_back({path_suffix, errnum, skip});
 }
 
 void FaultInjectionEnv::AfterMutation() {
@@ -198,10 +199,13 @@ absl::StatusOr<std::unique_ptr<RandomAccessFile>> FaultInjectionEnv::NewRandomAc
     const std::string& path, const FileOptions& options) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   CKPT_RETURN_IF_ERROR(CheckAlive("open " + path));
-  for (const auto& [suffix, errnum] : read_failures_) {
-    if (absl::EndsWith(path, suffix)) {
-      return internal::IoError(errnum, absl::StrCat("injected failure: open ", path));
+  for (ReadFailure& f : read_failures_) {
+    if (!absl::EndsWith(path, f.suffix)) continue;
+    if (f.skip > 0) {
+      --f.skip;
+      continue;
     }
+    return internal::IoError(f.errnum, absl::StrCat("injected failure: open ", path));
   }
   return target()->NewRandomAccessFile(path, options);
 }

@@ -41,9 +41,10 @@ class FaultInjectionEnv : public EnvWrapper {
   // After the k-th mutating call (counted from now) completes, the Env crashes; k = 0 crashes
   // at once.
   void CrashAfter(uint64_t k);
-  // Every later NewRandomAccessFile of a path ending in `path_suffix` fails with `errnum`
-  // (EACCES as for a file another user owns, EIO), until Disarm() or DropUnsyncedData().
-  void FailReadOpens(const std::string& path_suffix, int errnum);
+  // Every later NewRandomAccessFile of a path ending in `path_suffix`, after the first `skip`
+  // such opens, fails with `errnum` (EACCES as for a file another user owns, EIO), until
+  // Disarm() or DropUnsyncedData().
+  void FailReadOpens(const std::string& path_suffix, int errnum, int skip = 0);
   // Clears every armed failure.
   void Disarm();
 
@@ -107,7 +108,12 @@ class FaultInjectionEnv : public EnvWrapper {
   bool tear_crash_ = false;
   uint64_t appends_ = 0;
   std::optional<uint64_t> crash_after_;
-  std::vector<std::pair<std::string, int>> read_failures_;
+  struct ReadFailure {
+    std::string suffix;
+    int errnum;
+    int skip;  // Matching opens still to let through.
+  };
+  std::vector<ReadFailure> read_failures_;
   bool crashed_ = false;
   std::map<std::string, std::shared_ptr<FileState>> files_;
   std::vector<DirOp> pending_;

@@ -75,6 +75,13 @@ struct StepReport {
   CUevent_st* done = nullptr;
 };
 
+// Where the optimizer stands with respect to loads (DESIGN.md §5): kClean steps; kLoading is a
+// load being applied; kPoisoned is a failed load that could not be rolled back, and refuses
+// Step, SetGroup and saves until a complete load succeeds.
+enum class Lifecycle { kClean, kLoading, kPoisoned };
+
+class Checkpointer;
+
 // One rank's optimizer. Not thread-safe: one Step at a time.
 class StagedAdamW {
  public:
@@ -96,7 +103,8 @@ class StagedAdamW {
   //   p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
   // and writes round-to-nearest-even model-dtype copies of the masters into args.params.
   // kInvalidArgument for a null or misaligned buffer or an unsupported grad dtype, with the
-  // state untouched. Increments every group's step.
+  // state untouched; kFailedPrecondition naming the failed load when poisoned (lifecycle()).
+  // Increments every group's step.
   absl::StatusOr<StepReport> Step(const StepArgs& args);
 
   // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
@@ -105,6 +113,14 @@ class StagedAdamW {
   // hyper-parameter out of range (lr and weight_decay finite and >= 0, betas in [0, 1), eps
   // finite and > 0); the group is then unchanged.
   absl::Status SetGroup(size_t index, const ParamGroup& group);
+
+  Lifecycle lifecycle() const { return lifecycle_; }
+  // Why the optimizer is poisoned (the failed load), or empty.
+  const std::string& poison_reason() const { return poison_reason_; }
+  // Bumped by everything that may change the state (Step, SetGroup, mutable_* views): a
+  // Checkpointer compares it to tell whether the state still equals what it last saved or
+  // loaded, which makes that checkpoint a free undo source for the next load.
+  uint64_t state_version() const { return state_version_; }
 
   // CUDA engine: drains and frees every slot, stream and event; the slabs stay. Restore makes
   // fresh ones; the next Step is identical to one without a release in between.
@@ -149,6 +165,14 @@ class StagedAdamW {
   std::vector<Unit> units_;
   std::unique_ptr<Slabs> slabs_;
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
+
+  // The binding to the store drives the lifecycle and restores groups with their steps.
+  friend class Checkpointer;
+  absl::Status CheckClean(absl::string_view what) const;
+  void RestoreGroups(const std::vector<ParamGroup>& groups);
+  Lifecycle lifecycle_ = Lifecycle::kClean;
+  std::string poison_reason_;
+  uint64_t state_version_ = 0;
 };
 
 }  // namespace ckpt::optimizer

@@ -1,0 +1,453 @@
+// Optimizer state as transactions on a CheckpointStore (DESIGN.md §6).
+//
+// Save (collective):
+// 1. Every rank checks that its optimizer is clean (not poisoned) and, on the CUDA engine, that
+//    the last step's copies reached the slabs; the ranks vote, so one refusal ends all.
+// 2. BeginSave; every rank writes its pieces of every tensor straight from the slabs and the
+//    weight buffer (no copy of the state), its layout record and the trainer's blobs; Commit
+//    votes and publishes (libckpt/checkpoint_writer.cc). The state is never changed.
+// 3. On success the step becomes the free undo source while the state stays unchanged.
+//
+// Load (collective); a failure at any step ends it on every rank with the same error:
+// 1. Preflight, nothing touched: open the step, check names (missing and extra ones listed),
+//    dtypes, shapes, that its pieces cover every element this rank owns, and the layout record
+//    (groups, valid hyper-parameters). Vote.
+// 2. Fix the undo source: the step the state last equalled, if the optimizer's state_version()
+//    has not moved since (it costs nothing); otherwise spill the state into a private store
+//    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
+//    bounded by one chunk). Vote; a failure removes the spills, the state untouched.
+// 3. Apply: lifecycle kLoading; read every piece straight into the slabs and the weights
+//    (moments converted in bounded batches when the dtypes differ), then the groups.
+// 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source. Any failure:
+//    every rank restores from its undo source the same way as step 3; a restore that fails
+//    poisons the optimizer (Step, SetGroup and Save refuse until a complete Load).
+// 5. Remove the spill (best effort: recovery removes .undo-* directories at the next Open).
+#include "ckpt/optimizer/checkpointer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/float_convert.h"
+#include "optimizer/engine.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using nlohmann::json;
+
+constexpr char kLayoutBlob[] = "optimizer.layout";
+constexpr char kTrainerPrefix[] = "trainer.";
+constexpr const char* kStatePrefixes[3] = {"optimizer.master.", "optimizer.exp_avg.",
+                                           "optimizer.exp_avg_sq."};
+// Elements converted per batch when a checkpoint's moment dtype differs from the slabs'.
+constexpr uint64_t kConvertElems = uint64_t{1} << 20;
+
+DType MomentDTypeOf(MomentDType m) { return m == MomentDType::kF32 ? DType::kF32 : DType::kBF16; }
+
+std::string LayoutJson(const StagedAdamW& opt, int world_size) {
+  json params = json::array(), groups = json::array();
+  for (const ParamSpec& p : opt.options().params) {
+    params.push_back({{"name", p.name},
+                      {"shape", p.shape},
+                      {"dtype", std::string(formats::DTypeName(p.dtype))},
+                      {"group", p.group}});
+  }
+  for (const ParamGroup& g : opt.groups()) {
+    groups.push_back({{"lr", g.lr},
+                      {"beta1", g.beta1},
+                      {"beta2", g.beta2},
+                      {"eps", g.eps},
+                      {"weight_decay", g.weight_decay},
+                      {"step", g.step}});
+  }
+  return json{
+      {"format", "ckpt-optimizer"},
+      {"version", 1},
+      {"moment_dtype", std::string(formats::DTypeName(MomentDTypeOf(opt.options().moment_dtype)))},
+      {"world_size", world_size},
+      {"params", params},
+      {"groups", groups}}
+      .dump();
+}
+
+// The groups of a layout record, validated.
+absl::StatusOr<std::vector<ParamGroup>> ParseGroups(absl::string_view text, size_t expected,
+                                                    absl::string_view where) {
+  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  auto invalid = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat(where, ": layout record ", why));
+  };
+  if (!root.is_object() || !root.contains("groups") || !root["groups"].is_array()) {
+    return invalid("has no groups");
+  }
+  const json& list = root["groups"];
+  if (list.size() != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", list.size(), " param groups, the optimizer has ", expected));
+  }
+  std::vector<ParamGroup> out;
+  for (const json& g : list) {
+    for (const char* key : {"lr", "beta1", "beta2", "eps", "weight_decay"}) {
+      if (!g.contains(key) || !g[key].is_number()) return invalid(absl::StrCat("lacks ", key));
+    }
+    if (!g.contains("step") || !g["step"].is_number_unsigned()) return invalid("lacks a step");
+    ParamGroup p{g["lr"].get<double>(),           g["beta1"].get<double>(),
+                 g["beta2"].get<double>(),        g["eps"].get<double>(),
+                 g["weight_decay"].get<double>(), g["step"].get<uint64_t>()};
+    CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
+    out.push_back(p);
+  }
+  return out;
+}
+
+// True when the pieces of tensor `index` cover [begin, begin + count).
+bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const formats::PieceInfo& p : m.pieces) {
+    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = begin;
+  for (const auto& [lo, hi] : ranges) {
+    if (lo > at) break;
+    at = std::max(at, hi);
+  }
+  return at >= begin + count;
+}
+
+// Names, listed (at most 8, then a count).
+std::string ListNames(const std::vector<std::string>& names) {
+  std::vector<std::string> shown(names.begin(), names.begin() + std::min<size_t>(8, names.size()));
+  std::string out = absl::StrJoin(shown, ", ");
+  if (names.size() > shown.size()) absl::StrAppend(&out, " and ", names.size() - 8, " more");
+  return out;
+}
+
+}  // namespace
+
+// Where a failed load rolls back from: a committed step (the store's, or a private spill). It
+// is opened once when fixed (so a load never starts without a readable undo source), closed
+// during the apply, and opened again to restore.
+struct Checkpointer::Undo {
+  std::unique_ptr<CheckpointStore> spill_store;  // Null for a committed step of the store.
+  std::string spill_dir;
+  uint64_t step = 0;  // In the store, or 1 in the spill.
+};
+
+Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
+                           CheckpointStore* store, Coordinator* coordinator)
+    : optimizer_(optimizer), weights_(weights), store_(store), coordinator_(coordinator) {}
+
+Checkpointer::~Checkpointer() = default;
+
+absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(StagedAdamW* optimizer,
+                                                                   std::span<std::byte> weights,
+                                                                   CheckpointStore* store,
+                                                                   Coordinator* coordinator) {
+  if (optimizer == nullptr || store == nullptr || coordinator == nullptr) {
+    return absl::InvalidArgumentError("Checkpointer needs an optimizer, a store and a coordinator");
+  }
+  const uint64_t want = optimizer->size() * formats::DTypeSize(optimizer->model_dtype());
+  if (weights.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat("weight buffer has ", weights.size(),
+                                                   " bytes, the optimizer's elements need ", want));
+  }
+  return std::unique_ptr<Checkpointer>(new Checkpointer(optimizer, weights, store, coordinator));
+}
+
+absl::Status Checkpointer::Vote(const absl::Status& mine) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> votes,
+                        coordinator_->AllGather(EncodeStatus(mine)));
+  for (size_t r = 0; r < votes.size(); ++r) {
+    absl::Status s = DecodeStatus(votes[r]);
+    if (!s.ok()) return Annotate(s, absl::StrCat("rank ", r));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
+  const StagedAdamWOptions& o = optimizer_->options();
+  const DType model = optimizer_->model_dtype(), moment = MomentDTypeOf(o.moment_dtype);
+  for (const ParamSpec& p : o.params) {
+    CKPT_RETURN_IF_ERROR(txn.DeclareTensor({p.name, model, p.shape}));
+    CKPT_RETURN_IF_ERROR(txn.DeclareTensor({kStatePrefixes[0] + p.name, DType::kF32, p.shape}));
+    for (int s = 1; s < 3; ++s) {
+      CKPT_RETURN_IF_ERROR(txn.DeclareTensor({kStatePrefixes[s] + p.name, moment, p.shape}));
+    }
+  }
+  const std::span<const std::byte> slabs[3] = {std::as_bytes(optimizer_->master()),
+                                               optimizer_->exp_avg_bytes(),
+                                               optimizer_->exp_avg_sq_bytes()};
+  const size_t sizes[3] = {4, optimizer_->moment_bytes(), optimizer_->moment_bytes()};
+  const size_t wsize = formats::DTypeSize(model);
+  uint64_t offset = 0;
+  for (const Piece& piece : o.pieces) {
+    const std::string& name = o.params[piece.param].name;
+    CKPT_RETURN_IF_ERROR(txn.WritePiece(name, piece.begin, piece.count,
+                                        weights_.subspan(offset * wsize, piece.count * wsize)));
+    for (int s = 0; s < 3; ++s) {
+      CKPT_RETURN_IF_ERROR(
+          txn.WritePiece(kStatePrefixes[s] + name, piece.begin, piece.count,
+                         slabs[s].subspan(offset * sizes[s], piece.count * sizes[s])));
+    }
+    offset += piece.count;
+  }
+  const std::string layout = LayoutJson(*optimizer_, coordinator_->size());
+  CKPT_RETURN_IF_ERROR(txn.WriteBlob(kLayoutBlob, std::as_bytes(std::span(layout))));
+  for (const auto& [key, value] : blobs) {
+    CKPT_RETURN_IF_ERROR(
+        txn.WriteBlob(absl::StrCat(kTrainerPrefix, key), std::as_bytes(std::span(value))));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
+  // Step 1.
+  absl::Status ready = optimizer_->CheckClean("save");
+  if (ready.ok()) ready = optimizer_->Synchronize();
+  CKPT_RETURN_IF_ERROR(Vote(ready));
+  // Step 2.
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
+                        store_->BeginSave(step, coordinator_));
+  absl::Status written = SaveInto(*txn, blobs);
+  // Commit even after a local failure: the vote must go round so the others abort too.
+  absl::Status committed = written.ok() ? txn->Commit() : txn->Abort();
+  if (!written.ok()) return written;
+  CKPT_RETURN_IF_ERROR(committed);
+  // Step 3.
+  clean_step_ = step;
+  clean_version_ = optimizer_->state_version();
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
+  const formats::Manifest& m = reader.manifest();
+  const StagedAdamWOptions& o = optimizer_->options();
+  const std::string where = absl::StrCat("step ", m.step);
+  std::map<std::string, uint32_t> index;
+  for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+  std::set<std::string> expected;
+  std::vector<std::string> missing, extra;
+  for (const ParamSpec& p : o.params) {
+    expected.insert(p.name);
+    for (const char* prefix : kStatePrefixes) expected.insert(prefix + p.name);
+  }
+  for (const std::string& name : expected) {
+    if (!index.count(name)) missing.push_back(name);
+  }
+  for (const auto& [name, i] : index) {
+    if (!expected.count(name)) extra.push_back(name);
+  }
+  if (!missing.empty() || !extra.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " does not hold this optimizer's state", missing.empty() ? "" : "; missing: ",
+        ListNames(missing), extra.empty() ? "" : "; not in the optimizer: ", ListNames(extra)));
+  }
+  DType moments = m.tensors[index[kStatePrefixes[1] + o.params[0].name]].dtype;
+  for (const ParamSpec& p : o.params) {
+    const std::string names[4] = {p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
+                                  kStatePrefixes[2] + p.name};
+    const DType dtypes[4] = {optimizer_->model_dtype(), DType::kF32, moments, moments};
+    for (int s = 0; s < 4; ++s) {
+      const formats::TensorInfo& t = m.tensors[index[names[s]]];
+      if (t.shape != p.shape || t.dtype != dtypes[s] ||
+          (s > 1 && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": tensor \"", names[s], "\" is ", formats::DTypeName(t.dtype),
+                         " [", absl::StrJoin(t.shape, ", "), "], the optimizer needs ",
+                         formats::DTypeName(dtypes[s]), " [", absl::StrJoin(p.shape, ", "), "]"));
+      }
+    }
+  }
+  for (const Piece& piece : o.pieces) {
+    const ParamSpec& p = o.params[piece.param];
+    for (const std::string& name : {p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
+                                    kStatePrefixes[2] + p.name}) {
+      if (!Covers(m, index[name], piece.begin, piece.count)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
+                         piece.begin + piece.count, ") of \"", name, "\", which this rank owns"));
+      }
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
+  return ParseGroups(layout, o.groups.size(), where).status();
+}
+
+absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
+  const formats::Manifest& m = reader.manifest();
+  const StagedAdamWOptions& o = optimizer_->options();
+  CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
+  CKPT_ASSIGN_OR_RETURN(std::vector<ParamGroup> groups,
+                        ParseGroups(layout, o.groups.size(), absl::StrCat("step ", m.step)));
+  const std::span<std::byte> slabs[3] = {std::as_writable_bytes(optimizer_->mutable_master()),
+                                         optimizer_->mutable_exp_avg_bytes(),
+                                         optimizer_->mutable_exp_avg_sq_bytes()};
+  const DType slab_dtypes[3] = {DType::kF32, MomentDTypeOf(o.moment_dtype),
+                                MomentDTypeOf(o.moment_dtype)};
+  const size_t wsize = formats::DTypeSize(optimizer_->model_dtype());
+  std::vector<std::byte> batch;
+  uint64_t offset = 0;
+  for (const Piece& piece : o.pieces) {
+    const std::string& name = o.params[piece.param].name;
+    CKPT_RETURN_IF_ERROR(reader.ReadRange(name, piece.begin, piece.count,
+                                          weights_.subspan(offset * wsize, piece.count * wsize)));
+    for (int s = 0; s < 3; ++s) {
+      const std::string tensor = kStatePrefixes[s] + name;
+      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(tensor));
+      const size_t size = formats::DTypeSize(slab_dtypes[s]);
+      std::span<std::byte> out = slabs[s].subspan(offset * size, piece.count * size);
+      if (info->dtype == slab_dtypes[s]) {
+        CKPT_RETURN_IF_ERROR(reader.ReadRange(tensor, piece.begin, piece.count, out));
+        continue;
+      }
+      // F32 <-> BF16 moments, a bounded batch at a time.
+      const size_t in_size = formats::DTypeSize(info->dtype);
+      for (uint64_t done = 0; done < piece.count; done += kConvertElems) {
+        const uint64_t n = std::min(kConvertElems, piece.count - done);
+        batch.resize(n * in_size);
+        CKPT_RETURN_IF_ERROR(reader.ReadRange(tensor, piece.begin + done, n, batch));
+        for (uint64_t i = 0; i < n; ++i) {
+          if (info->dtype == DType::kF32) {
+            float f;
+            std::memcpy(&f, batch.data() + 4 * i, 4);
+            const uint16_t h = formats::FloatToBf16(f);
+            std::memcpy(out.data() + 2 * (done + i), &h, 2);
+          } else {
+            uint16_t h;
+            std::memcpy(&h, batch.data() + 2 * i, 2);
+            const float f = formats::Bf16ToFloat(h);
+            std::memcpy(out.data() + 4 * (done + i), &f, 4);
+          }
+        }
+      }
+    }
+    offset += piece.count;
+  }
+  optimizer_->RestoreGroups(groups);
+  if (blobs == nullptr) return absl::OkStatus();
+  // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
+  const uint32_t rank = static_cast<uint32_t>(coordinator_->rank()) < m.world_size
+                            ? static_cast<uint32_t>(coordinator_->rank())
+                            : 0;
+  Blobs out;
+  for (const formats::BlobInfo& b : m.blobs) {
+    if (b.rank != rank || b.name.rfind(kTrainerPrefix, 0) != 0) continue;
+    CKPT_ASSIGN_OR_RETURN(out[b.name.substr(sizeof(kTrainerPrefix) - 1)],
+                          reader.ReadBlob(b.name, rank));
+  }
+  *blobs = std::move(out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource() {
+  auto undo = std::make_unique<Undo>();
+  if (clean_step_.has_value() && clean_version_ == optimizer_->state_version()) {
+    if (store_->OpenStep(*clean_step_).ok()) {
+      undo->step = *clean_step_;
+      return undo;
+    }
+  }
+  // A private single-rank store below the root: its chunks are checksummed and written from the
+  // slabs as they are, so the spill holds no second copy of the state in memory.
+  undo->spill_dir =
+      JoinPath(store_->root(), absl::StrFormat(".undo-rank-%05d-%016x", coordinator_->rank(),
+                                               absl::Uniform<uint64_t>(absl::BitGen())));
+  StoreOptions options = store_->options();
+  options.primary = true;
+  options.read_only = false;
+  options.retention = RetentionPolicy{};
+  options.logger = nullptr;
+  CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, undo->spill_store->BeginSave(1));
+  absl::Status written = SaveInto(*txn, {});
+  absl::Status committed = written.ok() ? txn->Commit() : txn->Abort();
+  CKPT_RETURN_IF_ERROR(written);
+  CKPT_RETURN_IF_ERROR(committed);
+  undo->step = 1;
+  CKPT_RETURN_IF_ERROR(undo->spill_store->OpenStep(undo->step).status());
+  return undo;
+}
+
+absl::Status Checkpointer::RestoreFrom(Undo& undo) {
+  CheckpointStore* from = undo.spill_store != nullptr ? undo.spill_store.get() : store_;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, from->OpenStep(undo.step));
+  return Apply(*reader, nullptr);
+}
+
+absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
+  // Step 1. LATEST is read afresh: another handle may have committed since this one opened.
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = absl::NotFoundError("");
+  if (!step.has_value()) {
+    absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(store_->env(), store_->root());
+    if (latest.ok() && !latest->has_value()) {
+      latest = absl::NotFoundError(absl::StrCat(store_->root(), ": no committed step to load"));
+    }
+    reader = latest.ok() ? store_->OpenStep(**latest) : latest.status();
+  } else {
+    reader = store_->OpenStep(*step);
+  }
+  absl::Status checked = reader.ok() ? Preflight(**reader) : reader.status();
+  CKPT_RETURN_IF_ERROR(Vote(checked));
+  // Step 2.
+  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource();
+  absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
+  auto remove_spill = [&] {
+    if (!undo.ok() || (*undo)->spill_dir.empty()) return;
+    const std::string dir = (*undo)->spill_dir;
+    (*undo)->spill_store.reset();  // Releases its LOCK before the tree goes.
+    // Best effort: recovery removes .undo-* at the next Open of the root.
+    RemoveRecursively(store_->env(), dir).IgnoreError();
+    store_->env()->SyncDir(store_->root()).IgnoreError();
+  };
+  absl::Status voted = Vote(fixed);
+  if (!voted.ok()) {
+    remove_spill();
+    return voted;
+  }
+  // Step 3.
+  const Lifecycle before = optimizer_->lifecycle_;
+  optimizer_->lifecycle_ = Lifecycle::kLoading;
+  Blobs loaded;
+  absl::Status applied = Apply(**reader, blobs != nullptr ? &loaded : nullptr);
+  // Step 4.
+  voted = Vote(applied);
+  LoadReport report{(*reader)->manifest().step, (*reader)->manifest().world_size,
+                    !(*undo)->spill_dir.empty()};
+  if (voted.ok()) {
+    optimizer_->lifecycle_ = Lifecycle::kClean;
+    optimizer_->poison_reason_.clear();
+    clean_step_ = report.step;
+    clean_version_ = optimizer_->state_version();
+    if (blobs != nullptr) *blobs = std::move(loaded);
+    remove_spill();
+    return report;
+  }
+  absl::Status restored = RestoreFrom(**undo);
+  if (restored.ok()) {
+    optimizer_->lifecycle_ = before;
+    // The state equals the undo source again.
+    if ((*undo)->spill_dir.empty()) clean_version_ = optimizer_->state_version();
+  } else {
+    optimizer_->lifecycle_ = Lifecycle::kPoisoned;
+    optimizer_->poison_reason_ =
+        absl::StrCat("load of step ", report.step, " failed (", voted.message(),
+                     ") and its rollback failed too (", restored.message(), ")");
+    clean_step_.reset();
+  }
+  remove_spill();
+  return voted;
+}
+
+}  // namespace ckpt::optimizer

@@ -1,0 +1,310 @@
+// Checkpointer: resume is bit-exact at any data-parallel layout; a load that fails anywhere
+// leaves every rank exactly as before (both undo sources), or poisoned when the rollback fails
+// too; preflight refusals touch nothing. Ranks run as threads over a ThreadGroup; the store
+// lives in a MemEnv behind a FaultInjectionEnv.
+#include "ckpt/optimizer/checkpointer.h"
+
+#include <cerrno>
+#include <functional>
+#include <map>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/optimizer/layout.h"
+#include "tests/support/fault_injection_env.h"
+#include "tests/support/status_matchers.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using testing::IsOk;
+using testing::StatusIs;
+
+constexpr char kRoot[] = "/store";
+
+std::vector<ParamSpec> Model() {
+  return {{"embed", {50, 13}, DType::kBF16, 0},
+          {"layer.weight", {1001}, DType::kBF16, 0},
+          {"layer.bias", {37}, DType::kBF16, 1}};
+}
+std::vector<ParamGroup> Groups() {
+  return {ParamGroup{.lr = 3e-3, .weight_decay = 0.1}, ParamGroup{.lr = 1e-3, .weight_decay = 0}};
+}
+
+// Values that depend only on (param, flat index, step): the same for every layout.
+float InitialValue(uint32_t param, uint64_t i) {
+  return 0.5f - 0.001f * static_cast<float>((param * 7919 + i * 31) % 1000);
+}
+float Gradient(uint32_t param, uint64_t i, int step) {
+  return 0.01f * static_cast<float>(static_cast<int>((param * 131 + i * 17 + step * 7) % 41) - 20);
+}
+
+// One rank: its optimizer, weights and Checkpointer.
+struct Rank {
+  std::unique_ptr<StagedAdamW> opt;
+  std::vector<uint16_t> weights;
+  std::unique_ptr<Checkpointer> ckpt;
+};
+
+// A data-parallel job of `dp` ranks over one store.
+class Job {
+ public:
+  Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = Model())
+      : group_(dp), params_(std::move(params)) {
+    StoreOptions so;
+    so.env = env;
+    so.chunk_bytes = 1000;
+    for (int r = 0; r < dp; ++r) {
+      so.primary = r == 0;
+      auto store = CheckpointStore::Open(kRoot, so);
+      EXPECT_THAT(store, IsOk());
+      stores_.push_back(*std::move(store));
+    }
+    auto buckets = BuildBuckets(params_, {.bucket_elems = bucket_elems, .pad_to = 8}, dp);
+    EXPECT_THAT(buckets, IsOk());
+    const std::vector<std::vector<Piece>> pieces = RankPieces(*buckets, dp);
+    for (int r = 0; r < dp; ++r) {
+      StagedAdamWOptions o;
+      o.params = params_;
+      o.groups = Groups();
+      o.pieces = pieces[r];
+      o.threads = 1;
+      Rank rank;
+      for (const Piece& p : o.pieces)
+        for (uint64_t i = 0; i < p.count; ++i)
+          rank.weights.push_back(params_[0].dtype == DType::kBF16
+                                     ? formats::FloatToBf16(InitialValue(p.param, p.begin + i))
+                                     : formats::FloatToHalf(InitialValue(p.param, p.begin + i)));
+      auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(rank.weights)));
+      EXPECT_THAT(opt, IsOk());
+      rank.opt = *std::move(opt);
+      auto ck =
+          Checkpointer::Create(rank.opt.get(), std::as_writable_bytes(std::span(rank.weights)),
+                               stores_[r].get(), group_.member(r));
+      EXPECT_THAT(ck, IsOk());
+      rank.ckpt = *std::move(ck);
+      ranks_.push_back(std::move(rank));
+    }
+  }
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  Rank& rank(int r) { return ranks_[r]; }
+
+  // One step on every rank, at step number `s` of the run, with lr scaled by (s + 1) / 4.
+  void Step(int s) {
+    for (Rank& rank : ranks_) {
+      for (size_t g = 0; g < Groups().size(); ++g) {
+        ParamGroup group = Groups()[g];
+        group.lr *= (s + 1) / 4.0;
+        ASSERT_THAT(rank.opt->SetGroup(g, group), IsOk());
+      }
+      std::vector<float> grads;
+      for (const Piece& p : rank.opt->options().pieces)
+        for (uint64_t i = 0; i < p.count; ++i) grads.push_back(Gradient(p.param, p.begin + i, s));
+      ASSERT_THAT(rank.opt->Step({grads.data(), DType::kF32, 1.0f, rank.weights.data()}), IsOk());
+    }
+  }
+
+  // Runs `fn(rank)` on every rank at once (the collectives need every rank) and returns each
+  // rank's status.
+  std::vector<absl::Status> OnEveryRank(const std::function<absl::Status(int)>& fn) {
+    std::vector<absl::Status> out(ranks_.size());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size(); ++r) threads.emplace_back([&, r] { out[r] = fn(r); });
+    for (std::thread& t : threads) t.join();
+    return out;
+  }
+  std::vector<absl::Status> Save(uint64_t step) {
+    return OnEveryRank([&](int r) {
+      return ranks_[r].ckpt->Save(step, {{"sched", "at " + std::to_string(step)}});
+    });
+  }
+  std::vector<absl::Status> Load(std::optional<uint64_t> step) {
+    return OnEveryRank([&](int r) { return ranks_[r].ckpt->Load(step).status(); });
+  }
+
+  // The whole state by (param, flat index), whatever the layout: weights, masters, moments,
+  // and every group's hyper-parameters and step.
+  std::string Gather() {
+    std::map<std::pair<uint32_t, uint64_t>, std::string> by_element;
+    std::string groups;
+    for (Rank& rank : ranks_) {
+      uint64_t at = 0;
+      for (const Piece& p : rank.opt->options().pieces) {
+        for (uint64_t i = 0; i < p.count; ++i, ++at) {
+          std::string& e = by_element[{p.param, p.begin + i}];
+          e.append(reinterpret_cast<const char*>(&rank.weights[at]), 2);
+          e.append(reinterpret_cast<const char*>(&rank.opt->master()[at]), 4);
+          const size_t mb = rank.opt->moment_bytes();
+          e.append(reinterpret_cast<const char*>(rank.opt->exp_avg_bytes().data() + at * mb), mb);
+          e.append(reinterpret_cast<const char*>(rank.opt->exp_avg_sq_bytes().data() + at * mb),
+                   mb);
+        }
+      }
+      std::string mine;
+      for (const ParamGroup& g : rank.opt->groups()) {
+        absl::StrAppend(&mine, g.lr, "/", g.beta1, "/", g.beta2, "/", g.eps, "/", g.weight_decay,
+                        "/", g.step, ";");
+      }
+      if (groups.empty()) groups = mine;
+      EXPECT_EQ(groups, mine) << "ranks disagree on their groups";
+    }
+    std::string out = groups;
+    for (const auto& [key, bytes] : by_element) out += bytes;
+    return out;
+  }
+
+ private:
+  ThreadGroup group_;
+  std::vector<ParamSpec> params_;
+  std::vector<std::unique_ptr<CheckpointStore>> stores_;
+  std::vector<Rank> ranks_;
+};
+
+void ExpectAllOk(const std::vector<absl::Status>& statuses) {
+  for (size_t r = 0; r < statuses.size(); ++r) EXPECT_THAT(statuses[r], IsOk()) << "rank " << r;
+}
+void ExpectAll(const std::vector<absl::Status>& statuses, absl::StatusCode code) {
+  for (size_t r = 0; r < statuses.size(); ++r)
+    EXPECT_THAT(statuses[r], StatusIs(code)) << "rank " << r;
+}
+
+class CheckpointerTest : public ::testing::Test {
+ protected:
+  CheckpointerTest() : mem_(NewMemEnv()), env_(mem_.get()) {}
+
+  // Flips one byte in the middle of the first chunk of rank `rank`'s data file of `step`.
+  void DamageChunk(uint64_t step, int rank) {
+    const std::string path =
+        absl::StrCat(kRoot, "/", StepDirectoryName(step), "/rank-0000", rank, ".data");
+    auto bytes = ReadFileToString(mem_.get(), path, UINT64_MAX);
+    ASSERT_THAT(bytes, IsOk());
+    (*bytes)[4096 + 100] ^= 0x10;
+    ASSERT_THAT(mem_->RemoveFile(path), IsOk());
+    auto file = mem_->NewWritableFile(path, FileOptions{});
+    ASSERT_THAT(file, IsOk());
+    ASSERT_THAT((*file)->Append(std::as_bytes(std::span(*bytes))), IsOk());
+    ASSERT_THAT((*file)->Close(), IsOk());
+  }
+  std::vector<std::string> RootEntries() {
+    auto names = mem_->GetChildren(kRoot);
+    EXPECT_THAT(names, IsOk());
+    std::sort(names->begin(), names->end());
+    return *names;
+  }
+
+  std::unique_ptr<Env> mem_;
+  testing::FaultInjectionEnv env_;
+};
+
+TEST_F(CheckpointerTest, ResumeIsBitExactAtAnyDataParallelSizeAndBucketSize) {
+  std::string want;
+  {
+    Job job(&env_, 2, 500);
+    for (int s = 0; s < 3; ++s) job.Step(s);
+    ExpectAllOk(job.Save(3));
+    for (int s = 3; s < 5; ++s) job.Step(s);
+    want = job.Gather();
+  }
+  for (int dp : {2, 1, 3, 5}) {
+    Job job(&env_, dp, dp == 2 ? 500 : 300);
+    ExpectAllOk(job.Load(std::nullopt));
+    for (int s = 3; s < 5; ++s) job.Step(s);
+    EXPECT_EQ(job.Gather(), want) << "resumed at DP " << dp;
+  }
+}
+
+TEST_F(CheckpointerTest, TrainerBlobsComeBackOnEachRank) {
+  Job job(&env_, 2, 500);
+  ExpectAllOk(job.Save(1));
+  std::vector<Blobs> got(2);
+  ExpectAllOk(job.OnEveryRank([&](int r) { return job.rank(r).ckpt->Load(1, &got[r]).status(); }));
+  EXPECT_EQ(got[0].at("sched"), "at 1");
+  EXPECT_EQ(got[1].at("sched"), "at 1");
+  EXPECT_EQ(got[1].size(), 1u);
+}
+
+TEST_F(CheckpointerTest, PreflightRefusalsTouchNothing) {
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  std::vector<ParamSpec> renamed = Model(), reshaped = Model(), retyped = Model();
+  renamed[2].name = "layer.other";
+  reshaped[1].shape = {1002};
+  for (ParamSpec& p : retyped) p.dtype = DType::kF16;
+  for (const auto& params : {renamed, reshaped, retyped}) {
+    Job job(&env_, 2, 500, params);
+    job.Step(0);
+    const std::string before = job.Gather();
+    const std::vector<std::string> entries = RootEntries();
+    ExpectAll(job.Load(1), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(job.Gather(), before);
+    EXPECT_EQ(RootEntries(), entries) << "a refused load wrote something";
+  }
+}
+
+TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) {
+  Job job(&env_, 2, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));
+  job.Step(1);
+  ExpectAllOk(job.Save(2));  // The state equals step 2: its undo source is free.
+  DamageChunk(1, 1);
+  const std::string before = job.Gather();
+  ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(job.Gather(), before);
+  EXPECT_EQ(job.rank(0).opt->lifecycle(), Lifecycle::kClean);
+  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+}
+
+TEST_F(CheckpointerTest, FailedApplyRollsBackFromASpillWhenTheStateMovedOn) {
+  Job job(&env_, 2, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));
+  job.Step(1);  // Unsaved: only a spill can restore this.
+  DamageChunk(1, 0);
+  const std::string before = job.Gather();
+  ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(job.Gather(), before);
+  job.Step(2);  // Still clean.
+  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+}
+
+TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
+  Job job(&env_, 2, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(5));
+  job.Step(1);
+  ExpectAllOk(job.Save(6));
+  job.Step(2);
+  DamageChunk(6, 0);
+  // Every rank's spill is a private single-rank store saved as its step 1: its data file opens
+  // once when the undo source is fixed, then fails when the rollback opens it again.
+  env_.FailReadOpens("step-00000001/rank-00000.data", EIO, /*skip=*/2);
+  ExpectAll(job.Load(6), absl::StatusCode::kDataLoss);
+  env_.Disarm();
+  for (int r = 0; r < 2; ++r) {
+    StagedAdamW& opt = *job.rank(r).opt;
+    EXPECT_EQ(opt.lifecycle(), Lifecycle::kPoisoned);
+    EXPECT_THAT(opt.poison_reason(), ::testing::HasSubstr("step 6"));
+    std::vector<float> grads(opt.size());
+    EXPECT_THAT(opt.Step({grads.data(), DType::kF32, 1.0f, job.rank(r).weights.data()}),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT(opt.SetGroup(0, ParamGroup{}), StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  ExpectAll(job.Save(7), absl::StatusCode::kFailedPrecondition);
+  ExpectAllOk(job.Load(5));
+  EXPECT_EQ(job.rank(1).opt->lifecycle(), Lifecycle::kClean);
+  job.Step(1);
+}
+
+}  // namespace
+}  // namespace ckpt::optimizer

@@ -1,0 +1,98 @@
+// Checkpointer: the binding of one rank's StagedAdamW state to a CheckpointStore, as
+// transactions (DESIGN.md §6). Save writes the state straight from the slabs; Load is
+// preflighted, applied, voted on by every rank, and rolled back from an undo source when any
+// rank fails, or the optimizer is poisoned when the rollback fails too. The protocol's numbered
+// steps are the opening comment of optimizer/checkpointer.cc.
+#ifndef CKPT_OPTIMIZER_CHECKPOINTER_H_
+#define CKPT_OPTIMIZER_CHECKPOINTER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+namespace ckpt::optimizer {
+
+// Opaque trainer records (scheduler, RNG, data position) saved beside the state, per rank,
+// returned untouched by Load.
+using Blobs = std::map<std::string, std::string>;
+
+// What a successful Load did.
+struct LoadReport {
+  uint64_t step = 0;              // The step loaded.
+  uint32_t saved_world_size = 0;  // Ranks that saved it (any number loads into any other).
+  bool undo_spilled = false;      // The undo source was a spill of the state (not a checkpoint).
+};
+
+// One per rank. On-disk layout of a step (tensor names are the parameters' names):
+//   <name>                          the model-dtype weights (global shape)
+//   optimizer.master.<name>         FP32 masters
+//   optimizer.exp_avg.<name>        moments, in the slab dtype (F32, or BF16 in BF16 mode)
+//   optimizer.exp_avg_sq.<name>
+//   blob optimizer.layout           JSON: parameters, groups (hyper-parameters in double and
+//                                   step counters), moment dtype, world size (every rank)
+//   blob trainer.<key>              the trainer's blobs
+// Not thread-safe; the optimizer, the weight buffer, the store and the coordinator must
+// outlive it, and nothing else may step or change the optimizer during Save or Load.
+class Checkpointer {
+ public:
+  // `weights` is this rank's model-dtype weight buffer (the StepArgs::params of every Step), in
+  // slab order: optimizer->size() elements. kInvalidArgument when its size does not match.
+  static absl::StatusOr<std::unique_ptr<Checkpointer>> Create(StagedAdamW* optimizer,
+                                                              std::span<std::byte> weights,
+                                                              CheckpointStore* store,
+                                                              Coordinator* coordinator);
+
+  // Collective. Saves the state as it is now as `step`: one transaction, committed on every
+  // rank or on none. Never changes the state. CUDA engine: waits for the last step's copies.
+  // kFailedPrecondition when the optimizer is poisoned or `step` is not newer than LATEST;
+  // IO errors as the store reports them (the previous checkpoint is untouched).
+  absl::Status Save(uint64_t step, const Blobs& blobs = {});
+
+  // Collective. Loads `step` (LATEST when nullopt) into the optimizer and the weights, at any
+  // data-parallel layout: pieces are flat index ranges, so another DP size, bucket size or
+  // number of saving ranks reads the same. FP32 moments load into BF16 mode rounded (nearest
+  // even); BF16 moments widen exactly.
+  // On failure every rank returns the same error and the state is exactly as before the call
+  // (masters, moments, weights, hyper-parameters, step counters), or, when the rollback failed
+  // too, the optimizer is poisoned (lifecycle() kPoisoned). Preflight failures (missing or extra
+  // names, listed; shapes, dtypes, coverage, hyper-parameters, damaged manifest) touch nothing
+  // and write nothing. `blobs` receives this rank's trainer blobs (or rank 0's when the
+  // checkpoint has fewer ranks); it is unchanged on failure.
+  absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
+
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;  // Tracks one optimizer's undo source.
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+ private:
+  struct Undo;
+  Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights, CheckpointStore* store,
+               Coordinator* coordinator);
+  absl::Status Preflight(const CheckpointReader& reader) const;
+  absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
+  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource();
+  absl::Status RestoreFrom(Undo& undo);
+  absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs);
+  absl::Status Vote(const absl::Status& mine);
+
+  StagedAdamW* const optimizer_;
+  const std::span<std::byte> weights_;
+  CheckpointStore* const store_;
+  Coordinator* const coordinator_;
+  // The step the state last equalled (saved or loaded), and the optimizer's state_version()
+  // right then: while they still match, that step is a free undo source.
+  std::optional<uint64_t> clean_step_;
+  uint64_t clean_version_ = 0;
+};
+
+}  // namespace ckpt::optimizer
+
+#endif  // CKPT_OPTIMIZER_CHECKPOINTER_H_
