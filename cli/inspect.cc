@@ -68,6 +68,52 @@ json StepDetails(const formats::Manifest& m) {
            {{"raw_bytes", raw}, {"stored_bytes", stored}, {"zstd_chunks", zstd_chunks}}}};
 }
 
+// The optimizer record of a step saved by ckpt::optimizer::Checkpointer (the layout blob of
+// rank 0), summarised: groups with hyper-parameters and steps, moment dtype, parameter and
+// element counts, the DP size that wrote it. nullopt when the step has none; {"error": ...}
+// when it cannot be read.
+std::optional<json> OptimizerRecord(const CheckpointReader& reader) {
+  constexpr char kLayoutBlob[] = "optimizer.layout";
+  bool present = false;
+  for (const formats::BlobInfo& b : reader.manifest().blobs) present |= b.name == kLayoutBlob;
+  if (!present) return std::nullopt;
+  absl::StatusOr<std::string> text = reader.ReadBlob(kLayoutBlob, 0);
+  if (!text.ok()) return json{{"error", std::string(text.status().message())}};
+  json layout = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!layout.is_object() || !layout["params"].is_array() || !layout["groups"].is_array()) {
+    return json{{"error", "the optimizer.layout record does not parse"}};
+  }
+  uint64_t elements = 0;
+  for (const json& p : layout["params"]) {
+    uint64_t n = 1;
+    for (const json& d : p.value("shape", json::array()))
+      n *= d.is_number_unsigned() ? d.get<uint64_t>() : 0;
+    elements += n;
+  }
+  return json{{"moment_dtype", layout.value("moment_dtype", "")},
+              {"world_size", layout.value("world_size", 0)},
+              {"params", layout["params"].size()},
+              {"elements", elements},
+              {"groups", layout["groups"]}};
+}
+
+void PrintOptimizerRecord(const json& o) {
+  if (o.contains("error")) {
+    std::cout << "optimizer: " << Printable(o["error"].get<std::string>()) << "\n";
+    return;
+  }
+  std::cout << "optimizer: " << o["params"] << " parameters (" << o["elements"]
+            << " elements), moments " << Printable(o["moment_dtype"].get<std::string>())
+            << ", saved by " << o["world_size"] << " rank(s)\n";
+  int i = 0;
+  for (const json& g : o["groups"]) {
+    std::cout << "  group " << i++ << "  step " << g.value("step", json()) << "  lr "
+              << g.value("lr", json()) << "  betas (" << g.value("beta1", json()) << ", "
+              << g.value("beta2", json()) << ")  eps " << g.value("eps", json())
+              << "  weight_decay " << g.value("weight_decay", json()) << "\n";
+  }
+}
+
 void PrintHuman(const json& out) {
   std::cout << "root: " << Printable(out["root"].get<std::string>()) << "\n";
   std::cout << "LATEST: "
@@ -121,6 +167,7 @@ void PrintHuman(const json& out) {
     std::cout << "  rank " << b["rank"] << "  " << Printable(b["name"].get<std::string>()) << "  "
               << FormatBytes(b["bytes"].get<uint64_t>()) << "\n";
   }
+  if (d.contains("optimizer")) PrintOptimizerRecord(d["optimizer"]);
 }
 
 // Opens step directory `name` as the store's OpenStep would: only a real directory.
@@ -204,6 +251,9 @@ int RunInspect(const InspectArgs& args) {
       }
     } else {
       out["details"] = StepDetails(it->second->manifest());
+      if (std::optional<json> record = OptimizerRecord(*it->second)) {
+        out["details"]["optimizer"] = *std::move(record);
+      }
     }
   }
   if (args.json) {

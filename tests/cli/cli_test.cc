@@ -16,6 +16,7 @@
 
 #include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/verify.h"
 #include "tests/support/run_command.h"
 #include "tests/support/status_matchers.h"
@@ -160,6 +161,39 @@ TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
       RunTool("bench adamw --params 50000 --threads 2 --steps 1 --check-finite --json");
   ASSERT_EQ(checked.exit_code, 0) << checked.output;
   EXPECT_TRUE(nlohmann::json::parse(checked.output)["cpu"]["check_finite"].get<bool>());
+}
+
+TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
+  using optimizer::ParamGroup;
+  optimizer::StagedAdamWOptions o;
+  o.params = {{"w", {1000}, formats::DType::kF32, 0}, {"b", {10}, formats::DType::kF32, 1}};
+  o.groups = {ParamGroup{.lr = 2.5e-4, .weight_decay = 0.1}, ParamGroup{.lr = 1e-3}};
+  o.pieces = {{0, 0, 1000}, {1, 0, 10}};
+  o.moment_dtype = optimizer::MomentDType::kBF16;
+  std::vector<float> weights(1010, 0.25f), grads(1010, 0.5f);
+  auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
+  ASSERT_THAT(opt, testing::IsOk());
+  ASSERT_THAT((*opt)->Step({grads.data(), formats::DType::kF32, 1.0f, weights.data()}),
+              testing::IsOk());
+  auto store = CheckpointStore::Open(Root(), StoreOptions{});
+  ASSERT_THAT(store, testing::IsOk());
+  SingleProcessCoordinator single;
+  auto ckpt = optimizer::Checkpointer::Create(
+      opt->get(), std::as_writable_bytes(std::span(weights)), store->get(), &single);
+  ASSERT_THAT(ckpt, testing::IsOk());
+  ASSERT_THAT((*ckpt)->Save(7), testing::IsOk());
+  Result r = RunTool("inspect " + Root() + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  const nlohmann::json& rec = j["details"]["optimizer"];
+  EXPECT_EQ(rec["moment_dtype"], "BF16");
+  EXPECT_EQ(rec["world_size"], 1);
+  EXPECT_EQ(rec["params"], 2);
+  EXPECT_EQ(rec["elements"], 1010);
+  EXPECT_EQ(rec["groups"][0]["lr"].get<double>(), 2.5e-4);
+  EXPECT_EQ(rec["groups"][0]["step"], 1);
+  Result human = RunTool("inspect " + Root());
+  EXPECT_THAT(human.output, HasSubstr("optimizer: 2 parameters (1010 elements), moments BF16"));
 }
 
 TEST_F(CliTest, UsageErrorsExitTwo) {
