@@ -12,6 +12,7 @@
 
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/engine.h"
 #include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
@@ -153,6 +154,44 @@ INSTANTIATE_TEST_SUITE_P(GradDtypes, CudaParityTest,
                            return std::string(formats::DTypeName(p.param));
                          });
 
+// Move-assignment releases what the target owned and leaves the source owning nothing (it used
+// to swap, so a moved-from object still held the target's old stream).
+TEST(CudaResourcesTest, MoveAssignmentReleasesTheOldResourceAndEmptiesTheSource) {
+  SKIP_WITHOUT_DEVICE();
+  size_t free_before = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  {
+    auto a = internal::DeviceBuffer::Create(size_t{256} << 20);
+    auto b = internal::DeviceBuffer::Create(size_t{256} << 20);
+    ASSERT_THAT(a, IsOk());
+    ASSERT_THAT(b, IsOk());
+    void* b_data = b->data();
+    *a = std::move(*b);
+    EXPECT_FALSE(b->valid());
+    EXPECT_EQ(b->size(), 0u);
+    EXPECT_EQ(a->data(), b_data);
+    size_t free_now = 0;
+    ASSERT_EQ(cudaMemGetInfo(&free_now, &total), cudaSuccess);
+    // One 256 MiB buffer is alive, not two.
+    EXPECT_GT(free_now + (size_t{384} << 20), free_before);
+    auto s1 = internal::CudaStream::Create();
+    auto s2 = internal::CudaStream::Create();
+    ASSERT_THAT(s1, IsOk());
+    ASSERT_THAT(s2, IsOk());
+    cudaStream_t kept = s2->get();
+    *s1 = std::move(*s2);
+    EXPECT_FALSE(s2->valid());
+    EXPECT_EQ(s1->get(), kept);
+    auto e1 = internal::CudaEvent::Create();
+    auto e2 = internal::CudaEvent::Create();
+    ASSERT_THAT(e1, IsOk());
+    ASSERT_THAT(e2, IsOk());
+    *e1 = std::move(*e2);
+    EXPECT_FALSE(e2->valid());
+    EXPECT_TRUE(e1->valid());
+  }
+}
+
 TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
   SKIP_WITHOUT_DEVICE();
   StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
@@ -206,7 +245,10 @@ TEST(CudaEngineTest, DeviceMemoryDoesNotGrowWithTheModelAndReleaseFreesIt) {
   SKIP_WITHOUT_DEVICE();
   cudaFree(nullptr);  // Create the context first; its memory is not the engine's.
   uint64_t held[2] = {0, 0}, reported[2] = {0, 0};
-  const uint64_t sizes[2] = {uint64_t{1} << 16, uint64_t{1} << 30};
+  // 4M parameters already fill every unit (16 MiB slabs, 8 MiB units); 1G parameters must not
+  // need a byte more. (A model smaller than one unit gets smaller buffers: they are sized from
+  // the units the layout cut.)
+  const uint64_t sizes[2] = {uint64_t{1} << 22, uint64_t{1} << 30};
   for (int i = 0; i < 2; ++i) {
     StagedAdamWOptions o;
     o.params = {{"w", {sizes[i]}, DType::kBF16, 0}};
@@ -228,7 +270,7 @@ TEST(CudaEngineTest, DeviceMemoryDoesNotGrowWithTheModelAndReleaseFreesIt) {
     EXPECT_EQ(DeviceUsed(), with_engine) << "restore allocates the same slots again";
   }
   std::printf(
-      "engine device memory: %llu bytes for 64K params, %llu for 1G params (reported %llu, %llu)\n",
+      "engine device memory: %llu bytes for 4M params, %llu for 1G params (reported %llu, %llu)\n",
       static_cast<unsigned long long>(held[0]), static_cast<unsigned long long>(held[1]),
       static_cast<unsigned long long>(reported[0]), static_cast<unsigned long long>(reported[1]));
   EXPECT_EQ(held[0], held[1]);
