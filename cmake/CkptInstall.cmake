@@ -6,6 +6,10 @@ include(CMakePackageConfigHelpers)
 include(GNUInstallDirs)
 
 set(CKPT_INSTALL_TARGETS ckpt_base ckpt_formats ckpt ckpt_optimizer)
+if(TARGET ckpt_mpi)
+  list(APPEND CKPT_INSTALL_TARGETS ckpt_mpi)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/libckpt/mpi/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endif()
 if(TARGET ckpt_optimizer_cuda)
   set_target_properties(ckpt_optimizer_cuda PROPERTIES EXPORT_NAME optimizer_cuda)
   list(APPEND CKPT_INSTALL_TARGETS ckpt_optimizer_cuda)
@@ -19,6 +23,7 @@ foreach(module formats libckpt optimizer)
 endforeach()
 install(EXPORT ckptTargets NAMESPACE ckpt:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/ckpt)
 set(CKPT_INSTALLED_WITH_CUDA ${CKPT_HAVE_CUDA})
+set(CKPT_INSTALLED_WITH_MPI ${CKPT_HAVE_MPI})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/ckptConfig.cmake.in
                               ${CMAKE_BINARY_DIR}/ckptConfig.cmake
                               INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/ckpt)

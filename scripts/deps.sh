@@ -2,6 +2,7 @@
 # Installs the Debian 12 packages ckpt builds and tests with (as root; skipped when present).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libabsl-dev liburing-dev libzstd-dev libcli11-dev
+      libopenmpi-dev openmpi-bin
       libxxhash-dev nlohmann-json3-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
