@@ -18,6 +18,7 @@
 #include "ckpt/optimizer/layout.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/toy_model.h"
 
 namespace ckpt::optimizer {
 namespace {
@@ -28,22 +29,11 @@ using testing::StatusIs;
 
 constexpr char kRoot[] = "/store";
 
-std::vector<ParamSpec> Model() {
-  return {{"embed", {50, 13}, DType::kBF16, 0},
-          {"layer.weight", {1001}, DType::kBF16, 0},
-          {"layer.bias", {37}, DType::kBF16, 1}};
-}
-std::vector<ParamGroup> Groups() {
-  return {ParamGroup{.lr = 3e-3, .weight_decay = 0.1}, ParamGroup{.lr = 1e-3, .weight_decay = 0}};
-}
-
-// Values that depend only on (param, flat index, step): the same for every layout.
-float InitialValue(uint32_t param, uint64_t i) {
-  return 0.5f - 0.001f * static_cast<float>((param * 7919 + i * 31) % 1000);
-}
-float Gradient(uint32_t param, uint64_t i, int step) {
-  return 0.01f * static_cast<float>(static_cast<int>((param * 131 + i * 17 + step * 7) % 41) - 20);
-}
+using testing::ToyGradient;
+using testing::ToyGroupAt;
+using testing::ToyGroups;
+using testing::ToyInitialValue;
+using testing::ToyModel;
 
 // One rank: its optimizer, weights and Checkpointer.
 struct Rank {
@@ -55,7 +45,7 @@ struct Rank {
 // A data-parallel job of `dp` ranks over one store.
 class Job {
  public:
-  Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = Model())
+  Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = ToyModel())
       : group_(dp), params_(std::move(params)) {
     StoreOptions so;
     so.env = env;
@@ -72,15 +62,15 @@ class Job {
     for (int r = 0; r < dp; ++r) {
       StagedAdamWOptions o;
       o.params = params_;
-      o.groups = Groups();
+      o.groups = ToyGroups();
       o.pieces = pieces[r];
       o.threads = 1;
       Rank rank;
       for (const Piece& p : o.pieces)
         for (uint64_t i = 0; i < p.count; ++i)
           rank.weights.push_back(params_[0].dtype == DType::kBF16
-                                     ? formats::FloatToBf16(InitialValue(p.param, p.begin + i))
-                                     : formats::FloatToHalf(InitialValue(p.param, p.begin + i)));
+                                     ? formats::FloatToBf16(ToyInitialValue(p.param, p.begin + i))
+                                     : formats::FloatToHalf(ToyInitialValue(p.param, p.begin + i)));
       auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(rank.weights)));
       EXPECT_THAT(opt, IsOk());
       rank.opt = *std::move(opt);
@@ -99,14 +89,13 @@ class Job {
   // One step on every rank, at step number `s` of the run, with lr scaled by (s + 1) / 4.
   void Step(int s) {
     for (Rank& rank : ranks_) {
-      for (size_t g = 0; g < Groups().size(); ++g) {
-        ParamGroup group = Groups()[g];
-        group.lr *= (s + 1) / 4.0;
-        ASSERT_THAT(rank.opt->SetGroup(g, group), IsOk());
+      for (size_t g = 0; g < ToyGroups().size(); ++g) {
+        ASSERT_THAT(rank.opt->SetGroup(g, ToyGroupAt(g, s)), IsOk());
       }
       std::vector<float> grads;
       for (const Piece& p : rank.opt->options().pieces)
-        for (uint64_t i = 0; i < p.count; ++i) grads.push_back(Gradient(p.param, p.begin + i, s));
+        for (uint64_t i = 0; i < p.count; ++i)
+          grads.push_back(ToyGradient(p.param, p.begin + i, s));
       ASSERT_THAT(rank.opt->Step({grads.data(), DType::kF32, 1.0f, rank.weights.data()}), IsOk());
     }
   }
@@ -236,9 +225,9 @@ TEST_F(CheckpointerTest, PreflightRefusalsTouchNothing) {
     job.Step(0);
     ExpectAllOk(job.Save(1));
   }
-  std::vector<ParamSpec> renamed = Model(), reshaped = Model(), retyped = Model();
+  std::vector<ParamSpec> renamed = ToyModel(), reshaped = ToyModel(), retyped = ToyModel();
   renamed[2].name = "layer.other";
-  reshaped[1].shape = {1002};
+  reshaped[1].shape = {3002};
   for (ParamSpec& p : retyped) p.dtype = DType::kF16;
   for (const auto& params : {renamed, reshaped, retyped}) {
     Job job(&env_, 2, 500, params);

@@ -26,27 +26,13 @@
 #include "ckpt/mpi_coordinator.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/layout.h"
+#include "tests/support/toy_model.h"
 
 namespace ckpt {
 namespace {
 
 using formats::DType;
 using optimizer::ParamGroup;
-
-std::vector<optimizer::ParamSpec> Model() {
-  return {{"embed", {64, 33}, DType::kBF16, 0},
-          {"layer.weight", {3001}, DType::kBF16, 0},
-          {"layer.bias", {37}, DType::kBF16, 1}};
-}
-std::vector<ParamGroup> Groups() {
-  return {ParamGroup{.lr = 3e-3, .weight_decay = 0.1}, ParamGroup{.lr = 1e-3, .weight_decay = 0}};
-}
-float Initial(uint32_t p, uint64_t i) {
-  return 0.5f - 0.001f * static_cast<float>((p * 7919 + i * 31) % 1000);
-}
-float Gradient(uint32_t p, uint64_t i, int s) {
-  return 0.01f * static_cast<float>(static_cast<int>((p * 131 + i * 17 + s * 7) % 41) - 20);
-}
 
 // Kills this process at the n-th AllGather after Arm(n).
 class KillingCoordinator : public Coordinator {
@@ -118,17 +104,18 @@ int Run(int argc, char** argv) {
   MPI_Barrier(MPI_COMM_WORLD);
   auto store = CheckpointStore::Open(root, so);
   if (!store.ok()) return Fail(store.status(), rank);
-  auto buckets = optimizer::BuildBuckets(Model(), {.bucket_elems = 1000, .pad_to = 8}, dp);
+  auto buckets =
+      optimizer::BuildBuckets(testing::ToyModel(), {.bucket_elems = 1000, .pad_to = 8}, dp);
   if (!buckets.ok()) return Fail(buckets.status(), rank);
   optimizer::StagedAdamWOptions o;
-  o.params = Model();
-  o.groups = Groups();
+  o.params = testing::ToyModel();
+  o.groups = testing::ToyGroups();
   o.pieces = optimizer::RankPieces(*buckets, dp)[static_cast<size_t>(rank)];
   o.threads = 1;
   std::vector<uint16_t> weights;
   for (const optimizer::Piece& p : o.pieces)
     for (uint64_t i = 0; i < p.count; ++i)
-      weights.push_back(formats::FloatToBf16(Initial(p.param, p.begin + i)));
+      weights.push_back(formats::FloatToBf16(testing::ToyInitialValue(p.param, p.begin + i)));
   auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   if (!opt.ok()) return Fail(opt.status(), rank);
   auto ckpt = optimizer::Checkpointer::Create(
@@ -142,14 +129,13 @@ int Run(int argc, char** argv) {
                   static_cast<unsigned long long>(loaded->step), loaded->saved_world_size, dp);
   }
   for (int s = from; s < to; ++s) {
-    for (size_t g = 0; g < Groups().size(); ++g) {
-      ParamGroup group = Groups()[g];
-      group.lr *= (s + 1) / 4.0;
-      if (auto st = (*opt)->SetGroup(g, group); !st.ok()) return Fail(st, rank);
+    for (size_t g = 0; g < testing::ToyGroups().size(); ++g) {
+      if (auto st = (*opt)->SetGroup(g, testing::ToyGroupAt(g, s)); !st.ok()) return Fail(st, rank);
     }
     std::vector<float> grads;
     for (const optimizer::Piece& p : o.pieces)
-      for (uint64_t i = 0; i < p.count; ++i) grads.push_back(Gradient(p.param, p.begin + i, s));
+      for (uint64_t i = 0; i < p.count; ++i)
+        grads.push_back(testing::ToyGradient(p.param, p.begin + i, s));
     auto r = (*opt)->Step({grads.data(), DType::kF32, 1.0f, weights.data()});
     if (!r.ok()) return Fail(r.status(), rank);
   }
