@@ -5,6 +5,7 @@
 #include "ckpt/optimizer/checkpointer.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <thread>
@@ -293,6 +294,87 @@ TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
   ExpectAllOk(job.Load(5));
   EXPECT_EQ(job.rank(1).opt->lifecycle(), Lifecycle::kClean);
   job.Step(1);
+}
+
+// Every rank either loads, or ends exactly as before the load, or (when the rollback itself
+// failed) is poisoned; a poisoned job refuses to step and a later complete load clears it.
+// `arm` injects the k-th failure; returns whether any rank failed.
+bool LoadUnderFault(testing::FaultInjectionEnv& env, Job& job, uint64_t step,
+                    const std::function<void()>& arm, const std::string& before,
+                    const std::string& loaded) {
+  arm();
+  std::vector<absl::Status> st = job.Load(step);
+  env.Disarm();
+  bool failed = false, poisoned = false;
+  for (int r = 0; r < job.size(); ++r) {
+    failed |= !st[r].ok();
+    poisoned |= job.rank(r).opt->lifecycle() == Lifecycle::kPoisoned;
+    EXPECT_EQ(st[r].ok(), st[0].ok()) << "ranks disagree on the outcome";
+  }
+  if (!failed) {
+    EXPECT_EQ(job.Gather(), loaded);
+  } else if (!poisoned) {
+    EXPECT_EQ(job.Gather(), before) << "a failed load changed the state: " << st[0];
+  } else {
+    std::vector<float> grads(job.rank(0).opt->size());
+    EXPECT_THAT(
+        job.rank(0).opt->Step({grads.data(), DType::kF32, 1.0f, job.rank(0).weights.data()}),
+        StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  return failed;
+}
+
+TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
+  std::string loaded;
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    ExpectAllOk(job.Load(1));
+    loaded = job.Gather();
+  }
+  int failures = 0, poisonings = 0;
+  // 0: the k-th file open for reading fails with EIO (the step's files, the spill's); 1: the
+  // k-th mutating call (the spill's writes, syncs, renames); 2: a chunk of the step is damaged,
+  // so the apply fails on one rank, and the k-th open from then on fails, the rollback's too.
+  for (int kind = 0; kind < 3; ++kind) {
+    if (kind == 2) DamageChunk(1, 1);
+    for (int k = 0;; ++k) {
+      Job job(&env_, 2, 300);
+      job.Step(0);
+      job.Step(1);  // Dirty: the undo source is a spill.
+      const std::string before = job.Gather();
+      const bool failed = LoadUnderFault(
+          env_, job, 1,
+          [&] {
+            if (kind != 1) env_.FailReadOpens("", EIO, k);
+            if (kind == 1) env_.FailNth(static_cast<uint64_t>(k) + 1, EIO);
+          },
+          before, loaded);
+      const bool poisoned = job.rank(0).opt->lifecycle() == Lifecycle::kPoisoned ||
+                            job.rank(1).opt->lifecycle() == Lifecycle::kPoisoned;
+      failures += failed;
+      if (poisoned) {
+        ++poisonings;
+        env_.Disarm();
+        if (kind == 2) break;      // Step 1 is damaged now: nothing complete to load.
+        ExpectAllOk(job.Load(1));  // A complete load clears the poison.
+        EXPECT_EQ(job.Gather(), loaded);
+      }
+      // Kinds 0 and 1 end when the load gets through; kind 2 (which always fails) when the
+      // rollback got through.
+      if (!failed || (kind == 2 && !poisoned && k > 60)) break;
+      ASSERT_LT(k, 500) << "the load never got through";
+    }
+  }
+  std::printf("%d injected failures failed the load, %d of them poisoned\n", failures, poisonings);
+  EXPECT_GT(failures, 10);
+  EXPECT_GT(poisonings, 0) << "no failure reached the rollback";
+  // Whatever failed, the next primary Open removes the spills left behind.
+  StoreOptions so;
+  so.env = &env_;
+  ASSERT_THAT(CheckpointStore::Open(kRoot, so), IsOk());
+  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
 }  // namespace
