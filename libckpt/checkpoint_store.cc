@@ -121,10 +121,21 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     } else {
       staging = JoinPath(root_, internal::StagingDirName(step, internal::NewNonce()));
       s = env_->CreateDir(staging);
+      // Claimed in the same critical section as the check: two BeginSave calls cannot both pass.
+      save_in_flight_ = s.ok();
     }
     message = s.ok() ? absl::StrCat("ok ", staging) : absl::StrCat("err ", EncodeStatus(s));
   }
-  CKPT_ASSIGN_OR_RETURN(std::string outcome, coordinator->Broadcast(message, 0));
+  absl::StatusOr<std::string> broadcast = coordinator->Broadcast(message, 0);
+  if (!broadcast.ok()) {
+    if (coordinator->rank() == 0 && !staging.empty()) {
+      // Best effort: recovery removes the staging directory at the next Open.
+      RemoveRecursively(env_, staging).IgnoreError();
+      OnSaveEnded();
+    }
+    return broadcast.status();
+  }
+  const std::string outcome = *std::move(broadcast);
   absl::string_view view = outcome;
   if (!absl::ConsumePrefix(&view, "ok ")) {
     absl::Status refused =
@@ -133,10 +144,6 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
       return absl::InternalError(absl::StrCat("malformed begin message from rank 0: ", outcome));
     }
     return refused;
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    save_in_flight_ = true;
   }
   std::unique_ptr<SaveTransaction> txn(
       new SaveTransaction(this, coordinator, step, std::string(view), absl::OkStatus()));
@@ -194,6 +201,13 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const Rete
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
   if (policy.keep_last == 0) return std::vector<uint64_t>{};
+  // Entries above LATEST are not committed steps (recovery owns them): they neither count
+  // toward keep_last nor are deleted here.
+  if (latest.has_value()) {
+    steps.erase(std::upper_bound(steps.begin(), steps.end(), *latest), steps.end());
+  } else {
+    steps.clear();
+  }
   std::set<uint64_t> keep;
   for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
     keep.insert(steps[steps.size() - 1 - i]);

@@ -9,13 +9,15 @@
 // 3. On success the step becomes the free undo source while the state stays unchanged.
 //
 // Load (collective); a failure at any step ends it on every rank with the same error:
-// 1. Preflight, nothing touched: open the step, check names (missing and extra ones listed),
-//    dtypes, shapes, that its pieces cover every element this rank owns, and the layout record
-//    (groups, valid hyper-parameters). Vote.
+// 1. Preflight, nothing touched: rank 0 resolves LATEST and broadcasts it (one step for all);
+//    the CUDA engine's last copies are awaited; open the step, check names (missing and extra ones
+//    listed), dtypes, shapes, that its pieces cover every element this rank owns, and the layout
+//    record (groups, valid hyper-parameters). Vote.
 // 2. Fix the undo source: the step the state last equalled, if the optimizer's state_version()
-//    has not moved since (it costs nothing); otherwise spill the state into a private store
-//    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
-//    bounded by one chunk). Vote; a failure removes the spills, the state untouched.
+//    has not moved since and it is not the step being loaded (it costs nothing); otherwise spill
+//    the state into a private store <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written
+//    straight from the slabs: memory bounded by one chunk; a read-only handle refuses). Vote; a
+//    failure removes the spills, the state untouched.
 // 3. Apply: lifecycle kLoading; read every piece straight into the slabs and the weights
 //    (moments converted in bounded batches when the dtypes differ), then the groups.
 // 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source. Any failure:
@@ -32,10 +34,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
 #include "optimizer/engine.h"
@@ -221,10 +226,12 @@ absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
                         store_->BeginSave(step, coordinator_));
   absl::Status written = SaveInto(*txn, blobs);
-  // Commit even after a local failure: the vote must go round so the others abort too.
-  absl::Status committed = written.ok() ? txn->Commit() : txn->Abort();
-  if (!written.ok()) return written;
-  CKPT_RETURN_IF_ERROR(committed);
+  if (!written.ok()) {
+    // The vote must go round so the others abort too; this rank already fails with `written`.
+    txn->Abort().IgnoreError();
+    return written;
+  }
+  CKPT_RETURN_IF_ERROR(txn->Commit());
   // Step 3.
   clean_step_ = step;
   clean_version_ = optimizer_->state_version();
@@ -351,9 +358,12 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource() {
+absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(uint64_t target) {
   auto undo = std::make_unique<Undo>();
-  if (clean_step_.has_value() && clean_version_ == optimizer_->state_version()) {
+  // The step being loaded is no undo source for itself: a chunk that fails the apply would fail
+  // the restore too.
+  if (clean_step_.has_value() && *clean_step_ != target &&
+      clean_version_ == optimizer_->state_version()) {
     if (store_->OpenStep(*clean_step_).ok()) {
       undo->step = *clean_step_;
       return undo;
@@ -361,6 +371,12 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   }
   // A private single-rank store below the root: its chunks are checksummed and written from the
   // slabs as they are, so the spill holds no second copy of the state in memory.
+  if (store_->options().read_only) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(store_->root(),
+                     ": a load whose undo source must be spilled needs a writable store "
+                     "handle (the spill goes below the root)"));
+  }
   undo->spill_dir =
       JoinPath(store_->root(), absl::StrFormat(".undo-rank-%05d-%016x", coordinator_->rank(),
                                                absl::Uniform<uint64_t>(absl::BitGen())));
@@ -369,15 +385,30 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   options.read_only = false;
   options.retention = RetentionPolicy{};
   options.logger = nullptr;
+  // A spill that fails (ENOSPC, say) must not stay behind, possibly nearly a full copy.
+  absl::Cleanup remove = [&] { RemoveSpill(*undo); };
   CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, undo->spill_store->BeginSave(1));
   absl::Status written = SaveInto(*txn, {});
-  absl::Status committed = written.ok() ? txn->Commit() : txn->Abort();
-  CKPT_RETURN_IF_ERROR(written);
-  CKPT_RETURN_IF_ERROR(committed);
+  if (!written.ok()) {
+    // Already failing with `written`; the abort only ends this private transaction.
+    txn->Abort().IgnoreError();
+    return written;
+  }
+  CKPT_RETURN_IF_ERROR(txn->Commit());
   undo->step = 1;
   CKPT_RETURN_IF_ERROR(undo->spill_store->OpenStep(undo->step).status());
+  std::move(remove).Cancel();
   return undo;
+}
+
+void Checkpointer::RemoveSpill(Undo& undo) {
+  if (undo.spill_dir.empty()) return;
+  undo.spill_store.reset();  // Releases its LOCK before the tree goes.
+  // Best effort: recovery removes .undo-* at the next Open of the root.
+  RemoveRecursively(store_->env(), undo.spill_dir).IgnoreError();
+  store_->env()->SyncDir(store_->root()).IgnoreError();
+  undo.spill_dir.clear();
 }
 
 absl::Status Checkpointer::RestoreFrom(Undo& undo) {
@@ -387,29 +418,37 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo) {
 }
 
 absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
-  // Step 1. LATEST is read afresh: another handle may have committed since this one opened.
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = absl::NotFoundError("");
+  // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
+  // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
   if (!step.has_value()) {
-    absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(store_->env(), store_->root());
-    if (latest.ok() && !latest->has_value()) {
-      latest = absl::NotFoundError(absl::StrCat(store_->root(), ": no committed step to load"));
+    std::string named;
+    if (coordinator_->rank() == 0) {
+      absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(store_->env(), store_->root());
+      if (latest.ok() && !latest->has_value()) {
+        latest = absl::NotFoundError(absl::StrCat(store_->root(), ": no committed step to load"));
+      }
+      named = latest.ok() ? absl::StrCat("ok ", **latest) : EncodeStatus(latest.status());
     }
-    reader = latest.ok() ? store_->OpenStep(**latest) : latest.status();
-  } else {
-    reader = store_->OpenStep(*step);
+    CKPT_ASSIGN_OR_RETURN(named, coordinator_->Broadcast(named, 0));
+    uint64_t latest = 0;
+    absl::string_view view = named;
+    if (!absl::ConsumePrefix(&view, "ok ") || !absl::SimpleAtoi(view, &latest)) {
+      absl::Status why = DecodeStatus(named);
+      return why.ok() ? absl::InternalError("malformed LATEST from rank 0") : why;
+    }
+    step = latest;
   }
-  absl::Status checked = reader.ok() ? Preflight(**reader) : reader.status();
+  // The CUDA engine's last copies must have reached the slabs before they are spilled or
+  // overwritten.
+  absl::Status checked = optimizer_->Synchronize();
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = store_->OpenStep(*step);
+  if (checked.ok()) checked = reader.ok() ? Preflight(**reader) : reader.status();
   CKPT_RETURN_IF_ERROR(Vote(checked));
   // Step 2.
-  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource();
+  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(*step);
   absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
   auto remove_spill = [&] {
-    if (!undo.ok() || (*undo)->spill_dir.empty()) return;
-    const std::string dir = (*undo)->spill_dir;
-    (*undo)->spill_store.reset();  // Releases its LOCK before the tree goes.
-    // Best effort: recovery removes .undo-* at the next Open of the root.
-    RemoveRecursively(store_->env(), dir).IgnoreError();
-    store_->env()->SyncDir(store_->root()).IgnoreError();
+    if (undo.ok()) RemoveSpill(**undo);
   };
   absl::Status voted = Vote(fixed);
   if (!voted.ok()) {

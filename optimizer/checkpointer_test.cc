@@ -255,6 +255,18 @@ TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) 
   EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
+TEST_F(CheckpointerTest, ReloadingTheStepTheStateCameFromRollsBackFromASpill) {
+  Job job(&env_, 2, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));  // Clean at step 1: but step 1 cannot undo a failed load of itself.
+  DamageChunk(1, 1);
+  const std::string before = job.Gather();
+  ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(job.Gather(), before);
+  EXPECT_EQ(job.rank(0).opt->lifecycle(), Lifecycle::kClean) << "rolled back, not poisoned";
+  EXPECT_EQ(job.rank(1).opt->lifecycle(), Lifecycle::kClean);
+}
+
 TEST_F(CheckpointerTest, FailedApplyRollsBackFromASpillWhenTheStateMovedOn) {
   Job job(&env_, 2, 500);
   job.Step(0);

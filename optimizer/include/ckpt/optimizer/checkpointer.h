@@ -78,7 +78,8 @@ class Checkpointer {
                Coordinator* coordinator);
   absl::Status Preflight(const CheckpointReader& reader) const;
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
-  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource();
+  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(uint64_t target);
+  void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo);
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs);
   absl::Status Vote(const absl::Status& mine);

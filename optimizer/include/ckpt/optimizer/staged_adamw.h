@@ -148,7 +148,8 @@ class StagedAdamW {
   // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
   size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
   // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step
-  // starts from what was written. REQUIRES: no Step in flight (CUDA engine: Synchronize()
+  // starts from what was written. Each call bumps state_version(), so keep a view only for the
+  // write it was obtained for. REQUIRES: no Step in flight (CUDA engine: Synchronize()
   // returned since the last Step).
   std::span<float> mutable_master();
   std::span<std::byte> mutable_exp_avg_bytes();
