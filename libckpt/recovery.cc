@@ -19,7 +19,8 @@
 // 1. Take <root>/LOCK (never through a link): one primary recovers, saves or deletes at a time.
 // 2. Remove .staging-* and .deleting-* directories and LATEST.tmp: by the commit protocol a
 //    staging directory never reached its commit point and a deleting one was already decided.
-//    Only what is itself a directory (or, for LATEST.tmp, a file) is removed, never followed.
+//    Only what is itself a directory (or, for LATEST.tmp, a file) is removed, never followed;
+//    anything else under such a name is not ours and stays.
 //    SyncDir(root).
 // 3. Judge LATEST and the step it names.
 //    a. Both good: go to 5.
@@ -115,7 +116,14 @@ absl::Status CheckpointStore::RemoveGarbage() {
   for (const std::string& name : names) {
     if (!internal::IsGarbageName(name)) continue;
     const std::string path = JoinPath(root_, name);
-    // A link with a garbage name is unlinked by RemoveRecursively, never followed.
+    // Only the kind of entry ckpt makes under that name goes: a directory for staging, deleting
+    // and undo names, a file for LATEST.tmp. Anything else there is not ours and stays.
+    CKPT_ASSIGN_OR_RETURN(bool is_dir, env_->IsDirectory(path));
+    const bool tmp_file = name == absl::StrCat(internal::kLatestName, ".tmp");
+    if (is_dir == tmp_file) {
+      Log(absl::StrCat("recovery left ", path, ": not the kind of entry ckpt makes there"));
+      continue;
+    }
     CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, path));
     recovery_.removed.push_back(name);
     Log(absl::StrCat("recovery removed ", path));

@@ -208,6 +208,22 @@ TEST_F(RecoveryTest, AFileWithAStepNameNewerThanLatestIsQuarantinedNotDeleted) {
   EXPECT_EQ(Slurp(root_ + "/" + (*store)->recovery().quarantined[0]), "not ours");
 }
 
+TEST_F(RecoveryTest, GarbageNamesAreRemovedOnlyForTheKindOfEntryCkptMakes) {
+  SaveThreeSteps();
+  fs::create_directory(root_ + "/.staging-step-00000004-0123456789abcdef");
+  Spit(root_ + "/LATEST.tmp", "stale");
+  fs::create_directory(root_ + "/LATEST.tmp.d");  // Not a garbage name at all.
+  Spit(root_ + "/.deleting-step-00000001-0123456789abcdef", "a file, not ours");
+  fs::create_symlink(tmp_.path(), root_ + "/.undo-rank-00000-0123456789abcdef");
+  auto store = CheckpointStore::Open(root_, options_);
+  CKPT_ASSERT_OK(store);
+  EXPECT_FALSE(fs::exists(root_ + "/.staging-step-00000004-0123456789abcdef"));
+  EXPECT_FALSE(fs::exists(root_ + "/LATEST.tmp"));
+  EXPECT_EQ(Slurp(root_ + "/.deleting-step-00000001-0123456789abcdef"), "a file, not ours");
+  EXPECT_TRUE(fs::is_symlink(root_ + "/.undo-rank-00000-0123456789abcdef"));
+  EXPECT_TRUE(fs::exists(tmp_.path() + "/store/step-00000003/MANIFEST"));
+}
+
 TEST_F(RecoveryTest, ReadOnlyOpenChangesNothing) {
   SaveThreeSteps();
   fs::create_directory(root_ + "/.staging-step-00000004-0123456789abcdef");
