@@ -66,6 +66,14 @@ struct HfReshardArgs {
 };
 int RunHfReshard(const HfReshardArgs& args);
 
+struct BenchCkptArgs {
+  std::string dir;
+  uint64_t params = 0;
+  int ranks = 1;
+  bool json = false;
+};
+int RunBenchCkpt(const BenchCkptArgs& args);
+
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
   int threads = 0;                    // 0: every core.

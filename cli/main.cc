@@ -159,6 +159,18 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
 
+  BenchCkptArgs bench_ckpt;
+  CLI::App* ckpt_cmd = bench_cmd->add_subcommand(
+      "ckpt", "Save and load optimizer state through Checkpointer against O_DIRECT bounds");
+  ckpt_cmd->add_option("--dir", bench_ckpt.dir, "Directory to benchmark in (must exist)")
+      ->required();
+  ckpt_cmd->add_option("--params", bench_ckpt.params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  ckpt_cmd->add_option("--ranks", bench_ckpt.ranks, "Ranks, run as threads")
+      ->check(WholeNumber(1, 256));
+  ckpt_cmd->add_flag("--json", bench_ckpt.json, "Print one JSON object");
+
   HfReshardArgs reshard;
   CLI::App* reshard_cmd = app.add_subcommand("hf-reshard",
                                              "Rewrite a HuggingFace checkpoint as one file or as "
@@ -188,6 +200,7 @@ int main(int argc, char** argv) {
   if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
   if (reshard_cmd->parsed()) return RunHfReshard(reshard);
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
+  if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
   std::cerr << app.help();
   return kExitUsage;
 }

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
@@ -251,6 +252,34 @@ absl::StatusOr<IoFigures> RunIoBench(const IoBenchOptions& options) {
     RemoveRecursively(env, fig.root).IgnoreError();  // Best effort: only benchmark output.
   }
   return fig;
+}
+
+absl::StatusOr<double> RawWriteBoundGbps(Env* env, const std::string& dir, uint64_t bytes) {
+  IoBenchOptions options;
+  options.dir = dir;
+  options.bytes = bytes;
+  return MeasureRawWriteBound(env != nullptr ? env : Env::Default(), options);
+}
+
+absl::StatusOr<double> RawReadStepGbps(Env* env, const std::string& step_dir, int threads) {
+  if (env == nullptr) env = Env::Default();
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(step_dir));
+  std::vector<std::unique_ptr<RandomAccessFile>> files;
+  uint64_t bytes = 0;
+  for (const std::string& name : names) {
+    if (!absl::EndsWith(name, ".data")) continue;
+    CKPT_ASSIGN_OR_RETURN(auto file, env->NewRandomAccessFile(JoinPath(step_dir, name),
+                                                              FileOptions{.direct_io = true}));
+    bytes += file->size();
+    files.push_back(std::move(file));
+  }
+  Clock::time_point start = Clock::now();
+  // The files at once, as a load of every rank reads them; each cut on its 4 KiB-aligned span.
+  CKPT_RETURN_IF_ERROR(RunRanks(static_cast<int>(files.size()), [&](int i) {
+    const uint64_t size = files[static_cast<size_t>(i)]->size() / 4096 * 4096;
+    return RawReadOnGrid(*files[static_cast<size_t>(i)], 0, size, threads);
+  }));
+  return static_cast<double>(bytes) / Seconds(start) / 1e9;
 }
 
 absl::Status RawReadOnGrid(const RandomAccessFile& file, uint64_t lo, uint64_t hi, int threads) {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -194,6 +195,20 @@ TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
   EXPECT_EQ(rec["groups"][0]["step"], 1);
   Result human = RunTool("inspect " + Root());
   EXPECT_THAT(human.output, HasSubstr("optimizer: 2 parameters (1010 elements), moments BF16"));
+}
+
+TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {
+  Result r = RunTool("bench ckpt --dir " + tmp_.path() + " --params 300000 --ranks 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["state_bytes"].get<uint64_t>(), 300000u * 14);
+  for (const char* key : {"save_gbps", "write_bound_gbps", "load_gbps", "load_spill_gbps",
+                          "read_bound_gbps", "save_ratio", "load_ratio", "load_spill_ratio"}) {
+    EXPECT_GT(j[key].get<double>(), 0) << key;
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/ckpt-bench-optimizer"))
+      << "the benchmark's store is removed";
+  EXPECT_EQ(RunTool("bench ckpt --dir " + tmp_.path() + " --params 0").exit_code, 2);
 }
 
 TEST_F(CliTest, UsageErrorsExitTwo) {

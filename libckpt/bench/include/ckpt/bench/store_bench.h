@@ -66,6 +66,14 @@ struct IoFigures {
 // files are removed on success and when a later run starts.
 absl::StatusOr<IoFigures> RunIoBench(const IoBenchOptions& options);
 
+// The bounds of `bench ckpt`: the best sequential O_DIRECT write of `bytes` into the existing
+// directory `dir` (one and four streams; scratch files removed), and a raw O_DIRECT read of every
+// data file of the step directory `step_dir` at once (`threads` per file, on the readers' grid
+// and buffers), both in GB/s (1e9 bytes per second; the read counts the files' bytes). IO errors
+// as they come.
+absl::StatusOr<double> RawWriteBoundGbps(Env* env, const std::string& dir, uint64_t bytes);
+absl::StatusOr<double> RawReadStepGbps(Env* env, const std::string& step_dir, int threads);
+
 // The number of batches each round of RunSafetensorsBench reads (fewer when there are fewer
 // tensors).
 inline constexpr int kSafetensorsBatches = 8;

@@ -1,0 +1,55 @@
+// ckpt-tool bench ckpt: optimizer state saved and loaded through Checkpointer (load with the
+// free undo source and with the undo spill), each against the O_DIRECT bound measured in the
+// same run. The measuring is ckpt::bench::RunCkptBench (optimizer/bench); this file prints.
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/bench/ckpt_bench.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+
+int RunBenchCkpt(const BenchCkptArgs& args) {
+  absl::StatusOr<bool> is_dir = Env::Default()->IsDirectory(args.dir);
+  if (!is_dir.ok() || !*is_dir) {
+    return ReportError("bench ckpt", absl::NotFoundError(args.dir + ": not a directory"));
+  }
+  // Slabs (12 B), weights (2 B) and gradients (4 B) per parameter.
+  absl::Status fits =
+      CheckFitsInMemory(args.params > UINT64_MAX / 18 ? UINT64_MAX : args.params * 18,
+                        absl::StrCat("bench ckpt --params ", args.params));
+  if (!fits.ok()) return ReportError("bench ckpt", fits);
+  absl::StatusOr<bench::CkptFigures> f =
+      bench::RunCkptBench({.dir = args.dir, .params = args.params, .ranks = args.ranks});
+  if (!f.ok()) return ReportError("bench ckpt", f.status());
+  const double save_ratio = f->save_gbps / f->write_bound_gbps;
+  const double load_ratio = f->load_gbps / f->read_bound_gbps;
+  const double spill_ratio = f->load_spill_gbps / f->read_bound_gbps;
+  if (args.json) {
+    PrintJson({{"params", args.params},
+               {"ranks", args.ranks},
+               {"state_bytes", f->state_bytes},
+               {"save_gbps", f->save_gbps},
+               {"write_bound_gbps", f->write_bound_gbps},
+               {"save_ratio", save_ratio},
+               {"load_gbps", f->load_gbps},
+               {"load_spill_gbps", f->load_spill_gbps},
+               {"read_bound_gbps", f->read_bound_gbps},
+               {"load_ratio", load_ratio},
+               {"load_spill_ratio", spill_ratio}});
+    return kExitOk;
+  }
+  std::cout << absl::StrFormat(
+      "optimizer state %s (%d rank(s), 14 B/param)\n"
+      "save                  %6.2f GB/s   O_DIRECT write bound %6.2f GB/s   ratio %.2f\n"
+      "load (undo: a step)   %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n"
+      "load (undo: a spill)  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n",
+      FormatBytes(f->state_bytes), args.ranks, f->save_gbps, f->write_bound_gbps, save_ratio,
+      f->load_gbps, f->read_bound_gbps, load_ratio, f->load_spill_gbps, f->read_bound_gbps,
+      spill_ratio);
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli

@@ -1,0 +1,40 @@
+// What `ckpt-tool bench ckpt` measures: optimizer state saved and loaded through Checkpointer,
+// against the disk's bounds measured in the same run (DESIGN.md §8). Not installed: for
+// ckpt-tool only. Functions never print.
+#ifndef CKPT_OPTIMIZER_BENCH_CKPT_BENCH_H_
+#define CKPT_OPTIMIZER_BENCH_CKPT_BENCH_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::bench {
+
+// A plain value.
+struct CkptBenchOptions {
+  std::string dir;      // An existing directory; the store is dir/ckpt-bench-optimizer.
+  uint64_t params = 0;  // Parameters in all (BF16 weights, FP32 masters and moments).
+  int ranks = 1;        // Data-parallel ranks, run as threads.
+};
+
+// Each figure in GB/s of state (14 bytes per parameter: weights, master, two moments) and the
+// bound beside it. A plain value.
+struct CkptFigures {
+  uint64_t state_bytes = 0;
+  double save_gbps = 0;
+  double write_bound_gbps = 0;  // Best sequential O_DIRECT write of the same bytes.
+  double load_gbps = 0;         // Load whose undo source is a committed step (free).
+  double load_spill_gbps = 0;   // Load that first spills the state as its undo source.
+  double read_bound_gbps = 0;   // Raw O_DIRECT read of the loaded step's data files.
+};
+
+// Saves step 1 and step 2 through one Checkpointer per rank, loads step 1 (undo source: step 2,
+// free), steps once and loads step 1 again (undo source: a spill), and measures the bounds in
+// the same directory. kInvalidArgument for no parameters or ranks; errors of the optimizer and
+// the store as they come. The store is removed afterwards.
+absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options);
+
+}  // namespace ckpt::bench
+
+#endif  // CKPT_OPTIMIZER_BENCH_CKPT_BENCH_H_
