@@ -77,6 +77,21 @@ class VerifyTest : public ::testing::Test {
     EXPECT_GT(s->chunks_checked, 0u) << "step " << step;
   }
 
+  // Expects the store to be reported damaged through exactly one problem, in `step`, naming
+  // `file`, and the other step intact. Returns that problem (null when there is not exactly one).
+  static const VerifyProblem* ExpectOnlyProblem(const StoreVerifyReport& report, uint64_t step,
+                                                const std::string& file, uint64_t intact) {
+    EXPECT_FALSE(report.ok());
+    const StepVerifyReport* s = StepReport(report, step);
+    EXPECT_NE(s, nullptr) << "step " << step << " not checked";
+    if (s == nullptr) return nullptr;
+    EXPECT_THAT(s->problems, SizeIs(1));
+    if (s->problems.size() != 1) return nullptr;
+    EXPECT_EQ(s->problems[0].file, file);
+    ExpectIntact(report, intact);
+    return &s->problems[0];
+  }
+
   absl::StatusOr<formats::Manifest> ManifestOf(uint64_t step) {
     const std::string path = JoinPath(StepDir(step), "MANIFEST");
     CKPT_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(env_.get(), path, kMaxFileBytes));
@@ -122,14 +137,10 @@ TEST_F(VerifyTest, FlippedChunkByteIsReportedWithFileAndChunk) {
       Rewrite(path, [&](std::string* b) { b->at(offset + formats::kChunkHeaderBytes) ^= 0x01; }));
   auto report = VerifyAll();
   CKPT_ASSERT_OK(report);
-  EXPECT_FALSE(report->ok());
-  const StepVerifyReport* old_step = StepReport(*report, kOld);
-  ASSERT_NE(old_step, nullptr);
-  ASSERT_THAT(old_step->problems, SizeIs(1));
-  EXPECT_EQ(old_step->problems[0].file, path);
-  EXPECT_EQ(old_step->problems[0].chunk, std::optional<uint64_t>(1));
-  EXPECT_EQ(old_step->problems[0].offset, offset);
-  ExpectIntact(*report, kNew);
+  const VerifyProblem* problem = ExpectOnlyProblem(*report, kOld, path, kNew);
+  ASSERT_NE(problem, nullptr);
+  EXPECT_EQ(problem->chunk, std::optional<uint64_t>(1));
+  EXPECT_EQ(problem->offset, offset);
 }
 
 TEST_F(VerifyTest, UnexpectedFileInStepDirectoryIsReported) {
@@ -137,12 +148,7 @@ TEST_F(VerifyTest, UnexpectedFileInStepDirectoryIsReported) {
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), extra, "hello"));
   auto report = VerifyAll();
   CKPT_ASSERT_OK(report);
-  EXPECT_FALSE(report->ok());
-  const StepVerifyReport* old_step = StepReport(*report, kOld);
-  ASSERT_NE(old_step, nullptr);
-  ASSERT_THAT(old_step->problems, SizeIs(1));
-  EXPECT_EQ(old_step->problems[0].file, extra);
-  ExpectIntact(*report, kNew);
+  ExpectOnlyProblem(*report, kOld, extra, kNew);
 }
 
 TEST_F(VerifyTest, TruncatedDataFileIsReported) {
@@ -150,12 +156,7 @@ TEST_F(VerifyTest, TruncatedDataFileIsReported) {
   CKPT_ASSERT_OK(Rewrite(path, [](std::string* b) { b->pop_back(); }));
   auto report = VerifyAll();
   CKPT_ASSERT_OK(report);
-  EXPECT_FALSE(report->ok());
-  const StepVerifyReport* old_step = StepReport(*report, kOld);
-  ASSERT_NE(old_step, nullptr);
-  ASSERT_THAT(old_step->problems, SizeIs(1));
-  EXPECT_EQ(old_step->problems[0].file, path);
-  ExpectIntact(*report, kNew);
+  ExpectOnlyProblem(*report, kOld, path, kNew);
 }
 
 TEST_F(VerifyTest, DamagedLatestIsReported) {

@@ -4,6 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "tests/support/fault_injection_env.h"
@@ -27,6 +31,30 @@ class CrashTest : public ::testing::Test {
     options_.env = fault_.get();
     options_.chunk_bytes = 4096;  // Several chunks per piece.
   }
+  // From a fresh store holding step 1: crashes the save of step 2 after mutating call `k`,
+  // drops what was not durable (at each file's last Sync, or at a point chosen by `seed`),
+  // recovers, and returns the step LATEST then names after checking it is 1 or 2 and that a save
+  // that returned OK survived. `must_crash`: the save must not end before call k.
+  absl::StatusOr<uint64_t> CrashSecondSaveAfter(uint64_t k, std::optional<uint64_t> seed,
+                                                bool must_crash) {
+    Reset();
+    CKPT_RETURN_IF_ERROR(SaveSyntheticStep(kRoot, options_, 2, 1));
+    CKPT_RETURN_IF_ERROR(fault_->DropUnsyncedData());
+    fault_->CrashAfter(k);
+    absl::Status saved = SaveSyntheticStep(kRoot, options_, 2, 2);
+    if (must_crash && !fault_->crashed()) {
+      return absl::InternalError(absl::StrCat("the save ended before mutating call ", k));
+    }
+    CKPT_RETURN_IF_ERROR(fault_->DropUnsyncedData(seed));
+    CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> state, CheckStoreConsistent(kRoot, options_));
+    if (!state.has_value()) return absl::InternalError("no committed step after recovery");
+    EXPECT_TRUE(*state == 1 || *state == 2) << "LATEST names step " << *state;
+    if (saved.ok()) {
+      EXPECT_EQ(*state, 2u) << "a save that returned OK must survive";
+    }
+    return *state;
+  }
+
   std::unique_ptr<Env> mem_;
   std::unique_ptr<FaultInjectionEnv> fault_;
   StoreOptions options_;
@@ -43,20 +71,9 @@ TEST_F(CrashTest, TwoRankSaveIsAllOrNothingAtEveryCrashPoint) {
   int old_seen = 0, new_seen = 0;
   for (uint64_t k = 0; k <= n + 2; ++k) {
     SCOPED_TRACE(::testing::Message() << "crash after mutating call " << k << " of " << n);
-    Reset();
-    CKPT_ASSERT_OK(SaveSyntheticStep(kRoot, options_, 2, 1));
-    CKPT_ASSERT_OK(fault_->DropUnsyncedData());
-    fault_->CrashAfter(k);
-    absl::Status saved = SaveSyntheticStep(kRoot, options_, 2, 2);
-    CKPT_ASSERT_OK(fault_->DropUnsyncedData());
-    absl::StatusOr<std::optional<uint64_t>> state = CheckStoreConsistent(kRoot, options_);
+    absl::StatusOr<uint64_t> state = CrashSecondSaveAfter(k, std::nullopt, /*must_crash=*/false);
     CKPT_ASSERT_OK(state);
-    ASSERT_TRUE(state->has_value());
-    EXPECT_TRUE(**state == 1 || **state == 2) << "LATEST names step " << **state;
-    if (saved.ok()) {
-      EXPECT_EQ(**state, 2u) << "a save that returned OK must survive";
-    }
-    (**state == 1 ? old_seen : new_seen)++;
+    (*state == 1 ? old_seen : new_seen)++;
   }
   EXPECT_GT(old_seen, 0);
   EXPECT_GT(new_seen, 0);
@@ -77,21 +94,9 @@ TEST_F(CrashTest, RandomUnsyncedTailsNeverBreakTheStore) {
     const uint64_t k = seed * n / kSeeds;  // In [1, n]: every case crashes inside the save.
     SCOPED_TRACE(::testing::Message()
                  << "seed " << seed << ", crash after mutating call " << k << " of " << n);
-    Reset();
-    CKPT_ASSERT_OK(SaveSyntheticStep(kRoot, options_, 2, 1));
-    CKPT_ASSERT_OK(fault_->DropUnsyncedData());
-    fault_->CrashAfter(k);
-    absl::Status saved = SaveSyntheticStep(kRoot, options_, 2, 2);
-    ASSERT_TRUE(fault_->crashed()) << "the save ended before mutating call " << k;
-    CKPT_ASSERT_OK(fault_->DropUnsyncedData(seed));
-    absl::StatusOr<std::optional<uint64_t>> state = CheckStoreConsistent(kRoot, options_);
+    absl::StatusOr<uint64_t> state = CrashSecondSaveAfter(k, seed, /*must_crash=*/true);
     CKPT_ASSERT_OK(state);
-    ASSERT_TRUE(state->has_value());
-    EXPECT_TRUE(**state == 1 || **state == 2) << "LATEST names step " << **state;
-    if (saved.ok()) {
-      EXPECT_EQ(**state, 2u) << "a save that returned OK must survive";
-    }
-    (**state == 1 ? old_seen : new_seen)++;
+    (*state == 1 ? old_seen : new_seen)++;
   }
   EXPECT_GT(old_seen, 0);
   EXPECT_GT(new_seen, 0);
