@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/layout.h"
+#include "ckpt/verify.h"
 #include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/toy_model.h"
@@ -387,6 +388,80 @@ TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
   so.env = &env_;
   ASSERT_THAT(CheckpointStore::Open(kRoot, so), IsOk());
   EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+}
+
+
+// A rank may own no element at all (more ranks than elements, or a bucket that is all padding):
+// it takes part in every collective with empty slabs, saves and loads nothing of its own.
+TEST_F(CheckpointerTest, RanksOwningNothingSaveAndLoad) {
+  const std::vector<ParamSpec> tiny = {{"a", {3}, DType::kBF16, 0}, {"b", {2}, DType::kBF16, 1}};
+  std::string want;
+  {
+    Job job(&env_, 7, 5, tiny);
+    int empty = 0;
+    for (int r = 0; r < job.size(); ++r) empty += job.rank(r).opt->size() == 0;
+    ASSERT_GT(empty, 0) << "the layout gave every rank an element";
+    for (int s = 0; s < 2; ++s) job.Step(s);
+    ExpectAllOk(job.Save(2));
+    job.Step(2);
+    want = job.Gather();
+    job.Step(3);
+    ExpectAllOk(job.Load(2));  // Dirty: every rank spills, the empty ones an empty state.
+    job.Step(2);
+    EXPECT_EQ(job.Gather(), want);
+  }
+  for (int dp : {1, 4}) {
+    Job job(&env_, dp, 2, tiny);
+    ExpectAllOk(job.Load(2));
+    job.Step(2);
+    EXPECT_EQ(job.Gather(), want) << "loaded at DP " << dp;
+  }
+}
+
+// The process dies (the Env crashes: every later call fails, unsynced data is lost) at every
+// mutating call of a dirty 2-rank load in turn. Reopened, the store holds the step it held
+// before, which verifies and loads in a fresh job at another DP size, and no spill survives.
+TEST_F(CheckpointerTest, ACrashAtEveryCallOfALoadLeavesTheStoreLoadable) {
+  std::string loaded;
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    ExpectAllOk(job.Load(1));
+    loaded = job.Gather();
+  }
+  int crashes = 0;
+  for (uint64_t k = 0;; ++k) {
+    bool crashed = false;
+    {
+      Job job(&env_, 2, 300);
+      job.Step(0);
+      job.Step(1);  // Dirty: the undo source is a spill, written (and crashed) below the root.
+      env_.CrashAfter(k);
+      std::vector<absl::Status> st = job.Load(1);
+      crashed = env_.crashed();
+      if (!crashed) ExpectAllOk(st);
+    }  // The dead process's handles go; what they still try fails against the crashed Env.
+    ASSERT_THAT(env_.DropUnsyncedData(k), IsOk());
+    if (!crashed) break;
+    ++crashes;
+    {
+      Job job(&env_, 3, 400);  // Its primary Open recovers the root.
+      EXPECT_THAT(RootEntries(),
+                  ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))))
+          << "crash after call " << k;
+      auto report = VerifyStore(&env_, kRoot, std::nullopt, /*all=*/true);
+      ASSERT_THAT(report, IsOk());
+      EXPECT_TRUE(report->problems.empty()) << "crash after call " << k;
+      ASSERT_EQ(report->steps.size(), 1u);
+      EXPECT_TRUE(report->steps[0].problems.empty()) << "crash after call " << k;
+      ExpectAllOk(job.Load(std::nullopt));
+      EXPECT_EQ(job.Gather(), loaded) << "crash after call " << k;
+    }
+    ASSERT_LT(k, 500u) << "the load never got through";
+  }
+  std::printf("%d crashes inside the load, each recovered\n", crashes);
+  EXPECT_GT(crashes, 5);
 }
 
 }  // namespace
