@@ -463,7 +463,10 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
   // Step 4.
   voted = Vote(applied);
   LoadReport report{(*reader)->manifest().step, (*reader)->manifest().world_size,
-                    !(*undo)->spill_dir.empty()};
+                    !(*undo)->spill_dir.empty(), DType::kF32};
+  absl::StatusOr<const formats::TensorInfo*> moments =
+      (*reader)->FindTensor(kStatePrefixes[1] + optimizer_->options().params[0].name);
+  if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   if (voted.ok()) {
     optimizer_->lifecycle_ = Lifecycle::kClean;
     optimizer_->poison_reason_.clear();

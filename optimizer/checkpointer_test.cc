@@ -4,7 +4,9 @@
 // lives in a MemEnv behind a FaultInjectionEnv.
 #include "ckpt/optimizer/checkpointer.h"
 
+#include <array>
 #include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -47,7 +49,8 @@ struct Rank {
 // A data-parallel job of `dp` ranks over one store.
 class Job {
  public:
-  Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = ToyModel())
+  Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = ToyModel(),
+      MomentDType moments = MomentDType::kF32)
       : group_(dp), params_(std::move(params)) {
     StoreOptions so;
     so.env = env;
@@ -67,6 +70,7 @@ class Job {
       o.groups = ToyGroups();
       o.pieces = pieces[r];
       o.threads = 1;
+      o.moment_dtype = moments;
       Rank rank;
       for (const Piece& p : o.pieces)
         for (uint64_t i = 0; i < p.count; ++i)
@@ -118,6 +122,33 @@ class Job {
   }
   std::vector<absl::Status> Load(std::optional<uint64_t> step) {
     return OnEveryRank([&](int r) { return ranks_[r].ckpt->Load(step).status(); });
+  }
+
+  // Every element's (master, exp_avg, exp_avg_sq) as floats, by (param, flat index), whatever
+  // the layout and the moments' slab dtype.
+  std::map<std::pair<uint32_t, uint64_t>, std::array<float, 3>> StateAsFloats() {
+    std::map<std::pair<uint32_t, uint64_t>, std::array<float, 3>> out;
+    for (Rank& rank : ranks_) {
+      const StagedAdamW& opt = *rank.opt;
+      auto moment = [&](std::span<const std::byte> bytes, uint64_t at) {
+        if (opt.moment_bytes() == 4) {
+          float f;
+          std::memcpy(&f, bytes.data() + 4 * at, 4);
+          return f;
+        }
+        uint16_t h;
+        std::memcpy(&h, bytes.data() + 2 * at, 2);
+        return formats::Bf16ToFloat(h);
+      };
+      uint64_t at = 0;
+      for (const Piece& p : opt.options().pieces) {
+        for (uint64_t i = 0; i < p.count; ++i, ++at) {
+          out[{p.param, p.begin + i}] = {opt.master()[at], moment(opt.exp_avg_bytes(), at),
+                                         moment(opt.exp_avg_sq_bytes(), at)};
+        }
+      }
+    }
+    return out;
   }
 
   // The whole state by (param, flat index), whatever the layout: weights, masters, moments,
@@ -390,6 +421,54 @@ TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
   EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
+
+// FP32 moments load into BF16-moment mode rounded to nearest even; BF16 moments load into FP32
+// mode widened exactly; the masters are FP32 in both and load bit for bit.
+TEST_F(CheckpointerTest, MomentsConvertBetweenF32AndBf16OnLoad) {
+  std::map<std::pair<uint32_t, uint64_t>, std::array<float, 3>> f32_state, bf16_state;
+  {
+    Job job(&env_, 2, 500);
+    for (int s = 0; s < 3; ++s) job.Step(s);
+    ExpectAllOk(job.Save(3));
+    f32_state = job.StateAsFloats();
+  }
+  {
+    Job job(&env_, 3, 300, ToyModel(), MomentDType::kBF16);
+    std::vector<LoadReport> reports(3);
+    ExpectAllOk(job.OnEveryRank([&](int r) {
+      absl::StatusOr<LoadReport> report = job.rank(r).ckpt->Load(3);
+      if (report.ok()) reports[r] = *report;
+      return report.status();
+    }));
+    EXPECT_EQ(reports[0].saved_moment_dtype, DType::kF32);
+    bf16_state = job.StateAsFloats();
+    ASSERT_EQ(bf16_state.size(), f32_state.size());
+    int nonzero = 0;
+    for (const auto& [key, want] : f32_state) {
+      const std::array<float, 3>& got = bf16_state[key];
+      EXPECT_EQ(got[0], want[0]) << "master of " << key.first << "/" << key.second;
+      for (int m = 1; m < 3; ++m) {
+        EXPECT_EQ(got[m], formats::Bf16ToFloat(formats::FloatToBf16(want[m])))
+            << "moment " << m << " of " << key.first << "/" << key.second;
+        nonzero += want[m] != formats::Bf16ToFloat(formats::FloatToBf16(want[m]));
+      }
+    }
+    EXPECT_GT(nonzero, 100) << "the rounding was never visible: a weak test";
+    job.Step(3);
+    ExpectAllOk(job.Save(4));
+    bf16_state = job.StateAsFloats();
+  }
+  Job job(&env_, 1, 5000);
+  std::vector<absl::Status> st = job.OnEveryRank([&](int r) {
+    absl::StatusOr<LoadReport> report = job.rank(r).ckpt->Load(4);
+    if (report.ok()) {
+      EXPECT_EQ(report->saved_moment_dtype, DType::kBF16);
+    }
+    return report.status();
+  });
+  ExpectAllOk(st);
+  EXPECT_TRUE(job.StateAsFloats() == bf16_state) << "BF16 moments did not widen exactly";
+}
 
 // A rank may own no element at all (more ranks than elements, or a bucket that is all padding):
 // it takes part in every collective with empty slabs, saves and loads nothing of its own.

@@ -29,6 +29,9 @@ struct LoadReport {
   uint64_t step = 0;              // The step loaded.
   uint32_t saved_world_size = 0;  // Ranks that saved it (any number loads into any other).
   bool undo_spilled = false;      // The undo source was a spill of the state (not a checkpoint).
+  // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
+  // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
+  formats::DType saved_moment_dtype = formats::DType::kF32;
 };
 
 // One per rank. On-disk layout of a step (tensor names are the parameters' names):
