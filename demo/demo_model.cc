@@ -3,10 +3,15 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
+#include <numbers>
 #include <span>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/formats/float_convert.h"
 
@@ -30,12 +35,6 @@ float Unit(uint64_t a, uint64_t b, uint64_t c) {
   return static_cast<float>(x >> 40) / static_cast<float>(1ull << 23) - 1.0f;
 }
 
-const char* const kStates[3] = {"master", "exp_avg", "exp_avg_sq"};
-
-std::string StateName(const char* state, const std::string& param) {
-  return absl::StrCat("optimizer.", state, ".", param);
-}
-
 // Where each piece starts in the rank's slabs.
 std::vector<uint64_t> SlabOffsets(const std::vector<Piece>& pieces) {
   std::vector<uint64_t> offsets;
@@ -53,21 +52,9 @@ uint64_t Total(const std::vector<Piece>& pieces) {
   return n;
 }
 
-// The dtype of each of kStates in the slabs and in the checkpoint.
-std::array<DType, 3> StateDTypes(MomentDType moments) {
-  const DType m = moments == MomentDType::kF32 ? DType::kF32 : DType::kBF16;
-  return {DType::kF32, m, m};
-}
-
-// The slabs of `opt` as bytes, in kStates order (moments in their slab dtype, FP32 or BF16).
+// The slabs of `opt` as bytes: master, exp_avg, exp_avg_sq (moments in their slab dtype).
 std::array<std::span<const std::byte>, 3> SlabBytes(const optimizer::StagedAdamW& opt) {
   return {std::as_bytes(opt.master()), opt.exp_avg_bytes(), opt.exp_avg_sq_bytes()};
-}
-
-// The same memory, writable, to load a checkpoint into.
-std::array<std::span<std::byte>, 3> MutableSlabBytes(optimizer::StagedAdamW& opt) {
-  return {std::as_writable_bytes(opt.mutable_master()), opt.mutable_exp_avg_bytes(),
-          opt.mutable_exp_avg_sq_bytes()};
 }
 
 void AppendBytes(std::string* out, std::span<const std::byte> bytes) {
@@ -75,6 +62,35 @@ void AppendBytes(std::string* out, std::span<const std::byte> bytes) {
 }
 
 }  // namespace
+
+double LrSchedule::At(int step) const {
+  if (step <= warmup) return peak * step / std::max(1, warmup);
+  const double progress =
+      std::min(1.0, static_cast<double>(step - warmup) / std::max(1, total - warmup));
+  return min + (peak - min) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+std::string LrSchedule::Describe() const {
+  return absl::StrFormat("linear warmup over %d steps to %.1e, cosine to %.1e at step %d", warmup,
+                         peak, min, total);
+}
+
+std::string LrSchedule::Encode() const {
+  return absl::StrFormat("warmup %d total %d peak %.17g min %.17g", warmup, total, peak, min);
+}
+
+absl::StatusOr<LrSchedule> LrSchedule::Decode(absl::string_view text) {
+  const std::vector<absl::string_view> f = absl::StrSplit(text, ' ');
+  LrSchedule s;
+  if (f.size() != 8 || f[0] != "warmup" || f[2] != "total" || f[4] != "peak" || f[6] != "min" ||
+      !absl::SimpleAtoi(f[1], &s.warmup) || !absl::SimpleAtoi(f[3], &s.total) ||
+      !absl::SimpleAtod(f[5], &s.peak) || !absl::SimpleAtod(f[7], &s.min) || s.warmup < 0 ||
+      s.total < s.warmup || !(s.peak >= s.min) || !(s.min >= 0)) {
+    return absl::DataLossError(absl::StrCat("blob ", kScheduleBlob, " holds \"", text,
+                                            "\", not a learning-rate schedule"));
+  }
+  return s;
+}
 
 absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ranks,
                                             optimizer::EngineKind engine, MomentDType moments) {
@@ -99,6 +115,8 @@ absl::StatusOr<DemoModel> DemoModel::FromHf(const HfCheckpointReader& hf, int ra
   m.pieces_ = optimizer::RankPieces(b, ranks);
   return m;
 }
+
+uint64_t DemoModel::elements_of(int rank) const { return Total(pieces_[rank]); }
 
 float DemoModel::Target(uint32_t param, uint64_t index) const {
   const float u = Unit(param, index, 0xbeef);
@@ -150,16 +168,17 @@ absl::Status DemoModel::ExportHf(const std::vector<std::unique_ptr<DemoRank>>& r
 
 absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& model, int rank,
                                                            std::vector<uint16_t> weights,
-                                                           uint64_t step) {
+                                                           CheckpointStore* store,
+                                                           Coordinator* coordinator) {
   std::unique_ptr<DemoRank> r(new DemoRank);
   r->pieces_ = model.pieces(rank);
   r->weights_ = std::move(weights);
   r->grads_.resize(r->weights_.size());
-  if (r->pieces_.empty()) return r;  // Owns only padding: nothing to optimize.
+  // A rank that owns only padding still has an (empty) optimizer: it takes part in every
+  // collective of a save or a load.
   optimizer::StagedAdamWOptions o;
   o.params = model.params();
   o.groups = model.groups();
-  for (optimizer::ParamGroup& g : o.groups) g.step = step;
   o.pieces = r->pieces_;
   o.engine = model.engine();
   o.moment_dtype = model.moments();
@@ -168,47 +187,24 @@ absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& mode
   o.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / model.ranks());
   CKPT_ASSIGN_OR_RETURN(r->opt_,
                         optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(r->weights_))));
-  if (model.engine() == optimizer::EngineKind::kCuda) {
+  if (store != nullptr) {
+    CKPT_ASSIGN_OR_RETURN(r->ckpt_,
+                          optimizer::Checkpointer::Create(
+                              r->opt_.get(), std::as_writable_bytes(std::span(r->weights_)),
+                              store, coordinator));
+  }
+  if (model.engine() == optimizer::EngineKind::kCuda && !r->weights_.empty()) {
     CKPT_ASSIGN_OR_RETURN(r->device_, NewDeviceStep(r->weights_.size()));
   }
   return r;
 }
 
-absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Load(const DemoModel& model, int rank,
-                                                         const CheckpointReader& ckpt,
-                                                         uint64_t step) {
-  const std::vector<Piece>& pieces = model.pieces(rank);
-  const std::vector<uint64_t> offsets = SlabOffsets(pieces);
-  std::vector<uint16_t> weights(Total(pieces));
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    const Piece& p = pieces[k];
-    CKPT_RETURN_IF_ERROR(
-        ckpt.ReadRange(model.params()[p.param].name, p.begin, p.count,
-                       std::as_writable_bytes(std::span(weights).subspan(offsets[k], p.count))));
+absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step, double lr) {
+  for (size_t g = 0; g < opt_->groups().size(); ++g) {
+    optimizer::ParamGroup group = opt_->groups()[g];
+    group.lr = lr;
+    CKPT_RETURN_IF_ERROR(opt_->SetGroup(g, group));
   }
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<DemoRank> r, Create(model, rank, std::move(weights), step));
-  if (r->opt_ == nullptr) return r;
-  const std::array<std::span<std::byte>, 3> slabs = MutableSlabBytes(*r->opt_);
-  const std::array<DType, 3> dtypes = StateDTypes(model.moments());
-  for (int s = 0; s < 3; ++s) {
-    const size_t size = formats::DTypeSize(dtypes[s]);
-    for (size_t k = 0; k < pieces.size(); ++k) {
-      const Piece& p = pieces[k];
-      const std::string name = StateName(kStates[s], model.params()[p.param].name);
-      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, ckpt.FindTensor(name));
-      if (info->dtype != dtypes[s]) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(name, " was saved as ", formats::DTypeName(info->dtype),
-                         ", this run keeps ", formats::DTypeName(dtypes[s]), " (--moments)"));
-      }
-      CKPT_RETURN_IF_ERROR(ckpt.ReadRange(name, p.begin, p.count,
-                                          slabs[s].subspan(offsets[k] * size, p.count * size)));
-    }
-  }
-  return r;
-}
-
-absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
   double loss = 0;
   size_t at = 0;
   for (const Piece& p : pieces_) {
@@ -219,7 +215,6 @@ absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
       loss += 0.5 * static_cast<double>(d) * d;
     }
   }
-  if (opt_ == nullptr) return loss;
   optimizer::StepReport report;
   if (device_ != nullptr) {
     CKPT_ASSIGN_OR_RETURN(report, device_->Step(*opt_, grads_, weights_));
@@ -235,41 +230,21 @@ absl::StatusOr<double> DemoRank::Step(const DemoModel& model, int step) {
   return loss;
 }
 
-absl::Status DemoRank::Save(const DemoModel& model, SaveTransaction* txn, bool half) const {
-  const std::array<DType, 3> dtypes = StateDTypes(model.moments());
-  for (const ParamSpec& p : model.params()) {
-    CKPT_RETURN_IF_ERROR(txn->DeclareTensor({p.name, DType::kBF16, p.shape}));
-    for (int s = 0; s < 3; ++s)
-      CKPT_RETURN_IF_ERROR(txn->DeclareTensor({StateName(kStates[s], p.name), dtypes[s], p.shape}));
-  }
-  const std::vector<uint64_t> offsets = SlabOffsets(pieces_);
-  const size_t write = half ? (pieces_.size() + 1) / 2 : pieces_.size();
-  for (size_t k = 0; k < write; ++k) {
-    const Piece& p = pieces_[k];
-    const std::string& name = model.params()[p.param].name;
-    CKPT_RETURN_IF_ERROR(txn->WritePiece(
-        name, p.begin, p.count, std::as_bytes(std::span(weights_).subspan(offsets[k], p.count))));
-    const std::array<std::span<const std::byte>, 3> slabs = SlabBytes(*opt_);
-    for (int s = 0; s < 3; ++s) {
-      const size_t size = formats::DTypeSize(dtypes[s]);
-      CKPT_RETURN_IF_ERROR(txn->WritePiece(StateName(kStates[s], name), p.begin, p.count,
-                                           slabs[s].subspan(offsets[k] * size, p.count * size)));
-    }
-  }
-  return absl::OkStatus();
+absl::Status DemoRank::Save(uint64_t step, const optimizer::Blobs& blobs) {
+  if (ckpt_ == nullptr) return absl::FailedPreconditionError("this rank has no store to save to");
+  return ckpt_->Save(step, blobs);
+}
+
+absl::StatusOr<optimizer::LoadReport> DemoRank::Load(optimizer::Blobs* blobs) {
+  if (ckpt_ == nullptr) return absl::FailedPreconditionError("this rank has no store to load from");
+  return ckpt_->Load(std::nullopt, blobs);
 }
 
 void DemoRank::AppendState(std::string* out) const {
   PutFixed64(out, weights_.size());
-  PutFixed32(out, opt_ == nullptr ? 0 : static_cast<uint32_t>(opt_->moment_bytes()));
-  if (opt_ != nullptr) {
-    for (std::span<const std::byte> slab : SlabBytes(*opt_)) AppendBytes(out, slab);
-  }
+  PutFixed32(out, static_cast<uint32_t>(opt_->moment_bytes()));
+  for (std::span<const std::byte> slab : SlabBytes(*opt_)) AppendBytes(out, slab);
   AppendBytes(out, std::as_bytes(std::span(weights_)));
-  if (opt_ == nullptr) {
-    PutFixed32(out, 0);
-    return;
-  }
   PutFixed32(out, static_cast<uint32_t>(opt_->groups().size()));
   for (const optimizer::ParamGroup& g : opt_->groups()) {
     PutFixed64(out, g.step);

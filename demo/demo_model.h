@@ -1,11 +1,12 @@
 // The demo trainer's model and ranks (demo/demo_trainer.cc): a HuggingFace model's floating
 // tensors as BF16 parameters of StagedAdamW, cut over data-parallel ranks as Megatron's
-// distributed optimizer does, a synthetic loss, and the checkpoint layout of one rank's state.
+// distributed optimizer does, a synthetic loss, a learning-rate schedule, and each rank's
+// Checkpointer (optimizer/checkpointer.h: the checkpoint's layout is its).
 //
-// Checkpoint layout (one step): the BF16 weights under each parameter's HF name, and
-// "optimizer.master.<name>" (FP32), "optimizer.exp_avg.<name>", "optimizer.exp_avg_sq.<name>"
-// (FP32, or BF16 with BF16 moments), all of the parameter's global shape; every rank writes only
-// its pieces, straight from its slabs. Rank 0 stores the step in the blob kStepBlob.
+// Trainer blobs saved with every step (Checkpointer blobs, "trainer.<key>" in the store):
+//   lr_schedule   LrSchedule::Encode(): "warmup W total T peak P min M" (doubles as %.17g)
+//   position      "next_step N": the step the run continues with (gradient noise is drawn by
+//                 step number, so this is the data position)
 //
 // State dump (ckpt-demo-trainer --dump-state FILE, DumpState): every rank's whole state at the
 // end of a run, so that two runs can be compared byte for byte. Integers and floats are
@@ -13,13 +14,12 @@
 //   "ckpt-demo-state 1\n"                     the magic, kStateDumpMagic
 //   u32 ranks
 //   per rank, in rank order:
-//     u64 n                                    elements this rank owns
-//     u32 b                                    bytes per moment: 4 (FP32), 2 (BF16), 0 when the
-//                                              rank owns nothing (n is 0 then)
+//     u64 n                                    elements this rank owns (0 for a rank that owns
+//                                              only padding)
+//     u32 b                                    bytes per moment: 4 (FP32), 2 (BF16)
 //     n*4 bytes master, n*b exp_avg, n*b exp_avg_sq   the optimizer's slabs
 //     n*2 bytes                                the BF16 model weights
-//     u32 groups; per group: u64 step, f64 lr, beta1, beta2, eps, weight_decay (0 groups when
-//                                              the rank owns nothing)
+//     u32 groups; per group: u64 step, f64 lr, beta1, beta2, eps, weight_decay
 #ifndef CKPT_DEMO_DEMO_MODEL_H_
 #define CKPT_DEMO_DEMO_MODEL_H_
 
@@ -30,18 +30,36 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/checkpoint_reader.h"
-#include "ckpt/checkpoint_writer.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
 #include "ckpt/hf_checkpoint.h"
+#include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "demo/device_step.h"
 
 namespace ckpt::demo {
 
-inline constexpr const char* kStepBlob = "trainer.step";
 inline constexpr std::string_view kStateDumpMagic = "ckpt-demo-state 1\n";
+inline constexpr const char* kScheduleBlob = "lr_schedule";
+inline constexpr const char* kPositionBlob = "position";
+
+// Linear warmup to `peak` over steps 1..warmup, then a cosine from `peak` down to `min` at step
+// `total`, flat at `min` after it (steps count from 1).
+struct LrSchedule {
+  int warmup = 2;
+  int total = 12;
+  double peak = 3e-3;
+  double min = 3e-4;
+
+  double At(int step) const;
+  std::string Describe() const;  // For people: "warmup 2 steps to 3.0e-03, cosine to ...".
+  std::string Encode() const;
+  // kDataLoss naming the text when it is not what Encode() writes.
+  static absl::StatusOr<LrSchedule> Decode(absl::string_view text);
+};
 
 class DemoRank;
 
@@ -59,6 +77,7 @@ class DemoModel {
   const std::vector<optimizer::ParamGroup>& groups() const { return groups_; }
   const std::vector<optimizer::Piece>& pieces(int rank) const { return pieces_[rank]; }
   uint64_t elements() const { return elements_; }
+  uint64_t elements_of(int rank) const;  // What rank `rank`'s pieces hold.
   int ranks() const { return static_cast<int>(pieces_.size()); }
   optimizer::EngineKind engine() const { return engine_; }
   optimizer::MomentDType moments() const { return moments_; }
@@ -82,27 +101,28 @@ class DemoModel {
   optimizer::MomentDType moments_ = optimizer::MomentDType::kF32;
 };
 
-// One rank: its StagedAdamW, its BF16 weights and gradient buffer. Not thread-safe; each rank
-// is driven by one thread.
+// One rank: its StagedAdamW, BF16 weights, gradient buffer and Checkpointer. Not thread-safe;
+// each rank is driven by one thread.
 class DemoRank {
  public:
-  // Masters from `weights` (this rank's elements in slab order); every group has taken `step`
-  // steps.
+  // Masters from `weights` (this rank's elements in slab order, empty for a rank that owns
+  // nothing); its Checkpointer saves to and loads from `store` in the job `coordinator` joins
+  // (no Checkpointer when `store` is null). Both must outlive the rank.
   static absl::StatusOr<std::unique_ptr<DemoRank>> Create(const DemoModel& model, int rank,
                                                           std::vector<uint16_t> weights,
-                                                          uint64_t step);
-  // Weights, masters and moments of this rank's pieces from a committed step.
-  // kFailedPrecondition when the step holds moments of another dtype than model.moments().
-  static absl::StatusOr<std::unique_ptr<DemoRank>> Load(const DemoModel& model, int rank,
-                                                        const CheckpointReader& ckpt,
-                                                        uint64_t step);
+                                                          CheckpointStore* store,
+                                                          Coordinator* coordinator);
 
-  // Computes the gradient of the loss at the current BF16 weights (plus noise fixed by `step`)
-  // and takes one optimizer step. Returns this rank's part of the loss before the step.
-  absl::StatusOr<double> Step(const DemoModel& model, int step);
-  // Declares every tensor and writes this rank's pieces (with `half`, only the first half of
-  // them, for the crash).
-  absl::Status Save(const DemoModel& model, SaveTransaction* txn, bool half) const;
+  // Sets every group's learning rate to `lr`, computes the gradient of the loss at the current
+  // BF16 weights (plus noise fixed by `step`) and takes one optimizer step. Returns this rank's
+  // part of the loss before the step.
+  absl::StatusOr<double> Step(const DemoModel& model, int step, double lr);
+  // Collective: the state as checkpoint `step`, with the trainer's blobs (optimizer/checkpointer.h).
+  // kFailedPrecondition for a rank created without a store.
+  absl::Status Save(uint64_t step, const optimizer::Blobs& blobs);
+  // Collective: LATEST into this rank's state, whatever the layout that saved it.
+  // kFailedPrecondition for a rank created without a store.
+  absl::StatusOr<optimizer::LoadReport> Load(optimizer::Blobs* blobs);
 
   // Appends this rank's part of the state dump (see the top of this file).
   void AppendState(std::string* out) const;
@@ -115,10 +135,11 @@ class DemoRank {
  private:
   DemoRank() = default;
   std::vector<optimizer::Piece> pieces_;
-  std::vector<uint16_t> weights_;
+  std::vector<uint16_t> weights_;  // Never resized: the Checkpointer keeps a view of it.
   std::vector<float> grads_;
-  std::unique_ptr<optimizer::StagedAdamW> opt_;  // Null when the rank owns no piece.
-  std::unique_ptr<DeviceStep> device_;           // CUDA engine only.
+  std::unique_ptr<optimizer::StagedAdamW> opt_;
+  std::unique_ptr<optimizer::Checkpointer> ckpt_;
+  std::unique_ptr<DeviceStep> device_;  // CUDA engine only.
 };
 
 // The state dump of a whole job (see the top of this file).

@@ -2,21 +2,27 @@
 //
 //  1. Reads a HuggingFace model (--model, or a small Llama-shaped one it writes first) by element
 //     range into each data-parallel rank's StagedAdamW: Megatron-style buckets cut over --ranks
-//     ranks, each rank a thread with its own store handle, coordinated as a job would be.
+//     ranks, each rank a thread with its own store handle and Checkpointer, coordinated as a job
+//     would be.
 //  2. Trains toward a fixed target: loss = mean of (w - target)^2 / 2, the gradient computed from
-//     the BF16 weights as a backward pass would, plus deterministic noise. Prints the loss.
-//  3. Every --save-every steps saves the BF16 weights, masters and both moments as one
-//     transaction, each rank writing its own pieces straight from the optimizer's slabs.
-//  4. With --crash-at S it begins the save of step S, writes half of every rank's pieces and
-//     kills itself with SIGKILL. Run again with --resume: opening the store recovers it (the
-//     half-written save is removed), every rank reads its state back from LATEST and training
-//     continues. The final state must equal, bit for bit, that of a run that never crashed
-//     (computed in the same process from the initial model); the weights are then exported as
-//     safetensors that transformers loads.
+//     the BF16 weights as a backward pass would, plus deterministic noise. The learning rate
+//     follows a schedule (linear warmup, then cosine decay to --steps). Prints loss and lr.
+//  3. Every --save-every steps saves through the ranks' Checkpointers, one transaction: BF16
+//     weights, masters, both moments, hyper-parameters and step counters, straight from the
+//     slabs, and the trainer's blobs (the schedule and the data position).
+//  4. With --crash-at S the save of step S is killed with SIGKILL at its commit vote, once the
+//     ranks have written their files. Run again with --resume: opening the store recovers it
+//     (the unfinished save is removed), the ranks load LATEST (at any --ranks: the checkpoint
+//     holds flat index ranges), the schedule comes back from its blob and training continues.
+//     The final state must equal, bit for bit, that of a run that never crashed (computed in
+//     the same process from the initial model); the weights are then exported as safetensors
+//     that transformers loads.
 // --engine cuda steps every rank on StagedAdamW's CUDA engine (gradients and weights in device
 // memory, state in pinned slabs) instead of the CPU engine; it is probed before anything else.
 // --moments BF16 keeps the moments as BF16 in the slabs and in the checkpoint (StagedAdamW's
-// precision-aware mode; F32 by default); a resumed run must use the moments it was saved with.
+// precision-aware mode; F32 by default). A resumed run may keep other moments than the saved
+// ones: the load converts them (FP32 rounded to BF16, BF16 widened), and then no uninterrupted
+// run is its bit-exact reference, so the comparison is skipped (and says so).
 // --dump-state FILE writes every rank's whole state at the end of the run (masters, moments as
 // the slabs' bytes, weights, every group's step and hyper-parameters; format in demo_model.h),
 // so that a resumed run and an uninterrupted one can be compared byte for byte from outside.
@@ -37,6 +43,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
@@ -128,9 +135,43 @@ absl::Status OnEveryRank(int ranks, Fn fn) {
   return absl::OkStatus();
 }
 
-// The whole job's state: one DemoRank per data-parallel rank.
+// Rank r's coordinator: the job's thread-group member, which --crash-at arms on rank 0 to kill
+// the process at the commit vote of a save. Checkpointer::Save's collectives, in order: its
+// readiness vote, the store's broadcast of the staging directory (BeginSave), the commit vote;
+// broadcasts and barriers reach AllGather through Coordinator's defaults, so it is the third
+// AllGather after Arm().
+class DemoCoordinator : public Coordinator {
+ public:
+  explicit DemoCoordinator(Coordinator* inner) : inner_(inner) {}
+  void ArmKillAtCommitVote(int step) {
+    kill_at_ = calls_ + 3;
+    step_ = step;
+  }
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view mine) override {
+    if (++calls_ == kill_at_) {
+      std::printf("step %3d  save written, killed at its commit vote (SIGKILL)\n", step_);
+      std::fflush(stdout);
+      raise(SIGKILL);
+    }
+    return inner_->AllGather(mine);
+  }
+
+ private:
+  Coordinator* const inner_;
+  uint64_t calls_ = 0, kill_at_ = 0;
+  int step_ = 0;
+};
+
+// The whole job: one DemoRank per data-parallel rank, each with its store handle (none for a
+// job that never saves) and coordinator.
 struct Job {
   DemoModel model;
+  LrSchedule schedule;
+  std::unique_ptr<ThreadGroup> group;
+  std::vector<std::unique_ptr<DemoCoordinator>> coordinators;
+  std::vector<std::unique_ptr<CheckpointStore>> stores;
   std::vector<std::unique_ptr<DemoRank>> ranks;
 };
 
@@ -153,68 +194,13 @@ absl::Status ProbeEngine(const Flags& f) {
   return NewDeviceStep(1).status();
 }
 
-absl::StatusOr<Job> StartFromHf(const std::string& path, const Flags& f) {
-  const int ranks = f.ranks;
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf, HfCheckpointReader::Open(path));
-  Job job;
-  CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f), f.moments));
-  for (int r = 0; r < ranks; ++r) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<uint16_t> w, job.model.ReadHfWeights(*hf, r));
-    CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Create(job.model, r, std::move(w), /*step=*/0));
-    job.ranks.push_back(std::move(rank));
-  }
-  return job;
-}
-
-// Steps from `first` to `last` inclusive; saves every `save_every` steps through `stores` (one
-// handle per rank) unless they are empty; at `crash_at` saves half and dies.
-absl::Status Train(Job& job, int first, int last, const Flags& f,
-                   std::vector<std::unique_ptr<CheckpointStore>>* stores, bool verbose) {
-  const int n = static_cast<int>(job.ranks.size());
-  ThreadGroup group(n);
-  for (int step = first; step <= last; ++step) {
-    std::vector<double> loss(n);
-    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(loss[r], job.ranks[r]->Step(job.model, step));
-      return absl::OkStatus();
-    }));
-    double total = 0;
-    for (double l : loss) total += l;
-    if (verbose) std::printf("step %3d  loss %.6e\n", step, total / job.model.elements());
-    const bool crash = step == f.crash_at;
-    if (stores->empty() || (step % f.save_every != 0 && !crash)) continue;
-    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
-                            (*stores)[r]->BeginSave(step, group.member(r)));
-      CKPT_RETURN_IF_ERROR(job.ranks[r]->Save(job.model, txn.get(), /*half=*/crash));
-      if (r == 0) {
-        const std::string s = absl::StrCat(step);
-        CKPT_RETURN_IF_ERROR(txn->WriteBlob(kStepBlob, std::as_bytes(std::span(s))));
-      }
-      if (crash) {
-        // Every rank has written its half. Rank 0 kills the process whatever the barrier says,
-        // so no rank can be left waiting.
-        group.member(r)->Barrier().IgnoreError();
-        if (r == 0) {
-          std::printf("step %3d  save half written: crashing (SIGKILL)\n", step);
-          std::fflush(stdout);
-          raise(SIGKILL);
-        }
-        for (;;) pause();  // The other ranks die with the process.
-      }
-      return txn->Commit();
-    }));
-    if (verbose) std::printf("step %3d  saved\n", step);
-  }
-  return absl::OkStatus();
-}
-
+// Every rank's store handle on `root`; rank 0's is the primary, which recovers the root first.
 absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStores(const std::string& root,
                                                                          int ranks) {
   std::vector<std::unique_ptr<CheckpointStore>> stores;
   for (int r = 0; r < ranks; ++r) {
     StoreOptions o;
-    o.primary = r == 0;  // Rank 0 creates the root and recovers it before the others open.
+    o.primary = r == 0;
     CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, o));
     if (r == 0) {
       for (const std::string& removed : store->recovery().removed)
@@ -225,22 +211,99 @@ absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStores(const s
   return stores;
 }
 
-absl::StatusOr<Job> ResumeFromLatest(const std::string& init_model, const CheckpointStore& store,
-                                     const Flags& f, int* step) {
+// A job on the model at `init_model`, every rank's weights read from it (or zero, for a job
+// about to load a checkpoint); with a `root`, every rank saves to and loads from the store there.
+absl::StatusOr<Job> NewJob(const std::string& init_model, const Flags& f, bool read_weights,
+                           const std::string& root) {
   const int ranks = f.ranks;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<HfCheckpointReader> hf,
                         HfCheckpointReader::Open(init_model));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> ckpt, store.OpenLatest());
-  CKPT_ASSIGN_OR_RETURN(std::string blob, ckpt->ReadBlob(kStepBlob));
-  if (!absl::SimpleAtoi(blob, step))
-    return absl::DataLossError(absl::StrCat("blob ", kStepBlob, " holds \"", blob, "\""));
   Job job;
   CKPT_ASSIGN_OR_RETURN(job.model, DemoModel::FromHf(*hf, ranks, Engine(f), f.moments));
+  job.schedule.total = f.steps;
+  job.schedule.warmup = std::max(1, f.steps / 6);
+  job.group = std::make_unique<ThreadGroup>(ranks);
+  if (!root.empty()) {
+    CKPT_ASSIGN_OR_RETURN(job.stores, OpenStores(root, ranks));
+  }
   for (int r = 0; r < ranks; ++r) {
-    CKPT_ASSIGN_OR_RETURN(auto rank, DemoRank::Load(job.model, r, *ckpt, *step));
-    job.ranks.push_back(std::move(rank));
+    job.coordinators.push_back(std::make_unique<DemoCoordinator>(job.group->member(r)));
+    std::vector<uint16_t> w(job.model.elements_of(r));
+    if (read_weights) {
+      CKPT_ASSIGN_OR_RETURN(w, job.model.ReadHfWeights(*hf, r));
+    }
+    CheckpointStore* store = root.empty() ? nullptr : job.stores[r].get();
+    absl::StatusOr<std::unique_ptr<DemoRank>> rank =
+        DemoRank::Create(job.model, r, std::move(w), store, job.coordinators[r].get());
+    if (!rank.ok()) return rank.status();
+    job.ranks.push_back(*std::move(rank));
   }
   return job;
+}
+
+// Steps from `first` to `last` inclusive; saves every `save_every` steps when the job has
+// stores; at `crash_at` the save is killed at its commit vote.
+absl::Status Train(Job& job, int first, int last, const Flags& f, bool verbose) {
+  const int n = static_cast<int>(job.ranks.size());
+  for (int step = first; step <= last; ++step) {
+    const double lr = job.schedule.At(step);
+    std::vector<double> loss(n);
+    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(loss[r], job.ranks[r]->Step(job.model, step, lr));
+      return absl::OkStatus();
+    }));
+    double total = 0;
+    for (double l : loss) total += l;
+    if (verbose)
+      std::printf("step %3d  loss %.6e  lr %.3e\n", step, total / job.model.elements(), lr);
+    const bool crash = step == f.crash_at;
+    if (job.stores.empty() || (step % f.save_every != 0 && !crash)) continue;
+    if (crash) job.coordinators[0]->ArmKillAtCommitVote(step);
+    const optimizer::Blobs blobs = {{kScheduleBlob, job.schedule.Encode()},
+                                    {kPositionBlob, absl::StrCat("next_step ", step + 1)}};
+    CKPT_RETURN_IF_ERROR(OnEveryRank(
+        n, [&](int r) { return job.ranks[r]->Save(static_cast<uint64_t>(step), blobs); }));
+    if (verbose) {
+      std::printf("step %3d  saved: weights, masters, %s moments, hyper-parameters and steps of "
+                  "%llu parameters from %d ranks; lr schedule; next_step %d\n",
+                  step, f.moments == optimizer::MomentDType::kF32 ? "F32" : "BF16",
+                  static_cast<unsigned long long>(job.model.elements()), n, step + 1);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Loads LATEST into every rank of `job` and the schedule from its blob; returns the step to
+// continue with. Sets *converted when the checkpoint's moments had another dtype.
+absl::StatusOr<int> Resume(Job& job, const Flags& f, bool* converted) {
+  const int n = static_cast<int>(job.ranks.size());
+  std::vector<optimizer::Blobs> blobs(n);
+  std::vector<optimizer::LoadReport> reports(n);
+  CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(reports[r], job.ranks[r]->Load(&blobs[r]));
+    return absl::OkStatus();
+  }));
+  const optimizer::LoadReport& report = reports[0];
+  for (const char* key : {kScheduleBlob, kPositionBlob}) {
+    if (!blobs[0].count(key))
+      return absl::DataLossError(absl::StrCat("step ", report.step, " has no blob ", key));
+  }
+  CKPT_ASSIGN_OR_RETURN(job.schedule, LrSchedule::Decode(blobs[0][kScheduleBlob]));
+  int next = 0;
+  if (!absl::SimpleAtoi(absl::StripPrefix(blobs[0][kPositionBlob], "next_step "), &next) ||
+      next != static_cast<int>(report.step) + 1) {
+    return absl::DataLossError(absl::StrCat("step ", report.step, ": blob ", kPositionBlob,
+                                            " holds \"", blobs[0][kPositionBlob], "\""));
+  }
+  const DType want = f.moments == optimizer::MomentDType::kF32 ? DType::kF32 : DType::kBF16;
+  *converted = report.saved_moment_dtype != want;
+  std::printf("resumed from step %llu (LATEST): saved by %u ranks, loaded on %d; %s moments%s; "
+              "lr schedule from the checkpoint: %s; next_step %d\n",
+              static_cast<unsigned long long>(report.step), report.saved_world_size, n,
+              std::string(formats::DTypeName(report.saved_moment_dtype)).c_str(),
+              *converted ? absl::StrCat(" converted to ", formats::DTypeName(want)).c_str() : "",
+              job.schedule.Describe().c_str(), next);
+  return next;
 }
 
 absl::Status Run(const Flags& f, bool* equal) {
@@ -252,31 +315,32 @@ absl::Status Run(const Flags& f, bool* equal) {
     if (!exists.ok() || !*exists) CKPT_RETURN_IF_ERROR(env->CreateDir(f.out));
     if (f.model.empty()) CKPT_RETURN_IF_ERROR(WriteSmallModel(init_model));
   }
-  CKPT_ASSIGN_OR_RETURN(auto stores, OpenStores(root, f.ranks));
+  CKPT_ASSIGN_OR_RETURN(Job job, NewJob(init_model, f, /*read_weights=*/!f.resume, root));
   int first = 1;
-  Job job;
+  bool converted = false;
   if (f.resume) {
-    int step = 0;
-    CKPT_ASSIGN_OR_RETURN(job, ResumeFromLatest(init_model, *stores[0], f, &step));
-    std::printf("resumed from step %d (LATEST)\n", step);
-    first = step + 1;
+    CKPT_ASSIGN_OR_RETURN(first, Resume(job, f, &converted));
   } else {
-    CKPT_ASSIGN_OR_RETURN(job, StartFromHf(init_model, f));
     std::printf("model %s: %zu tensors, %llu parameters over %d ranks, %s engine, %s moments\n",
                 init_model.c_str(), job.model.params().size(),
                 static_cast<unsigned long long>(job.model.elements()), f.ranks, f.engine.c_str(),
                 f.moments == optimizer::MomentDType::kF32 ? "F32" : "BF16");
+    std::printf("lr schedule: %s\n", job.schedule.Describe().c_str());
   }
-  CKPT_RETURN_IF_ERROR(Train(job, first, f.steps, f, &stores, /*verbose=*/true));
-  if (f.resume) {
+  CKPT_RETURN_IF_ERROR(Train(job, first, f.steps, f, /*verbose=*/true));
+  if (f.resume && converted) {
+    std::printf("the moments were converted on load: no uninterrupted run is a bit-exact "
+                "reference, not compared\n");
+  } else if (f.resume) {
     // The same job without a crash, from the initial model, never saved.
-    CKPT_ASSIGN_OR_RETURN(Job reference, StartFromHf(init_model, f));
-    std::vector<std::unique_ptr<CheckpointStore>> none;
-    CKPT_RETURN_IF_ERROR(Train(reference, 1, f.steps, f, &none, /*verbose=*/false));
+    CKPT_ASSIGN_OR_RETURN(Job reference, NewJob(init_model, f, /*read_weights=*/true, ""));
+    reference.schedule = job.schedule;
+    CKPT_RETURN_IF_ERROR(Train(reference, 1, f.steps, f, /*verbose=*/false));
     *equal = true;
     for (int r = 0; r < f.ranks; ++r)
       *equal = *equal && job.ranks[r]->SameState(*reference.ranks[r]);
-    std::printf("resumed run %s an uninterrupted one bit for bit (weights, masters, moments)\n",
+    std::printf("resumed run %s an uninterrupted one bit for bit (weights, masters, moments, "
+                "hyper-parameters, steps)\n",
                 *equal ? "equals" : "DIFFERS FROM");
   }
   if (!f.dump_state.empty()) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ckpt's main job end to end: the demo trainer (demo/demo_trainer.cc) trains a small model on the
-# CPU engine over 2 data-parallel ranks, saving every 4 steps; it is killed with SIGKILL in the
-# middle of the save of step 10, resumes from LATEST (step 8) and must end bit for bit where an
-# uninterrupted run ends; then ckpt-tool inspects and verifies the store and the exported model.
+# CPU engine over 2 data-parallel ranks with a warmup + cosine learning rate, saving every 4 steps
+# through Checkpointer; it is killed with SIGKILL at the commit vote of the save of step 10, resumes
+# from LATEST (step 8) on 3 ranks and must end bit for bit where an uninterrupted run ends; then
+# ckpt-tool inspects and verifies the store and the exported model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
@@ -16,7 +17,7 @@ if [ "$status" -ne 137 ]; then
   exit 1
 fi
 echo "--- the process is gone; run it again on the same store"
-"$trainer" --out "$dir" --steps 12 --save-every 4 --resume
+"$trainer" --out "$dir" --steps 12 --save-every 4 --resume --ranks 3
 ./build/cli/ckpt-tool inspect "$dir/store"
 ./build/cli/ckpt-tool verify "$dir/store" --all
 ./build/cli/ckpt-tool verify "$dir/final-model"
