@@ -17,7 +17,9 @@
 // 7. Rank 0: rename staging -> step-N; SyncDir(root). The step now exists but is unpublished:
 //    recovery removes steps newer than LATEST.
 // 8. Rank 0: LATEST.tmp (Append, Sync, Close), rename to LATEST, SyncDir(root). The commit
-//    point: from here the new step is the state.
+//    point: from here the new step is the state. When that SyncDir fails the rename may or may
+//    not survive a crash: rank 0 puts the previous LATEST back durably and abandons the step;
+//    if even that fails it keeps the step directory (LATEST may name it) and reports the error.
 // 9. Rank 0 broadcasts the outcome and every rank returns it. When rank 0 fails before step 8
 //    it removes the staging or step directory (best effort; recovery removes what remains).
 // 10. Rank 0 applies retention. Its failure is logged, not returned: the step is committed.
@@ -91,6 +93,7 @@ absl::Status SaveTransaction::Fail(absl::Status s) {
 
 absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   if (!formats::IsValidName(spec.name)) {
     return absl::InvalidArgumentError(absl::StrCat("invalid tensor name \"", spec.name, "\""));
   }
@@ -146,6 +149,7 @@ absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkI
 absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
                                          std::span<const std::byte> data) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
   auto it = std::find_if(part_.tensors.begin(), part_.tensors.end(),
                          [&](const formats::TensorInfo& t) { return t.name == tensor; });
@@ -193,6 +197,7 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
 
 absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const std::byte> data) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
   if (!formats::IsValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat("invalid blob name \"", name, "\""));
@@ -241,6 +246,22 @@ absl::Status SaveTransaction::FinishLocal(std::string* vote) {
   return absl::OkStatus();
 }
 
+absl::Status SaveTransaction::Prepare() {
+  if (ended_) return absl::FailedPreconditionError("save transaction already ended");
+  if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
+  prepared_ = true;
+  prepare_status_ = FinishLocal(&prepared_vote_);
+  if (!prepare_status_.ok() && file_ != nullptr) file_->Close().IgnoreError();
+  return prepare_status_;
+}
+
+void SaveTransaction::MarkFailed(absl::Status why) {
+  if (why.ok()) return;
+  error_.Update(why);
+  // A prepared rank already chose its vote; a later failure still turns it into a no.
+  if (prepared_) prepare_status_.Update(why);
+}
+
 absl::Status SaveTransaction::Commit() { return Finish(/*vote_yes=*/true); }
 
 absl::Status SaveTransaction::Abort() {
@@ -256,9 +277,17 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
   const int rank = coordinator_->rank();
   if (!vote_yes) error_.Update(absl::AbortedError(absl::StrCat("save aborted by rank ", rank)));
   std::string vote;
-  absl::Status local = FinishLocal(&vote);
+  absl::Status local;
+  if (prepared_) {
+    local = prepare_status_;
+    if (!vote_yes) local.Update(error_);
+    vote = prepared_vote_;
+  } else {
+    local = FinishLocal(&vote);
+  }
   if (!local.ok()) {
-    if (file_ != nullptr) file_->Close().IgnoreError();  // Already failing; the file is garbage.
+    // Already failing; the file is garbage (a prepared transaction closed it).
+    if (file_ != nullptr && !prepared_) file_->Close().IgnoreError();
     vote = absl::StrCat("no ", EncodeStatus(local));
   }
   absl::StatusOr<std::vector<std::string>> votes = coordinator_->AllGather(vote);
@@ -269,7 +298,9 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
       // Best effort: recovery removes whatever this leaves behind.
       const std::string step_dir = JoinPath(store_->root(), internal::StepDirName(step_));
       RemoveRecursively(env_, staging_dir_).IgnoreError();
-      if (store_->latest_step() != step_) RemoveRecursively(env_, step_dir).IgnoreError();
+      if (store_->latest_step() != step_ && !latest_may_name_step_) {
+        RemoveRecursively(env_, step_dir).IgnoreError();
+      }
       env_->SyncDir(store_->root()).IgnoreError();
     }
   }
@@ -370,8 +401,31 @@ absl::Status SaveTransaction::Publish(const Manifest& manifest) {
   CKPT_RETURN_IF_ERROR(env_->RenameFile(staging_dir_, step_dir));
   CKPT_RETURN_IF_ERROR(env_->SyncDir(store_->root()));
   // Step 8: the commit point.
-  CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, JoinPath(store_->root(), internal::kLatestName),
-                                           formats::EncodeLatest(step_)));
+  const std::string latest = JoinPath(store_->root(), internal::kLatestName);
+  const std::string encoded_latest = formats::EncodeLatest(step_);
+  const std::span<const std::byte> parts[] = {AsBytes(encoded_latest)};
+  CKPT_RETURN_IF_ERROR(WriteFileViaTmp(env_, latest + ".tmp", latest, parts));
+  absl::Status synced = env_->SyncDir(store_->root());
+  if (!synced.ok()) {
+    // The new LATEST is in place but may not survive a crash: neither committed nor abandoned.
+    // Put the previous LATEST back (durably) so that the step is abandoned everywhere; only
+    // then may it be removed. When that fails too, the step stays: LATEST may name it, and the
+    // next Open's recovery decides from what is on disk.
+    const std::optional<uint64_t> previous = store_->latest_step();
+    absl::Status restored;
+    if (previous.has_value()) {
+      restored = WriteFileAtomically(env_, latest, formats::EncodeLatest(*previous));
+    } else {
+      restored = env_->RemoveFile(latest);
+      if (restored.ok()) restored = env_->SyncDir(store_->root());
+    }
+    if (!restored.ok()) latest_may_name_step_ = true;
+    return Annotate(synced, restored.ok()
+                                ? "LATEST could not be made durable; the previous LATEST is back"
+                                : absl::StrCat("LATEST could not be made durable, nor the "
+                                               "previous one put back (",
+                                               restored.message(), ")"));
+  }
   store_->OnCommitted(step_);
   return absl::OkStatus();
 }

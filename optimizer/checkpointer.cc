@@ -8,6 +8,19 @@
 //    votes and publishes (libckpt/checkpoint_writer.cc). The state is never changed.
 // 3. On success the step becomes the free undo source while the state stays unchanged.
 //
+// SaveAsync (collective) and Finalize (collective):
+// A1. As Save's step 1 (and no other async save in flight on this Checkpointer); BeginSave.
+// A2. Take what is not in the slabs now: the layout record (groups, hyper-parameters, step
+//     counters) and the trainer's blobs. Start the writer (optimizer/async_save.h) and install
+//     it as the optimizer's fence; return.
+// A3. Meanwhile the writer writes unit by unit, from the slabs, or from a copy a step made
+//     before changing a unit not yet written; then the blobs; then it prepares this rank's side
+//     of the commit (data durable, part written). A writer error frees every unit (steps go on)
+//     and becomes this rank's no vote.
+// A4. Finalize: wait for the writer; remove the fence.
+// A5. Commit: vote and publish as Save's step 2. The saved step is clean (a free undo source)
+//     only while the optimizer's state_version() is still what it was at A1.
+//
 // Load (collective); a failure at any step ends it on every rank with the same error:
 // 1. Preflight, nothing touched: rank 0 resolves LATEST and broadcasts it (one step for all);
 //    the CUDA engine's last copies are awaited; open the step, check names (missing and extra ones
@@ -43,6 +56,7 @@
 #include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
+#include "optimizer/async_save.h"
 #include "optimizer/engine.h"
 
 namespace ckpt::optimizer {
@@ -150,16 +164,46 @@ struct Checkpointer::Undo {
   uint64_t step = 0;  // In the store, or 1 in the spill.
 };
 
-Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
-                           CheckpointStore* store, Coordinator* coordinator)
-    : optimizer_(optimizer), weights_(weights), store_(store), coordinator_(coordinator) {}
+struct Checkpointer::InFlight {
+  uint64_t step = 0;
+  uint64_t version_at_call = 0;  // The optimizer's state_version() when the save began.
+  std::unique_ptr<internal::AsyncSave> save;
+};
 
-Checkpointer::~Checkpointer() = default;
+Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
+                           CheckpointStore* store, Coordinator* coordinator,
+                           CheckpointerOptions options)
+    : optimizer_(optimizer),
+      weights_(weights),
+      store_(store),
+      coordinator_(coordinator),
+      options_(options) {}
+
+Checkpointer::~Checkpointer() {
+  if (in_flight_ == nullptr) return;
+  in_flight_->save->Wait().IgnoreError();  // Destructors never report.
+  optimizer_->fence_ = nullptr;
+  in_flight_.reset();  // Destroys the unfinished transaction: a collective abort.
+}
+
+absl::Status Checkpointer::NoSaveInFlight(absl::string_view what) const {
+  if (in_flight_ == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(what, ": the async save of step ",
+                                                    in_flight_->step,
+                                                    " is in flight; Finalize() it first"));
+}
+
+bool PendingSave::writer_done() const {
+  return finalized_ || owner_->in_flight_ == nullptr || owner_->in_flight_->save->writer_done();
+}
+
+absl::Status PendingSave::Finalize() { return owner_->FinalizeAsync(*this); }
 
 absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(StagedAdamW* optimizer,
                                                                    std::span<std::byte> weights,
                                                                    CheckpointStore* store,
-                                                                   Coordinator* coordinator) {
+                                                                   Coordinator* coordinator,
+                                                                   CheckpointerOptions options) {
   if (optimizer == nullptr || store == nullptr || coordinator == nullptr) {
     return absl::InvalidArgumentError("Checkpointer needs an optimizer, a store and a coordinator");
   }
@@ -168,7 +212,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(StagedAdamW* 
     return absl::InvalidArgumentError(absl::StrCat("weight buffer has ", weights.size(),
                                                    " bytes, the optimizer's elements need ", want));
   }
-  return std::unique_ptr<Checkpointer>(new Checkpointer(optimizer, weights, store, coordinator));
+  return std::unique_ptr<Checkpointer>(
+      new Checkpointer(optimizer, weights, store, coordinator, options));
 }
 
 absl::Status Checkpointer::Vote(const absl::Status& mine) {
@@ -218,7 +263,8 @@ absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
 }
 
 absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
-  // Step 1.
+  // Step 1. Every rank is in the same place with its async saves (they are collective).
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("save"));
   absl::Status ready = optimizer_->CheckClean("save");
   if (ready.ok()) ready = optimizer_->Synchronize();
   CKPT_RETURN_IF_ERROR(Vote(ready));
@@ -236,6 +282,61 @@ absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
   clean_step_ = step;
   clean_version_ = optimizer_->state_version();
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t step,
+                                                                     const Blobs& blobs) {
+  // Step A1.
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("async save"));
+  absl::Status ready = optimizer_->CheckClean("save");
+  if (ready.ok()) ready = optimizer_->Synchronize();
+  CKPT_RETURN_IF_ERROR(Vote(ready));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
+                        store_->BeginSave(step, coordinator_));
+  // Step A2: everything that is not in the slabs is taken now.
+  const StagedAdamWOptions& o = optimizer_->options();
+  const DType model = optimizer_->model_dtype(), moment = MomentDTypeOf(o.moment_dtype);
+  internal::AsyncSave::Plan plan;
+  for (const ParamSpec& p : o.params) {
+    plan.names.push_back({p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
+                          kStatePrefixes[2] + p.name});
+    plan.declarations.push_back({p.name, model, p.shape});
+    plan.declarations.push_back({kStatePrefixes[0] + p.name, DType::kF32, p.shape});
+    plan.declarations.push_back({kStatePrefixes[1] + p.name, moment, p.shape});
+    plan.declarations.push_back({kStatePrefixes[2] + p.name, moment, p.shape});
+  }
+  plan.blobs.emplace_back(kLayoutBlob, LayoutJson(*optimizer_, coordinator_->size()));
+  for (const auto& [key, value] : blobs) plan.blobs.emplace_back(kTrainerPrefix + key, value);
+  plan.pool_bytes = options_.async_staging_bytes;
+  auto flight = std::make_unique<InFlight>();
+  flight->step = step;
+  flight->version_at_call = optimizer_->state_version();
+  flight->save =
+      std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn), std::move(plan));
+  optimizer_->fence_ = flight->save.get();
+  in_flight_ = std::move(flight);
+  return std::unique_ptr<PendingSave>(new PendingSave(this, step));
+}
+
+absl::Status Checkpointer::FinalizeAsync(PendingSave& handle) {
+  if (handle.finalized_ || in_flight_ == nullptr || in_flight_->step != handle.step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the async save of step ", handle.step_, " is already finalized"));
+  }
+  handle.finalized_ = true;
+  // Step A4. The writer's error, if any, is already this rank's vote.
+  in_flight_->save->Wait().IgnoreError();
+  optimizer_->fence_ = nullptr;
+  const internal::AsyncSaveStats stats = in_flight_->save->stats();
+  handle.report_ = {stats.units, stats.units_copied, stats.bytes_copied, stats.step_waits};
+  // Step A5.
+  absl::Status committed = in_flight_->save->txn().Commit();
+  if (committed.ok()) {
+    clean_step_ = in_flight_->step;
+    clean_version_ = in_flight_->version_at_call;
+  }
+  in_flight_.reset();
+  return committed;
 }
 
 absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
@@ -418,6 +519,7 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo) {
 }
 
 absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
   // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
   // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
   if (!step.has_value()) {

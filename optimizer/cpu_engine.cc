@@ -66,6 +66,20 @@ class CpuEngine : public internal::Engine {
     return report;
   }
 
+  absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
+                                         uint64_t elements) override {
+    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
+    std::vector<std::pair<uint64_t, uint64_t>> tasks;
+    for (const Unit& u : units) {
+      for (uint64_t d = 0; d < u.count; d += task_elems)
+        tasks.emplace_back(u.offset + d, std::min(task_elems, u.count - d));
+    }
+    StepReport report;
+    CheckFinite(args, tasks.size(), [&](size_t i) { return tasks[i]; }, &report);
+    report.skipped = report.nonfinite > 0;
+    return report;
+  }
+
   std::string name() const override {
     return absl::StrCat("cpu-", internal::IsaName(isa_), "-x", pool_.size());
   }

@@ -45,6 +45,11 @@ class Engine {
                                           const std::vector<StepConstants>& constants,
                                           const SlabView& slabs, formats::DType model_dtype,
                                           uint64_t elements) = 0;
+  // The check_finite pass of Step alone, over `units`: what a step split into several Step
+  // calls (an async save's fence, optimizer/async_save.h) runs once before the first.
+  virtual absl::StatusOr<StepReport> CheckFinite(const StepArgs& args,
+                                                 const std::vector<Unit>& units,
+                                                 uint64_t elements) = 0;
   virtual absl::Status Release() { return absl::OkStatus(); }
   virtual absl::Status Restore() { return absl::OkStatus(); }
   virtual uint64_t device_bytes() const { return 0; }

@@ -9,6 +9,7 @@
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
+#include "optimizer/unit_fence.h"
 
 namespace ckpt::optimizer {
 
@@ -231,12 +232,43 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   std::vector<StepConstants> constants;
   for (const ParamGroup& g : options_.groups)
     constants.push_back(ComputeStepConstants(g, g.step + 1));
-  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
-                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype};
-  CKPT_ASSIGN_OR_RETURN(StepReport report,
-                        engine_->Step(args, units_, constants, view, model_dtype_, size_));
+  CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, constants));
   if (!report.skipped) {
     for (ParamGroup& g : options_.groups) ++g.step;
+  }
+  return report;
+}
+
+absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
+                                                  const std::vector<StepConstants>& constants) {
+  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
+                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype};
+  if (fence_ == nullptr || units_.empty()) {
+    return engine_->Step(args, units_, constants, view, model_dtype_, size_);
+  }
+  // An async save is writing: the whole step is checked first (a skipped step changes
+  // nothing), then the units go through the engine in batches, each once the fence lets it go.
+  StepReport report;
+  if (args.check_finite) {
+    CKPT_ASSIGN_OR_RETURN(report, engine_->CheckFinite(args, units_, size_));
+    if (report.skipped) return report;
+  }
+  StepArgs unchecked = args;
+  unchecked.check_finite = false;
+  std::vector<bool> done(units_.size(), false);
+  std::vector<size_t> ready;
+  std::vector<Unit> batch;
+  for (size_t left = units_.size(); left > 0; left -= ready.size()) {
+    ready.clear();
+    fence_->Acquire(done, &ready);
+    batch.clear();
+    for (size_t i : ready) {
+      batch.push_back(units_[i]);
+      done[i] = true;
+    }
+    CKPT_ASSIGN_OR_RETURN(StepReport part,
+                          engine_->Step(unchecked, batch, constants, view, model_dtype_, size_));
+    report.done = part.done;
   }
   return report;
 }

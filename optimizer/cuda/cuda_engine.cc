@@ -194,6 +194,24 @@ class CudaEngine : public internal::Engine {
     return report;
   }
 
+  absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
+                                         uint64_t elements) override {
+    (void)units;  // The count runs over every element at once.
+    if (slots_.empty())
+      return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
+    if (args.stream == nullptr) {
+      return absl::InvalidArgumentError(
+          "the CUDA engine needs the caller's stream (StepArgs::stream)");
+    }
+    StepReport report;
+    if (elements == 0) return report;
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaEventRecord(grads_ready_.get(), reinterpret_cast<cudaStream_t>(args.stream)));
+    CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, elements));
+    report.skipped = report.nonfinite > 0;
+    return report;
+  }
+
   absl::Status Synchronize() override {
     for (Slot& s : slots_) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.d2h.get()));
     if (join_.valid()) CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(join_.get()));

@@ -51,6 +51,16 @@ class SaveTransaction {
   // Stores opaque bytes under `name` (unique per rank). Errors as WritePiece.
   absl::Status WriteBlob(absl::string_view name, std::span<const std::byte> data);
 
+  // This rank's half of step 3 without a collective: makes its data durable and writes its
+  // part, so that a background writer does the slow work and Commit only votes. Optional
+  // (Commit prepares an unprepared transaction); after it, DeclareTensor, WritePiece and
+  // WriteBlob refuse with kFailedPrecondition. Returns the error this rank will vote no with.
+  absl::Status Prepare();
+  // Makes this rank vote no at Commit with `why`: an error of the caller's that the
+  // transaction did not see (e.g. a writer that stopped before writing everything). Every rank
+  // then returns `why`, annotated with this rank.
+  void MarkFailed(absl::Status why);
+
   // Collective. Finishes this rank's file, votes, and (rank 0) commits. Returns OK on every
   // rank when the step is durable and LATEST names it; otherwise the same failure on every rank
   // (the first error of the rank that failed, annotated with that rank) and the previous
@@ -82,6 +92,10 @@ class SaveTransaction {
   formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
   absl::Status error_;      // First local error; the rank votes no when set.
   bool ended_ = false;
+  bool latest_may_name_step_ = false;  // Publish could not undo a LATEST it wrote (step 8).
+  bool prepared_ = false;
+  absl::Status prepare_status_;  // FinishLocal's result once prepared_.
+  std::string prepared_vote_;
 };
 
 }  // namespace ckpt

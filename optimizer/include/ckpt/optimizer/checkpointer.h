@@ -34,6 +34,47 @@ struct LoadReport {
   formats::DType saved_moment_dtype = formats::DType::kF32;
 };
 
+struct CheckpointerOptions {
+  // Async save: bytes of state (master and moments) that steps may copy aside while the writer
+  // has not written them yet. When it is full, a step waits for the writer.
+  uint64_t async_staging_bytes = uint64_t{1} << 30;
+};
+
+// What an async save cost the steps that ran during it (PendingSave::report()).
+struct AsyncSaveReport {
+  uint64_t units = 0;         // Units of the optimizer on this rank.
+  uint64_t units_copied = 0;  // Copied aside by a step before the writer reached them.
+  uint64_t bytes_copied = 0;
+  uint64_t step_waits = 0;    // Times a step waited for the writer (the staging pool was full).
+};
+
+class Checkpointer;
+
+// An async save in flight on one rank (Checkpointer::SaveAsync). Must not outlive its
+// Checkpointer. Dropping it without Finalize() leaves the save in flight until the Checkpointer
+// is destroyed (which abandons it).
+class PendingSave {
+ public:
+  uint64_t step() const { return step_; }
+  // Whether this rank's writer has finished (Finalize then only votes and publishes).
+  bool writer_done() const;
+  // Collective. Waits for this rank's writer, then commits the step on every rank or on none.
+  // Returns OK when it is durable and LATEST names it; otherwise the same error on every rank
+  // (a writer's ENOSPC or EIO, annotated with its rank) and nothing is published: the previous
+  // checkpoint is untouched. kFailedPrecondition when already finalized.
+  absl::Status Finalize();
+  // Valid after Finalize().
+  const AsyncSaveReport& report() const { return report_; }
+
+ private:
+  friend class Checkpointer;
+  PendingSave(Checkpointer* owner, uint64_t step) : owner_(owner), step_(step) {}
+  Checkpointer* const owner_;
+  const uint64_t step_;
+  bool finalized_ = false;
+  AsyncSaveReport report_;
+};
+
 // One per rank. On-disk layout of a step (tensor names are the parameters' names):
 //   <name>                          the model-dtype weights (global shape)
 //   optimizer.master.<name>         FP32 masters
@@ -51,13 +92,25 @@ class Checkpointer {
   static absl::StatusOr<std::unique_ptr<Checkpointer>> Create(StagedAdamW* optimizer,
                                                               std::span<std::byte> weights,
                                                               CheckpointStore* store,
-                                                              Coordinator* coordinator);
+                                                              Coordinator* coordinator,
+                                                              CheckpointerOptions options = {});
 
   // Collective. Saves the state as it is now as `step`: one transaction, committed on every
   // rank or on none. Never changes the state. CUDA engine: waits for the last step's copies.
   // kFailedPrecondition when the optimizer is poisoned or `step` is not newer than LATEST;
   // IO errors as the store reports them (the previous checkpoint is untouched).
   absl::Status Save(uint64_t step, const Blobs& blobs = {});
+
+  // Collective. Begins saving the state as it is now as `step` and returns at once; a writer
+  // thread writes it while training goes on. Steps may run meanwhile: a unit the writer has not
+  // written yet is copied aside before a step changes it (options().async_staging_bytes at
+  // most; when that is full the step waits for the writer), so the checkpoint holds exactly the
+  // state, hyper-parameters, step counters and blobs at this call. SetGroup may run too (the
+  // groups are taken at the call); Save, SaveAsync and Load refuse with kFailedPrecondition
+  // until Finalize(). The weights saved are the masters rounded to the model dtype (what every
+  // step writes), so the weight buffer is not read: the trainer may overwrite it at will.
+  // Errors as Save, on every rank.
+  absl::StatusOr<std::unique_ptr<PendingSave>> SaveAsync(uint64_t step, const Blobs& blobs = {});
 
   // Collective. Loads `step` (LATEST when nullopt) into the optimizer and the weights, at any
   // data-parallel layout: pieces are flat index ranges, so another DP size, bucket size or
@@ -71,14 +124,20 @@ class Checkpointer {
   // checkpoint has fewer ranks); it is unchanged on failure.
   absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
 
+  // Waits for an async save's writer and abandons the save (a collective abort: destroy every
+  // rank's Checkpointer) when it was never finalized.
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;  // Tracks one optimizer's undo source.
   Checkpointer& operator=(const Checkpointer&) = delete;
 
  private:
   struct Undo;
+  struct InFlight;
+  friend class PendingSave;
   Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights, CheckpointStore* store,
-               Coordinator* coordinator);
+               Coordinator* coordinator, CheckpointerOptions options);
+  absl::Status NoSaveInFlight(absl::string_view what) const;
+  absl::Status FinalizeAsync(PendingSave& handle);
   absl::Status Preflight(const CheckpointReader& reader) const;
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
   absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(uint64_t target);
@@ -91,6 +150,8 @@ class Checkpointer {
   const std::span<std::byte> weights_;
   CheckpointStore* const store_;
   Coordinator* const coordinator_;
+  const CheckpointerOptions options_;
+  std::unique_ptr<InFlight> in_flight_;  // The async save being written, if any.
   // The step the state last equalled (saved or loaded), and the optimizer's state_version()
   // right then: while they still match, that step is a free undo source.
   std::optional<uint64_t> clean_step_;

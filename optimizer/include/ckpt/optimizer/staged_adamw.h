@@ -19,7 +19,8 @@ struct CUevent_st;   // cudaEvent_t.
 
 namespace ckpt::optimizer {
 namespace internal {
-class Engine;  // CPU or CUDA; optimizer/engine.h. Not part of the API.
+class Engine;     // CPU or CUDA; optimizer/engine.h. Not part of the API.
+class UnitFence;  // An async save's copy-on-write fence; optimizer/unit_fence.h.
 }  // namespace internal
 
 enum class EngineKind { kCpu, kCuda };
@@ -81,6 +82,7 @@ struct StepReport {
 enum class Lifecycle { kClean, kLoading, kPoisoned };
 
 class Checkpointer;
+struct StepConstants;  // optimizer/engine.h.
 
 // One rank's optimizer. Not thread-safe: one Step at a time.
 class StagedAdamW {
@@ -171,7 +173,11 @@ class StagedAdamW {
   friend class Checkpointer;
   absl::Status CheckClean(absl::string_view what) const;
   void RestoreGroups(const std::vector<ParamGroup>& groups);
+  // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.
+  absl::StatusOr<StepReport> StepUnits(const StepArgs& args,
+                                       const std::vector<StepConstants>& constants);
   Lifecycle lifecycle_ = Lifecycle::kClean;
+  internal::UnitFence* fence_ = nullptr;  // Installed by an async save while it writes.
   std::string poison_reason_;
   uint64_t state_version_ = 0;
 };

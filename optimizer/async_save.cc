@@ -1,0 +1,205 @@
+#include "optimizer/async_save.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/float_convert.h"
+
+namespace ckpt::optimizer::internal {
+
+using formats::DType;
+
+AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan)
+    : units_(opt.units()),
+      master_(reinterpret_cast<const std::byte*>(opt.master().data())),
+      exp_avg_(opt.exp_avg_bytes().data()),
+      exp_avg_sq_(opt.exp_avg_sq_bytes().data()),
+      moment_bytes_(opt.moment_bytes()),
+      model_dtype_(opt.model_dtype()),
+      txn_(std::move(txn)),
+      plan_(std::move(plan)),
+      segments_(opt.units().size()),
+      state_(opt.units().size(), State::kPending),
+      copies_(opt.units().size()) {
+  // Cut the pieces (slab order) at unit boundaries (slab order too).
+  const std::vector<Unit>& units = units_;
+  size_t u = 0;
+  uint64_t offset = 0;
+  for (const Piece& piece : opt.options().pieces) {
+    for (uint64_t done = 0; done < piece.count;) {
+      while (offset + done >= units[u].offset + units[u].count) ++u;
+      const uint64_t at = offset + done - units[u].offset;
+      const uint64_t n = std::min(piece.count - done, units[u].count - at);
+      segments_[u].push_back({piece.param, piece.begin + done, at, n});
+      done += n;
+    }
+    offset += piece.count;
+  }
+  stats_.units = units.size();
+  writer_ = std::thread([this] { WriterMain(); });
+}
+
+AsyncSave::~AsyncSave() {
+  if (writer_.joinable()) writer_.join();
+}
+
+uint64_t AsyncSave::UnitBytes(size_t u) const {
+  return units_[u].count * (4 + 2 * moment_bytes_);
+}
+
+bool AsyncSave::Released(size_t u) const {
+  return abandoned_ || state_[u] == State::kWritten || state_[u] == State::kCopied;
+}
+
+void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* ready) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    for (size_t u = 0; u < done.size(); ++u) {
+      if (!done[u] && Released(u)) ready->push_back(u);
+    }
+    if (!ready->empty()) return;
+    // Nothing free: copy pending units, from the highest down (the writer comes from below),
+    // as far as the pool has room.
+    std::vector<size_t> copy;
+    for (size_t u = done.size(); u-- > 0;) {
+      if (done[u] || state_[u] != State::kPending) continue;
+      if (pool_used_ + UnitBytes(u) > plan_.pool_bytes) continue;
+      pool_used_ += UnitBytes(u);
+      state_[u] = State::kCopying;
+      copy.push_back(u);
+    }
+    if (copy.empty()) {
+      // The pool is full (or the unit is being written): wait for the writer.
+      ++stats_.step_waits;
+      changed_.wait(lock);
+      continue;
+    }
+    lock.unlock();
+    // Copy outside the lock: the writer goes on with other units meanwhile, and waits for a
+    // unit in kCopying before it writes that one.
+    std::vector<std::unique_ptr<std::byte[]>> buffers;
+    for (size_t u : copy) {
+      const Unit& unit = units_[u];
+      auto buf = std::make_unique_for_overwrite<std::byte[]>(UnitBytes(u));
+      std::memcpy(buf.get(), master_ + unit.offset * 4, unit.count * 4);
+      std::memcpy(buf.get() + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
+                  unit.count * moment_bytes_);
+      std::memcpy(buf.get() + unit.count * (4 + moment_bytes_),
+                  exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
+      buffers.push_back(std::move(buf));
+    }
+    lock.lock();
+    for (size_t k = 0; k < copy.size(); ++k) {
+      const size_t u = copy[k];
+      state_[u] = State::kCopied;
+      ++stats_.units_copied;
+      stats_.bytes_copied += UnitBytes(u);
+      // A writer that failed meanwhile freed the pool and writes nothing more.
+      if (!abandoned_) copies_[u] = std::move(buffers[k]);
+    }
+    changed_.notify_all();
+  }
+}
+
+void AsyncSave::WriterMain() {
+  absl::Status s = WriteAll();
+  if (s.ok()) {
+    s = txn_->Prepare();
+  } else {
+    txn_->MarkFailed(s);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  status_ = s;
+  if (!s.ok()) {
+    // Free every unit: the steps go on, and the save votes no at Finalize.
+    abandoned_ = true;
+    for (auto& c : copies_) c.reset();
+    pool_used_ = 0;
+  }
+  writer_done_ = true;
+  changed_.notify_all();
+}
+
+absl::Status AsyncSave::WriteAll() {
+  for (const TensorSpec& t : plan_.declarations) CKPT_RETURN_IF_ERROR(txn_->DeclareTensor(t));
+  for (size_t u = 0; u < state_.size(); ++u) {
+    const Unit& unit = units_[u];
+    const std::byte* from = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait(lock, [&] { return state_[u] != State::kCopying; });
+      if (state_[u] == State::kCopied) {
+        from = copies_[u].get();
+      } else {
+        state_[u] = State::kWriting;
+      }
+    }
+    absl::Status s =
+        from != nullptr
+            ? WriteUnit(u, from, from + unit.count * 4, from + unit.count * (4 + moment_bytes_))
+            : WriteUnit(u, master_ + unit.offset * 4, exp_avg_ + unit.offset * moment_bytes_,
+                        exp_avg_sq_ + unit.offset * moment_bytes_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (from != nullptr) {
+      copies_[u].reset();
+      pool_used_ -= UnitBytes(u);
+    }
+    state_[u] = State::kWritten;
+    changed_.notify_all();
+    CKPT_RETURN_IF_ERROR(s);
+  }
+  for (const auto& [name, bytes] : plan_.blobs) {
+    CKPT_RETURN_IF_ERROR(txn_->WriteBlob(name, std::as_bytes(std::span(bytes))));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AsyncSave::WriteUnit(size_t u, const std::byte* master, const std::byte* m,
+                                  const std::byte* v) {
+  const DType model = model_dtype_;
+  const size_t wsize = formats::DTypeSize(model);
+  for (const Segment& seg : segments_[u]) {
+    const std::array<std::string, 4>& names = plan_.names[seg.param];
+    const std::byte* seg_master = master + seg.at * 4;
+    // The weights every step writes are the masters rounded to the model dtype; the caller's
+    // weight buffer is not read (a CUDA trainer copies device weights into it at will).
+    std::span<const std::byte> weights(seg_master, seg.count * 4);
+    if (model != DType::kF32) {
+      bounce_.resize(seg.count * wsize);
+      for (uint64_t i = 0; i < seg.count; ++i) {
+        float f;
+        std::memcpy(&f, seg_master + 4 * i, 4);
+        const uint16_t h = model == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
+        std::memcpy(bounce_.data() + 2 * i, &h, 2);
+      }
+      weights = bounce_;
+    }
+    CKPT_RETURN_IF_ERROR(txn_->WritePiece(names[0], seg.begin, seg.count, weights));
+    CKPT_RETURN_IF_ERROR(
+        txn_->WritePiece(names[1], seg.begin, seg.count, {seg_master, seg.count * 4}));
+    CKPT_RETURN_IF_ERROR(txn_->WritePiece(
+        names[2], seg.begin, seg.count, {m + seg.at * moment_bytes_, seg.count * moment_bytes_}));
+    CKPT_RETURN_IF_ERROR(txn_->WritePiece(
+        names[3], seg.begin, seg.count, {v + seg.at * moment_bytes_, seg.count * moment_bytes_}));
+  }
+  return absl::OkStatus();
+}
+
+bool AsyncSave::writer_done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return writer_done_;
+}
+
+absl::Status AsyncSave::Wait() {
+  if (writer_.joinable()) writer_.join();
+  return status_;
+}
+
+AsyncSaveStats AsyncSave::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace ckpt::optimizer::internal

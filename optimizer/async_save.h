@@ -1,0 +1,111 @@
+// AsyncSave: one rank's side of an async save in flight (Checkpointer::SaveAsync, DESIGN.md §6).
+// A writer thread writes the optimizer's state as it was when the save began into a
+// SaveTransaction, unit by unit in unit order, and meanwhile fences Step (UnitFence): a unit the
+// writer has not written yet may change only once its bytes are copied into a bounded staging
+// pool; when the pool is full the step waits for the writer. Not part of the API.
+//
+// Unit states (guarded by mu_):
+//   kPending  --writer takes it-->  kWriting --written--> kWritten   (the step may change it)
+//   kPending  --step copies it-->   kCopying --copied-->  kCopied    (the step may change it;
+//             the writer writes it from the copy later, then frees the copy: kWritten)
+// The step copies from the highest pending unit down, the writer writes from the lowest up, so
+// each copy buys the writer the most time before the step needs more room. When the writer
+// fails it marks every unit free (abandoned_) and stops; the step never waits on a dead writer.
+#ifndef CKPT_OPTIMIZER_ASYNC_SAVE_H_
+#define CKPT_OPTIMIZER_ASYNC_SAVE_H_
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "ckpt/checkpoint_writer.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/unit_fence.h"
+
+namespace ckpt::optimizer::internal {
+
+struct AsyncSaveStats {
+  uint64_t units = 0;         // Units of the optimizer.
+  uint64_t units_copied = 0;  // Copied into the pool by a step before the writer got to them.
+  uint64_t bytes_copied = 0;
+  uint64_t step_waits = 0;    // Times a step waited for the writer (the pool was full).
+};
+
+class AsyncSave : public UnitFence {
+ public:
+  // What the writer writes. Tensor names per parameter: weights (model dtype, rounded from the
+  // masters, which is what every step writes), master, exp_avg, exp_avg_sq; the blobs go last.
+  struct Plan {
+    std::vector<std::array<std::string, 4>> names;  // Indexed by parameter.
+    std::vector<TensorSpec> declarations;
+    std::vector<std::pair<std::string, std::string>> blobs;
+    uint64_t pool_bytes = 0;
+  };
+  // Starts the writer on `txn`. Until Wait() returns, `opt` may change only through Step with
+  // this object installed as its fence.
+  AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan);
+  ~AsyncSave() override;  // Joins the writer.
+  AsyncSave(const AsyncSave&) = delete;  // Owns a thread that points into it.
+  AsyncSave& operator=(const AsyncSave&) = delete;
+
+  void Acquire(const std::vector<bool>& done, std::vector<size_t>* ready) override;
+
+  // Whether the writer has finished (prepared the transaction, or failed).
+  bool writer_done() const;
+  // Joins the writer; returns its error (the transaction then votes no with it).
+  absl::Status Wait();
+  // The transaction, once Wait() has returned.
+  SaveTransaction& txn() { return *txn_; }
+  AsyncSaveStats stats() const;
+
+ private:
+  enum class State { kPending, kWriting, kWritten, kCopying, kCopied };
+  // A run of one unit inside one piece: parameter, first element in the tensor, first element
+  // in the unit (relative), count.
+  struct Segment {
+    uint32_t param;
+    uint64_t begin, at, count;
+  };
+  void WriterMain();
+  absl::Status WriteAll();
+  // Writes unit `u` from its master and moment bytes (the slabs' or its copy's).
+  absl::Status WriteUnit(size_t u, const std::byte* master, const std::byte* m,
+                         const std::byte* v);
+  uint64_t UnitBytes(size_t u) const;
+  bool Released(size_t u) const;  // REQUIRES: mu_ held.
+
+  // What the writer and the fence read of the optimizer, taken once on the caller's thread: the
+  // slabs' addresses and the units never change while the optimizer lives.
+  const std::vector<Unit> units_;
+  const std::byte* const master_;
+  const std::byte* const exp_avg_;
+  const std::byte* const exp_avg_sq_;
+  const size_t moment_bytes_;
+  const formats::DType model_dtype_;
+  std::unique_ptr<SaveTransaction> txn_;
+  const Plan plan_;
+  std::vector<std::vector<Segment>> segments_;  // Per unit.
+  std::vector<std::byte> bounce_;  // The writer's model-dtype weights of one segment.
+
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<State> state_;                           // Guarded by mu_.
+  std::vector<std::unique_ptr<std::byte[]>> copies_;   // Guarded by mu_.
+  uint64_t pool_used_ = 0;                             // Guarded by mu_.
+  bool abandoned_ = false;                             // Guarded by mu_.
+  bool writer_done_ = false;                           // Guarded by mu_.
+  AsyncSaveStats stats_;                               // Guarded by mu_.
+  absl::Status status_;  // The writer's; read after the join.
+  std::thread writer_;   // Last: starts once everything above exists.
+};
+
+}  // namespace ckpt::optimizer::internal
+
+#endif  // CKPT_OPTIMIZER_ASYNC_SAVE_H_

@@ -1,0 +1,289 @@
+// Checkpointer::SaveAsync: the checkpoint equals the state at the call bit for bit while steps
+// run during the save, in both orders (the writer ahead of the steps; the steps ahead of the
+// writer, which a closed gate on the store's appends holds back), with a staging pool that
+// fills, FP32 and BF16 moments, 1 and 3 ranks; the steps compute exactly what they compute
+// without a save. A writer that fails at any call makes Finalize fail on every rank, publishes
+// nothing, and leaves the previous checkpoint and the in-memory state as they were.
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/optimizer/checkpointer.h"
+#include "ckpt/verify.h"
+#include "optimizer/checkpointer_test_job.h"
+#include "tests/support/fault_injection_env.h"
+#include "tests/support/status_matchers.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using test_job::ExpectAllOk;
+using test_job::Job;
+using test_job::kRoot;
+using testing::IsOk;
+using testing::StatusIs;
+using testing::ToyModel;
+
+// Appends to files in a staging directory, but the first of each (a data file's header, which
+// BeginSave writes on the caller's thread), block while the gate is closed.
+class GateEnv : public EnvWrapper {
+ public:
+  explicit GateEnv(Env* target) : EnvWrapper(target) {}
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = false;
+    opened_.notify_all();
+  }
+
+  absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
+      const std::string& path, const FileOptions& options) override {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                          target()->NewWritableFile(path, options));
+    if (path.find("/.staging-") == std::string::npos) return file;
+    return std::unique_ptr<WritableFile>(new Gated(this, std::move(file)));
+  }
+
+ private:
+  class Gated : public WritableFile {
+   public:
+    Gated(GateEnv* env, std::unique_ptr<WritableFile> inner)
+        : env_(env), inner_(std::move(inner)) {}
+    absl::Status Append(std::span<const std::byte> data) override {
+      if (appends_++ > 0) env_->WaitOpen();
+      return inner_->Append(data);
+    }
+    absl::Status Sync() override { return inner_->Sync(); }
+    absl::Status Close() override { return inner_->Close(); }
+    uint64_t size() const override { return inner_->size(); }
+
+   private:
+    GateEnv* env_;
+    std::unique_ptr<WritableFile> inner_;
+    uint64_t appends_ = 0;
+  };
+  void WaitOpen() {
+    std::unique_lock<std::mutex> lock(mu_);
+    opened_.wait(lock, [&] { return !closed_; });
+  }
+  std::mutex mu_;
+  std::condition_variable opened_;
+  bool closed_ = false;
+};
+
+enum class Order { kWriterAhead, kStepsAhead, kPoolFills };
+
+struct Case {
+  int dp;
+  MomentDType moments;
+  Order order;
+};
+
+std::string Name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return absl::StrCat("Dp", c.dp, c.moments == MomentDType::kF32 ? "F32" : "Bf16",
+                      c.order == Order::kWriterAhead  ? "WriterAhead"
+                      : c.order == Order::kStepsAhead ? "StepsAhead"
+                                                      : "PoolFills");
+}
+
+class AsyncSaveTest : public ::testing::TestWithParam<Case> {
+ protected:
+  AsyncSaveTest() : mem_(NewMemEnv()), gate_(mem_.get()) {}
+  std::unique_ptr<Env> mem_;
+  GateEnv gate_;
+};
+
+TEST_P(AsyncSaveTest, CheckpointEqualsTheStateAtTheCallWhileStepsRun) {
+  const Case c = GetParam();
+  // A toy rank holds a few thousand elements in units of 256 (Job's unit_bytes): three units'
+  // worth of staging makes the steps wait for the writer.
+  const uint64_t unit_state = 256 * (4 + 2 * MomentBytes(c.moments));
+  CheckpointerOptions options;
+  options.async_staging_bytes = c.order == Order::kPoolFills ? 3 * unit_state : uint64_t{1} << 30;
+  std::string at_call, after_steps;
+  {
+    Job job(&gate_, c.dp, 300, ToyModel(), c.moments, options);
+    job.Step(0);
+    job.Step(1);
+    at_call = job.Gather();
+    // Every writer is stuck at its first chunk until the steps are done.
+    if (c.order != Order::kWriterAhead) gate_.Close();
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(2);
+    for (const auto& h : handles) ASSERT_NE(h, nullptr);
+    if (c.order == Order::kWriterAhead) {
+      for (const auto& h : handles) {
+        while (!h->writer_done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    if (c.order != Order::kWriterAhead) {
+      // Each writer holds its first unit (it is writing it) at the closed gate, so the steps
+      // copy every other unit they can, then wait for the writers, which the gate holds until
+      // the steps have certainly got that far. With kPoolFills they run out of room first.
+      std::thread steps([&] {
+        job.Step(2);
+        job.Step(3);
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      gate_.Open();
+      steps.join();
+    } else {
+      job.Step(2);
+      job.Step(3);
+      gate_.Open();
+    }
+    after_steps = job.Gather();
+    ExpectAllOk(job.Finalize(handles));
+    EXPECT_EQ(job.Gather(), after_steps) << "Finalize changed the state";
+
+    // Rank 0 steps first (Job::Step goes rank by rank), all of it while the gate is closed.
+    const AsyncSaveReport& rank0 = handles[0]->report();
+    uint64_t copied = 0, waits = 0;
+    for (const auto& h : handles) {
+      copied += h->report().units_copied;
+      waits += h->report().step_waits;
+    }
+    switch (c.order) {
+      case Order::kWriterAhead:
+        EXPECT_EQ(copied, 0u);
+        EXPECT_EQ(waits, 0u);
+        break;
+      case Order::kStepsAhead:
+        EXPECT_EQ(rank0.units_copied, rank0.units - 1) << "all but the unit its writer held";
+        EXPECT_GT(rank0.step_waits, 0u);
+        break;
+      case Order::kPoolFills:
+        EXPECT_GT(rank0.units_copied, 0u);
+        EXPECT_LT(rank0.units_copied, rank0.units - 1) << "the pool never filled";
+        EXPECT_GT(rank0.step_waits, 0u);
+        break;
+    }
+  }  // Releases the store's LOCK.
+
+  // The steps computed what they compute without a save in flight.
+  {
+    std::unique_ptr<Env> other = NewMemEnv();
+    Job reference(other.get(), c.dp, 300, ToyModel(), c.moments);
+    for (int s = 0; s < 4; ++s) reference.Step(s);
+    EXPECT_EQ(reference.Gather(), after_steps) << "a fenced step computed something else";
+  }
+  // The checkpoint holds the state at the call, bit for bit, at another DP size too.
+  for (int dp : {c.dp, 2}) {
+    Job loaded(&gate_, dp, 500, ToyModel(), c.moments);
+    std::vector<Blobs> blobs(dp);
+    ExpectAllOk(loaded.OnEveryRank(
+        [&](int r) { return loaded.rank(r).ckpt->Load(2, &blobs[r]).status(); }));
+    EXPECT_EQ(loaded.Gather(), at_call) << "loaded at DP " << dp;
+    EXPECT_EQ(blobs[0].at("sched"), "at 2");
+  }
+  auto report = VerifyStore(&gate_, kRoot, std::nullopt, /*all=*/true);
+  ASSERT_THAT(report, IsOk());
+  EXPECT_TRUE(report->ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Orders, AsyncSaveTest,
+    ::testing::Values(Case{1, MomentDType::kF32, Order::kWriterAhead},
+                      Case{1, MomentDType::kF32, Order::kStepsAhead},
+                      Case{1, MomentDType::kF32, Order::kPoolFills},
+                      Case{3, MomentDType::kF32, Order::kWriterAhead},
+                      Case{3, MomentDType::kF32, Order::kStepsAhead},
+                      Case{3, MomentDType::kF32, Order::kPoolFills},
+                      Case{1, MomentDType::kBF16, Order::kStepsAhead},
+                      Case{3, MomentDType::kBF16, Order::kPoolFills},
+                      Case{3, MomentDType::kBF16, Order::kWriterAhead}),
+    Name);
+
+// While a save is in flight the other transactions refuse and say why; SetGroup works (the
+// groups were taken at the call); a second Finalize refuses.
+TEST(AsyncSaveRulesTest, OtherTransactionsRefuseWhileASaveIsInFlight) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  Job job(mem.get(), 2, 300);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));
+  std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(2);
+  for (int r = 0; r < 2; ++r) {
+    Checkpointer& ck = *job.rank(r).ckpt;
+    absl::Status refused = ck.Save(3);
+    EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("step 2 is in flight"));
+    EXPECT_THAT(ck.SaveAsync(3).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT(ck.Load(1).status(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  job.Step(1);  // SetGroup and Step both run.
+  ExpectAllOk(job.Finalize(handles));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(handles[r]->Finalize(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  }
+  ExpectAllOk(job.Save(3));
+}
+
+// A failure (ENOSPC, EIO) at every mutating call after SaveAsync returns, in turn: Finalize
+// fails on every rank with that error, LATEST stays, the previous step verifies, the state is
+// what the steps made it, and the next save of the same step succeeds.
+TEST(AsyncSaveFaultTest, AWriterFailureAtEveryCallFailsFinalizeOnEveryRank) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  testing::FaultInjectionEnv env(mem.get());
+  {
+    Job job(&env, 2, 300);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  int failures = 0;
+  for (uint64_t k = 1;; ++k) {
+    const int errnum = k % 2 == 0 ? ENOSPC : EIO;
+    Job job(&env, 2, 300);
+    ExpectAllOk(job.Load(std::nullopt));
+    auto latest = ReadLatest(&env, kRoot);
+    ASSERT_THAT(latest, IsOk());
+    const uint64_t previous = **latest, step = previous + 1;
+    job.Step(1);
+    // Counted from here: SaveAsync's own calls (the staging directory, the data file's
+    // header), then the writers' (two ranks at once, so their calls interleave differently
+    // from one run to the next; the sweep still reaches every call), then the commit's.
+    env.FailNth(k, errnum);
+    std::vector<absl::Status> begun;
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(step, &begun);
+    job.Step(2);
+    const std::string after_steps = job.Gather();
+    std::vector<absl::Status> st =
+        begun[0].ok() ? job.Finalize(handles) : begun;  // A refused SaveAsync is the outcome.
+    env.Disarm();
+    if (begun[0].ok()) ExpectAllOk(begun);
+    EXPECT_EQ(job.Gather(), after_steps) << "call " << k;
+    if (st[0].ok()) {
+      ExpectAllOk(st);
+      break;  // The failure fell after the last call of the save.
+    }
+    ++failures;
+    for (const absl::Status& s : st) {
+      EXPECT_EQ(s.code(), st[0].code()) << "ranks disagree at call " << k;
+      EXPECT_EQ(s.message(), st[0].message()) << "ranks disagree at call " << k;
+    }
+    latest = ReadLatest(&env, kRoot);
+    ASSERT_THAT(latest, IsOk());
+    EXPECT_EQ(**latest, previous) << "a failed save published its step, call " << k;
+    auto verified = VerifyStore(&env, kRoot, previous, /*all=*/false);
+    ASSERT_THAT(verified, IsOk());
+    EXPECT_TRUE(verified->ok()) << "call " << k;
+    // The next save of the same step goes through.
+    handles = job.SaveAsync(step);
+    ExpectAllOk(job.Finalize(handles));
+    ASSERT_LT(k, 2000u);
+  }
+  std::printf("%d injected failures failed the async save\n", failures);
+  EXPECT_GT(failures, 20);
+}
+
+}  // namespace
+}  // namespace ckpt::optimizer
