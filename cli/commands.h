@@ -74,6 +74,16 @@ struct BenchCkptArgs {
 };
 int RunBenchCkpt(const BenchCkptArgs& args);
 
+struct BenchAsyncSaveArgs {
+  std::string dir;
+  uint64_t params = 0;
+  std::string engine = "cpu";  // cpu or cuda.
+  std::string staging = "1G";  // The async save's staging pool.
+  int steps = 3;
+  bool json = false;
+};
+int RunBenchAsyncSave(const BenchAsyncSaveArgs& args);
+
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
   int threads = 0;                    // 0: every core.

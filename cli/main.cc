@@ -171,6 +171,24 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, 256));
   ckpt_cmd->add_flag("--json", bench_ckpt.json, "Print one JSON object");
 
+  BenchAsyncSaveArgs bench_async;
+  CLI::App* async_cmd = bench_cmd->add_subcommand(
+      "async-save",
+      "Checkpointer::SaveAsync with steps running, against a plain step, a sync save and the "
+      "write and copy bounds");
+  async_cmd->add_option("--dir", bench_async.dir, "Directory to benchmark in (must exist)")
+      ->required();
+  async_cmd->add_option("--params", bench_async.params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  async_cmd->add_option("--engine", bench_async.engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  async_cmd->add_option("--staging", bench_async.staging,
+                        "Staging pool for units a step changes before they are written, e.g. 1G");
+  async_cmd->add_option("--steps", bench_async.steps, "Steps timed without a save (median)")
+      ->check(WholeNumber(1, 1000));
+  async_cmd->add_flag("--json", bench_async.json, "Print one JSON object");
+
   HfReshardArgs reshard;
   CLI::App* reshard_cmd = app.add_subcommand("hf-reshard",
                                              "Rewrite a HuggingFace checkpoint as one file or as "
@@ -201,6 +219,7 @@ int main(int argc, char** argv) {
   if (reshard_cmd->parsed()) return RunHfReshard(reshard);
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
+  if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);
   std::cerr << app.help();
   return kExitUsage;
 }

@@ -235,6 +235,12 @@ absl::Status DemoRank::Save(uint64_t step, const optimizer::Blobs& blobs) {
   return ckpt_->Save(step, blobs);
 }
 
+absl::StatusOr<std::unique_ptr<optimizer::PendingSave>> DemoRank::SaveAsync(
+    uint64_t step, const optimizer::Blobs& blobs) {
+  if (ckpt_ == nullptr) return absl::FailedPreconditionError("this rank has no store to save to");
+  return ckpt_->SaveAsync(step, blobs);
+}
+
 absl::StatusOr<optimizer::LoadReport> DemoRank::Load(optimizer::Blobs* blobs) {
   if (ckpt_ == nullptr) return absl::FailedPreconditionError("this rank has no store to load from");
   return ckpt_->Load(std::nullopt, blobs);

@@ -120,6 +120,10 @@ class DemoRank {
   // Collective: the state as checkpoint `step`, with the trainer's blobs (optimizer/checkpointer.h).
   // kFailedPrecondition for a rank created without a store.
   absl::Status Save(uint64_t step, const optimizer::Blobs& blobs);
+  // Collective: begins an async save of the state as it is now (Checkpointer::SaveAsync).
+  // kFailedPrecondition for a rank created without a store.
+  absl::StatusOr<std::unique_ptr<optimizer::PendingSave>> SaveAsync(
+      uint64_t step, const optimizer::Blobs& blobs);
   // Collective: LATEST into this rank's state, whatever the layout that saved it.
   // kFailedPrecondition for a rank created without a store.
   absl::StatusOr<optimizer::LoadReport> Load(optimizer::Blobs* blobs);

@@ -10,8 +10,11 @@
 //  3. Every --save-every steps saves through the ranks' Checkpointers, one transaction: BF16
 //     weights, masters, both moments, hyper-parameters and step counters, straight from the
 //     slabs, and the trainer's blobs (the schedule and the data position).
-//  4. With --crash-at S the save of step S is killed with SIGKILL at its commit vote, once the
-//     ranks have written their files. Run again with --resume: opening the store recovers it
+//     Saves are asynchronous (Checkpointer::SaveAsync): the next step runs while the writers
+//     write, then the save is finalized; --sync-save saves synchronously instead.
+//  4. With --crash-at S the process is killed with SIGKILL while the async save of step S is in
+//     flight (with --sync-save: at the commit vote of the save of step S, once the ranks have
+//     written their files). Run again with --resume: opening the store recovers it
 //     (the unfinished save is removed), the ranks load LATEST (at any --ranks: the checkpoint
 //     holds flat index ranges), the schedule comes back from its blob and training continues.
 //     The final state must equal, bit for bit, that of a run that never crashed (computed in
@@ -71,13 +74,13 @@ struct Flags {
   std::string out, model, engine = "cpu", dump_state;
   optimizer::MomentDType moments = optimizer::MomentDType::kF32;
   int ranks = 2, steps = 12, save_every = 4, crash_at = 0;
-  bool resume = false;
+  bool resume = false, sync_save = false;
 };
 
 constexpr const char* kUsage =
     "usage: ckpt-demo-trainer --out DIR [--model HF_DIR] [--ranks R] [--steps N] "
-    "[--save-every K] [--crash-at S | --resume] [--engine cpu|cuda] [--moments F32|BF16] "
-    "[--dump-state FILE]\n";
+    "[--save-every K] [--crash-at S | --resume] [--sync-save] [--engine cpu|cuda] "
+    "[--moments F32|BF16] [--dump-state FILE]\n";
 
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
@@ -85,6 +88,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--resume") {
       f.resume = true;
+      continue;
+    }
+    if (a == "--sync-save") {
+      f.sync_save = true;
       continue;
     }
     if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(a, " needs a value"));
@@ -242,9 +249,24 @@ absl::StatusOr<Job> NewJob(const std::string& init_model, const Flags& f, bool r
 }
 
 // Steps from `first` to `last` inclusive; saves every `save_every` steps when the job has
-// stores; at `crash_at` the save is killed at its commit vote.
+// stores, asynchronously unless --sync-save (the next step runs during the save, which is then
+// finalized); at `crash_at` the process is killed during the save.
 absl::Status Train(Job& job, int first, int last, const Flags& f, bool verbose) {
   const int n = static_cast<int>(job.ranks.size());
+  std::vector<std::unique_ptr<optimizer::PendingSave>> pending;  // Per rank, while in flight.
+  auto finalize = [&](int during) -> absl::Status {
+    if (pending.empty()) return absl::OkStatus();
+    const uint64_t saved = pending[0]->step();
+    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) { return pending[r]->Finalize(); }));
+    pending.clear();
+    if (verbose && during > 0) {
+      std::printf("step %3llu  async save committed (step %d ran while it was written)\n",
+                  static_cast<unsigned long long>(saved), during);
+    } else if (verbose) {
+      std::printf("step %3llu  async save committed\n", static_cast<unsigned long long>(saved));
+    }
+    return absl::OkStatus();
+  };
   for (int step = first; step <= last; ++step) {
     const double lr = job.schedule.At(step);
     std::vector<double> loss(n);
@@ -256,21 +278,36 @@ absl::Status Train(Job& job, int first, int last, const Flags& f, bool verbose) 
     for (double l : loss) total += l;
     if (verbose)
       std::printf("step %3d  loss %.6e  lr %.3e\n", step, total / job.model.elements(), lr);
+    CKPT_RETURN_IF_ERROR(finalize(step));
     const bool crash = step == f.crash_at;
     if (job.stores.empty() || (step % f.save_every != 0 && !crash)) continue;
-    if (crash) job.coordinators[0]->ArmKillAtCommitVote(step);
     const optimizer::Blobs blobs = {{kScheduleBlob, job.schedule.Encode()},
                                     {kPositionBlob, absl::StrCat("next_step ", step + 1)}};
-    CKPT_RETURN_IF_ERROR(OnEveryRank(
-        n, [&](int r) { return job.ranks[r]->Save(static_cast<uint64_t>(step), blobs); }));
-    if (verbose) {
-      std::printf("step %3d  saved: weights, masters, %s moments, hyper-parameters and steps of "
-                  "%llu parameters from %d ranks; lr schedule; next_step %d\n",
-                  step, f.moments == optimizer::MomentDType::kF32 ? "F32" : "BF16",
-                  static_cast<unsigned long long>(job.model.elements()), n, step + 1);
+    const std::string what = absl::StrFormat(
+        "weights, masters, %s moments, hyper-parameters and steps of %llu parameters from %d "
+        "ranks; lr schedule; next_step %d",
+        f.moments == optimizer::MomentDType::kF32 ? "F32" : "BF16",
+        static_cast<unsigned long long>(job.model.elements()), n, step + 1);
+    if (f.sync_save) {
+      if (crash) job.coordinators[0]->ArmKillAtCommitVote(step);
+      CKPT_RETURN_IF_ERROR(OnEveryRank(
+          n, [&](int r) { return job.ranks[r]->Save(static_cast<uint64_t>(step), blobs); }));
+      if (verbose) std::printf("step %3d  saved: %s\n", step, what.c_str());
+      continue;
+    }
+    pending.resize(n);
+    CKPT_RETURN_IF_ERROR(OnEveryRank(n, [&](int r) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(pending[r], job.ranks[r]->SaveAsync(static_cast<uint64_t>(step), blobs));
+      return absl::OkStatus();
+    }));
+    if (verbose) std::printf("step %3d  async save begun: %s\n", step, what.c_str());
+    if (crash) {
+      std::printf("step %3d  killed while its async save was in flight (SIGKILL)\n", step);
+      std::fflush(stdout);
+      raise(SIGKILL);
     }
   }
-  return absl::OkStatus();
+  return finalize(0);
 }
 
 // Loads LATEST into every rank of `job` and the schedule from its blob; returns the step to

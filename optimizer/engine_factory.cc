@@ -27,6 +27,10 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t, int, MomentDTyp
   return absl::UnimplementedError(
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 }
+absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t, float) {
+  return absl::UnimplementedError(
+      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
+}
 #endif
 
 namespace internal {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # ckpt's main job end to end: the demo trainer (demo/demo_trainer.cc) trains a small model on the
 # CPU engine over 2 data-parallel ranks with a warmup + cosine learning rate, saving every 4 steps
-# through Checkpointer; it is killed with SIGKILL at the commit vote of the save of step 10, resumes
-# from LATEST (step 8) on 3 ranks and must end bit for bit where an uninterrupted run ends; then
-# ckpt-tool inspects and verifies the store and the exported model.
+# through Checkpointer's async save (the next step runs while it is written); it is killed with
+# SIGKILL while the async save of step 10 is in flight, resumes from LATEST (step 8) on 3 ranks and
+# must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects and verifies the
+# store and the exported model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh

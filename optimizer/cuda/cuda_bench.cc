@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <vector>
 
 #include "ckpt/base/status_macros.h"
@@ -56,6 +57,46 @@ absl::Status MeasureDuplex(size_t bytes, double* h2d_gbps, double* d2h_gbps) {
 }
 
 }  // namespace
+
+namespace {
+
+class CudaStepBuffers : public DeviceStepBuffers {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> Create(uint64_t params, float grad) {
+    auto b = std::make_unique<CudaStepBuffers>();
+    CKPT_ASSIGN_OR_RETURN(b->grads_, DeviceBuffer::Create(params * 4));
+    CKPT_ASSIGN_OR_RETURN(b->weights_, DeviceBuffer::Create(params * 2));
+    CKPT_ASSIGN_OR_RETURN(b->stream_, CudaStream::Create());
+    const std::vector<float> host(params, grad);
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(b->grads_.data(), host.data(), params * 4, cudaMemcpyHostToDevice));
+    return std::unique_ptr<DeviceStepBuffers>(std::move(b));
+  }
+  StepArgs args() override {
+    StepArgs a{grads_.data(), formats::DType::kF32, 1.0f, weights_.data()};
+    a.stream = reinterpret_cast<CUstream_st*>(stream_.get());
+    return a;
+  }
+  absl::Status WaitFor(CUevent_st* done) override {
+    if (done != nullptr) {
+      CKPT_CUDA_RETURN_IF_ERROR(
+          cudaStreamWaitEvent(stream_.get(), reinterpret_cast<cudaEvent_t>(done), 0));
+    }
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+    return absl::OkStatus();
+  }
+
+ private:
+  DeviceBuffer grads_, weights_;
+  CudaStream stream_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t params,
+                                                                        float grad) {
+  return CudaStepBuffers::Create(params, grad);
+}
 
 absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps,
                                                        MomentDType moments, uint64_t unit_bytes,

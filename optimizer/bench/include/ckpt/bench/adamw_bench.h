@@ -44,11 +44,26 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int step
                                                        MomentDType moments, uint64_t unit_bytes,
                                                        int slots);
 
+// A CUDA-engine benchmark's caller side: device gradients (FP32, every one `grad`), device BF16
+// parameters and the caller's stream. kUnimplemented without CUDA; the CUDA error otherwise.
+class DeviceStepBuffers {
+ public:
+  virtual ~DeviceStepBuffers() = default;
+  // Gradients, parameters and stream for StagedAdamW::Step.
+  virtual StepArgs args() = 0;
+  // Waits for `done` (a StepReport's) on the stream, then for the stream.
+  virtual absl::Status WaitFor(CUevent_st* done) = 0;
+};
+absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t params,
+                                                                        float grad);
+
 }  // namespace ckpt::optimizer
 
 namespace ckpt::bench {
 
 using optimizer::CudaStepBenchmark;
+using optimizer::DeviceStepBuffers;
+using optimizer::NewDeviceStepBuffers;
 using optimizer::RunCudaStepBenchmark;
 
 // Where the caller's gradient and parameter buffers come from in the CPU benchmark.

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "ckpt/optimizer/staged_adamw.h"
 
 namespace ckpt::bench {
 
@@ -34,6 +35,34 @@ struct CkptFigures {
 // the same directory. kInvalidArgument for no parameters or ranks; errors of the optimizer and
 // the store as they come. The store is removed afterwards.
 absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options);
+
+// What `ckpt-tool bench async-save` measures: one rank's Checkpointer::SaveAsync while steps run,
+// against a step without a save, a sync save of the same state, and the bounds (DESIGN.md §8).
+struct AsyncSaveBenchOptions {
+  std::string dir;      // An existing directory; the store is dir/ckpt-bench-async.
+  uint64_t params = 0;  // BF16 weights, FP32 masters and moments.
+  optimizer::EngineKind engine = optimizer::EngineKind::kCpu;
+  uint64_t staging_bytes = uint64_t{1} << 30;  // CheckpointerOptions::async_staging_bytes.
+  int steps = 3;                               // Steps timed without a save (median).
+};
+
+struct AsyncSaveFigures {
+  uint64_t state_bytes = 0;             // 14 bytes per parameter.
+  double return_ms = 0;                 // SaveAsync's call, until it returned.
+  double step_ms = 0;                   // Median step without a save in flight.
+  double step_during_save_ms = 0;       // Mean of the steps that ran while the writer wrote.
+  int steps_during_save = 0;
+  double durable_s = 0;                 // SaveAsync's call until Finalize returned.
+  double sync_save_s = 0;               // Checkpointer::Save of the same state.
+  double write_bound_gbps = 0;          // Best sequential O_DIRECT write of the same bytes.
+  double copy_bound_gbps = 0;           // memcpy of the same bytes into touched memory.
+  uint64_t units = 0, units_copied = 0, bytes_copied = 0, step_waits = 0;
+};
+
+// Saves once synchronously, times steps, then SaveAsync and steps back to back until the
+// writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
+// kFailedPrecondition for the CUDA engine where it cannot run. The store is removed afterwards.
+absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& options);
 
 }  // namespace ckpt::bench
 

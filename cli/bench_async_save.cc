@@ -1,0 +1,83 @@
+// ckpt-tool bench async-save: how long Checkpointer::SaveAsync takes to return, the steps that
+// run while its writer writes against steps without a save, the time until the step is durable
+// against a sync save of the same state, and the bounds (O_DIRECT write; memcpy for the units a
+// step copies aside). The measuring is ckpt::bench::RunAsyncSaveBench (optimizer/bench).
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/bench/ckpt_bench.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+
+int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
+  absl::StatusOr<bool> is_dir = Env::Default()->IsDirectory(args.dir);
+  if (!is_dir.ok() || !*is_dir) {
+    return ReportError("bench async-save", absl::NotFoundError(args.dir + ": not a directory"));
+  }
+  absl::StatusOr<uint64_t> staging = ParseByteSize(args.staging);
+  if (!staging.ok()) return ReportError("bench async-save --staging", staging.status());
+  // Slabs (12 B), weights (2 B), gradients (4 B) per parameter, the copy bound's two buffers
+  // (up to 1 GiB each) and the staging pool.
+  const uint64_t per_param = 18;
+  absl::Status fits = CheckFitsInMemory(
+      args.params > (UINT64_MAX - *staging - (uint64_t{2} << 30)) / per_param
+          ? UINT64_MAX
+          : args.params * per_param + *staging + (uint64_t{2} << 30),
+      absl::StrCat("bench async-save --params ", args.params));
+  if (!fits.ok()) return ReportError("bench async-save", fits);
+  bench::AsyncSaveBenchOptions o;
+  o.dir = args.dir;
+  o.params = args.params;
+  o.engine = args.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
+  o.staging_bytes = *staging;
+  o.steps = args.steps;
+  absl::StatusOr<bench::AsyncSaveFigures> f = bench::RunAsyncSaveBench(o);
+  if (!f.ok()) return ReportError("bench async-save", f.status());
+  const double step_ratio = f->step_during_save_ms / f->step_ms;
+  const double durable_ratio = f->durable_s / f->sync_save_s;
+  const double sync_gbps = static_cast<double>(f->state_bytes) / f->sync_save_s / 1e9;
+  if (args.json) {
+    PrintJson({{"params", args.params},
+               {"engine", args.engine},
+               {"state_bytes", f->state_bytes},
+               {"staging_bytes", *staging},
+               {"return_ms", f->return_ms},
+               {"step_ms", f->step_ms},
+               {"step_during_save_ms", f->step_during_save_ms},
+               {"steps_during_save", f->steps_during_save},
+               {"step_ratio", step_ratio},
+               {"durable_s", f->durable_s},
+               {"sync_save_s", f->sync_save_s},
+               {"durable_ratio", durable_ratio},
+               {"sync_save_gbps", sync_gbps},
+               {"write_bound_gbps", f->write_bound_gbps},
+               {"copy_bound_gbps", f->copy_bound_gbps},
+               {"units", f->units},
+               {"units_copied", f->units_copied},
+               {"bytes_copied", f->bytes_copied},
+               {"step_waits", f->step_waits}});
+    return kExitOk;
+  }
+  std::cout << absl::StrFormat(
+      "optimizer state %s, %s engine, staging pool %s\n"
+      "SaveAsync returned in      %8.2f ms\n"
+      "step without a save        %8.1f ms\n"
+      "step during the save       %8.1f ms   (%d step(s))   ratio %.2f\n"
+      "until durable (async)      %8.3f s\n"
+      "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
+      "ratio %.2f\n"
+      "units copied aside         %llu of %llu (%s; memcpy bound %.2f GB/s), steps waited %llu "
+      "time(s)\n",
+      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), f->return_ms, f->step_ms,
+      f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->sync_save_s,
+      sync_gbps, f->write_bound_gbps, durable_ratio,
+      static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),
+      FormatBytes(f->bytes_copied), f->copy_bound_gbps,
+      static_cast<unsigned long long>(f->step_waits));
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli
