@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "libckpt/aligned_buffer.h"
 
 namespace ckpt::internal {
@@ -31,7 +31,7 @@ class BouncePool {
   // A retained buffer, or a new uninitialised one: the caller reads into it before using it.
   absl::StatusOr<AlignedBuffer> Take() {
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (!free_.empty()) {
         AlignedBuffer b = std::move(free_.back());
         free_.pop_back();
@@ -43,15 +43,15 @@ class BouncePool {
   }
 
   void Give(AlignedBuffer b) {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (b.size() == buffer_bytes_ && free_.size() < max_retained_) free_.push_back(std::move(b));
   }
 
  private:
   const size_t buffer_bytes_;
   const size_t max_retained_;
-  absl::Mutex mu_;
-  std::vector<AlignedBuffer> free_ ABSL_GUARDED_BY(mu_);
+  std::mutex mu_;
+  std::vector<AlignedBuffer> free_;
 };
 
 }  // namespace ckpt::internal

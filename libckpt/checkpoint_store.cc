@@ -65,7 +65,7 @@ void CheckpointStore::Log(absl::string_view message) const {
 }
 
 std::optional<uint64_t> CheckpointStore::latest_step() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return latest_;
 }
 
@@ -89,7 +89,7 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     return store;
   }
   CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, ReadLatest(env, *real));
-  absl::MutexLock lock(&store->mu_);
+  std::lock_guard<std::mutex> lock(store->mu_);
   store->latest_ = latest;
   return store;
 }
@@ -109,12 +109,17 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
   std::string staging;
   if (coordinator->rank() == 0) {
     absl::Status s;
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (!options_.primary || options_.read_only) {
       s = absl::FailedPreconditionError(
           "rank 0 must save through the primary, writable store handle");
     } else if (save_in_flight_) {
       s = absl::FailedPreconditionError(absl::StrCat(root_, ": another save is in flight"));
+    } else if (latest_uncertain_.has_value()) {
+      s = absl::FailedPreconditionError(absl::StrCat(
+          root_, ": the commit of step ", *latest_uncertain_,
+          " could not make LATEST durable nor put the previous one back; reopen the store so "
+          "that recovery decides which step LATEST names"));
     } else if (latest_.has_value() && step <= *latest_) {
       s = absl::FailedPreconditionError(absl::StrCat(
           "step ", step, " is not newer than LATEST (step ", *latest_, ") in ", root_));
@@ -152,12 +157,17 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
 }
 
 void CheckpointStore::OnCommitted(uint64_t step) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (!latest_.has_value() || *latest_ < step) latest_ = step;
 }
 
+void CheckpointStore::OnLatestUncertain(uint64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  latest_uncertain_ = step;
+}
+
 void CheckpointStore::OnSaveEnded() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   save_in_flight_ = false;
 }
 
@@ -193,7 +203,7 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const Rete
   }
   std::optional<uint64_t> latest;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (save_in_flight_) {
       return absl::FailedPreconditionError(absl::StrCat(root_, ": a save is in flight"));
     }

@@ -165,6 +165,62 @@ TEST_F(StoreTest, IoFailureOnOneRankAbortsEveryRank) {
   EXPECT_EQ(Open()->latest_step(), std::nullopt);
 }
 
+// One rank's whole save of `step`: a small tensor, committed.
+absl::Status SaveOne(CheckpointStore& store, uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, store.BeginSave(step));
+  CKPT_RETURN_IF_ERROR(txn->DeclareTensor({"t", formats::DType::kF32, {4}}));
+  const float v[4] = {1, 2, 3, static_cast<float>(step)};
+  CKPT_RETURN_IF_ERROR(txn->WritePiece("t", 0, 4, std::as_bytes(std::span(v))));
+  return txn->Commit();
+}
+
+// The commit's SyncDir calls: the staging directory (step 6), the root after the rename
+// (step 7), the root after LATEST's rename (step 8), then the restore's.
+constexpr uint64_t kLatestSyncDir = 3;
+
+// A failed SyncDir after the new LATEST is renamed into place: neither committed nor abandoned
+// until the previous LATEST is back, durably; then the step is abandoned and removed.
+TEST_F(StoreTest, AFailedSyncOfTheNewLatestPutsThePreviousOneBack) {
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  auto store = Open();
+  ASSERT_THAT(SaveOne(*store, 1), IsOk());
+  fault.FailNth(kLatestSyncDir, EIO, testing::FaultInjectionEnv::Op::kSyncDir);
+  absl::Status s = SaveOne(*store, 2);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("the previous LATEST is back")) << s;
+  EXPECT_EQ(store->latest_step(), 1u);
+  auto on_disk = ReadLatest(&fault, kRoot);
+  ASSERT_THAT(on_disk, IsOk());
+  EXPECT_EQ(*on_disk, 1u);
+  EXPECT_FALSE(fault.IsDirectory(absl::StrCat(kRoot, "/", StepDirectoryName(2))).ok());
+  EXPECT_THAT(SaveOne(*store, 2), IsOk());  // Nothing is left in the way.
+}
+
+// When the previous LATEST cannot be put back either, LATEST may name the new step: it stays,
+// this handle refuses further saves (a retry must not remove it), and a reopened store's
+// recovery decides.
+TEST_F(StoreTest, WhenThePreviousLatestCannotBePutBackTheStepStaysAndSavesAreRefused) {
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  auto store = Open();
+  ASSERT_THAT(SaveOne(*store, 1), IsOk());
+  fault.FailNth(kLatestSyncDir, EIO, testing::FaultInjectionEnv::Op::kSyncDir);
+  fault.FailNth(kLatestSyncDir + 1, EIO, testing::FaultInjectionEnv::Op::kSyncDir);
+  absl::Status s = SaveOne(*store, 2);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("nor the previous one put back")) << s;
+  EXPECT_THAT(fault.IsDirectory(absl::StrCat(kRoot, "/", StepDirectoryName(2))), IsOk());
+  absl::Status again = SaveOne(*store, 2);
+  EXPECT_THAT(again, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(std::string(again.message()), HasSubstr("reopen the store"));
+  EXPECT_THAT(fault.IsDirectory(absl::StrCat(kRoot, "/", StepDirectoryName(2))), IsOk());
+  store.reset();
+  auto reopened = Open();
+  ASSERT_NE(reopened, nullptr);
+  ASSERT_TRUE(reopened->latest_step().has_value());
+  auto reader = reopened->OpenLatest();
+  EXPECT_THAT(reader, IsOk()) << "LATEST names a step that is gone";
+}
+
 TEST_F(StoreTest, BadArgumentsAreRefusedAndTheTransactionStaysUsable) {
   auto store = Open();
   auto txn = store->BeginSave(1);

@@ -97,15 +97,14 @@ absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
   if (!formats::IsValidName(spec.name)) {
     return absl::InvalidArgumentError(absl::StrCat("invalid tensor name \"", spec.name, "\""));
   }
-  for (const formats::TensorInfo& t : part_.tensors) {
-    if (t.name == spec.name) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor \"", spec.name, "\" declared twice"));
-    }
+  if (tensor_index_.count(spec.name)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", spec.name, "\" declared twice"));
   }
   formats::Manifest probe;
   probe.tensors.push_back({spec.name, spec.dtype, spec.shape});
   absl::Status valid = formats::ValidateManifest(probe, spec.name);
   if (!valid.ok()) return absl::InvalidArgumentError(valid.message());
+  tensor_index_[spec.name] = static_cast<uint32_t>(part_.tensors.size());
   part_.tensors.push_back({spec.name, spec.dtype, spec.shape});
   return absl::OkStatus();
 }
@@ -151,12 +150,12 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
-  auto it = std::find_if(part_.tensors.begin(), part_.tensors.end(),
-                         [&](const formats::TensorInfo& t) { return t.name == tensor; });
-  if (it == part_.tensors.end()) {
+  auto found = tensor_index_.find(tensor);
+  if (found == tensor_index_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", tensor, "\" was not declared"));
   }
-  const uint32_t index = static_cast<uint32_t>(it - part_.tensors.begin());
+  const uint32_t index = found->second;
+  const formats::TensorInfo* it = &part_.tensors[index];
   const uint64_t numel = it->numel();
   const uint64_t esize = formats::DTypeSize(it->dtype);
   if (count == 0 || begin > numel || count > numel - begin) {
@@ -168,11 +167,13 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
     return absl::InvalidArgumentError(absl::StrCat("piece of \"", tensor, "\" has ", data.size(),
                                                    " bytes, expected ", count * esize));
   }
-  for (const formats::PieceInfo& p : part_.pieces) {
-    if (p.tensor == index && begin < p.begin + p.count && p.begin < begin + count) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor, "\" overlaps another"));
-    }
+  // This rank's ranges of the tensor, by begin: only the neighbours can overlap.
+  std::map<uint64_t, uint64_t>& ranges = ranges_[index];
+  auto next = ranges.lower_bound(begin);
+  if ((next != ranges.end() && next->first < begin + count) ||
+      (next != ranges.begin() && std::prev(next)->second > begin)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor, "\" overlaps another"));
   }
   formats::PieceInfo piece;
   piece.tensor = index;
@@ -192,6 +193,7 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
   }
   piece.chunk_count = chunks.size() - piece.first_chunk;
   part_.pieces.push_back(piece);
+  ranges.emplace(begin, begin + count);
   return absl::OkStatus();
 }
 
@@ -298,7 +300,8 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
       // Best effort: recovery removes whatever this leaves behind.
       const std::string step_dir = JoinPath(store_->root(), internal::StepDirName(step_));
       RemoveRecursively(env_, staging_dir_).IgnoreError();
-      if (store_->latest_step() != step_ && !latest_may_name_step_) {
+      // Only a step directory this transaction made, and only when LATEST cannot name it.
+      if (renamed_ && store_->latest_step() != step_ && !latest_may_name_step_) {
         RemoveRecursively(env_, step_dir).IgnoreError();
       }
       env_->SyncDir(store_->root()).IgnoreError();
@@ -399,6 +402,7 @@ absl::Status SaveTransaction::Publish(const Manifest& manifest) {
   // Step 7.
   const std::string step_dir = JoinPath(store_->root(), internal::StepDirName(step_));
   CKPT_RETURN_IF_ERROR(env_->RenameFile(staging_dir_, step_dir));
+  renamed_ = true;  // From here the step directory is this transaction's.
   CKPT_RETURN_IF_ERROR(env_->SyncDir(store_->root()));
   // Step 8: the commit point.
   const std::string latest = JoinPath(store_->root(), internal::kLatestName);
@@ -419,7 +423,10 @@ absl::Status SaveTransaction::Publish(const Manifest& manifest) {
       restored = env_->RemoveFile(latest);
       if (restored.ok()) restored = env_->SyncDir(store_->root());
     }
-    if (!restored.ok()) latest_may_name_step_ = true;
+    if (!restored.ok()) {
+      latest_may_name_step_ = true;
+      store_->OnLatestUncertain(step_);
+    }
     return Annotate(synced, restored.ok()
                                 ? "LATEST could not be made durable; the previous LATEST is back"
                                 : absl::StrCat("LATEST could not be made durable, nor the "

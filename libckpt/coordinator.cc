@@ -1,11 +1,12 @@
 #include "ckpt/coordinator.h"
 
+#include <condition_variable>
 #include <map>
+#include <mutex>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
 #include "ckpt/base/status_macros.h"
 
 namespace ckpt {
@@ -42,7 +43,8 @@ absl::Status DecodeStatus(absl::string_view text) {
 struct ThreadGroup::State {
   explicit State(int n) : size(n), slots(static_cast<size_t>(n)) {}
   const int size;
-  absl::Mutex mu;
+  std::mutex mu;
+  std::condition_variable next_round;
   uint64_t generation = 0;
   int arrived = 0;
   std::vector<std::string> slots;
@@ -61,7 +63,7 @@ class ThreadGroup::Member : public Coordinator {
 
   absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view mine) override {
     State& s = *state_;
-    absl::MutexLock lock(&s.mu);
+    std::unique_lock<std::mutex> lock(s.mu);
     const uint64_t my_generation = s.generation;
     s.slots[static_cast<size_t>(rank_)] = std::string(mine);
     if (++s.arrived == s.size) {
@@ -69,10 +71,9 @@ class ThreadGroup::Member : public Coordinator {
       s.slots.assign(static_cast<size_t>(s.size), std::string());
       s.arrived = 0;
       ++s.generation;
+      s.next_round.notify_all();
     } else {
-      s.mu.Await(absl::Condition(
-          +[](std::pair<State*, uint64_t>* arg) { return arg->first->generation != arg->second; },
-          new_pair(&s, my_generation)));
+      s.next_round.wait(lock, [&] { return s.generation != my_generation; });
     }
     auto it = s.results.find(my_generation);
     std::vector<std::string> out = it->second.values;
@@ -81,13 +82,8 @@ class ThreadGroup::Member : public Coordinator {
   }
 
  private:
-  std::pair<State*, uint64_t>* new_pair(State* s, uint64_t g) {
-    pending_ = {s, g};
-    return &pending_;
-  }
   State* state_;
   int rank_;
-  std::pair<State*, uint64_t> pending_;
 };
 
 ThreadGroup::ThreadGroup(int size) : state_(std::make_unique<State>(size)) {

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 
 namespace ckpt::internal {
 
@@ -40,9 +40,9 @@ bool IsGarbageName(absl::string_view name) {
 }
 
 std::string NewNonce() {
-  static absl::Mutex* mu = new absl::Mutex;
+  static std::mutex* mu = new std::mutex;
   static absl::BitGen* gen = new absl::BitGen;
-  absl::MutexLock lock(mu);
+  std::lock_guard<std::mutex> lock(*mu);
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(*gen));
 }
 

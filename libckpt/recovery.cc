@@ -103,7 +103,7 @@ absl::Status CheckpointStore::Recover() {
       break;
   }
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     latest_ = step;
   }
   // Step 5.
@@ -160,7 +160,7 @@ absl::Status CheckpointStore::FallBack() {
   if (good.has_value()) {
     CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, latest_path, formats::EncodeLatest(*good)));
     {
-      absl::MutexLock lock(&mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       latest_ = *good;
     }
     Log(absl::StrCat("recovery: ", recovery_.latest_problem, "; LATEST now names step ", *good,

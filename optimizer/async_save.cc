@@ -55,24 +55,29 @@ bool AsyncSave::Released(size_t u) const {
 
 void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* ready) {
   std::unique_lock<std::mutex> lock(mu_);
+  bool waited = false;
   for (;;) {
     for (size_t u = 0; u < done.size(); ++u) {
       if (!done[u] && Released(u)) ready->push_back(u);
     }
-    if (!ready->empty()) return;
+    if (!ready->empty()) break;
     // Nothing free: copy pending units, from the highest down (the writer comes from below),
-    // as far as the pool has room.
+    // as far as the pool has room, at most kCopyBatchBytes at a time so that the step comes
+    // back soon to take what the writer released meanwhile.
     std::vector<size_t> copy;
-    for (size_t u = done.size(); u-- > 0;) {
+    uint64_t batch = 0;
+    for (size_t u = done.size(); u-- > 0 && batch < kCopyBatchBytes;) {
       if (done[u] || state_[u] != State::kPending) continue;
       if (pool_used_ + UnitBytes(u) > plan_.pool_bytes) continue;
       pool_used_ += UnitBytes(u);
+      batch += UnitBytes(u);
       state_[u] = State::kCopying;
       copy.push_back(u);
     }
     if (copy.empty()) {
-      // The pool is full (or the unit is being written): wait for the writer.
-      ++stats_.step_waits;
+      // The pool is full (or every unit left is being written): wait for the writer.
+      if (!waited) ++stats_.step_waits;
+      waited = true;
       changed_.wait(lock);
       continue;
     }
@@ -82,17 +87,25 @@ void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* read
     std::vector<std::unique_ptr<std::byte[]>> buffers;
     for (size_t u : copy) {
       const Unit& unit = units_[u];
-      auto buf = std::make_unique_for_overwrite<std::byte[]>(UnitBytes(u));
-      std::memcpy(buf.get(), master_ + unit.offset * 4, unit.count * 4);
-      std::memcpy(buf.get() + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
-                  unit.count * moment_bytes_);
-      std::memcpy(buf.get() + unit.count * (4 + moment_bytes_),
-                  exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
+      std::unique_ptr<std::byte[]> buf(new (std::nothrow) std::byte[UnitBytes(u)]);
+      if (buf != nullptr) {
+        std::memcpy(buf.get(), master_ + unit.offset * 4, unit.count * 4);
+        std::memcpy(buf.get() + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
+                    unit.count * moment_bytes_);
+        std::memcpy(buf.get() + unit.count * (4 + moment_bytes_),
+                    exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
+      }
       buffers.push_back(std::move(buf));
     }
     lock.lock();
     for (size_t k = 0; k < copy.size(); ++k) {
       const size_t u = copy[k];
+      if (buffers[k] == nullptr) {
+        // Out of memory: the unit stays for the writer, and the step waits for it.
+        state_[u] = State::kPending;
+        if (!abandoned_) pool_used_ -= UnitBytes(u);
+        continue;
+      }
       state_[u] = State::kCopied;
       ++stats_.units_copied;
       stats_.bytes_copied += UnitBytes(u);

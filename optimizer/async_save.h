@@ -35,7 +35,8 @@ struct AsyncSaveStats {
   uint64_t units = 0;         // Units of the optimizer.
   uint64_t units_copied = 0;  // Copied into the pool by a step before the writer got to them.
   uint64_t bytes_copied = 0;
-  uint64_t step_waits = 0;    // Times a step waited for the writer (the pool was full).
+  uint64_t step_waits = 0;    // Times a step waited for the writer (the pool was full, or the
+                              // units left were being written).
 };
 
 class AsyncSave : public UnitFence {
@@ -67,6 +68,8 @@ class AsyncSave : public UnitFence {
 
  private:
   enum class State { kPending, kWriting, kWritten, kCopying, kCopied };
+  // What one Acquire copies at most before it lets the step go on.
+  static constexpr uint64_t kCopyBatchBytes = uint64_t{256} << 20;
   // A run of one unit inside one piece: parameter, first element in the tensor, first element
   // in the unit (relative), count.
   struct Segment {

@@ -5,6 +5,7 @@
 // without a save. A writer that fails at any call makes Finalize fail on every rank, publishes
 // nothing, and leaves the previous checkpoint and the in-memory state as they were.
 #include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/optimizer/checkpointer.h"
@@ -32,7 +34,8 @@ using testing::StatusIs;
 using testing::ToyModel;
 
 // Appends to files in a staging directory, but the first of each (a data file's header, which
-// BeginSave writes on the caller's thread), block while the gate is closed.
+// BeginSave writes on the caller's thread), block while the gate is closed. A test closes it
+// before SaveAsync; each writer then holds its first unit (it is writing it) at the gate.
 class GateEnv : public EnvWrapper {
  public:
   explicit GateEnv(Env* target) : EnvWrapper(target) {}
@@ -44,6 +47,11 @@ class GateEnv : public EnvWrapper {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = false;
     opened_.notify_all();
+  }
+  // Waits until `n` appends are held at the closed gate.
+  void AwaitBlocked(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    blocked_changed_.wait(lock, [&] { return blocked_ >= n; });
   }
 
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
@@ -74,11 +82,16 @@ class GateEnv : public EnvWrapper {
   };
   void WaitOpen() {
     std::unique_lock<std::mutex> lock(mu_);
+    if (!closed_) return;
+    ++blocked_;
+    blocked_changed_.notify_all();
     opened_.wait(lock, [&] { return !closed_; });
+    --blocked_;
   }
   std::mutex mu_;
-  std::condition_variable opened_;
+  std::condition_variable opened_, blocked_changed_;
   bool closed_ = false;
+  int blocked_ = 0;
 };
 
 enum class Order { kWriterAhead, kStepsAhead, kPoolFills };
@@ -117,7 +130,6 @@ TEST_P(AsyncSaveTest, CheckpointEqualsTheStateAtTheCallWhileStepsRun) {
     job.Step(0);
     job.Step(1);
     at_call = job.Gather();
-    // Every writer is stuck at its first chunk until the steps are done.
     if (c.order != Order::kWriterAhead) gate_.Close();
     std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(2);
     for (const auto& h : handles) ASSERT_NE(h, nullptr);
@@ -125,22 +137,22 @@ TEST_P(AsyncSaveTest, CheckpointEqualsTheStateAtTheCallWhileStepsRun) {
       for (const auto& h : handles) {
         while (!h->writer_done()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-    }
-    if (c.order != Order::kWriterAhead) {
-      // Each writer holds its first unit (it is writing it) at the closed gate, so the steps
-      // copy every other unit they can, then wait for the writers, which the gate holds until
-      // the steps have certainly got that far. With kPoolFills they run out of room first.
+      job.Step(2);
+      job.Step(3);
+    } else {
+      // Every writer holds its first unit at the gate. Rank 0's step (Job::Step goes rank by
+      // rank) copies what it can (all but that unit, or what the pool holds), then waits for
+      // its writer; only then does the gate open.
+      gate_.AwaitBlocked(c.dp);
       std::thread steps([&] {
         job.Step(2);
         job.Step(3);
       });
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      while (handles[0]->report().step_waits == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
       gate_.Open();
       steps.join();
-    } else {
-      job.Step(2);
-      job.Step(3);
-      gate_.Open();
     }
     after_steps = job.Gather();
     ExpectAllOk(job.Finalize(handles));
@@ -200,6 +212,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, MomentDType::kF32, Order::kStepsAhead},
                       Case{3, MomentDType::kF32, Order::kPoolFills},
                       Case{1, MomentDType::kBF16, Order::kStepsAhead},
+                      Case{1, MomentDType::kBF16, Order::kPoolFills},
                       Case{3, MomentDType::kBF16, Order::kPoolFills},
                       Case{3, MomentDType::kBF16, Order::kWriterAhead}),
     Name);
@@ -228,47 +241,68 @@ TEST(AsyncSaveRulesTest, OtherTransactionsRefuseWhileASaveIsInFlight) {
   ExpectAllOk(job.Save(3));
 }
 
-// A failure (ENOSPC, EIO) at every mutating call after SaveAsync returns, in turn: Finalize
-// fails on every rank with that error, LATEST stays, the previous step verifies, the state is
-// what the steps made it, and the next save of the same step succeeds.
+// Three units' worth of staging for the toy model (Job's units of 256 elements, FP32 moments):
+// the steps run out of room and wait for the writer.
+constexpr uint64_t kSmallPool = 3 * 256 * 12;
+
+// The state of a fresh toy job after steps 0, 1 and 2, computed without any save.
+std::string ReferenceAfterThreeSteps(int dp) {
+  std::unique_ptr<Env> other = NewMemEnv();
+  Job reference(other.get(), dp, 300);
+  for (int s = 0; s < 3; ++s) reference.Step(s);
+  return reference.Gather();
+}
+
+// A failure (ENOSPC or EIO) at every mutating call from SaveAsync to the end of the commit, in
+// turn, with a pool small enough that the steps wait for the writers: Finalize fails on every
+// rank with the same error naming the errno, LATEST stays, the previous step verifies, the state
+// is what the steps make without a save, and the next save of the same step succeeds.
 TEST(AsyncSaveFaultTest, AWriterFailureAtEveryCallFailsFinalizeOnEveryRank) {
   std::unique_ptr<Env> mem = NewMemEnv();
   testing::FaultInjectionEnv env(mem.get());
+  const std::string reference = ReferenceAfterThreeSteps(2);
   {
     Job job(&env, 2, 300);
     job.Step(0);
     ExpectAllOk(job.Save(1));
   }
   int failures = 0;
-  for (uint64_t k = 1;; ++k) {
+  bool fired_last = true;
+  for (uint64_t k = 1; fired_last; ++k) {
     const int errnum = k % 2 == 0 ? ENOSPC : EIO;
-    Job job(&env, 2, 300);
-    ExpectAllOk(job.Load(std::nullopt));
+    Job job(&env, 2, 300, ToyModel(), MomentDType::kF32, {.async_staging_bytes = kSmallPool});
     auto latest = ReadLatest(&env, kRoot);
     ASSERT_THAT(latest, IsOk());
     const uint64_t previous = **latest, step = previous + 1;
+    job.Step(0);
     job.Step(1);
     // Counted from here: SaveAsync's own calls (the staging directory, the data file's
     // header), then the writers' (two ranks at once, so their calls interleave differently
     // from one run to the next; the sweep still reaches every call), then the commit's.
     env.FailNth(k, errnum);
+    const uint64_t calls_before = env.mutating_calls();
     std::vector<absl::Status> begun;
     std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(step, &begun);
     job.Step(2);
-    const std::string after_steps = job.Gather();
-    std::vector<absl::Status> st =
-        begun[0].ok() ? job.Finalize(handles) : begun;  // A refused SaveAsync is the outcome.
+    std::vector<absl::Status> st = begun[0].ok() ? job.Finalize(handles) : begun;
+    fired_last = env.mutating_calls() - calls_before >= k;
     env.Disarm();
+    EXPECT_EQ(job.Gather(), reference) << "call " << k;
     if (begun[0].ok()) ExpectAllOk(begun);
-    EXPECT_EQ(job.Gather(), after_steps) << "call " << k;
     if (st[0].ok()) {
       ExpectAllOk(st);
-      break;  // The failure fell after the last call of the save.
+      EXPECT_FALSE(fired_last) << "call " << k << " failed and nothing noticed";
+      break;
     }
     ++failures;
     for (const absl::Status& s : st) {
       EXPECT_EQ(s.code(), st[0].code()) << "ranks disagree at call " << k;
       EXPECT_EQ(s.message(), st[0].message()) << "ranks disagree at call " << k;
+    }
+    EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr(std::strerror(errnum)))
+        << "call " << k;
+    if (errnum == ENOSPC && absl::StrContains(st[0].message(), "append")) {
+      EXPECT_EQ(st[0].code(), absl::StatusCode::kResourceExhausted) << st[0];
     }
     latest = ReadLatest(&env, kRoot);
     ASSERT_THAT(latest, IsOk());
@@ -279,10 +313,81 @@ TEST(AsyncSaveFaultTest, AWriterFailureAtEveryCallFailsFinalizeOnEveryRank) {
     // The next save of the same step goes through.
     handles = job.SaveAsync(step);
     ExpectAllOk(job.Finalize(handles));
-    ASSERT_LT(k, 2000u);
+    ASSERT_LT(k, 3000u);
   }
   std::printf("%d injected failures failed the async save\n", failures);
   EXPECT_GT(failures, 20);
+}
+
+// A writer that fails while a step waits for it (the pool holds nothing) frees the step at
+// once; Finalize then fails on every rank with the writer's error.
+TEST(AsyncSaveFaultTest, AWriterFailureFreesAStepThatWaitsForIt) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  testing::FaultInjectionEnv fault(mem.get());
+  GateEnv gate(&fault);
+  const std::string reference = ReferenceAfterThreeSteps(2);
+  Job job(&gate, 2, 300, ToyModel(), MomentDType::kF32, {.async_staging_bytes = 0});
+  job.Step(0);
+  job.Step(1);
+  gate.Close();
+  std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(2);
+  gate.AwaitBlocked(2);
+  std::thread step([&] { job.Step(2); });
+  while (handles[0]->report().step_waits == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  fault.FailNth(1, EIO, testing::FaultInjectionEnv::Op::kAppend);  // A held append.
+  gate.Open();
+  step.join();
+  std::vector<absl::Status> st = job.Finalize(handles);
+  for (const absl::Status& s : st) {
+    EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("injected failure")) << s;
+  }
+  EXPECT_EQ(job.Gather(), reference);
+  auto latest = ReadLatest(&gate, kRoot);
+  ASSERT_THAT(latest, IsOk());
+  EXPECT_FALSE(latest->has_value()) << "a failed save published its step";
+}
+
+// Ranks that own no element take part in an async save; the step loads at another DP size.
+TEST(AsyncSaveRulesTest, RanksOwningNothingSaveAsynchronously) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  const std::vector<ParamSpec> tiny = {{"a", {3}, formats::DType::kBF16, 0},
+                                       {"b", {2}, formats::DType::kBF16, 1}};
+  std::string at_call;
+  {
+    Job job(mem.get(), 7, 5, tiny);
+    job.Step(0);
+    at_call = job.Gather();
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(1);
+    job.Step(1);
+    ExpectAllOk(job.Finalize(handles));
+  }
+  Job loaded(mem.get(), 2, 5, tiny);
+  ExpectAllOk(loaded.Load(1));
+  EXPECT_EQ(loaded.Gather(), at_call);
+}
+
+// A Checkpointer destroyed with a save in flight abandons it: nothing is published, and the
+// next Open removes its staging directory.
+TEST(AsyncSaveRulesTest, DestructionWithoutFinalizeAbandonsTheSave) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  {
+    Job job(mem.get(), 1, 300);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(2);
+    job.Step(1);
+    handles.clear();  // Dropping the handles leaves the save in flight...
+  }                   // ...until the Checkpointer goes.
+  auto latest = ReadLatest(mem.get(), kRoot);
+  ASSERT_THAT(latest, IsOk());
+  EXPECT_EQ(**latest, 1u);
+  Job reopened(mem.get(), 1, 300);
+  auto names = mem->GetChildren(kRoot);
+  ASSERT_THAT(names, IsOk());
+  EXPECT_THAT(*names, ::testing::Not(::testing::Contains(::testing::StartsWith(".staging"))));
+  EXPECT_THAT(*names, ::testing::Not(::testing::Contains(StepDirectoryName(2))));
 }
 
 }  // namespace

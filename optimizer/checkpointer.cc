@@ -199,6 +199,14 @@ bool PendingSave::writer_done() const {
 
 absl::Status PendingSave::Finalize() { return owner_->FinalizeAsync(*this); }
 
+AsyncSaveReport PendingSave::report() const {
+  if (finalized_ || owner_->in_flight_ == nullptr || owner_->in_flight_->step != step_) {
+    return report_;
+  }
+  const internal::AsyncSaveStats s = owner_->in_flight_->save->stats();
+  return {s.units, s.units_copied, s.bytes_copied, s.step_waits};
+}
+
 absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(StagedAdamW* optimizer,
                                                                    std::span<std::byte> weights,
                                                                    CheckpointStore* store,

@@ -2,9 +2,10 @@
 //
 // Each of `slot_count` slots owns device buffers for one unit's state twice over (the kernel
 // reads the "in" copy and writes the "out" copy) and three streams: copy-in, compute, copy-out.
-// Unit k runs in slot k % S:
-// 0. once per step, each copy-in stream waits for its slot's last copy-out (d2h_done): unit k
-//    uses slot k % S every step, so this orders its copy-in after its previous copy-out.
+// The k-th unit of a Step call runs in slot k % S:
+// 0. once per call, each copy-in stream waits for every slot's last copy-out (d2h_done): a unit
+//    may run in another slot than in the previous call (a fenced step passes its units in
+//    batches), so this orders its copy-in after its previous copy-out whichever slot ran it.
 // 1. copy-in stream: wait until the slot's previous kernel has read its in-buffers
 //    (kernel_done), then copy master, exp_avg, exp_avg_sq host -> in-buffers; record h2d_done.
 // 2. compute stream: wait for h2d_done, for the slot's previous copy-out to have drained the
@@ -134,10 +135,15 @@ class CudaEngine : public internal::Engine {
     const size_t gsize = formats::DTypeSize(args.grad_dtype),
                  psize = formats::DTypeSize(model_dtype);
     const size_t mbytes = MomentBytes(moments_);
-    // A unit's copy-in must see the previous step's copy-out of the same unit, which ran in the
-    // same slot: wait for the slot's last copy-out once, at the start of the step.
-    for (Slot& s : slots_)
-      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.d2h_done.get(), 0));
+    // A unit's copy-in must see the previous step's copy-out of the same unit. That ran in the
+    // same slot when every step passes every unit in order, but a step an async save fences
+    // (StagedAdamW::StepUnits) passes its units in batches, so a unit may change slots between
+    // calls: every slot's copy-in waits for every slot's last copy-out, once per call.
+    for (Slot& s : slots_) {
+      for (Slot& previous : slots_) {
+        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
+      }
+    }
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = units[k];
       Slot& s = slots_[k % slots_.size()];

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 #include "ckpt/checkpoint_reader.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/coordinator.h"
@@ -111,6 +111,9 @@ class CheckpointStore {
   // Called by rank 0's transaction once LATEST durably names `step`.
   void OnCommitted(uint64_t step);
   void OnSaveEnded();
+  // A commit wrote LATEST naming `step` but could neither make it durable nor put the previous
+  // one back: what LATEST names is unknown until recovery, so further saves are refused.
+  void OnLatestUncertain(uint64_t step);
 
   const std::string root_;
   const StoreOptions options_;
@@ -118,9 +121,10 @@ class CheckpointStore {
   std::unique_ptr<FileLock> lock_;
   RecoveryReport recovery_;
   // latest_ is written by the committing thread and read by any: guarded.
-  mutable absl::Mutex mu_;
-  std::optional<uint64_t> latest_ ABSL_GUARDED_BY(mu_);
-  bool save_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  mutable std::mutex mu_;
+  std::optional<uint64_t> latest_;
+  bool save_in_flight_ = false;
+  std::optional<uint64_t> latest_uncertain_;  // See OnLatestUncertain.
 };
 
 }  // namespace ckpt

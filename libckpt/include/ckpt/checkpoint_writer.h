@@ -4,6 +4,7 @@
 #define CKPT_CHECKPOINT_WRITER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -90,9 +91,13 @@ class SaveTransaction {
   const std::string staging_dir_;
   std::unique_ptr<WritableFile> file_;
   formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
+  // Lookups into part_: tensor index by name; per tensor, this rank's ranges (begin -> end).
+  std::map<std::string, uint32_t, std::less<>> tensor_index_;
+  std::map<uint32_t, std::map<uint64_t, uint64_t>> ranges_;
   absl::Status error_;      // First local error; the rank votes no when set.
   bool ended_ = false;
   bool latest_may_name_step_ = false;  // Publish could not undo a LATEST it wrote (step 8).
+  bool renamed_ = false;               // Publish renamed staging to the step directory (step 7).
   bool prepared_ = false;
   absl::Status prepare_status_;  // FinishLocal's result once prepared_.
   std::string prepared_vote_;

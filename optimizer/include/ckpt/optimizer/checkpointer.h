@@ -59,12 +59,14 @@ class PendingSave {
   // Whether this rank's writer has finished (Finalize then only votes and publishes).
   bool writer_done() const;
   // Collective. Waits for this rank's writer, then commits the step on every rank or on none.
+  // Like Step, and never at the same time as a Step of the same optimizer (it removes the fence
+  // a Step goes through).
   // Returns OK when it is durable and LATEST names it; otherwise the same error on every rank
   // (a writer's ENOSPC or EIO, annotated with its rank) and nothing is published: the previous
   // checkpoint is untouched. kFailedPrecondition when already finalized.
   absl::Status Finalize();
-  // Valid after Finalize().
-  const AsyncSaveReport& report() const { return report_; }
+  // What the steps have cost so far (final after Finalize()).
+  AsyncSaveReport report() const;
 
  private:
   friend class Checkpointer;
@@ -124,8 +126,9 @@ class Checkpointer {
   // checkpoint has fewer ranks); it is unchanged on failure.
   absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
 
-  // Waits for an async save's writer and abandons the save (a collective abort: destroy every
-  // rank's Checkpointer) when it was never finalized.
+  // Waits for an async save's writer and abandons the save when it was never finalized: a
+  // collective abort, so every rank's Checkpointer must be destroyed (each on its own thread
+  // or process, as the ranks' other collectives run).
   ~Checkpointer();
   Checkpointer(const Checkpointer&) = delete;  // Tracks one optimizer's undo source.
   Checkpointer& operator=(const Checkpointer&) = delete;
