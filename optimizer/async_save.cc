@@ -1,6 +1,9 @@
 #include "optimizer/async_save.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -11,7 +14,25 @@ namespace ckpt::optimizer::internal {
 
 using formats::DType;
 
-AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan)
+std::unique_ptr<StagingPool> StagingPool::Create(uint64_t slot_bytes, uint64_t slots) {
+  if (slots == 0 || slot_bytes == 0) return nullptr;
+  constexpr uint64_t kHugePage = uint64_t{2} << 20;
+  const uint64_t bytes = (slot_bytes * slots + kHugePage - 1) / kHugePage * kHugePage;
+  void* base = std::aligned_alloc(kHugePage, bytes);
+  if (base == nullptr) return nullptr;
+  ::madvise(base, bytes, MADV_HUGEPAGE);  // Advice only: a step's copies stream through it.
+  return std::unique_ptr<StagingPool>(
+      new StagingPool(static_cast<std::byte*>(base), slot_bytes, slots));
+}
+
+StagingPool::~StagingPool() { std::free(base_); }
+
+uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
+  return unit.count * (4 + 2 * opt.moment_bytes());
+}
+
+AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan,
+                     StagingPool* pool)
     : units_(opt.units()),
       master_(reinterpret_cast<const std::byte*>(opt.master().data())),
       exp_avg_(opt.exp_avg_bytes().data()),
@@ -22,7 +43,11 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
       plan_(std::move(plan)),
       segments_(opt.units().size()),
       state_(opt.units().size(), State::kPending),
-      copies_(opt.units().size()) {
+      pool_(pool),
+      slot_of_(opt.units().size(), -1) {
+  if (pool_ != nullptr) {
+    for (size_t i = pool_->slots(); i-- > 0;) free_slots_.push_back(i);
+  }
   // Cut the pieces (slab order) at unit boundaries (slab order too).
   const std::vector<Unit>& units = units_;
   size_t u = 0;
@@ -61,18 +86,20 @@ void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* read
       if (!done[u] && Released(u)) ready->push_back(u);
     }
     if (!ready->empty()) break;
-    // Nothing free: copy pending units, from the highest down (the writer comes from below),
-    // as far as the pool has room, at most kCopyBatchBytes at a time so that the step comes
-    // back soon to take what the writer released meanwhile.
+    // Nothing free: copy pending units into free slots, from the highest down (the writer
+    // comes from below), at most kCopyBatchBytes at a time so that the step comes back soon to
+    // take what the writer released meanwhile.
     std::vector<size_t> copy;
+    std::vector<std::byte*> to;
     uint64_t batch = 0;
-    for (size_t u = done.size(); u-- > 0 && batch < kCopyBatchBytes;) {
+    for (size_t u = done.size(); u-- > 0 && batch < kCopyBatchBytes && !free_slots_.empty();) {
       if (done[u] || state_[u] != State::kPending) continue;
-      if (pool_used_ + UnitBytes(u) > plan_.pool_bytes) continue;
-      pool_used_ += UnitBytes(u);
+      slot_of_[u] = static_cast<int64_t>(free_slots_.back());
+      free_slots_.pop_back();
       batch += UnitBytes(u);
       state_[u] = State::kCopying;
       copy.push_back(u);
+      to.push_back(pool_->slot(static_cast<size_t>(slot_of_[u])));
     }
     if (copy.empty()) {
       // The pool is full (or every unit left is being written): wait for the writer.
@@ -82,38 +109,42 @@ void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* read
       continue;
     }
     lock.unlock();
-    // Copy outside the lock: the writer goes on with other units meanwhile, and waits for a
-    // unit in kCopying before it writes that one.
-    std::vector<std::unique_ptr<std::byte[]>> buffers;
-    for (size_t u : copy) {
-      const Unit& unit = units_[u];
-      std::unique_ptr<std::byte[]> buf(new (std::nothrow) std::byte[UnitBytes(u)]);
-      if (buf != nullptr) {
-        std::memcpy(buf.get(), master_ + unit.offset * 4, unit.count * 4);
-        std::memcpy(buf.get() + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
-                    unit.count * moment_bytes_);
-        std::memcpy(buf.get() + unit.count * (4 + moment_bytes_),
-                    exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
-      }
-      buffers.push_back(std::move(buf));
-    }
+    // Outside the lock: the writer goes on with other units meanwhile, and waits for a unit in
+    // kCopying before it writes that one.
+    CopyUnits(copy, to);
     lock.lock();
-    for (size_t k = 0; k < copy.size(); ++k) {
-      const size_t u = copy[k];
-      if (buffers[k] == nullptr) {
-        // Out of memory: the unit stays for the writer, and the step waits for it.
-        state_[u] = State::kPending;
-        if (!abandoned_) pool_used_ -= UnitBytes(u);
-        continue;
-      }
+    for (size_t u : copy) {
       state_[u] = State::kCopied;
       ++stats_.units_copied;
       stats_.bytes_copied += UnitBytes(u);
-      // A writer that failed meanwhile freed the pool and writes nothing more.
-      if (!abandoned_) copies_[u] = std::move(buffers[k]);
     }
     changed_.notify_all();
   }
+}
+
+void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
+                          const std::vector<std::byte*>& to) const {
+  auto one = [&](size_t k) {
+    const Unit& unit = units_[copy[k]];
+    std::memcpy(to[k], master_ + unit.offset * 4, unit.count * 4);
+    std::memcpy(to[k] + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
+                unit.count * moment_bytes_);
+    std::memcpy(to[k] + unit.count * (4 + moment_bytes_),
+                exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
+  };
+  const size_t threads = std::min<size_t>(
+      copy.size(), std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (size_t k = 0; k < copy.size(); ++k) one(k);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (size_t k = t; k < copy.size(); k += threads) one(k);
+    });
+  }
+  for (std::thread& t : pool) t.join();
 }
 
 void AsyncSave::WriterMain() {
@@ -128,8 +159,6 @@ void AsyncSave::WriterMain() {
   if (!s.ok()) {
     // Free every unit: the steps go on, and the save votes no at Finalize.
     abandoned_ = true;
-    for (auto& c : copies_) c.reset();
-    pool_used_ = 0;
   }
   writer_done_ = true;
   changed_.notify_all();
@@ -144,7 +173,7 @@ absl::Status AsyncSave::WriteAll() {
       std::unique_lock<std::mutex> lock(mu_);
       changed_.wait(lock, [&] { return state_[u] != State::kCopying; });
       if (state_[u] == State::kCopied) {
-        from = copies_[u].get();
+        from = pool_->slot(static_cast<size_t>(slot_of_[u]));
       } else {
         state_[u] = State::kWriting;
       }
@@ -156,8 +185,8 @@ absl::Status AsyncSave::WriteAll() {
                         exp_avg_sq_ + unit.offset * moment_bytes_);
     std::lock_guard<std::mutex> lock(mu_);
     if (from != nullptr) {
-      copies_[u].reset();
-      pool_used_ -= UnitBytes(u);
+      free_slots_.push_back(static_cast<size_t>(slot_of_[u]));
+      slot_of_[u] = -1;
     }
     state_[u] = State::kWritten;
     changed_.notify_all();

@@ -31,6 +31,28 @@
 
 namespace ckpt::optimizer::internal {
 
+// The staging pool of a Checkpointer's async saves: `slots` slots of `slot_bytes` (a unit's
+// master and moments at most), allocated once (huge-page advice, untouched: pages fault in at
+// their first copy) and reused by every save, so that a step's copies neither allocate nor,
+// after the first save, fault. Not thread-safe: AsyncSave hands slots out under its lock.
+class StagingPool {
+ public:
+  // nullptr when `slots` is 0 or the memory cannot be had.
+  static std::unique_ptr<StagingPool> Create(uint64_t slot_bytes, uint64_t slots);
+  ~StagingPool();
+  StagingPool(const StagingPool&) = delete;  // Owns memory.
+  StagingPool& operator=(const StagingPool&) = delete;
+  std::byte* slot(size_t i) { return base_ + i * slot_bytes_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint64_t slots() const { return slots_; }
+
+ private:
+  StagingPool(std::byte* base, uint64_t slot_bytes, uint64_t slots)
+      : base_(base), slot_bytes_(slot_bytes), slots_(slots) {}
+  std::byte* const base_;
+  const uint64_t slot_bytes_, slots_;
+};
+
 struct AsyncSaveStats {
   uint64_t units = 0;         // Units of the optimizer.
   uint64_t units_copied = 0;  // Copied into the pool by a step before the writer got to them.
@@ -47,11 +69,14 @@ class AsyncSave : public UnitFence {
     std::vector<std::array<std::string, 4>> names;  // Indexed by parameter.
     std::vector<TensorSpec> declarations;
     std::vector<std::pair<std::string, std::string>> blobs;
-    uint64_t pool_bytes = 0;
   };
   // Starts the writer on `txn`. Until Wait() returns, `opt` may change only through Step with
-  // this object installed as its fence.
-  AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan);
+  // this object installed as its fence, and `pool` (null: steps never copy, they wait) is this
+  // save's. Its slots must hold any unit (UnitStateBytes).
+  AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan,
+            StagingPool* pool);
+  // The bytes of a unit's master and moments; the largest is a pool's slot size.
+  static uint64_t UnitStateBytes(const StagedAdamW& opt, const Unit& unit);
   ~AsyncSave() override;  // Joins the writer.
   AsyncSave(const AsyncSave&) = delete;  // Owns a thread that points into it.
   AsyncSave& operator=(const AsyncSave&) = delete;
@@ -70,6 +95,8 @@ class AsyncSave : public UnitFence {
   enum class State { kPending, kWriting, kWritten, kCopying, kCopied };
   // What one Acquire copies at most before it lets the step go on.
   static constexpr uint64_t kCopyBatchBytes = uint64_t{256} << 20;
+  // Copies units `copy` into their slots, on up to one thread per core.
+  void CopyUnits(const std::vector<size_t>& copy, const std::vector<std::byte*>& to) const;
   // A run of one unit inside one piece: parameter, first element in the tensor, first element
   // in the unit (relative), count.
   struct Segment {
@@ -100,8 +127,9 @@ class AsyncSave : public UnitFence {
   mutable std::mutex mu_;
   std::condition_variable changed_;
   std::vector<State> state_;                           // Guarded by mu_.
-  std::vector<std::unique_ptr<std::byte[]>> copies_;   // Guarded by mu_.
-  uint64_t pool_used_ = 0;                             // Guarded by mu_.
+  StagingPool* const pool_;                            // Null: no copies.
+  std::vector<int64_t> slot_of_;                       // Per unit, -1 for none; guarded by mu_.
+  std::vector<size_t> free_slots_;                     // Guarded by mu_.
   bool abandoned_ = false;                             // Guarded by mu_.
   bool writer_done_ = false;                           // Guarded by mu_.
   AsyncSaveStats stats_;                               // Guarded by mu_.

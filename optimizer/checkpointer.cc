@@ -315,12 +315,23 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   }
   plan.blobs.emplace_back(kLayoutBlob, LayoutJson(*optimizer_, coordinator_->size()));
   for (const auto& [key, value] : blobs) plan.blobs.emplace_back(kTrainerPrefix + key, value);
-  plan.pool_bytes = options_.async_staging_bytes;
+  if (staging_ == nullptr) {
+    uint64_t slot_bytes = 0;
+    for (const Unit& u : optimizer_->units()) {
+      slot_bytes = std::max(slot_bytes, internal::AsyncSave::UnitStateBytes(*optimizer_, u));
+    }
+    const uint64_t slots =
+        slot_bytes == 0 ? 0
+                        : std::min<uint64_t>(options_.async_staging_bytes / slot_bytes,
+                                             optimizer_->units().size());
+    // None when the option allows no slot or the memory cannot be had: steps then wait.
+    staging_ = internal::StagingPool::Create(slot_bytes, slots);
+  }
   auto flight = std::make_unique<InFlight>();
   flight->step = step;
   flight->version_at_call = optimizer_->state_version();
-  flight->save =
-      std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn), std::move(plan));
+  flight->save = std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn),
+                                                       std::move(plan), staging_.get());
   optimizer_->fence_ = flight->save.get();
   in_flight_ = std::move(flight);
   return std::unique_ptr<PendingSave>(new PendingSave(this, step));

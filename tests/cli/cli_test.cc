@@ -211,6 +211,28 @@ TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {
   EXPECT_EQ(RunTool("bench ckpt --dir " + tmp_.path() + " --params 0").exit_code, 2);
 }
 
+TEST_F(CliTest, BenchAsyncSaveReportsReturnStepsAndDurabilityAgainstTheirBounds) {
+  Result r = RunTool("bench async-save --dir " + tmp_.path() + " --params 300000 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["state_bytes"].get<uint64_t>(), 300000u * 14);
+  for (const char* key : {"return_ms", "step_ms", "step_during_save_ms", "step_ratio",
+                          "durable_s", "sync_save_s", "durable_ratio", "write_bound_gbps",
+                          "copy_bound_gbps"}) {
+    EXPECT_GT(j[key].get<double>(), 0) << key;
+  }
+  EXPECT_GE(j["steps_during_save"].get<int>(), 1);
+  EXPECT_GT(j["units"].get<uint64_t>(), 0u);
+  EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/ckpt-bench-async"))
+      << "the benchmark's store is removed";
+  EXPECT_EQ(RunTool("bench async-save --dir " + tmp_.path() + " --params 0").exit_code, 2);
+  EXPECT_EQ(RunTool("bench async-save --dir " + tmp_.path() + " --params 10 --staging lots")
+                .exit_code,
+            2);
+  Result no_cuda = RunTool("bench async-save --dir " + tmp_.path() + " --params 10 --engine tpu");
+  EXPECT_EQ(no_cuda.exit_code, 2);
+}
+
 TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_EQ(RunTool("verify " + tmp_.path() + "/missing").exit_code, 2);
   EXPECT_EQ(RunTool("inspect").exit_code, 2);

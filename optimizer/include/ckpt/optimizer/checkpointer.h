@@ -19,6 +19,9 @@
 #include "ckpt/optimizer/staged_adamw.h"
 
 namespace ckpt::optimizer {
+namespace internal {
+class StagingPool;  // optimizer/async_save.h.
+}  // namespace internal
 
 // Opaque trainer records (scheduler, RNG, data position) saved beside the state, per rank,
 // returned untouched by Load.
@@ -36,7 +39,9 @@ struct LoadReport {
 
 struct CheckpointerOptions {
   // Async save: bytes of state (master and moments) that steps may copy aside while the writer
-  // has not written them yet. When it is full, a step waits for the writer.
+  // has not written them yet. When it is full, a step waits for the writer. Allocated at the
+  // first SaveAsync (no more than the state itself) and kept for the next ones; its pages are
+  // touched by the first copies.
   uint64_t async_staging_bytes = uint64_t{1} << 30;
 };
 
@@ -155,6 +160,8 @@ class Checkpointer {
   Coordinator* const coordinator_;
   const CheckpointerOptions options_;
   std::unique_ptr<InFlight> in_flight_;  // The async save being written, if any.
+  // Made by the first SaveAsync, kept for the next ones (async_staging_bytes at most).
+  std::unique_ptr<internal::StagingPool> staging_;
   // The step the state last equalled (saved or loaded), and the optimizer's state_version()
   // right then: while they still match, that step is a free undo source.
   std::optional<uint64_t> clean_step_;

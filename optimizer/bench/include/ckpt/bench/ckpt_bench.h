@@ -59,7 +59,8 @@ struct AsyncSaveFigures {
   uint64_t units = 0, units_copied = 0, bytes_copied = 0, step_waits = 0;
 };
 
-// Saves once synchronously, times steps, then SaveAsync and steps back to back until the
+// Saves once synchronously, times steps, makes one untimed async save (the staging pool is made
+// and faulted in by a Checkpointer's first), then SaveAsync and steps back to back until the
 // writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
 // kFailedPrecondition for the CUDA engine where it cannot run. The store is removed afterwards.
 absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& options);
