@@ -1,7 +1,8 @@
 // safetensors, as specified by the reference implementation (huggingface/safetensors 0.8):
 //
 //   file   := n:u64le header:u8[n] data
-//   header := UTF-8 JSON object, starting with '{', optionally followed by spaces (0x20) only
+//   header := UTF-8 JSON object, optionally preceded and followed by JSON whitespace (space,
+//             tab, LF, CR; safetensors 0.8 reads such headers: checked on the GPU host)
 //             {"__metadata__": {str: str, ...}?,
 //              NAME: {"dtype": DTYPE, "shape": [u64...], "data_offsets": [begin, end]}, ...}
 //   data   := the tensors' bytes; data_offsets are relative to its start
@@ -9,8 +10,9 @@
 // Rules checked, each reported with the reference's name for it, the tensor and the byte offset:
 //   HeaderTooLarge      n > 100,000,000
 //   InvalidHeaderLength 8 + n > file size
-//   InvalidHeaderStart  the header does not begin with '{'
-//   InvalidHeader       not UTF-8 JSON; trailing bytes other than spaces; a non-object where an
+//   InvalidHeaderStart  the header's first byte that is not JSON whitespace is not '{'
+//   InvalidHeader       not UTF-8 JSON; trailing bytes other than JSON whitespace (a NUL, a form
+//                       feed, a no-break space are not); a non-object where an
 //                       object belongs; a missing or mistyped field; nesting deeper than 8;
 //                       a duplicate key at any level (the reference's maps would drop one)
 //   InvalidDtype        a dtype outside the 22 of safetensors 0.8
@@ -239,16 +241,21 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::by
     return Rule(file, "InvalidHeaderLength", "header runs past the end of the file");
   }
   absl::string_view text = AsStringView(bytes);
-  if (text.empty() || text.front() != '{') {
-    return Rule(file, "InvalidHeaderStart", "header does not begin with '{' at byte 8");
+  // JSON's whitespace, which the reference's JSON parser skips on both sides of the object.
+  constexpr absl::string_view kJsonWhitespace = " \t\n\r";
+  const size_t first = text.find_first_not_of(kJsonWhitespace);
+  if (first == absl::string_view::npos || text[first] != '{') {
+    return Rule(file, "InvalidHeaderStart",
+                absl::StrCat("header does not begin with '{' (after JSON whitespace) at byte ",
+                             8 + (first == absl::string_view::npos ? 0 : first)));
   }
-  size_t last = text.find_last_not_of(' ');
+  const size_t last = text.find_last_not_of(kJsonWhitespace);
   if (text[last] != '}') {
     return Rule(file, "InvalidHeader",
                 absl::StrCat("byte ", 8 + last,
-                             " after the JSON object is not a space (0x20) padding byte"));
+                             " after the JSON object is not JSON whitespace padding"));
   }
-  text = text.substr(0, last + 1);
+  text = text.substr(first, last + 1 - first);
   internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxHeaderDepth);
   if (parsed.too_deep) return Rule(file, "InvalidHeader", "JSON nests too deeply");
   if (!parsed.duplicate.empty()) {
