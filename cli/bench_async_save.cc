@@ -34,10 +34,11 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   o.engine = args.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
   o.staging_bytes = *staging;
   o.steps = args.steps;
+  o.rounds = args.rounds;
   absl::StatusOr<bench::AsyncSaveFigures> f = bench::RunAsyncSaveBench(o);
   if (!f.ok()) return ReportError("bench async-save", f.status());
   const double step_ratio = f->step_during_save_ms / f->step_ms;
-  const double durable_ratio = f->durable_s / f->sync_save_s;
+  const double durable_ratio = f->durable_ratio;
   const double sync_gbps = static_cast<double>(f->state_bytes) / f->sync_save_s / 1e9;
   if (args.json) {
     PrintJson({{"params", args.params},
@@ -48,6 +49,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"step_ms", f->step_ms},
                {"step_during_save_ms", f->step_during_save_ms},
                {"steps_during_save", f->steps_during_save},
+               {"rounds", args.rounds},
                {"step_ratio", step_ratio},
                {"durable_s", f->durable_s},
                {"sync_save_s", f->sync_save_s},
@@ -62,16 +64,18 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
     return kExitOk;
   }
   std::cout << absl::StrFormat(
-      "optimizer state %s, %s engine, staging pool %s\n"
-      "SaveAsync returned in      %8.2f ms\n"
+      "optimizer state %s, %s engine, staging pool %s, %d round(s) of a sync then an async save "
+      "(medians)\n"
+      "SaveAsync returned in      %8.2f ms (the longest)\n"
       "step without a save        %8.1f ms\n"
-      "step during the save       %8.1f ms   (%d step(s))   ratio %.2f\n"
+      "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
       "until durable (async)      %8.3f s\n"
       "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
-      "ratio %.2f\n"
-      "units copied aside         %llu of %llu (%s; memcpy bound %.2f GB/s), steps waited %llu "
-      "time(s)\n",
-      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), f->return_ms, f->step_ms,
+      "durable/sync, paired per round: %.2f\n"
+      "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
+      "GB/s), steps waited %llu time(s)\n",
+      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds, f->return_ms,
+      f->step_ms,
       f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->sync_save_s,
       sync_gbps, f->write_bound_gbps, durable_ratio,
       static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),

@@ -80,6 +80,7 @@ struct BenchAsyncSaveArgs {
   std::string engine = "cpu";  // cpu or cuda.
   std::string staging = "1G";  // The async save's staging pool.
   int steps = 3;
+  int rounds = 3;
   bool json = false;
 };
 int RunBenchAsyncSave(const BenchAsyncSaveArgs& args);

@@ -187,6 +187,9 @@ int main(int argc, char** argv) {
                         "Staging pool for units a step changes before they are written, e.g. 1G");
   async_cmd->add_option("--steps", bench_async.steps, "Steps timed without a save (median)")
       ->check(WholeNumber(1, 1000));
+  async_cmd->add_option("--rounds", bench_async.rounds,
+                        "Rounds of a sync save then an async save (medians are reported)")
+      ->check(WholeNumber(1, 100));
   async_cmd->add_flag("--json", bench_async.json, "Print one JSON object");
 
   HfReshardArgs reshard;

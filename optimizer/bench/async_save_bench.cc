@@ -43,7 +43,7 @@ absl::StatusOr<double> CopyBoundGbps(uint64_t bytes) {
 }  // namespace
 
 absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& options) {
-  if (options.params == 0 || options.steps < 1) {
+  if (options.params == 0 || options.steps < 1 || options.rounds < 1) {
     return absl::InvalidArgumentError("bench async-save needs parameters and steps");
   }
   AsyncSaveFigures fig;
@@ -80,8 +80,9 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
 
   const std::string root = JoinPath(options.dir, "ckpt-bench-async");
   RemoveRecursively(Env::Default(), root).IgnoreError();  // Best effort: a previous run's.
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
-                        CheckpointStore::Open(root, StoreOptions{}));
+  StoreOptions so;
+  so.retention.keep_last = 2;  // Rounds of 4 GiB saves must not fill the disk.
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store, CheckpointStore::Open(root, so));
   SingleProcessCoordinator solo;
   optimizer::CheckpointerOptions co;
   co.async_staging_bytes = options.staging_bytes;
@@ -99,36 +100,55 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
   std::sort(plain.begin(), plain.end());
   fig.step_ms = plain[plain.size() / 2] * 1e3;
 
-  Clock::time_point start = Clock::now();
-  CKPT_RETURN_IF_ERROR(ckpt->Save(1));
-  fig.sync_save_s = SecondsSince(start);
-
+  uint64_t next_step = 1;
   // A first async save with steps running, untimed: it makes the staging pool and faults its
   // pages in, once per Checkpointer, as the first of a run's many saves would.
   {
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::PendingSave> warm, ckpt->SaveAsync(2));
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::PendingSave> warm,
+                          ckpt->SaveAsync(next_step++));
     do {
       CKPT_RETURN_IF_ERROR(step().status());
     } while (!warm->writer_done());
     CKPT_RETURN_IF_ERROR(warm->Finalize());
   }
-  start = Clock::now();
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::PendingSave> pending, ckpt->SaveAsync(3));
-  fig.return_ms = SecondsSince(start) * 1e3;
-  double during = 0;
-  do {  // At least one step, then as many as the writer leaves room for.
-    CKPT_ASSIGN_OR_RETURN(double s, step());
-    during += s;
-    ++fig.steps_during_save;
-  } while (!pending->writer_done());
-  fig.step_during_save_ms = during / fig.steps_during_save * 1e3;
-  CKPT_RETURN_IF_ERROR(pending->Finalize());
-  fig.durable_s = SecondsSince(start);
-  const optimizer::AsyncSaveReport& report = pending->report();
-  fig.units = report.units;
-  fig.units_copied = report.units_copied;
-  fig.bytes_copied = report.bytes_copied;
-  fig.step_waits = report.step_waits;
+  // Rounds of a sync save then an async save with steps running, so that each async save is
+  // compared with a sync save of the same moment (a disk's speed drifts from one to the next).
+  std::vector<double> sync_s, durable_s, durable_ratio, during_ms;
+  std::unique_ptr<optimizer::PendingSave> pending;
+  for (int round = 0; round < options.rounds; ++round) {
+    Clock::time_point start = Clock::now();
+    CKPT_RETURN_IF_ERROR(ckpt->Save(next_step++));
+    sync_s.push_back(SecondsSince(start));
+
+    start = Clock::now();
+    CKPT_ASSIGN_OR_RETURN(pending, ckpt->SaveAsync(next_step++));
+    fig.return_ms = std::max(fig.return_ms, SecondsSince(start) * 1e3);
+    double during = 0;
+    int steps = 0;
+    do {  // At least one step, then as many as the writer leaves room for.
+      CKPT_ASSIGN_OR_RETURN(double s, step());
+      during += s;
+      ++steps;
+    } while (!pending->writer_done());
+    CKPT_RETURN_IF_ERROR(pending->Finalize());
+    durable_s.push_back(SecondsSince(start));
+    durable_ratio.push_back(durable_s.back() / sync_s.back());
+    during_ms.push_back(during / steps * 1e3);
+    fig.steps_during_save += steps;
+    const optimizer::AsyncSaveReport report = pending->report();
+    fig.units = report.units;
+    fig.units_copied += report.units_copied;
+    fig.bytes_copied += report.bytes_copied;
+    fig.step_waits += report.step_waits;
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  fig.sync_save_s = median(sync_s);
+  fig.durable_s = median(durable_s);
+  fig.durable_ratio = median(durable_ratio);
+  fig.step_during_save_ms = median(during_ms);
 
   pending.reset();
   ckpt.reset();

@@ -44,24 +44,26 @@ struct AsyncSaveBenchOptions {
   optimizer::EngineKind engine = optimizer::EngineKind::kCpu;
   uint64_t staging_bytes = uint64_t{1} << 30;  // CheckpointerOptions::async_staging_bytes.
   int steps = 3;                               // Steps timed without a save (median).
+  int rounds = 3;                              // Sync save + async save pairs.
 };
 
 struct AsyncSaveFigures {
   uint64_t state_bytes = 0;             // 14 bytes per parameter.
-  double return_ms = 0;                 // SaveAsync's call, until it returned.
+  double return_ms = 0;                 // SaveAsync's call until it returned: the longest.
   double step_ms = 0;                   // Median step without a save in flight.
-  double step_during_save_ms = 0;       // Mean of the steps that ran while the writer wrote.
-  int steps_during_save = 0;
-  double durable_s = 0;                 // SaveAsync's call until Finalize returned.
-  double sync_save_s = 0;               // Checkpointer::Save of the same state.
+  double step_during_save_ms = 0;       // Per round the mean step while the writer wrote; median.
+  int steps_during_save = 0;            // In all rounds.
+  double durable_s = 0;                 // SaveAsync's call until Finalize returned; median.
+  double sync_save_s = 0;               // Checkpointer::Save of the same state; median.
+  double durable_ratio = 0;             // Per round durable / sync save; median.
   double write_bound_gbps = 0;          // Best sequential O_DIRECT write of the same bytes.
   double copy_bound_gbps = 0;           // memcpy of the same bytes into touched memory.
-  uint64_t units = 0, units_copied = 0, bytes_copied = 0, step_waits = 0;
+  uint64_t units = 0, units_copied = 0, bytes_copied = 0, step_waits = 0;  // Summed over rounds.
 };
 
-// Saves once synchronously, times steps, makes one untimed async save (the staging pool is made
-// and faulted in by a Checkpointer's first), then SaveAsync and steps back to back until the
-// writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
+// Times steps, makes one untimed async save (the staging pool is made and faulted in by a
+// Checkpointer's first), then `rounds` times: a sync save, then SaveAsync and steps back to back
+// until the writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
 // kFailedPrecondition for the CUDA engine where it cannot run. The store is removed afterwards.
 absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& options);
 
