@@ -3,8 +3,9 @@
 # * A file of module M includes public headers ("ckpt/...") of M and of modules below it only,
 #   and private headers ("<module>/...") of M only.
 # * A public header (<module>/include/...) includes no private header at all.
-# * Tests beside a module (*_test.cc, fuzz/) may also include private headers of the modules
-#   below theirs and tests/support; tests/ spans modules and may include anything.
+# * Tests beside a module (*_test.cc, their fixtures *_test_*.h, fuzz/) may also include private
+#   headers of the modules below theirs and tests/support; tests/ spans modules and may include
+#   anything.
 # * "ckpt/bench/..." (benchmark internals of libckpt and optimizer, not installed) is for cli
 #   and for the two modules that implement them.
 # Usage: cmake -DROOT=<tree> -P check_layering.cmake   (fails listing every violation)
@@ -56,7 +57,7 @@ foreach(module ${modules})
   foreach(f ${files})
     math(EXPR checked "${checked} + 1")
     set(is_test OFF)
-    if(f MATCHES "_test\\.cc$" OR f MATCHES "/fuzz/")
+    if(f MATCHES "_test\\.cc$" OR f MATCHES "_test_[a-z_]+\\.h$" OR f MATCHES "/fuzz/")
       set(is_test ON)
     endif()
     set(is_public OFF)
