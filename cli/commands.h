@@ -85,6 +85,14 @@ struct BenchAsyncSaveArgs {
 };
 int RunBenchAsyncSave(const BenchAsyncSaveArgs& args);
 
+struct DiffArgs {
+  std::string a, b;
+  std::optional<uint64_t> step, step_b;  // Of a ckpt root; LATEST when absent.
+  double atol = 0;
+  bool json = false;
+};
+int RunDiff(const DiffArgs& args);
+
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
   int threads = 0;                    // 0: every core.

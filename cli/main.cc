@@ -192,6 +192,24 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, 100));
   async_cmd->add_flag("--json", bench_async.json, "Print one JSON object");
 
+  DiffArgs diff;
+  CLI::App* diff_cmd = app.add_subcommand(
+      "diff",
+      "Compare the tensors of two checkpoints (ckpt roots or HF paths): exit 0 equal, 1 differ");
+  diff_cmd->add_option("a", diff.a, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  diff_cmd->add_option("b", diff.b, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  uint64_t diff_step = 0, diff_step_b = 0;
+  CLI::Option* diff_step_opt = diff_cmd->add_option("--step", diff_step, "Step of A (default LATEST)")
+                              ->check(WholeNumber(0, UINT64_MAX));
+  CLI::Option* diff_step_b_opt =
+      diff_cmd->add_option("--step-b", diff_step_b, "Step of B (default LATEST)")
+          ->check(WholeNumber(0, UINT64_MAX));
+  diff_cmd->add_option("--atol", diff.atol,
+                       "Floating values within this absolute difference count as equal");
+  diff_cmd->add_flag("--json", diff.json, "Print one JSON object");
+
   HfReshardArgs reshard;
   CLI::App* reshard_cmd = app.add_subcommand("hf-reshard",
                                              "Rewrite a HuggingFace checkpoint as one file or as "
@@ -220,6 +238,11 @@ int main(int argc, char** argv) {
   if (io_cmd->parsed()) return RunBenchIo(bench_io);
   if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
   if (reshard_cmd->parsed()) return RunHfReshard(reshard);
+  if (diff_cmd->parsed()) {
+    if (diff_step_opt->count() > 0) diff.step = diff_step;
+    if (diff_step_b_opt->count() > 0) diff.step_b = diff_step_b;
+    return RunDiff(diff);
+  }
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
   if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);

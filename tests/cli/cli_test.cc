@@ -17,6 +17,7 @@
 
 #include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/hf_checkpoint.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/verify.h"
 #include "tests/support/run_command.h"
@@ -231,6 +232,75 @@ TEST_F(CliTest, BenchAsyncSaveReportsReturnStepsAndDurabilityAgainstTheirBounds)
             2);
   Result no_cuda = RunTool("bench async-save --dir " + tmp_.path() + " --params 10 --engine tpu");
   EXPECT_EQ(no_cuda.exit_code, 2);
+}
+
+// A ckpt root holding one committed step with tensor "w" (F32 `values`) and "ids" (I32).
+void SaveStep(const std::string& root, uint64_t step, const std::vector<float>& values) {
+  auto store = CheckpointStore::Open(root, StoreOptions{});
+  ASSERT_THAT(store, testing::IsOk());
+  auto txn = (*store)->BeginSave(step);
+  ASSERT_THAT(txn, testing::IsOk());
+  const int32_t ids[3] = {7, 8, 9};
+  ASSERT_THAT((*txn)->DeclareTensor({"w", formats::DType::kF32, {values.size()}}),
+              testing::IsOk());
+  ASSERT_THAT((*txn)->DeclareTensor({"ids", formats::DType::kI32, {3}}), testing::IsOk());
+  ASSERT_THAT((*txn)->WritePiece("w", 0, values.size(), std::as_bytes(std::span(values))),
+              testing::IsOk());
+  ASSERT_THAT((*txn)->WritePiece("ids", 0, 3, std::as_bytes(std::span(ids))), testing::IsOk());
+  ASSERT_THAT((*txn)->Commit(), testing::IsOk());
+}
+
+TEST_F(CliTest, DiffComparesCkptStepsAndHfModelsTensorByTensor) {
+  const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-tiny";
+  const std::string llama = std::string(CKPT_HF_TESTDATA) + "/llama-tied-tiny";
+  CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(qwen);
+  Result same = RunTool("diff " + qwen + " " + qwen);
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_THAT(same.output, HasSubstr("EQUAL: 25 tensor(s)"));
+
+  Result other = RunTool("diff " + qwen + " " + llama + " --json");
+  EXPECT_EQ(other.exit_code, 1) << other.output;
+  nlohmann::json j = nlohmann::json::parse(other.output);
+  EXPECT_FALSE(j["equal"].get<bool>());
+  EXPECT_THAT(j["only_in_a"].get<std::vector<std::string>>(),
+              ::testing::Contains("lm_head.weight"));
+  bool saw_shape = false;
+  for (const auto& t : j["tensors"]) saw_shape |= t["status"] == "shape";
+  EXPECT_TRUE(saw_shape) << "the models' k/v projections differ in shape";
+
+  // Two ckpt steps: equal; then one element off by 1e-4, which --atol 1e-3 forgives.
+  const std::string root = tmp_.path() + "/diff-root";
+  SaveStep(root, 1, {1, 2, 3, 4});
+  SaveStep(root, 2, {1, 2, 3.0001f, 4});
+  EXPECT_EQ(RunTool("diff " + root + " " + root + " --step 1 --step-b 1").exit_code, 0);
+  Result off = RunTool("diff " + root + " " + root + " --step 1 --json");
+  EXPECT_EQ(off.exit_code, 1) << off.output;
+  nlohmann::json k = nlohmann::json::parse(off.output);
+  for (const auto& t : k["tensors"]) {
+    if (t["name"] == "w") {
+      EXPECT_EQ(t["differing"].get<uint64_t>(), 1u);
+      EXPECT_NEAR(t["max_abs"].get<double>(), 1e-4, 1e-6);
+    } else {
+      EXPECT_EQ(t["status"], "equal") << t;
+    }
+  }
+  EXPECT_EQ(RunTool("diff " + root + " " + root + " --step 1 --atol 1e-3").exit_code, 0);
+
+  // A ckpt step against a .safetensors file of the same values: equal across formats.
+  const std::vector<float> w = {1, 2, 3, 4};
+  const int32_t ids[3] = {7, 8, 9};
+  std::vector<HfTensorData> tensors = {
+      {"w", formats::StDType::kF32, {4}, std::as_bytes(std::span(w))},
+      {"ids", formats::StDType::kI32, {3}, std::as_bytes(std::span(ids))}};
+  ASSERT_THAT(WriteHfCheckpoint(tmp_.path() + "/hf", tensors), testing::IsOk());
+  Result cross = RunTool("diff " + root + " " + tmp_.path() + "/hf --step 1");
+  EXPECT_EQ(cross.exit_code, 0) << cross.output;
+
+  // Usage: a step of an HF path, a negative tolerance, a path that is not there.
+  EXPECT_EQ(RunTool("diff " + qwen + " " + qwen + " --step 1").exit_code, 2);
+  EXPECT_EQ(RunTool("diff " + root + " " + root + " --atol -1").exit_code, 2);
+  EXPECT_EQ(RunTool("diff " + root + " " + tmp_.path() + "/missing").exit_code, 2);
+  EXPECT_EQ(RunTool("diff " + root + " " + root + " --step 9").exit_code, 2);
 }
 
 TEST_F(CliTest, UsageErrorsExitTwo) {

@@ -1,0 +1,312 @@
+// ckpt-tool diff A B: compares the tensors of two checkpoints, each a ckpt root (a committed step:
+// LATEST, or --step / --step-b) or a HuggingFace path (.safetensors file or model directory).
+// Tensors of both sides are read in batches of kBatchElems (bounded memory whatever the size);
+// floating tensors (F32, BF16, F16) compare as FP32 values (equal when a == b, or both NaN;
+// within --atol when |a - b| <= atol), others byte for byte. Exit 0 when every tensor is on both
+// sides and equal (within --atol), 1 when anything differs, 2 for usage errors and unreadable
+// input.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/safetensors.h"
+#include "ckpt/hf_checkpoint.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "cli/hf.h"
+
+namespace ckpt::cli {
+namespace {
+
+constexpr uint64_t kBatchElems = uint64_t{1} << 22;  // 16 MiB of FP32 per side.
+
+struct SourceTensor {
+  std::string dtype;  // Its name: "F32", "BF16", "I64", ...
+  std::vector<uint64_t> shape;
+  uint64_t numel = 0;
+  size_t element_bytes = 0;  // 0 for sub-byte dtypes (compared whole).
+  bool floating = false;     // F32, BF16 or F16: compared as FP32 values.
+};
+
+// One side of the comparison.
+class Source {
+ public:
+  virtual ~Source() = default;
+  virtual std::string Describe() const = 0;
+  virtual const std::map<std::string, SourceTensor>& tensors() const = 0;
+  virtual absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
+                               std::span<float> out) const = 0;
+  virtual absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
+                                 std::span<std::byte> out) const = 0;
+};
+
+class HfSource : public Source {
+ public:
+  static absl::StatusOr<std::unique_ptr<Source>> Open(const std::string& path) {
+    auto s = std::make_unique<HfSource>();
+    CKPT_ASSIGN_OR_RETURN(s->reader_, HfCheckpointReader::Open(path));
+    for (const HfTensor& t : s->reader_->tensors()) {
+      SourceTensor& out = s->tensors_[t.name];
+      out.dtype = std::string(formats::StDTypeName(t.dtype));
+      out.shape = t.shape;
+      out.numel = t.numel;
+      out.element_bytes = t.numel == 0 ? 0 : t.byte_size / t.numel;
+      if (out.element_bytes * t.numel != t.byte_size) out.element_bytes = 0;
+      out.floating = t.dtype == formats::StDType::kF32 || t.dtype == formats::StDType::kBF16 ||
+                     t.dtype == formats::StDType::kF16;
+    }
+    return std::unique_ptr<Source>(std::move(s));
+  }
+  std::string Describe() const override { return absl::StrCat("HF ", reader_->path()); }
+  const std::map<std::string, SourceTensor>& tensors() const override { return tensors_; }
+  absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
+                       std::span<float> out) const override {
+    return reader_->ReadAsF32(name, begin, count, out);
+  }
+  absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
+                         std::span<std::byte> out) const override {
+    return reader_->ReadBytes(name, begin, count, out);
+  }
+
+ private:
+  std::unique_ptr<HfCheckpointReader> reader_;
+  std::map<std::string, SourceTensor> tensors_;
+};
+
+class CkptSource : public Source {
+ public:
+  static absl::StatusOr<std::unique_ptr<Source>> Open(const std::string& root,
+                                                      std::optional<uint64_t> step) {
+    auto s = std::make_unique<CkptSource>();
+    StoreOptions o;
+    o.read_only = true;
+    CKPT_ASSIGN_OR_RETURN(s->store_, CheckpointStore::Open(root, o));
+    if (step.has_value()) {
+      CKPT_ASSIGN_OR_RETURN(s->reader_, s->store_->OpenStep(*step));
+    } else {
+      CKPT_ASSIGN_OR_RETURN(s->reader_, s->store_->OpenLatest());
+    }
+    s->root_ = root;
+    for (const formats::TensorInfo& t : s->reader_->manifest().tensors) {
+      SourceTensor& out = s->tensors_[t.name];
+      out.dtype = std::string(formats::DTypeName(t.dtype));
+      out.shape = t.shape;
+      out.numel = t.numel();
+      out.element_bytes = formats::DTypeSize(t.dtype);
+      out.floating = t.dtype == formats::DType::kF32 || t.dtype == formats::DType::kBF16 ||
+                     t.dtype == formats::DType::kF16;
+      s->dtypes_[t.name] = t.dtype;
+    }
+    return std::unique_ptr<Source>(std::move(s));
+  }
+  std::string Describe() const override {
+    return absl::StrCat("ckpt ", root_, " step ", reader_->manifest().step);
+  }
+  const std::map<std::string, SourceTensor>& tensors() const override { return tensors_; }
+  absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
+                       std::span<float> out) const override {
+    const formats::DType d = dtypes_.at(name);
+    if (d == formats::DType::kF32) {
+      return reader_->ReadRange(name, begin, count, std::as_writable_bytes(out));
+    }
+    std::vector<uint16_t> half(count);
+    CKPT_RETURN_IF_ERROR(
+        reader_->ReadRange(name, begin, count, std::as_writable_bytes(std::span(half))));
+    for (uint64_t i = 0; i < count; ++i) {
+      out[i] = d == formats::DType::kBF16 ? formats::Bf16ToFloat(half[i])
+                                          : formats::HalfToFloat(half[i]);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
+                         std::span<std::byte> out) const override {
+    return reader_->ReadRange(name, begin, count, out);
+  }
+
+ private:
+  std::string root_;
+  std::unique_ptr<CheckpointStore> store_;
+  std::unique_ptr<CheckpointReader> reader_;
+  std::map<std::string, SourceTensor> tensors_;
+  std::map<std::string, formats::DType> dtypes_;
+};
+
+absl::StatusOr<std::unique_ptr<Source>> OpenSource(const std::string& path,
+                                                   std::optional<uint64_t> step) {
+  CKPT_ASSIGN_OR_RETURN(bool hf, TreatAsHf(path, "diff"));
+  if (hf) {
+    if (step.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is a HuggingFace checkpoint: it has no steps (--step)"));
+    }
+    return HfSource::Open(path);
+  }
+  return CkptSource::Open(path, step);
+}
+
+// How one tensor present on both sides compares.
+struct TensorDiff {
+  std::string name;
+  std::string status;  // "equal", "differs", "shape", "dtype".
+  std::string detail;  // For shape and dtype mismatches.
+  double max_abs = 0, max_rel = 0;
+  uint64_t differing = 0, numel = 0;
+};
+
+absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::string& name,
+                                   double atol) {
+  const SourceTensor& ta = a.tensors().at(name);
+  const SourceTensor& tb = b.tensors().at(name);
+  TensorDiff d;
+  d.name = name;
+  d.numel = ta.numel;
+  if (ta.shape != tb.shape) {
+    d.status = "shape";
+    d.detail = absl::StrCat("[", absl::StrJoin(ta.shape, ", "), "] vs [",
+                            absl::StrJoin(tb.shape, ", "), "]");
+    return d;
+  }
+  if (ta.floating && tb.floating) {
+    std::vector<float> xa, xb;
+    for (uint64_t at = 0; at < ta.numel; at += kBatchElems) {
+      const uint64_t n = std::min(kBatchElems, ta.numel - at);
+      xa.resize(n);
+      xb.resize(n);
+      CKPT_RETURN_IF_ERROR(a.ReadF32(name, at, n, xa));
+      CKPT_RETURN_IF_ERROR(b.ReadF32(name, at, n, xb));
+      for (uint64_t i = 0; i < n; ++i) {
+        const float x = xa[i], y = xb[i];
+        if (x == y || (std::isnan(x) && std::isnan(y))) continue;
+        const double diff = std::fabs(static_cast<double>(x) - static_cast<double>(y));
+        const double scale = std::max(std::fabs(static_cast<double>(x)),
+                                      std::fabs(static_cast<double>(y)));
+        // NaN against a number, or infinities of opposite signs, differ without bound.
+        const double abs_diff = std::isnan(diff) ? INFINITY : diff;
+        d.max_abs = std::max(d.max_abs, abs_diff);
+        d.max_rel = std::max(d.max_rel, scale > 0 ? abs_diff / scale : INFINITY);
+        if (!(abs_diff <= atol)) ++d.differing;
+      }
+    }
+    d.status = d.differing == 0 ? "equal" : "differs";
+    return d;
+  }
+  if (ta.dtype != tb.dtype) {
+    d.status = "dtype";
+    d.detail = absl::StrCat(ta.dtype, " vs ", tb.dtype);
+    return d;
+  }
+  // Same non-floating dtype: bytes. Sub-byte dtypes are read whole.
+  const uint64_t esize = ta.element_bytes;
+  const uint64_t batch = esize == 0 ? ta.numel : std::max<uint64_t>(1, (kBatchElems * 4) / esize);
+  std::vector<std::byte> ba, bb;
+  for (uint64_t at = 0; at < ta.numel; at += batch) {
+    const uint64_t n = std::min(batch, ta.numel - at);
+    const uint64_t bytes = esize == 0 ? 0 : n * esize;
+    if (esize == 0) {
+      return absl::UnimplementedError(
+          absl::StrCat("tensor ", name, ": comparing ", ta.dtype, " is not supported"));
+    }
+    ba.resize(bytes);
+    bb.resize(bytes);
+    CKPT_RETURN_IF_ERROR(a.ReadBytes(name, at, n, ba));
+    CKPT_RETURN_IF_ERROR(b.ReadBytes(name, at, n, bb));
+    for (uint64_t i = 0; i < n; ++i) {
+      if (std::memcmp(ba.data() + i * esize, bb.data() + i * esize, esize) != 0) ++d.differing;
+    }
+  }
+  d.status = d.differing == 0 ? "equal" : "differs";
+  return d;
+}
+
+}  // namespace
+
+int RunDiff(const DiffArgs& args) {
+  if (!(args.atol >= 0) || !std::isfinite(args.atol)) {
+    return ReportError("diff", absl::InvalidArgumentError("--atol must be a finite number >= 0"));
+  }
+  absl::StatusOr<std::unique_ptr<Source>> a = OpenSource(args.a, args.step);
+  if (!a.ok()) return ReportError(absl::StrCat("diff ", Printable(args.a)), a.status());
+  absl::StatusOr<std::unique_ptr<Source>> b = OpenSource(args.b, args.step_b);
+  if (!b.ok()) return ReportError(absl::StrCat("diff ", Printable(args.b)), b.status());
+  std::vector<std::string> only_a, only_b, both;
+  for (const auto& [name, t] : (*a)->tensors()) {
+    ((*b)->tensors().count(name) ? both : only_a).push_back(name);
+  }
+  for (const auto& [name, t] : (*b)->tensors()) {
+    if (!(*a)->tensors().count(name)) only_b.push_back(name);
+  }
+  std::vector<TensorDiff> diffs;
+  ProgressBar bar("diff", both.size(), !args.json && StderrIsTerminal());
+  for (size_t i = 0; i < both.size(); ++i) {
+    absl::StatusOr<TensorDiff> d = Compare(**a, **b, both[i], args.atol);
+    if (!d.ok()) return ReportError("diff", d.status());
+    diffs.push_back(*std::move(d));
+    bar.Update(i + 1);
+  }
+  bar.Finish();
+  size_t unequal = 0;
+  for (const TensorDiff& d : diffs) unequal += d.status != "equal";
+  const bool same = unequal == 0 && only_a.empty() && only_b.empty();
+  if (args.json) {
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const TensorDiff& d : diffs) {
+      nlohmann::json t = {{"name", d.name}, {"status", d.status}, {"numel", d.numel}};
+      if (d.status == "differs" || d.status == "equal") {
+        t["differing"] = d.differing;
+        t["max_abs"] = d.max_abs;
+        t["max_rel"] = d.max_rel;
+      } else {
+        t["detail"] = d.detail;
+      }
+      tensors.push_back(t);
+    }
+    PrintJson({{"a", (*a)->Describe()},
+               {"b", (*b)->Describe()},
+               {"atol", args.atol},
+               {"equal", same},
+               {"tensors", tensors},
+               {"only_in_a", only_a},
+               {"only_in_b", only_b}});
+    return same ? kExitOk : kExitDamage;
+  }
+  std::cout << "A: " << Printable((*a)->Describe()) << "\nB: " << Printable((*b)->Describe())
+            << "\n";
+  for (const TensorDiff& d : diffs) {
+    if (d.status == "equal" && d.max_abs == 0) continue;  // Equal tensors are only counted.
+    std::cout << "  " << Printable(d.name) << ": ";
+    if (d.status == "shape" || d.status == "dtype") {
+      std::cout << d.status << " " << d.detail << "\n";
+    } else {
+      std::cout << absl::StrFormat("%s, %llu of %llu elements beyond atol, max abs %.6g, max rel "
+                                   "%.6g\n",
+                                   d.status, static_cast<unsigned long long>(d.differing),
+                                   static_cast<unsigned long long>(d.numel), d.max_abs,
+                                   d.max_rel);
+    }
+  }
+  for (const auto& [label, names] : {std::pair{"only in A", &only_a}, {"only in B", &only_b}}) {
+    if (names->empty()) continue;
+    std::vector<std::string> shown;
+    for (size_t i = 0; i < names->size() && i < 10; ++i) shown.push_back(Printable((*names)[i]));
+    std::cout << "  " << label << " (" << names->size() << "): " << absl::StrJoin(shown, ", ")
+              << (names->size() > 10 ? ", ..." : "") << "\n";
+  }
+  std::cout << absl::StrFormat(
+      "%s: %zu tensor(s) on both sides, %zu equal%s, %zu differ; %zu only in A, %zu only in B\n",
+      same ? "EQUAL" : "DIFFERENT", diffs.size(), diffs.size() - unequal,
+      args.atol > 0 ? absl::StrFormat(" within atol %g", args.atol) : std::string(), unequal,
+      only_a.size(), only_b.size());
+  return same ? kExitOk : kExitDamage;
+}
+
+}  // namespace ckpt::cli
