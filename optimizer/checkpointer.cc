@@ -270,15 +270,20 @@ absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
   return absl::OkStatus();
 }
 
-absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
-  // Step 1. Every rank is in the same place with its async saves (they are collective).
-  CKPT_RETURN_IF_ERROR(NoSaveInFlight("save"));
+absl::StatusOr<std::unique_ptr<SaveTransaction>> Checkpointer::BeginSave(uint64_t step,
+                                                                         absl::string_view what) {
+  // Every rank is in the same place with its async saves (they are collective), so this
+  // refusal needs no vote.
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight(what));
   absl::Status ready = optimizer_->CheckClean("save");
   if (ready.ok()) ready = optimizer_->Synchronize();
   CKPT_RETURN_IF_ERROR(Vote(ready));
-  // Step 2.
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
-                        store_->BeginSave(step, coordinator_));
+  return store_->BeginSave(step, coordinator_);
+}
+
+absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
+  // Steps 1 and 2.
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, BeginSave(step, "save"));
   absl::Status written = SaveInto(*txn, blobs);
   if (!written.ok()) {
     // The vote must go round so the others abort too; this rank already fails with `written`.
@@ -295,12 +300,7 @@ absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
 absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t step,
                                                                      const Blobs& blobs) {
   // Step A1.
-  CKPT_RETURN_IF_ERROR(NoSaveInFlight("async save"));
-  absl::Status ready = optimizer_->CheckClean("save");
-  if (ready.ok()) ready = optimizer_->Synchronize();
-  CKPT_RETURN_IF_ERROR(Vote(ready));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn,
-                        store_->BeginSave(step, coordinator_));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, BeginSave(step, "async save"));
   // Step A2: everything that is not in the slabs is taken now.
   const StagedAdamWOptions& o = optimizer_->options();
   const DType model = optimizer_->model_dtype(), moment = MomentDTypeOf(o.moment_dtype);

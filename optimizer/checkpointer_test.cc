@@ -55,6 +55,14 @@ class CheckpointerTest : public ::testing::Test {
     ASSERT_THAT((*file)->Append(std::as_bytes(std::span(*bytes))), IsOk());
     ASSERT_THAT((*file)->Close(), IsOk());
   }
+  // A 2-rank job saves step 1 after one step and loads it back; returns the loaded state.
+  std::string SaveAndLoadStepOne() {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    ExpectAllOk(job.Load(1));
+    return job.Gather();
+  }
   std::vector<std::string> RootEntries() {
     auto names = mem_->GetChildren(kRoot);
     EXPECT_THAT(names, IsOk());
@@ -210,14 +218,7 @@ bool LoadUnderFault(testing::FaultInjectionEnv& env, Job& job, uint64_t step,
 }
 
 TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
-  std::string loaded;
-  {
-    Job job(&env_, 2, 500);
-    job.Step(0);
-    ExpectAllOk(job.Save(1));
-    ExpectAllOk(job.Load(1));
-    loaded = job.Gather();
-  }
+  const std::string loaded = SaveAndLoadStepOne();
   int failures = 0, poisonings = 0;
   // 0: the k-th file open for reading fails with EIO (the step's files, the spill's); 1: the
   // k-th mutating call (the spill's writes, syncs, renames); 2: a chunk of the step is damaged,
@@ -342,14 +343,7 @@ TEST_F(CheckpointerTest, RanksOwningNothingSaveAndLoad) {
 // mutating call of a dirty 2-rank load in turn. Reopened, the store holds the step it held
 // before, which verifies and loads in a fresh job at another DP size, and no spill survives.
 TEST_F(CheckpointerTest, ACrashAtEveryCallOfALoadLeavesTheStoreLoadable) {
-  std::string loaded;
-  {
-    Job job(&env_, 2, 500);
-    job.Step(0);
-    ExpectAllOk(job.Save(1));
-    ExpectAllOk(job.Load(1));
-    loaded = job.Gather();
-  }
+  const std::string loaded = SaveAndLoadStepOne();
   int crashes = 0;
   for (uint64_t k = 0;; ++k) {
     bool crashed = false;

@@ -145,6 +145,9 @@ class Checkpointer {
   Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights, CheckpointStore* store,
                Coordinator* coordinator, CheckpointerOptions options);
   absl::Status NoSaveInFlight(absl::string_view what) const;
+  // Save's steps 1 and 2 (SaveAsync's A1): refusals voted on, then the store's transaction.
+  absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(uint64_t step,
+                                                             absl::string_view what);
   absl::Status FinalizeAsync(PendingSave& handle);
   absl::Status Preflight(const CheckpointReader& reader) const;
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
