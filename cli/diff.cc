@@ -1,8 +1,9 @@
 // ckpt-tool diff A B: compares the tensors of two checkpoints, each a ckpt root (a committed step:
 // LATEST, or --step / --step-b) or a HuggingFace path (.safetensors file or model directory).
 // Tensors of both sides are read in batches of kBatchElems (bounded memory whatever the size);
-// floating tensors (F32, BF16, F16) compare as FP32 values (equal when a == b, or both NaN;
-// within --atol when |a - b| <= atol), others byte for byte. Exit 0 when every tensor is on both
+// floating tensors (F32, BF16, F16, in any pair) compare as FP32 values and F64 ones as F64
+// values (equal when a == b, or both NaN; within --atol when |a - b| <= atol), others byte for
+// byte (sub-byte dtypes as the whole tensor's bytes). Exit 0 when every tensor is on both
 // sides and equal (within --atol), 1 when anything differs, 2 for usage errors and unreadable
 // input.
 #include <algorithm>
@@ -34,7 +35,8 @@ struct SourceTensor {
   std::string dtype;  // Its name: "F32", "BF16", "I64", ...
   std::vector<uint64_t> shape;
   uint64_t numel = 0;
-  size_t element_bytes = 0;  // 0 for sub-byte dtypes (compared whole).
+  size_t element_bytes = 0;  // 0 for sub-byte dtypes (compared whole, byte for byte).
+  uint64_t byte_size = 0;
   bool floating = false;     // F32, BF16 or F16: compared as FP32 values.
 };
 
@@ -60,6 +62,7 @@ class HfSource : public Source {
       out.dtype = std::string(formats::StDTypeName(t.dtype));
       out.shape = t.shape;
       out.numel = t.numel;
+      out.byte_size = t.byte_size;
       out.element_bytes = t.numel == 0 ? 0 : t.byte_size / t.numel;
       if (out.element_bytes * t.numel != t.byte_size) out.element_bytes = 0;
       out.floating = t.dtype == formats::StDType::kF32 || t.dtype == formats::StDType::kBF16 ||
@@ -103,6 +106,7 @@ class CkptSource : public Source {
       out.shape = t.shape;
       out.numel = t.numel();
       out.element_bytes = formats::DTypeSize(t.dtype);
+      out.byte_size = out.numel * out.element_bytes;
       out.floating = t.dtype == formats::DType::kF32 || t.dtype == formats::DType::kBF16 ||
                      t.dtype == formats::DType::kF16;
       s->dtypes_[t.name] = t.dtype;
@@ -142,12 +146,13 @@ class CkptSource : public Source {
 };
 
 absl::StatusOr<std::unique_ptr<Source>> OpenSource(const std::string& path,
-                                                   std::optional<uint64_t> step) {
+                                                   std::optional<uint64_t> step,
+                                                   const char* step_flag) {
   CKPT_ASSIGN_OR_RETURN(bool hf, TreatAsHf(path, "diff"));
   if (hf) {
     if (step.has_value()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, " is a HuggingFace checkpoint: it has no steps (--step)"));
+          absl::StrCat(path, " is a HuggingFace checkpoint: it has no steps (", step_flag, ")"));
     }
     return HfSource::Open(path);
   }
@@ -159,9 +164,25 @@ struct TensorDiff {
   std::string name;
   std::string status;  // "equal", "differs", "shape", "dtype".
   std::string detail;  // For shape and dtype mismatches.
+  std::string dtype_a, dtype_b;
+  bool by_value = true;  // Floating values (and --atol); false: byte for byte.
+  bool whole_bytes = false;  // Sub-byte dtype: differing and numel count bytes.
   double max_abs = 0, max_rel = 0;
-  uint64_t differing = 0, numel = 0;
+  uint64_t differing = 0, numel = 0;  // Elements (bytes for sub-byte dtypes) that differ.
 };
+
+// Folds one pair of values into `d`: equal when a == b or both NaN, else within `atol`.
+void CompareValues(double x, double y, double atol, TensorDiff& d) {
+  if (x == y || (std::isnan(x) && std::isnan(y))) return;
+  const double diff = std::fabs(x - y);
+  // NaN against a number, or infinities, differ without bound.
+  const double abs_diff = std::isnan(diff) || std::isinf(diff) ? INFINITY : diff;
+  const double scale = std::max(std::fabs(x), std::fabs(y));
+  d.max_abs = std::max(d.max_abs, abs_diff);
+  d.max_rel = std::max(d.max_rel, std::isinf(abs_diff) || !(scale > 0) ? INFINITY
+                                                                         : abs_diff / scale);
+  if (!(abs_diff <= atol)) ++d.differing;
+}
 
 absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::string& name,
                                    double atol) {
@@ -170,6 +191,8 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
   TensorDiff d;
   d.name = name;
   d.numel = ta.numel;
+  d.dtype_a = ta.dtype;
+  d.dtype_b = tb.dtype;
   if (ta.shape != tb.shape) {
     d.status = "shape";
     d.detail = absl::StrCat("[", absl::StrJoin(ta.shape, ", "), "] vs [",
@@ -177,6 +200,7 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
     return d;
   }
   if (ta.floating && tb.floating) {
+    // As FP32 values, whatever the two dtypes (a BF16 export against its FP32 source).
     std::vector<float> xa, xb;
     for (uint64_t at = 0; at < ta.numel; at += kBatchElems) {
       const uint64_t n = std::min(kBatchElems, ta.numel - at);
@@ -184,18 +208,7 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
       xb.resize(n);
       CKPT_RETURN_IF_ERROR(a.ReadF32(name, at, n, xa));
       CKPT_RETURN_IF_ERROR(b.ReadF32(name, at, n, xb));
-      for (uint64_t i = 0; i < n; ++i) {
-        const float x = xa[i], y = xb[i];
-        if (x == y || (std::isnan(x) && std::isnan(y))) continue;
-        const double diff = std::fabs(static_cast<double>(x) - static_cast<double>(y));
-        const double scale = std::max(std::fabs(static_cast<double>(x)),
-                                      std::fabs(static_cast<double>(y)));
-        // NaN against a number, or infinities of opposite signs, differ without bound.
-        const double abs_diff = std::isnan(diff) ? INFINITY : diff;
-        d.max_abs = std::max(d.max_abs, abs_diff);
-        d.max_rel = std::max(d.max_rel, scale > 0 ? abs_diff / scale : INFINITY);
-        if (!(abs_diff <= atol)) ++d.differing;
-      }
+      for (uint64_t i = 0; i < n; ++i) CompareValues(xa[i], xb[i], atol, d);
     }
     d.status = d.differing == 0 ? "equal" : "differs";
     return d;
@@ -205,27 +218,48 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
     d.detail = absl::StrCat(ta.dtype, " vs ", tb.dtype);
     return d;
   }
-  // Same non-floating dtype: bytes. Sub-byte dtypes are read whole.
+  if (ta.element_bytes == 0) {
+    // Sub-byte dtypes (F4, F6): the whole tensor's bytes, compared byte for byte.
+    d.by_value = false;
+    d.whole_bytes = true;
+    std::vector<std::byte> ba(ta.byte_size), bb(tb.byte_size);
+    CKPT_RETURN_IF_ERROR(a.ReadBytes(name, 0, ta.numel, ba));
+    CKPT_RETURN_IF_ERROR(b.ReadBytes(name, 0, tb.numel, bb));
+    d.numel = ba.size();
+    for (size_t i = 0; i < ba.size(); ++i) d.differing += ba[i] != bb[i];
+    d.status = d.differing == 0 ? "equal" : "differs";
+    return d;
+  }
+  // Same dtype: F64 as values (with --atol), every other dtype byte for byte.
+  const bool f64 = ta.dtype == "F64";
+  d.by_value = f64;
   const uint64_t esize = ta.element_bytes;
-  const uint64_t batch = esize == 0 ? ta.numel : std::max<uint64_t>(1, (kBatchElems * 4) / esize);
+  const uint64_t batch = std::max<uint64_t>(1, (kBatchElems * 4) / esize);
   std::vector<std::byte> ba, bb;
   for (uint64_t at = 0; at < ta.numel; at += batch) {
     const uint64_t n = std::min(batch, ta.numel - at);
-    const uint64_t bytes = esize == 0 ? 0 : n * esize;
-    if (esize == 0) {
-      return absl::UnimplementedError(
-          absl::StrCat("tensor ", name, ": comparing ", ta.dtype, " is not supported"));
-    }
-    ba.resize(bytes);
-    bb.resize(bytes);
+    ba.resize(n * esize);
+    bb.resize(n * esize);
     CKPT_RETURN_IF_ERROR(a.ReadBytes(name, at, n, ba));
     CKPT_RETURN_IF_ERROR(b.ReadBytes(name, at, n, bb));
     for (uint64_t i = 0; i < n; ++i) {
-      if (std::memcmp(ba.data() + i * esize, bb.data() + i * esize, esize) != 0) ++d.differing;
+      if (f64) {
+        double x, y;
+        std::memcpy(&x, ba.data() + i * 8, 8);
+        std::memcpy(&y, bb.data() + i * 8, 8);
+        CompareValues(x, y, atol, d);
+      } else if (std::memcmp(ba.data() + i * esize, bb.data() + i * esize, esize) != 0) {
+        ++d.differing;
+      }
     }
   }
   d.status = d.differing == 0 ? "equal" : "differs";
   return d;
+}
+
+// JSON has no infinity: a difference without bound is written as the string "inf".
+nlohmann::json JsonNumber(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json("inf");
 }
 
 }  // namespace
@@ -234,9 +268,9 @@ int RunDiff(const DiffArgs& args) {
   if (!(args.atol >= 0) || !std::isfinite(args.atol)) {
     return ReportError("diff", absl::InvalidArgumentError("--atol must be a finite number >= 0"));
   }
-  absl::StatusOr<std::unique_ptr<Source>> a = OpenSource(args.a, args.step);
+  absl::StatusOr<std::unique_ptr<Source>> a = OpenSource(args.a, args.step, "--step");
   if (!a.ok()) return ReportError(absl::StrCat("diff ", Printable(args.a)), a.status());
-  absl::StatusOr<std::unique_ptr<Source>> b = OpenSource(args.b, args.step_b);
+  absl::StatusOr<std::unique_ptr<Source>> b = OpenSource(args.b, args.step_b, "--step-b");
   if (!b.ok()) return ReportError(absl::StrCat("diff ", Printable(args.b)), b.status());
   std::vector<std::string> only_a, only_b, both;
   for (const auto& [name, t] : (*a)->tensors()) {
@@ -260,11 +294,15 @@ int RunDiff(const DiffArgs& args) {
   if (args.json) {
     nlohmann::json tensors = nlohmann::json::array();
     for (const TensorDiff& d : diffs) {
-      nlohmann::json t = {{"name", d.name}, {"status", d.status}, {"numel", d.numel}};
+      nlohmann::json t = {{"name", d.name},       {"status", d.status}, {"numel", d.numel},
+                          {"dtype_a", d.dtype_a}, {"dtype_b", d.dtype_b}};
       if (d.status == "differs" || d.status == "equal") {
+        t["compared"] = d.by_value ? "values" : "bytes";
         t["differing"] = d.differing;
-        t["max_abs"] = d.max_abs;
-        t["max_rel"] = d.max_rel;
+        if (d.by_value) {
+          t["max_abs"] = JsonNumber(d.max_abs);
+          t["max_rel"] = JsonNumber(d.max_rel);
+        }
       } else {
         t["detail"] = d.detail;
       }
@@ -282,16 +320,26 @@ int RunDiff(const DiffArgs& args) {
   std::cout << "A: " << Printable((*a)->Describe()) << "\nB: " << Printable((*b)->Describe())
             << "\n";
   for (const TensorDiff& d : diffs) {
-    if (d.status == "equal" && d.max_abs == 0) continue;  // Equal tensors are only counted.
+    // Exactly equal tensors of one dtype are only counted.
+    if (d.status == "equal" && d.max_abs == 0 && d.dtype_a == d.dtype_b) continue;
     std::cout << "  " << Printable(d.name) << ": ";
     if (d.status == "shape" || d.status == "dtype") {
       std::cout << d.status << " " << d.detail << "\n";
+      continue;
+    }
+    const std::string dtypes =
+        d.dtype_a == d.dtype_b ? std::string() : absl::StrCat(" (", d.dtype_a, " vs ", d.dtype_b,
+                                                             ", compared as FP32 values)");
+    if (d.by_value) {
+      std::cout << absl::StrFormat(
+          "%s%s, %llu of %llu elements beyond atol, max abs %.6g, max rel %.6g\n", d.status,
+          dtypes, static_cast<unsigned long long>(d.differing),
+          static_cast<unsigned long long>(d.numel), d.max_abs, d.max_rel);
     } else {
-      std::cout << absl::StrFormat("%s, %llu of %llu elements beyond atol, max abs %.6g, max rel "
-                                   "%.6g\n",
+      std::cout << absl::StrFormat("%s, %llu of %llu %s differ (%s, compared byte for byte)\n",
                                    d.status, static_cast<unsigned long long>(d.differing),
-                                   static_cast<unsigned long long>(d.numel), d.max_abs,
-                                   d.max_rel);
+                                   static_cast<unsigned long long>(d.numel),
+                                   d.whole_bytes ? "bytes" : "elements", d.dtype_a);
     }
   }
   for (const auto& [label, names] : {std::pair{"only in A", &only_a}, {"only in B", &only_b}}) {

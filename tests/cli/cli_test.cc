@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <random>
@@ -17,6 +18,7 @@
 
 #include "ckpt/base/coding.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/formats/float_convert.h"
 #include "ckpt/hf_checkpoint.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/verify.h"
@@ -295,6 +297,47 @@ TEST_F(CliTest, DiffComparesCkptStepsAndHfModelsTensorByTensor) {
   ASSERT_THAT(WriteHfCheckpoint(tmp_.path() + "/hf", tensors), testing::IsOk());
   Result cross = RunTool("diff " + root + " " + tmp_.path() + "/hf --step 1");
   EXPECT_EQ(cross.exit_code, 0) << cross.output;
+
+  // Dtypes: BF16 against F32 compares values (and says so); F64 compares values (-0 == +0);
+  // sub-byte F4 compares the tensor's bytes; infinities of opposite signs differ without bound.
+  const uint16_t w_bf16[4] = {formats::FloatToBf16(1), formats::FloatToBf16(2),
+                              formats::FloatToBf16(3), formats::FloatToBf16(4)};
+  const double zeros_a[2] = {0.0, 1.0}, zeros_b[2] = {-0.0, 1.0};
+  const uint8_t f4[2] = {0x12, 0x34};
+  const float inf_a[1] = {INFINITY}, inf_b[1] = {-INFINITY};
+  auto write = [&](const std::string& dir, const void* bf16_or_f32, bool bf16, const void* f64,
+                   const void* fp4, const void* inf) {
+    std::vector<HfTensorData> t = {
+        {"w", bf16 ? formats::StDType::kBF16 : formats::StDType::kF32, {4},
+         {static_cast<const std::byte*>(bf16_or_f32), bf16 ? 8u : 16u}},
+        {"d", formats::StDType::kF64, {2}, {static_cast<const std::byte*>(f64), 16}},
+        {"q", formats::StDType::kF4, {4}, {static_cast<const std::byte*>(fp4), 2}},
+        {"i", formats::StDType::kF32, {1}, {static_cast<const std::byte*>(inf), 4}}};
+    ASSERT_THAT(WriteHfCheckpoint(tmp_.path() + "/" + dir, t), testing::IsOk());
+  };
+  write("dt-a", w.data(), false, zeros_a, f4, inf_a);
+  write("dt-b", w_bf16, true, zeros_b, f4, inf_a);
+  write("dt-c", w.data(), false, zeros_a, f4, inf_b);
+  Result dtypes = RunTool("diff " + tmp_.path() + "/dt-a " + tmp_.path() + "/dt-b --json");
+  EXPECT_EQ(dtypes.exit_code, 0) << dtypes.output;
+  nlohmann::json dj = nlohmann::json::parse(dtypes.output);
+  for (const auto& t : dj["tensors"]) {
+    if (t["name"] == "w") {
+      EXPECT_EQ(t["dtype_a"], "F32");
+      EXPECT_EQ(t["dtype_b"], "BF16");
+    }
+    if (t["name"] == "q") {
+      EXPECT_EQ(t["compared"], "bytes");
+    }
+  }
+  Result inf = RunTool("diff " + tmp_.path() + "/dt-a " + tmp_.path() + "/dt-c --json");
+  EXPECT_EQ(inf.exit_code, 1) << inf.output;
+  for (const auto& t : nlohmann::json::parse(inf.output)["tensors"]) {
+    if (t["name"] == "i") {
+      EXPECT_EQ(t["max_abs"], "inf");
+      EXPECT_EQ(t["max_rel"], "inf");
+    }
+  }
 
   // Usage: a step of an HF path, a negative tolerance, a path that is not there.
   EXPECT_EQ(RunTool("diff " + qwen + " " + qwen + " --step 1").exit_code, 2);
