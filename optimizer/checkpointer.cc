@@ -153,6 +153,20 @@ std::string ListNames(const std::vector<std::string>& names) {
   return out;
 }
 
+// The tensors every rank declares in a step (the layout at the top of checkpointer.h), in the
+// order Save and SaveAsync declare them: per parameter its weights, master, exp_avg, exp_avg_sq.
+std::vector<TensorSpec> Declarations(const StagedAdamW& opt) {
+  const DType model = opt.model_dtype(), moment = MomentDTypeOf(opt.options().moment_dtype);
+  std::vector<TensorSpec> out;
+  for (const ParamSpec& p : opt.options().params) {
+    out.push_back({p.name, model, p.shape});
+    out.push_back({kStatePrefixes[0] + p.name, DType::kF32, p.shape});
+    out.push_back({kStatePrefixes[1] + p.name, moment, p.shape});
+    out.push_back({kStatePrefixes[2] + p.name, moment, p.shape});
+  }
+  return out;
+}
+
 }  // namespace
 
 // Where a failed load rolls back from: a committed step (the store's, or a private spill). It
@@ -236,14 +250,8 @@ absl::Status Checkpointer::Vote(const absl::Status& mine) {
 
 absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
   const StagedAdamWOptions& o = optimizer_->options();
-  const DType model = optimizer_->model_dtype(), moment = MomentDTypeOf(o.moment_dtype);
-  for (const ParamSpec& p : o.params) {
-    CKPT_RETURN_IF_ERROR(txn.DeclareTensor({p.name, model, p.shape}));
-    CKPT_RETURN_IF_ERROR(txn.DeclareTensor({kStatePrefixes[0] + p.name, DType::kF32, p.shape}));
-    for (int s = 1; s < 3; ++s) {
-      CKPT_RETURN_IF_ERROR(txn.DeclareTensor({kStatePrefixes[s] + p.name, moment, p.shape}));
-    }
-  }
+  const DType model = optimizer_->model_dtype();
+  for (const TensorSpec& t : Declarations(*optimizer_)) CKPT_RETURN_IF_ERROR(txn.DeclareTensor(t));
   const std::span<const std::byte> slabs[3] = {std::as_bytes(optimizer_->master()),
                                                optimizer_->exp_avg_bytes(),
                                                optimizer_->exp_avg_sq_bytes()};
@@ -302,16 +310,11 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   // Step A1.
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, BeginSave(step, "async save"));
   // Step A2: everything that is not in the slabs is taken now.
-  const StagedAdamWOptions& o = optimizer_->options();
-  const DType model = optimizer_->model_dtype(), moment = MomentDTypeOf(o.moment_dtype);
   internal::AsyncSave::Plan plan;
-  for (const ParamSpec& p : o.params) {
-    plan.names.push_back({p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
-                          kStatePrefixes[2] + p.name});
-    plan.declarations.push_back({p.name, model, p.shape});
-    plan.declarations.push_back({kStatePrefixes[0] + p.name, DType::kF32, p.shape});
-    plan.declarations.push_back({kStatePrefixes[1] + p.name, moment, p.shape});
-    plan.declarations.push_back({kStatePrefixes[2] + p.name, moment, p.shape});
+  plan.declarations = Declarations(*optimizer_);
+  for (size_t i = 0; i < plan.declarations.size(); i += 4) {
+    const std::vector<TensorSpec>& d = plan.declarations;
+    plan.names.push_back({d[i].name, d[i + 1].name, d[i + 2].name, d[i + 3].name});
   }
   plan.blobs.emplace_back(kLayoutBlob, LayoutJson(*optimizer_, coordinator_->size()));
   for (const auto& [key, value] : blobs) plan.blobs.emplace_back(kTrainerPrefix + key, value);
