@@ -57,22 +57,22 @@
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
 #include "optimizer/async_save.h"
+#include "optimizer/checkpointer_layout.h"
 #include "optimizer/engine.h"
 
 namespace ckpt::optimizer {
 namespace {
 
 using formats::DType;
+using internal::kLayoutBlob;
+using internal::kStatePrefixes;
+using internal::kTrainerPrefix;
+using internal::ListNames;
+using internal::MomentDTypeOf;
 using nlohmann::json;
 
-constexpr char kLayoutBlob[] = "optimizer.layout";
-constexpr char kTrainerPrefix[] = "trainer.";
-constexpr const char* kStatePrefixes[3] = {"optimizer.master.", "optimizer.exp_avg.",
-                                           "optimizer.exp_avg_sq."};
 // Elements converted per batch when a checkpoint's moment dtype differs from the slabs'.
 constexpr uint64_t kConvertElems = uint64_t{1} << 20;
-
-DType MomentDTypeOf(MomentDType m) { return m == MomentDType::kF32 ? DType::kF32 : DType::kBF16; }
 
 std::string LayoutJson(const StagedAdamW& opt, int world_size) {
   json params = json::array(), groups = json::array();
@@ -130,29 +130,6 @@ absl::StatusOr<std::vector<ParamGroup>> ParseGroups(absl::string_view text, size
   return out;
 }
 
-// True when the pieces of tensor `index` cover [begin, begin + count).
-bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const formats::PieceInfo& p : m.pieces) {
-    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
-  }
-  std::sort(ranges.begin(), ranges.end());
-  uint64_t at = begin;
-  for (const auto& [lo, hi] : ranges) {
-    if (lo > at) break;
-    at = std::max(at, hi);
-  }
-  return at >= begin + count;
-}
-
-// Names, listed (at most 8, then a count).
-std::string ListNames(const std::vector<std::string>& names) {
-  std::vector<std::string> shown(names.begin(), names.begin() + std::min<size_t>(8, names.size()));
-  std::string out = absl::StrJoin(shown, ", ");
-  if (names.size() > shown.size()) absl::StrAppend(&out, " and ", names.size() - 8, " more");
-  return out;
-}
-
 // The tensors every rank declares in a step (the layout at the top of checkpointer.h), in the
 // order Save and SaveAsync declare them: per parameter its weights, master, exp_avg, exp_avg_sq.
 std::vector<TensorSpec> Declarations(const StagedAdamW& opt) {
@@ -168,6 +145,33 @@ std::vector<TensorSpec> Declarations(const StagedAdamW& opt) {
 }
 
 }  // namespace
+
+namespace internal {
+
+bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const formats::PieceInfo& p : m.pieces) {
+    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = begin;
+  for (const auto& [lo, hi] : ranges) {
+    if (lo > at) break;
+    at = std::max(at, hi);
+  }
+  return at >= begin + count;
+}
+
+std::string ListNames(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 10;
+  std::vector<std::string> shown(names.begin(),
+                                 names.begin() + std::min<size_t>(kShown, names.size()));
+  std::string out = absl::StrJoin(shown, ", ");
+  if (names.size() > shown.size()) absl::StrAppend(&out, " and ", names.size() - kShown, " more");
+  return out;
+}
+
+}  // namespace internal
 
 // Where a failed load rolls back from: a committed step (the store's, or a private spill). It
 // is opened once when fixed (so a load never starts without a readable undo source), closed
@@ -381,8 +385,11 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   }
   if (!missing.empty() || !extra.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, " does not hold this optimizer's state", missing.empty() ? "" : "; missing: ",
-        ListNames(missing), extra.empty() ? "" : "; not in the optimizer: ", ListNames(extra)));
+        where, " does not hold this optimizer's state",
+        missing.empty() ? "" : absl::StrCat("; missing ", missing.size(), ": ", ListNames(missing)),
+        extra.empty() ? ""
+                      : absl::StrCat("; not in the optimizer ", extra.size(), ": ",
+                                     ListNames(extra))));
   }
   DType moments = m.tensors[index[kStatePrefixes[1] + o.params[0].name]].dtype;
   for (const ParamSpec& p : o.params) {
@@ -404,7 +411,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
     const ParamSpec& p = o.params[piece.param];
     for (const std::string& name : {p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
                                     kStatePrefixes[2] + p.name}) {
-      if (!Covers(m, index[name], piece.begin, piece.count)) {
+      if (!internal::Covers(m, index[name], piece.begin, piece.count)) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
                          piece.begin + piece.count, ") of \"", name, "\", which this rank owns"));
@@ -481,11 +488,12 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(uint64_t target) {
+absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
+    std::optional<uint64_t> exclude) {
   auto undo = std::make_unique<Undo>();
   // The step being loaded is no undo source for itself: a chunk that fails the apply would fail
   // the restore too.
-  if (clean_step_.has_value() && *clean_step_ != target &&
+  if (clean_step_.has_value() && clean_step_ != exclude &&
       clean_version_ == optimizer_->state_version()) {
     if (store_->OpenStep(*clean_step_).ok()) {
       undo->step = *clean_step_;
@@ -540,36 +548,30 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo) {
   return Apply(*reader, nullptr);
 }
 
-absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
-  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
-  // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
-  // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
-  if (!step.has_value()) {
-    std::string named;
-    if (coordinator_->rank() == 0) {
-      absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(store_->env(), store_->root());
-      if (latest.ok() && !latest->has_value()) {
-        latest = absl::NotFoundError(absl::StrCat(store_->root(), ": no committed step to load"));
-      }
-      named = latest.ok() ? absl::StrCat("ok ", **latest) : EncodeStatus(latest.status());
+absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string& root) {
+  std::string named;
+  if (coordinator_->rank() == 0) {
+    absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(env, root);
+    if (latest.ok() && !latest->has_value()) {
+      latest = absl::NotFoundError(absl::StrCat(root, ": no committed step to load"));
     }
-    CKPT_ASSIGN_OR_RETURN(named, coordinator_->Broadcast(named, 0));
-    uint64_t latest = 0;
-    absl::string_view view = named;
-    if (!absl::ConsumePrefix(&view, "ok ") || !absl::SimpleAtoi(view, &latest)) {
-      absl::Status why = DecodeStatus(named);
-      return why.ok() ? absl::InternalError("malformed LATEST from rank 0") : why;
-    }
-    step = latest;
+    named = latest.ok() ? absl::StrCat("ok ", **latest) : EncodeStatus(latest.status());
   }
-  // The CUDA engine's last copies must have reached the slabs before they are spilled or
-  // overwritten.
-  absl::Status checked = optimizer_->Synchronize();
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = store_->OpenStep(*step);
-  if (checked.ok()) checked = reader.ok() ? Preflight(**reader) : reader.status();
-  CKPT_RETURN_IF_ERROR(Vote(checked));
+  CKPT_ASSIGN_OR_RETURN(named, coordinator_->Broadcast(named, 0));
+  uint64_t latest = 0;
+  absl::string_view view = named;
+  if (!absl::ConsumePrefix(&view, "ok ") || !absl::SimpleAtoi(view, &latest)) {
+    absl::Status why = DecodeStatus(named);
+    return why.ok() ? absl::InternalError("malformed LATEST from rank 0") : why;
+  }
+  return latest;
+}
+
+absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
+                                    const std::function<absl::Status()>& apply,
+                                    absl::string_view what, bool* undo_spilled) {
   // Step 2.
-  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(*step);
+  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(exclude);
   absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
   auto remove_spill = [&] {
     if (undo.ok()) RemoveSpill(**undo);
@@ -579,26 +581,18 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
     remove_spill();
     return voted;
   }
+  *undo_spilled = !(*undo)->spill_dir.empty();
   // Step 3.
   const Lifecycle before = optimizer_->lifecycle_;
   optimizer_->lifecycle_ = Lifecycle::kLoading;
-  Blobs loaded;
-  absl::Status applied = Apply(**reader, blobs != nullptr ? &loaded : nullptr);
+  absl::Status applied = apply();
   // Step 4.
   voted = Vote(applied);
-  LoadReport report{(*reader)->manifest().step, (*reader)->manifest().world_size,
-                    !(*undo)->spill_dir.empty(), DType::kF32};
-  absl::StatusOr<const formats::TensorInfo*> moments =
-      (*reader)->FindTensor(kStatePrefixes[1] + optimizer_->options().params[0].name);
-  if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   if (voted.ok()) {
     optimizer_->lifecycle_ = Lifecycle::kClean;
     optimizer_->poison_reason_.clear();
-    clean_step_ = report.step;
-    clean_version_ = optimizer_->state_version();
-    if (blobs != nullptr) *blobs = std::move(loaded);
     remove_spill();
-    return report;
+    return absl::OkStatus();
   }
   absl::Status restored = RestoreFrom(**undo);
   if (restored.ok()) {
@@ -607,13 +601,43 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
     if ((*undo)->spill_dir.empty()) clean_version_ = optimizer_->state_version();
   } else {
     optimizer_->lifecycle_ = Lifecycle::kPoisoned;
-    optimizer_->poison_reason_ =
-        absl::StrCat("load of step ", report.step, " failed (", voted.message(),
-                     ") and its rollback failed too (", restored.message(), ")");
+    optimizer_->poison_reason_ = absl::StrCat(what, " failed (", voted.message(),
+                                              ") and its rollback failed too (",
+                                              restored.message(), ")");
     clean_step_.reset();
   }
+  // Step 5.
   remove_spill();
   return voted;
+}
+
+absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
+  // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
+  if (!step.has_value()) {
+    CKPT_ASSIGN_OR_RETURN(step, AgreeOnLatest(store_->env(), store_->root()));
+  }
+  // The CUDA engine's last copies must have reached the slabs before they are spilled or
+  // overwritten.
+  absl::Status checked = optimizer_->Synchronize();
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = store_->OpenStep(*step);
+  if (checked.ok()) checked = reader.ok() ? Preflight(**reader) : reader.status();
+  CKPT_RETURN_IF_ERROR(Vote(checked));
+  // Steps 2 to 5.
+  LoadReport report{(*reader)->manifest().step, (*reader)->manifest().world_size, false,
+                    DType::kF32};
+  absl::StatusOr<const formats::TensorInfo*> moments =
+      (*reader)->FindTensor(kStatePrefixes[1] + optimizer_->options().params[0].name);
+  if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
+  Blobs loaded;
+  CKPT_RETURN_IF_ERROR(Transact(
+      *step, [&] { return Apply(**reader, blobs != nullptr ? &loaded : nullptr); },
+      absl::StrCat("load of step ", report.step), &report.undo_spilled));
+  clean_step_ = report.step;
+  clean_version_ = optimizer_->state_version();
+  if (blobs != nullptr) *blobs = std::move(loaded);
+  return report;
 }
 
 }  // namespace ckpt::optimizer

@@ -189,34 +189,6 @@ TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
   job.Step(1);
 }
 
-// Every rank either loads, or ends exactly as before the load, or (when the rollback itself
-// failed) is poisoned; a poisoned job refuses to step and a later complete load clears it.
-// `arm` injects the k-th failure; returns whether any rank failed.
-bool LoadUnderFault(testing::FaultInjectionEnv& env, Job& job, uint64_t step,
-                    const std::function<void()>& arm, const std::string& before,
-                    const std::string& loaded) {
-  arm();
-  std::vector<absl::Status> st = job.Load(step);
-  env.Disarm();
-  bool failed = false, poisoned = false;
-  for (int r = 0; r < job.size(); ++r) {
-    failed |= !st[r].ok();
-    poisoned |= job.rank(r).opt->lifecycle() == Lifecycle::kPoisoned;
-    EXPECT_EQ(st[r].ok(), st[0].ok()) << "ranks disagree on the outcome";
-  }
-  if (!failed) {
-    EXPECT_EQ(job.Gather(), loaded);
-  } else if (!poisoned) {
-    EXPECT_EQ(job.Gather(), before) << "a failed load changed the state: " << st[0];
-  } else {
-    std::vector<float> grads(job.rank(0).opt->size());
-    EXPECT_THAT(
-        job.rank(0).opt->Step({grads.data(), DType::kF32, 1.0f, job.rank(0).weights.data()}),
-        StatusIs(absl::StatusCode::kFailedPrecondition));
-  }
-  return failed;
-}
-
 TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
   const std::string loaded = SaveAndLoadStepOne();
   int failures = 0, poisonings = 0;
@@ -230,8 +202,8 @@ TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
       job.Step(0);
       job.Step(1);  // Dirty: the undo source is a spill.
       const std::string before = job.Gather();
-      const bool failed = LoadUnderFault(
-          env_, job, 1,
+      const bool failed = test_job::LoadUnderFault(
+          env_, job, [&] { return job.Load(1); },
           [&] {
             if (kind != 1) env_.FailReadOpens("", EIO, k);
             if (kind == 1) env_.FailNth(static_cast<uint64_t>(k) + 1, EIO);

@@ -20,6 +20,7 @@
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/layout.h"
+#include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/toy_model.h"
 
@@ -43,18 +44,23 @@ struct Rank {
   std::unique_ptr<Checkpointer> ckpt;
 };
 
-// A data-parallel job of `dp` ranks over one store.
+// A parameter's initial model-dtype weight bits at a flat index.
+using InitFn = std::function<uint16_t(uint32_t param, uint64_t index)>;
+
+// A data-parallel job of `dp` ranks over one store at `root`. The weights start from `init`,
+// or from ToyInitialValue rounded to the model dtype.
 class Job {
  public:
   Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = ToyModel(),
-      MomentDType moments = MomentDType::kF32, CheckpointerOptions options = {})
+      MomentDType moments = MomentDType::kF32, CheckpointerOptions options = {},
+      const std::string& root = kRoot, InitFn init = nullptr)
       : group_(dp), params_(std::move(params)) {
     StoreOptions so;
     so.env = env;
     so.chunk_bytes = 1000;
     for (int r = 0; r < dp; ++r) {
       so.primary = r == 0;
-      auto store = CheckpointStore::Open(kRoot, so);
+      auto store = CheckpointStore::Open(root, so);
       EXPECT_THAT(store, IsOk());
       stores_.push_back(*std::move(store));
     }
@@ -72,7 +78,8 @@ class Job {
       Rank rank;
       for (const Piece& p : o.pieces)
         for (uint64_t i = 0; i < p.count; ++i)
-          rank.weights.push_back(params_[0].dtype == DType::kBF16
+          rank.weights.push_back(init != nullptr ? init(p.param, p.begin + i)
+                                 : params_[0].dtype == DType::kBF16
                                      ? formats::FloatToBf16(ToyInitialValue(p.param, p.begin + i))
                                      : formats::FloatToHalf(ToyInitialValue(p.param, p.begin + i)));
       auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(rank.weights)));
@@ -209,6 +216,39 @@ inline void ExpectAllOk(const std::vector<absl::Status>& statuses) {
 inline void ExpectAll(const std::vector<absl::Status>& statuses, absl::StatusCode code) {
   for (size_t r = 0; r < statuses.size(); ++r)
     EXPECT_THAT(statuses[r], StatusIs(code)) << "rank " << r;
+}
+
+// Every rank either loads, or ends exactly as before the load, or (when the rollback itself
+// failed) is poisoned; a poisoned job refuses to step. `arm` injects the failure, `load` runs
+// the load on every rank; returns whether any rank failed.
+inline bool LoadUnderFault(testing::FaultInjectionEnv& env, Job& job,
+                           const std::function<std::vector<absl::Status>()>& load,
+                           const std::function<void()>& arm, const std::string& before,
+                           const std::string& loaded) {
+  arm();
+  std::vector<absl::Status> st = load();
+  env.Disarm();
+  bool failed = false, poisoned = false;
+  for (int r = 0; r < job.size(); ++r) {
+    failed |= !st[r].ok();
+    poisoned |= job.rank(r).opt->lifecycle() == Lifecycle::kPoisoned;
+    EXPECT_EQ(st[r].ok(), st[0].ok()) << "ranks disagree on the outcome";
+  }
+  // (EXPECT_TRUE: the states are kilobytes of binary, useless in a failure message.)
+  if (!failed) {
+    EXPECT_TRUE(job.Gather() == loaded) << "a successful load did not load";
+  } else if (!poisoned) {
+    EXPECT_TRUE(job.Gather() == before) << "a failed load changed the state: " << st[0];
+  } else {
+    for (int r = 0; r < job.size(); ++r) {
+      Rank& rank = job.rank(r);
+      if (rank.opt->lifecycle() != Lifecycle::kPoisoned) continue;
+      std::vector<float> grads(rank.opt->size());
+      EXPECT_THAT(rank.opt->Step({grads.data(), DType::kF32, 1.0f, rank.weights.data()}),
+                  StatusIs(absl::StatusCode::kFailedPrecondition));
+    }
+  }
+  return failed;
 }
 
 }  // namespace ckpt::optimizer::test_job

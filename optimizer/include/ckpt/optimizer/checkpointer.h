@@ -7,11 +7,13 @@
 #define CKPT_OPTIMIZER_CHECKPOINTER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "ckpt/checkpoint_store.h"
@@ -35,6 +37,38 @@ struct LoadReport {
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
   formats::DType saved_moment_dtype = formats::DType::kF32;
+};
+
+// A rename rule of a model-only load: the first match of `pattern` (RE2 syntax, e.g.
+// R"(^decoder\.layers\.(\d+)\.)") in a source tensor's name is replaced by `replacement`, in
+// which \1 to \9 stand for the pattern's groups (\0 for the whole match).
+struct RenameRule {
+  std::string pattern;
+  std::string replacement;
+};
+
+struct ModelLoadOptions {
+  // Applied in order to each source tensor's name, each rule to what the previous ones made
+  // (as sed -e ... -e ...). The result must be a parameter's name.
+  std::vector<RenameRule> rename = {};
+  // Tied weights: a parameter (key) that the source lacks is read from the source tensor named
+  // by the value (after renaming), as transformers does for tied embeddings.
+  std::map<std::string, std::string> tied = {{"lm_head.weight", "model.embed_tokens.weight"}};
+  // Source tensors that no parameter takes are an error (listed) unless this is set; they are
+  // then counted in the report and not read.
+  bool ignore_unexpected = false;
+  // A ckpt source: the step to read (LATEST when nullopt). Must be unset for an HF source.
+  std::optional<uint64_t> step = std::nullopt;
+};
+
+// What a successful LoadModel did.
+struct ModelLoadReport {
+  bool hf = false;           // The source was HuggingFace safetensors (else a ckpt step).
+  uint64_t step = 0;         // A ckpt source's step.
+  uint64_t tensors = 0;      // Parameters loaded (tied ones included).
+  std::vector<std::string> tied;  // Parameters read from the tensor they are tied to.
+  uint64_t ignored = 0;           // Source tensors no parameter took (ignore_unexpected).
+  bool undo_spilled = false;      // The undo source was a spill of the state.
 };
 
 struct CheckpointerOptions {
@@ -131,6 +165,24 @@ class Checkpointer {
   // checkpoint has fewer ranks); it is unchanged on failure.
   absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
 
+  // Collective. Model-only load (DESIGN.md §6): replaces the model under a running optimizer.
+  // `source` is a .safetensors file, a HuggingFace model directory (model.safetensors, or
+  // model.safetensors.index.json and its shards), or a ckpt root ("" for this Checkpointer's
+  // store), whose step (options.step, LATEST by default) gives its model tensors (not the
+  // optimizer.* ones). Sources are read through the store's Env.
+  // Every parameter's masters become the source tensor's values (FP32: bit for bit; BF16 and
+  // F16: widened exactly), the weights those masters rounded to the model dtype (nearest
+  // even), both moments zero and every group's step 0. Hyper-parameters stay, and so do the
+  // trainer's blobs, which this call neither reads nor writes (the scheduler goes on).
+  // A transaction like Load: a preflight touches nothing and lists what is wrong (missing and
+  // unexpected names, the first 10 of each and their counts; shapes; dtypes other than F32,
+  // BF16, F16; a ckpt step that does not cover this rank's elements; an invalid rename rule);
+  // then an undo source is fixed, the tensors applied and the ranks vote; on failure every rank
+  // returns the same error and the state is as before, or the optimizer is poisoned when the
+  // rollback failed too. kFailedPrecondition while an async save is in flight.
+  absl::StatusOr<ModelLoadReport> LoadModel(const std::string& source,
+                                            const ModelLoadOptions& options = {});
+
   // Waits for an async save's writer and abandons the save when it was never finalized: a
   // collective abort, so every rank's Checkpointer must be destroyed (each on its own thread
   // or process, as the ranks' other collectives run).
@@ -150,8 +202,15 @@ class Checkpointer {
                                                              absl::string_view what);
   absl::Status FinalizeAsync(PendingSave& handle);
   absl::Status Preflight(const CheckpointReader& reader) const;
+  // Load's steps 2 to 5 once the preflight has been voted: fixes the undo source (never
+  // `exclude`, the step being read), runs `apply` under kLoading, votes, and restores or
+  // poisons on failure. `what` names the load in a poison reason.
+  absl::Status Transact(std::optional<uint64_t> exclude, const std::function<absl::Status()>& apply,
+                        absl::string_view what, bool* undo_spilled);
+  // Rank 0 reads `root`'s LATEST afresh and broadcasts it, so every rank reads the same step.
+  absl::StatusOr<uint64_t> AgreeOnLatest(Env* env, const std::string& root);
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
-  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(uint64_t target);
+  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo);
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs);

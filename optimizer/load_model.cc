@@ -1,0 +1,366 @@
+// Model-only load (Checkpointer::LoadModel, DESIGN.md §6): new weights under a running
+// optimizer. A transaction like Load; its steps 2 to 5 are Checkpointer::Transact
+// (optimizer/checkpointer.cc), so a failure anywhere rolls back or poisons exactly as there.
+//
+// M1. Preflight, nothing touched: resolve the source (a .safetensors file, an HF directory, or
+//     a ckpt root whose step, LATEST unless given, rank 0 reads and broadcasts); compile the
+//     rename rules; map the source's tensors to the parameters (renames first, then tied
+//     weights for parameters still missing); check the names (missing and unexpected ones
+//     listed), shapes, dtypes (F32, BF16, F16) and, for a ckpt step, that its pieces cover
+//     every element this rank owns. Vote: one rank's refusal ends the load on all.
+// M2. Fix the undo source (Load's step 2). A model load from a step of this very store never
+//     takes that step as its undo source: a chunk that fails the apply would fail the restore.
+// M3. Apply under kLoading: read this rank's elements of every parameter as FP32 straight into
+//     the master slab (exact widening from BF16 and F16); zero both moment slabs; write the
+//     weights as the masters rounded to the model dtype; every group's step becomes 0, its
+//     hyper-parameters stay.
+// M4. Vote; on failure every rank restores from its undo source or is poisoned (Load's step 4);
+//     remove the spill (step 5).
+// M5. The state now equals no committed step, so the next load fixes a spill as its undo.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include <re2/re2.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/float_convert.h"
+#include "ckpt/hf_checkpoint.h"
+#include "ckpt/optimizer/checkpointer.h"
+#include "optimizer/checkpointer_layout.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using internal::kOptimizerPrefix;
+using internal::ListNames;
+
+// Elements widened per read when a ckpt step stores a parameter in 16 bits.
+constexpr uint64_t kWidenElems = uint64_t{1} << 20;
+
+enum class Float { kF32, kBF16, kF16, kOther };
+
+struct SourceTensor {
+  Float dtype = Float::kOther;
+  std::string dtype_name;
+  std::vector<uint64_t> shape;
+};
+
+// Where the tensors come from: an HF checkpoint, or a committed step of a ckpt root.
+class ModelSource {
+ public:
+  virtual ~ModelSource() = default;
+  // The source's tensors by their names in the source.
+  const std::map<std::string, SourceTensor>& tensors() const { return tensors_; }
+  virtual std::string Describe() const = 0;
+  // kInvalidArgument when the source does not hold elements [begin, begin + count) of `name`.
+  virtual absl::Status CheckCovers(const std::string& name, uint64_t begin,
+                                   uint64_t count) const = 0;
+  virtual absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const = 0;
+
+ protected:
+  std::map<std::string, SourceTensor> tensors_;
+};
+
+class HfSource : public ModelSource {
+ public:
+  static absl::StatusOr<std::unique_ptr<HfSource>> Open(const std::string& path, Env* env) {
+    auto source = std::unique_ptr<HfSource>(new HfSource);
+    CKPT_ASSIGN_OR_RETURN(source->reader_, HfCheckpointReader::Open(path, {.env = env}));
+    for (const HfTensor& t : source->reader_->tensors()) {
+      const Float f = t.dtype == formats::StDType::kF32    ? Float::kF32
+                      : t.dtype == formats::StDType::kBF16 ? Float::kBF16
+                      : t.dtype == formats::StDType::kF16  ? Float::kF16
+                                                           : Float::kOther;
+      source->tensors_[t.name] = {f, std::string(formats::StDTypeName(t.dtype)), t.shape};
+    }
+    return source;
+  }
+  std::string Describe() const override { return reader_->path(); }
+  absl::Status CheckCovers(const std::string&, uint64_t, uint64_t) const override {
+    return absl::OkStatus();  // An HF tensor is whole.
+  }
+  absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const override {
+    return reader_->ReadManyAsF32(requests);
+  }
+
+ private:
+  std::unique_ptr<HfCheckpointReader> reader_;
+};
+
+class StepSource : public ModelSource {
+ public:
+  // The model tensors (every name outside optimizer.*) of a committed step of `store`.
+  static absl::StatusOr<std::unique_ptr<StepSource>> Open(const CheckpointStore& store,
+                                                          uint64_t step) {
+    auto source = std::unique_ptr<StepSource>(new StepSource);
+    source->root_ = store.root();
+    CKPT_ASSIGN_OR_RETURN(source->reader_, store.OpenStep(step));
+    for (const formats::TensorInfo& t : source->reader_->manifest().tensors) {
+      if (t.name.rfind(kOptimizerPrefix, 0) == 0) continue;
+      const Float f = t.dtype == DType::kF32    ? Float::kF32
+                      : t.dtype == DType::kBF16 ? Float::kBF16
+                      : t.dtype == DType::kF16  ? Float::kF16
+                                                : Float::kOther;
+      source->tensors_[t.name] = {f, std::string(formats::DTypeName(t.dtype)), t.shape};
+    }
+    return source;
+  }
+  std::string Describe() const override {
+    return absl::StrCat("step ", reader_->step(), " of ", root_);
+  }
+  absl::Status CheckCovers(const std::string& name, uint64_t begin,
+                           uint64_t count) const override {
+    const formats::Manifest& m = reader_->manifest();
+    for (uint32_t i = 0; i < m.tensors.size(); ++i) {
+      if (m.tensors[i].name != name) continue;
+      if (internal::Covers(m, i, begin, count)) return absl::OkStatus();
+      break;
+    }
+    return absl::InvalidArgumentError(absl::StrCat(Describe(), " does not cover elements [", begin,
+                                                   ", ", begin + count, ") of \"", name,
+                                                   "\", which this rank owns"));
+  }
+  absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const override {
+    std::vector<uint16_t> narrow;
+    for (const HfCheckpointReader::F32Request& r : requests) {
+      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* t, reader_->FindTensor(r.name));
+      if (t->dtype == DType::kF32) {
+        CKPT_RETURN_IF_ERROR(
+            reader_->ReadRange(r.name, r.begin, r.count, std::as_writable_bytes(r.out)));
+        continue;
+      }
+      for (uint64_t done = 0; done < r.count; done += kWidenElems) {
+        const uint64_t n = std::min(kWidenElems, r.count - done);
+        narrow.resize(n);
+        CKPT_RETURN_IF_ERROR(reader_->ReadRange(r.name, r.begin + done, n,
+                                                std::as_writable_bytes(std::span(narrow))));
+        for (uint64_t i = 0; i < n; ++i) {
+          r.out[done + i] = t->dtype == DType::kBF16 ? formats::Bf16ToFloat(narrow[i])
+                                                     : formats::HalfToFloat(narrow[i]);
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string root_;
+  std::unique_ptr<CheckpointReader> reader_;
+};
+
+// What the path names: an HF checkpoint (a file, or a directory with model.safetensors or its
+// index) or a ckpt root (a directory with LATEST).
+absl::StatusOr<bool> IsHfPath(Env* env, const std::string& path) {
+  absl::StatusOr<bool> dir = env->IsDirectory(path);
+  if (!dir.ok()) return Annotate(dir.status(), absl::StrCat("model source ", path));
+  if (!*dir) return true;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> children, env->GetChildren(path));
+  const std::set<std::string> names(children.begin(), children.end());
+  if (names.count(std::string(kHfSingleFileName)) || names.count(std::string(kHfIndexFileName))) {
+    return true;
+  }
+  if (names.count("LATEST")) return false;
+  return absl::NotFoundError(absl::StrCat("model source ", path, " holds neither ",
+                                          kHfSingleFileName, ", ", kHfIndexFileName,
+                                          " nor a ckpt root's LATEST"));
+}
+
+// Which source tensor each parameter takes.
+struct Mapping {
+  std::vector<std::string> source_of;  // By parameter index.
+  std::vector<std::string> tied;       // Parameters taken from their tied tensor.
+  uint64_t ignored = 0;
+};
+
+absl::StatusOr<Mapping> MapNames(const ModelSource& source, const std::vector<ParamSpec>& params,
+                                 const ModelLoadOptions& options) {
+  const std::string where = absl::StrCat("model load from ", source.Describe());
+  std::vector<std::unique_ptr<RE2>> rules;
+  for (const RenameRule& rule : options.rename) {
+    auto re = std::make_unique<RE2>(rule.pattern, RE2::Quiet);
+    std::string why = re->ok() ? "" : re->error();
+    if (why.empty() && !re->CheckRewriteString(rule.replacement, &why) && why.empty()) {
+      why = "invalid replacement";
+    }
+    if (!why.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": rename rule \"", rule.pattern,
+                                                     "\" -> \"", rule.replacement, "\": ", why));
+    }
+    rules.push_back(std::move(re));
+  }
+  std::map<std::string, std::string> renamed;  // Name after the rules -> name in the source.
+  for (const auto& [name, tensor] : source.tensors()) {
+    std::string to = name;
+    for (size_t i = 0; i < rules.size(); ++i) {
+      RE2::Replace(&to, *rules[i], options.rename[i].replacement);
+    }
+    auto [it, inserted] = renamed.emplace(to, name);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": source tensors \"", it->second,
+                                                     "\" and \"", name, "\" are both renamed to \"",
+                                                     to, "\""));
+    }
+  }
+  Mapping out;
+  out.source_of.resize(params.size());
+  std::set<std::string> used;
+  std::vector<std::string> missing;
+  for (size_t p = 0; p < params.size(); ++p) {
+    auto found = renamed.find(params[p].name);
+    if (found == renamed.end()) {
+      auto tie = options.tied.find(params[p].name);
+      if (tie != options.tied.end()) found = renamed.find(tie->second);
+      if (found != renamed.end()) out.tied.push_back(params[p].name);
+    }
+    if (found == renamed.end()) {
+      missing.push_back(params[p].name);
+      continue;
+    }
+    out.source_of[p] = found->second;
+    used.insert(found->second);
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& [to, name] : renamed) {
+    if (used.count(name)) continue;
+    unexpected.push_back(to == name ? name : absl::StrCat(name, " (renamed ", to, ")"));
+  }
+  if (!missing.empty() || (!unexpected.empty() && !options.ignore_unexpected)) {
+    std::string message = absl::StrCat(where, " does not match the optimizer's parameters");
+    if (!missing.empty()) {
+      absl::StrAppend(&message, "; missing ", missing.size(), ": ", ListNames(missing));
+    }
+    if (!unexpected.empty() && !options.ignore_unexpected) {
+      absl::StrAppend(&message, "; unexpected ", unexpected.size(), ": ", ListNames(unexpected));
+    }
+    return absl::InvalidArgumentError(message);
+  }
+  out.ignored = unexpected.size();
+  for (size_t p = 0; p < params.size(); ++p) {
+    const SourceTensor& t = source.tensors().at(out.source_of[p]);
+    if (t.shape != params[p].shape || t.dtype == Float::kOther) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": tensor \"", out.source_of[p], "\" is ", t.dtype_name, " [",
+          absl::StrJoin(t.shape, ", "), "]; parameter \"", params[p].name, "\" needs [",
+          absl::StrJoin(params[p].shape, ", "), "] in F32, BF16 or F16"));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& source,
+                                                        const ModelLoadOptions& options) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("model load"));
+  Env* env = store_->env();
+  ModelLoadReport report;
+  // Step M1. What the source is, and which step of a ckpt root (agreed by every rank).
+  absl::StatusOr<bool> hf = source.empty() ? false : IsHfPath(env, source);
+  std::unique_ptr<CheckpointStore> other;  // Another ckpt root, opened read-only.
+  const CheckpointStore* store = store_;
+  std::optional<uint64_t> step = options.step;
+  if (hf.ok() && *hf && step.has_value()) {
+    hf = absl::InvalidArgumentError(
+        absl::StrCat("model source ", source, " is HuggingFace safetensors; it has no step ",
+                     *step));
+  }
+  if (hf.ok() && !*hf && !source.empty()) {
+    absl::StatusOr<std::string> real = env->RealPath(source);
+    if (!real.ok()) {
+      hf = real.status();
+    } else if (*real != store_->root()) {
+      StoreOptions so = store_->options();
+      so.primary = false;
+      so.read_only = true;
+      so.logger = nullptr;
+      absl::StatusOr<std::unique_ptr<CheckpointStore>> opened = CheckpointStore::Open(*real, so);
+      if (opened.ok()) {
+        other = *std::move(opened);
+        store = other.get();
+      } else {
+        hf = opened.status();
+      }
+    }
+  }
+  // Every rank agrees on the kind of source before rank 0 reads a root's LATEST for all.
+  CKPT_RETURN_IF_ERROR(Vote(hf.status()));
+  if (!*hf && !step.has_value()) {
+    CKPT_ASSIGN_OR_RETURN(step, AgreeOnLatest(env, store->root()));
+  }
+  absl::Status checked = optimizer_->Synchronize();
+  std::unique_ptr<ModelSource> from;
+  if (checked.ok()) {
+    report.hf = *hf;
+    if (*hf) {
+      absl::StatusOr<std::unique_ptr<HfSource>> opened = HfSource::Open(source, env);
+      if (opened.ok()) from = *std::move(opened);
+      checked = opened.status();
+    } else {
+      report.step = *step;
+      absl::StatusOr<std::unique_ptr<StepSource>> opened = StepSource::Open(*store, *step);
+      if (opened.ok()) from = *std::move(opened);
+      checked = opened.status();
+    }
+  }
+  const StagedAdamWOptions& o = optimizer_->options();
+  Mapping mapping;
+  if (checked.ok()) {
+    absl::StatusOr<Mapping> mapped = MapNames(*from, o.params, options);
+    if (mapped.ok()) mapping = *std::move(mapped);
+    checked = mapped.status();
+  }
+  for (const Piece& piece : o.pieces) {
+    if (!checked.ok()) break;
+    checked = from->CheckCovers(mapping.source_of[piece.param], piece.begin, piece.count);
+  }
+  CKPT_RETURN_IF_ERROR(Vote(checked));
+  report.tensors = o.params.size();
+  report.tied = mapping.tied;
+  report.ignored = mapping.ignored;
+  // Steps M2 to M4.
+  auto apply = [&]() -> absl::Status {
+    const std::span<float> master = optimizer_->mutable_master();
+    std::vector<HfCheckpointReader::F32Request> requests;
+    uint64_t offset = 0;
+    for (const Piece& piece : o.pieces) {
+      requests.push_back({mapping.source_of[piece.param], piece.begin, piece.count,
+                          master.subspan(offset, piece.count)});
+      offset += piece.count;
+    }
+    CKPT_RETURN_IF_ERROR(from->ReadF32(requests));
+    for (std::span<std::byte> moment :
+         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
+      std::memset(moment.data(), 0, moment.size());
+    }
+    const DType model = optimizer_->model_dtype();
+    for (uint64_t i = 0; i < master.size(); ++i) {
+      if (model == DType::kF32) {
+        std::memcpy(weights_.data() + 4 * i, &master[i], 4);
+        continue;
+      }
+      const uint16_t h = model == DType::kBF16 ? formats::FloatToBf16(master[i])
+                                               : formats::FloatToHalf(master[i]);
+      std::memcpy(weights_.data() + 2 * i, &h, 2);
+    }
+    std::vector<ParamGroup> groups = optimizer_->groups();
+    for (ParamGroup& g : groups) g.step = 0;
+    optimizer_->RestoreGroups(groups);
+    return absl::OkStatus();
+  };
+  const std::optional<uint64_t> exclude =
+      !report.hf && store == store_ ? std::optional<uint64_t>(report.step) : std::nullopt;
+  CKPT_RETURN_IF_ERROR(Transact(exclude, apply, absl::StrCat("model load from ", from->Describe()),
+                                &report.undo_spilled));
+  // Step M5.
+  clean_step_.reset();
+  return report;
+}
+
+}  // namespace ckpt::optimizer
