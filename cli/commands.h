@@ -93,6 +93,18 @@ struct DiffArgs {
 };
 int RunDiff(const DiffArgs& args);
 
+struct ExportHfArgs {
+  std::string root;
+  std::string out;
+  std::optional<uint64_t> step;  // LATEST when absent.
+  std::string dtype;             // BF16, F16 or F32; empty keeps each tensor's dtype.
+  std::string from = "weights";  // weights or masters.
+  std::string max_shard_size = "5G";
+  std::string config;  // A config.json to copy beside the weights.
+  bool json = false;
+};
+int RunExportHf(const ExportHfArgs& args);
+
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
   int threads = 0;                    // 0: every core.

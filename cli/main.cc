@@ -221,6 +221,23 @@ int main(int argc, char** argv) {
                           "Shard the output at this many bytes, e.g. 5G");
   reshard_cmd->add_flag("--json", reshard.json, "Print one JSON object");
 
+  ExportHfArgs export_hf;
+  uint64_t export_step = 0;
+  CLI::App* export_cmd = app.add_subcommand(
+      "export-hf", "Write a committed step's model as HuggingFace safetensors (bounded memory)");
+  export_cmd->add_option("root", export_hf.root, "Checkpoint root")->required();
+  export_cmd->add_option("out", export_hf.out, "Output directory (created if absent)")->required();
+  CLI::Option* export_step_opt =
+      export_cmd->add_option("--step", export_step, "Step to export (default: LATEST)");
+  export_cmd->add_option("--dtype", export_hf.dtype,
+                         "BF16, F16 or F32 (default: each tensor's own dtype)");
+  export_cmd->add_option("--from", export_hf.from,
+                         "weights (the model-dtype weights) or masters (the FP32 masters)");
+  export_cmd->add_option("--max-shard-size", export_hf.max_shard_size,
+                         "Shard the output at this many bytes (default 5G)");
+  export_cmd->add_option("--config", export_hf.config, "config.json to copy beside the weights");
+  export_cmd->add_flag("--json", export_hf.json, "Print one JSON object");
+
   std::string unknown;
   if (UnknownSubcommand(app, argc, argv, &unknown)) {
     std::cerr << "ckpt-tool: " << Printable(unknown) << "\nRun with --help for more information.\n";
@@ -242,6 +259,10 @@ int main(int argc, char** argv) {
     if (diff_step_opt->count() > 0) diff.step = diff_step;
     if (diff_step_b_opt->count() > 0) diff.step_b = diff_step_b;
     return RunDiff(diff);
+  }
+  if (export_cmd->parsed()) {
+    if (export_step_opt->count() > 0) export_hf.step = export_step;
+    return RunExportHf(export_hf);
   }
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);

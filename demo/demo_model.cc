@@ -139,33 +139,6 @@ absl::StatusOr<std::vector<uint16_t>> DemoModel::ReadHfWeights(const HfCheckpoin
   return bf16;
 }
 
-absl::Status DemoModel::ExportHf(const std::vector<std::unique_ptr<DemoRank>>& ranks,
-                                 const std::string& dir) const {
-  std::vector<std::vector<uint16_t>> whole(params_.size());
-  std::vector<uint64_t> covered(params_.size(), 0);
-  for (size_t p = 0; p < params_.size(); ++p) whole[p].resize(params_[p].numel());
-  for (const std::unique_ptr<DemoRank>& rank : ranks) {
-    const std::vector<uint64_t> offsets = SlabOffsets(rank->pieces());
-    for (size_t k = 0; k < rank->pieces().size(); ++k) {
-      const Piece& piece = rank->pieces()[k];
-      std::copy_n(rank->weights().begin() + static_cast<ptrdiff_t>(offsets[k]), piece.count,
-                  whole[piece.param].begin() + static_cast<ptrdiff_t>(piece.begin));
-      covered[piece.param] += piece.count;
-    }
-  }
-  std::vector<HfTensorData> tensors;
-  for (size_t p = 0; p < params_.size(); ++p) {
-    if (covered[p] != params_[p].numel()) {
-      return absl::InternalError(absl::StrCat("the ranks hold ", covered[p], " of the ",
-                                              params_[p].numel(), " elements of ",
-                                              params_[p].name));
-    }
-    tensors.push_back(
-        {params_[p].name, StDType::kBF16, params_[p].shape, std::as_bytes(std::span(whole[p]))});
-  }
-  return WriteHfCheckpoint(dir, tensors);
-}
-
 absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& model, int rank,
                                                            std::vector<uint16_t> weights,
                                                            CheckpointStore* store,

@@ -84,11 +84,6 @@ class DemoModel {
 
   // Rank `rank`'s weights in slab order, rounded to BF16.
   absl::StatusOr<std::vector<uint16_t>> ReadHfWeights(const HfCheckpointReader& hf, int rank) const;
-  // Gathers every rank's weights into whole tensors and writes them as model.safetensors in
-  // `dir`. kInternal if the ranks' pieces do not cover every parameter exactly once.
-  absl::Status ExportHf(const std::vector<std::unique_ptr<DemoRank>>& ranks,
-                        const std::string& dir) const;
-
   // The loss's target for element `index` of parameter `param`.
   float Target(uint32_t param, uint64_t index) const;
 

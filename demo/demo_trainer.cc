@@ -18,8 +18,9 @@
 //     (the unfinished save is removed), the ranks load LATEST (at any --ranks: the checkpoint
 //     holds flat index ranges), the schedule comes back from its blob and training continues.
 //     The final state must equal, bit for bit, that of a run that never crashed (computed in
-//     the same process from the initial model); the weights are then exported as safetensors
-//     that transformers loads.
+//     the same process from the initial model). The last step is always saved, and its weights
+//     are exported (optimizer::ExportHf, as `ckpt-tool export-hf` does) as safetensors that
+//     transformers loads.
 // --engine cuda steps every rank on StagedAdamW's CUDA engine (gradients and weights in device
 // memory, state in pinned slabs) instead of the CPU engine; it is probed before anything else.
 // --moments BF16 keeps the moments as BF16 in the slabs and in the checkpoint (StagedAdamW's
@@ -53,6 +54,7 @@
 #include "ckpt/env.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/hf_checkpoint.h"
+#include "ckpt/optimizer/export_hf.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "demo/demo_model.h"
@@ -280,7 +282,8 @@ absl::Status Train(Job& job, int first, int last, const Flags& f, bool verbose) 
       std::printf("step %3d  loss %.6e  lr %.3e\n", step, total / job.model.elements(), lr);
     CKPT_RETURN_IF_ERROR(finalize(step));
     const bool crash = step == f.crash_at;
-    if (job.stores.empty() || (step % f.save_every != 0 && !crash)) continue;
+    // The last step is always saved: the export reads it.
+    if (job.stores.empty() || (step % f.save_every != 0 && !crash && step != last)) continue;
     const optimizer::Blobs blobs = {{kScheduleBlob, job.schedule.Encode()},
                                     {kPositionBlob, absl::StrCat("next_step ", step + 1)}};
     const std::string what = absl::StrFormat(
@@ -385,16 +388,22 @@ absl::Status Run(const Flags& f, bool* equal) {
     std::printf("state dumped to %s\n", f.dump_state.c_str());
   }
   const std::string final_model = f.out + "/final-model";
-  CKPT_RETURN_IF_ERROR(job.model.ExportHf(job.ranks, final_model));
-  // With the model's config beside the weights, transformers' from_pretrained loads the result.
-  for (const char* name : {"config.json", "generation_config.json"}) {
-    absl::StatusOr<std::string> text =
-        ReadFileToString(Env::Default(), init_model + "/" + name, kMaxConfigBytes);
-    if (text.ok()) {
-      CKPT_RETURN_IF_ERROR(WriteFileAtomically(Env::Default(), final_model + "/" + name, *text));
-    }
+  // The last step's checkpoint, exported by the library function behind ckpt-tool export-hf;
+  // with the model's config beside the weights, transformers' from_pretrained loads the result.
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> last, job.stores[0]->OpenLatest());
+  optimizer::ExportHfOptions export_options;
+  if (ReadFileToString(Env::Default(), init_model + "/config.json", kMaxConfigBytes).ok()) {
+    export_options.config = init_model + "/config.json";
   }
-  std::printf("exported %s\n", final_model.c_str());
+  CKPT_RETURN_IF_ERROR(optimizer::ExportHf(*last, final_model, export_options).status());
+  absl::StatusOr<std::string> generation =
+      ReadFileToString(Env::Default(), init_model + "/generation_config.json", kMaxConfigBytes);
+  if (generation.ok()) {
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(
+        Env::Default(), final_model + "/generation_config.json", *generation));
+  }
+  std::printf("exported step %llu to %s\n", static_cast<unsigned long long>(last->step()),
+              final_model.c_str());
   return absl::OkStatus();
 }
 

@@ -69,6 +69,18 @@ absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path, 
 absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
                              std::span<const std::span<const std::byte>> parts,
                              const FileOptions& options) {
+  return WriteFileViaTmpWith(
+      env, tmp, path,
+      [&](WritableFile& file) {
+        for (std::span<const std::byte> part : parts) CKPT_RETURN_IF_ERROR(file.Append(part));
+        return absl::OkStatus();
+      },
+      options);
+}
+
+absl::Status WriteFileViaTmpWith(Env* env, const std::string& tmp, const std::string& path,
+                                 const std::function<absl::Status(WritableFile&)>& write,
+                                 const FileOptions& options) {
   // A regular file left at `tmp` is ours from a crash and is removed; anything else there (a
   // link, a FIFO, a directory) was planted, and is an error, not a target. The exclusive
   // create below fails rather than write through a name planted after this check.
@@ -85,10 +97,7 @@ absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string
                                                       stale.status().message()));
   }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewWritableFile(tmp, options));
-  absl::Status status;
-  for (std::span<const std::byte> part : parts) {
-    if (status.ok()) status = file->Append(part);
-  }
+  absl::Status status = write(*file);
   if (status.ok()) status = file->Sync();
   status.Update(file->Close());
   if (status.ok()) status = env->RenameFile(tmp, path);

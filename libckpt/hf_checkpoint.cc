@@ -362,12 +362,51 @@ absl::Status HfCheckpointReader::ReadManyAsF32(std::span<const F32Request> reque
 
 absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTensorData>& tensors,
                                const HfWriteOptions& options) {
+  std::vector<HfTensorSpec> specs;
+  for (const HfTensorData& t : tensors) specs.push_back({t.name, t.dtype, t.shape});
+  // Checked before anything is written (the streaming writer learns the sizes from the specs).
+  for (const HfTensorData& t : tensors) {
+    std::vector<formats::SafetensorsTensor> one = {{t.name, t.dtype, t.shape, 0, 0}};
+    CKPT_RETURN_IF_ERROR(formats::EncodeSafetensorsHeader(&one, {}).status());
+    if (one[0].end - one[0].begin != t.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" has ", t.data.size(),
+                                                     " bytes, its dtype and shape need ",
+                                                     one[0].end - one[0].begin));
+    }
+  }
+  // The data is in memory already: one piece per tensor.
+  HfWriteOptions whole = options;
+  whole.buffer_bytes = UINT64_MAX;
+  return WriteHfCheckpointStreaming(
+      dir, specs,
+      [&](size_t index, uint64_t offset, std::span<std::byte> out) {
+        std::memcpy(out.data(), tensors[index].data.data() + offset, out.size());
+        return absl::OkStatus();
+      },
+      whole);
+}
+
+absl::Status WriteHfCheckpointStreaming(const std::string& dir,
+                                        const std::vector<HfTensorSpec>& tensors,
+                                        const HfTensorFill& fill, const HfWriteOptions& options) {
   Env* env = options.env != nullptr ? options.env : Env::Default();
+  std::set<std::string> names;
+  for (const HfTensorSpec& t : tensors) {
+    if (!names.insert(t.name).second)
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
+  }
+  // Each tensor's byte size, from a header of its own (which also validates it).
+  std::vector<uint64_t> sizes;
+  for (const HfTensorSpec& t : tensors) {
+    std::vector<formats::SafetensorsTensor> one = {{t.name, t.dtype, t.shape, 0, 0}};
+    CKPT_RETURN_IF_ERROR(formats::EncodeSafetensorsHeader(&one, {}).status());
+    sizes.push_back(one[0].end - one[0].begin);
+  }
   // Plan: greedy shards in the given order.
   std::vector<std::vector<size_t>> shards(1);
   uint64_t current = 0, total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const uint64_t bytes = tensors[i].data.size();
+    const uint64_t bytes = sizes[i];
     if (options.max_shard_bytes > 0 && current > 0 && current + bytes > options.max_shard_bytes) {
       shards.emplace_back();
       current = 0;
@@ -387,23 +426,13 @@ absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTenso
       entries.push_back({tensors[i].name, tensors[i].dtype, tensors[i].shape, 0, 0});
     CKPT_ASSIGN_OR_RETURN(std::string header,
                           formats::EncodeSafetensorsHeader(&entries, options.metadata));
-    for (size_t k = 0; k < entries.size(); ++k) {
-      const HfTensorData& t = tensors[shards[s][k]];
-      if (entries[k].end - entries[k].begin != t.data.size()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor \"", t.name, "\" has ", t.data.size(),
-                         " bytes, its dtype and shape need ", entries[k].end - entries[k].begin));
-      }
-      if (sharded)
+    if (sharded) {
+      for (size_t i : shards[s]) {
         index.weight_map.emplace_back(
-            t.name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
+            tensors[i].name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
+      }
     }
     headers.push_back(std::move(header));
-  }
-  std::set<std::string> names;
-  for (const HfTensorData& t : tensors) {
-    if (!names.insert(t.name).second)
-      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
   }
   // Step 1.
   absl::StatusOr<std::string> real = env->RealPath(dir);
@@ -414,14 +443,37 @@ absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTenso
   } else if (!is_dir.ok() || !*is_dir) {
     return is_dir.ok() ? absl::FailedPreconditionError(dir + ": not a directory") : is_dir.status();
   }
-  // Step 2.
+  // Step 2. One buffer, refilled piece by piece: bounded memory at any model size.
+  std::vector<std::byte> buffer;
+  uint64_t done = 0;
   for (size_t s = 0; s < shards.size(); ++s) {
-    std::vector<std::span<const std::byte>> parts = {AsBytes(headers[s])};
-    for (size_t i : shards[s]) parts.push_back(tensors[i].data);
     const std::string name =
         sharded ? absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size())
                 : std::string(kHfSingleFileName);
-    CKPT_RETURN_IF_ERROR(WriteWhole(env, dir, name, parts));
+    auto write = [&](WritableFile& file) -> absl::Status {
+      CKPT_RETURN_IF_ERROR(file.Append(AsBytes(headers[s])));
+      for (size_t i : shards[s]) {
+        const uint32_t bits = formats::StDTypeBits(tensors[i].dtype);
+        // Whole elements per piece; a sub-byte tensor in one piece.
+        uint64_t piece = bits % 8 != 0 ? sizes[i] : std::min(sizes[i], options.buffer_bytes);
+        if (bits % 8 == 0) piece = std::max<uint64_t>(piece / (bits / 8) * (bits / 8), bits / 8);
+        for (uint64_t at = 0; at < sizes[i]; at += piece) {
+          const uint64_t n = std::min(piece, sizes[i] - at);
+          if (buffer.size() < n) buffer.resize(n);
+          const std::span<std::byte> out(buffer.data(), n);
+          CKPT_RETURN_IF_ERROR(Annotate(fill(i, at, out),
+                                        absl::StrCat("tensor \"", tensors[i].name, "\"")));
+          CKPT_RETURN_IF_ERROR(file.Append(out));
+          done += n;
+          if (options.progress) options.progress(done, total);
+        }
+      }
+      return absl::OkStatus();
+    };
+    // A dot-name tmp, so that a crash never leaves a half file under a name transformers reads.
+    CKPT_RETURN_IF_ERROR(WriteFileViaTmpWith(env, JoinPath(dir, absl::StrCat(".", name, ".tmp")),
+                                             JoinPath(dir, name), write,
+                                             FileOptions{.direct_io = true}));
   }
   // Step 3.
   const std::string stale = JoinPath(dir, sharded ? kHfSingleFileName : kHfIndexFileName);

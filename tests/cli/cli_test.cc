@@ -353,5 +353,63 @@ TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_EQ(RunTool("bench io --dir " + tmp_.path() + " --size lots").exit_code, 2);
 }
 
+// A trainer loads qwen3-tiny with LoadModel and saves step 1; export-hf writes it back as
+// sharded safetensors with its config, which verify accepts and diff finds equal to the
+// original (weights, and masters as F32); bad requests exit 2.
+TEST_F(CliTest, ExportHfOfALoadedModelEqualsTheOriginal) {
+  const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-tiny";
+  CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(qwen);
+  auto hf = HfCheckpointReader::Open(qwen);
+  ASSERT_THAT(hf, testing::IsOk());
+  optimizer::StagedAdamWOptions o;
+  for (const HfTensor& t : (*hf)->tensors()) {
+    o.pieces.push_back({static_cast<uint32_t>(o.params.size()), 0, t.numel});
+    o.params.push_back({t.name, t.shape, formats::DType::kBF16, 0});
+  }
+  o.groups = {optimizer::ParamGroup{}};
+  uint64_t elements = 0;
+  for (const auto& p : o.pieces) elements += p.count;
+  std::vector<uint16_t> weights(elements, 0);
+  auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
+  ASSERT_THAT(opt, testing::IsOk());
+  auto store = CheckpointStore::Open(Root(), StoreOptions{});
+  ASSERT_THAT(store, testing::IsOk());
+  SingleProcessCoordinator single;
+  auto ckpt = optimizer::Checkpointer::Create(
+      opt->get(), std::as_writable_bytes(std::span(weights)), store->get(), &single);
+  ASSERT_THAT(ckpt, testing::IsOk());
+  ASSERT_THAT((*ckpt)->LoadModel(qwen).status(), testing::IsOk());
+  ASSERT_THAT((*ckpt)->Save(1), testing::IsOk());
+
+  const std::string out = tmp_.path() + "/exported";
+  Result r = RunTool("export-hf " + Root() + " " + out + " --max-shard-size 200K --config " + qwen +
+                     "/config.json --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["step"], 1);
+  EXPECT_EQ(j["tensors"], 25);
+  EXPECT_TRUE(j["sharded"].get<bool>());
+  EXPECT_TRUE(std::filesystem::exists(out + "/config.json"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/model.safetensors.index.json"));
+  EXPECT_EQ(RunTool("verify " + out).exit_code, 0);
+  Result same = RunTool("diff " + qwen + " " + out);
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+
+  const std::string masters = tmp_.path() + "/masters";
+  Result m = RunTool("export-hf " + Root() + " " + masters + " --from masters --dtype f32 --step 1");
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_THAT(m.output, HasSubstr("exported step 1"));
+  auto back = HfCheckpointReader::Open(masters);
+  ASSERT_THAT(back, testing::IsOk());
+  EXPECT_EQ((*back)->tensors()[0].dtype, formats::StDType::kF32);
+  EXPECT_EQ(RunTool("diff " + qwen + " " + masters).exit_code, 0);
+
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --dtype F8").exit_code, 2);
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --from grads").exit_code, 2);
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --step 9").exit_code, 2);
+  EXPECT_EQ(RunTool("export-hf " + tmp_.path() + "/nowhere " + tmp_.path() + "/x").exit_code, 2);
+  EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/x"));
+}
+
 }  // namespace
 }  // namespace ckpt

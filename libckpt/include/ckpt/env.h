@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -186,6 +187,11 @@ absl::StatusOr<std::string> ReadFileToString(Env* env, const std::string& path, 
 absl::Status WriteFileViaTmp(Env* env, const std::string& tmp, const std::string& path,
                              std::span<const std::span<const std::byte>> parts,
                              const FileOptions& options = FileOptions{});
+// WriteFileViaTmp with the file's bytes appended by `write` (a file too large to hold in
+// memory streams through it); the same rules for `tmp`, `path` and failures.
+absl::Status WriteFileViaTmpWith(Env* env, const std::string& tmp, const std::string& path,
+                                 const std::function<absl::Status(WritableFile&)>& write,
+                                 const FileOptions& options = FileOptions{});
 // WriteFileViaTmp through `path`.tmp, then SyncDir of the parent: durable on return.
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data);
 // Removes `path` and, if it is a directory, everything below it. Not durable until the parent

@@ -126,7 +126,31 @@ struct HfWriteOptions {
   // tensor gets a shard of its own) named model-0000i-of-0000n.safetensors, plus the index.
   uint64_t max_shard_bytes = 0;
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  // WriteHfCheckpointStreaming: bytes asked of `fill` at a time (the memory it holds), rounded
+  // down to whole elements.
+  uint64_t buffer_bytes = uint64_t{32} << 20;
+  // Called after each piece is written with the data bytes written so far and the total.
+  std::function<void(uint64_t done, uint64_t total)> progress = nullptr;
 };
+
+// A tensor to be written whose bytes come from a callback.
+struct HfTensorSpec {
+  std::string name;
+  formats::StDType dtype = formats::StDType::kF32;
+  std::vector<uint64_t> shape;
+};
+// Fills `out` with bytes [offset, offset + out.size()) of tensor `index` of the specs; an
+// error ends the write. Called in file order, each tensor's bytes front to back, with whole
+// elements (a sub-byte dtype's tensor whole).
+using HfTensorFill =
+    std::function<absl::Status(size_t index, uint64_t offset, std::span<std::byte> out)>;
+
+// As WriteHfCheckpoint, with the tensors' bytes streamed from `fill` in pieces of
+// options.buffer_bytes: memory does not grow with the model.
+absl::Status WriteHfCheckpointStreaming(const std::string& dir,
+                                        const std::vector<HfTensorSpec>& tensors,
+                                        const HfTensorFill& fill,
+                                        const HfWriteOptions& options = {});
 
 // Writes `tensors` (in the given order) into directory `dir`, created if absent. Each file is
 // written under a temporary name, synced, closed and renamed; the index last; then the

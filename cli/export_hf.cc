@@ -1,0 +1,81 @@
+// ckpt-tool export-hf ROOT OUT: a committed step's model as HuggingFace safetensors, through
+// the library's ExportHf (ckpt/optimizer/export_hf.h), in bounded memory, with a progress bar on
+// a terminal.
+#include <iostream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/optimizer/export_hf.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+
+int RunExportHf(const ExportHfArgs& args) {
+  optimizer::ExportHfOptions options;
+  if (!args.dtype.empty()) {
+    absl::StatusOr<formats::DType> dtype = formats::ParseDType(absl::AsciiStrToUpper(args.dtype));
+    if (!dtype.ok() || (*dtype != formats::DType::kF32 && *dtype != formats::DType::kBF16 &&
+                        *dtype != formats::DType::kF16)) {
+      return ReportError("export-hf", absl::InvalidArgumentError(absl::StrCat(
+                                          "--dtype ", Printable(args.dtype),
+                                          ": expected BF16, F16 or F32")));
+    }
+    options.dtype = *dtype;
+  }
+  if (args.from == "masters") {
+    options.from = optimizer::ExportFrom::kMasters;
+  } else if (args.from != "weights") {
+    return ReportError("export-hf",
+                       absl::InvalidArgumentError(absl::StrCat(
+                           "--from ", Printable(args.from), ": expected weights or masters")));
+  }
+  absl::StatusOr<uint64_t> shard = ParseByteSize(args.max_shard_size);
+  if (!shard.ok()) return ReportError("export-hf --max-shard-size", shard.status());
+  options.max_shard_bytes = *shard;
+  options.config = args.config;
+  StoreOptions so;
+  so.read_only = true;
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(args.root, so);
+  if (!store.ok()) return ReportError(absl::StrCat("export-hf ", Printable(args.root)), store.status());
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
+      args.step.has_value() ? (*store)->OpenStep(*args.step) : (*store)->OpenLatest();
+  if (!reader.ok()) {
+    ReportError(absl::StrCat("export-hf ", Printable(args.root)), reader.status());
+    return absl::IsDataLoss(reader.status()) ? kExitDamage : kExitUsage;
+  }
+  ProgressBar bar("export", 0, !args.json);
+  options.progress = [&](uint64_t done, uint64_t total) {
+    bar.SetTotal(total);
+    bar.Update(done);
+  };
+  absl::StatusOr<optimizer::ExportHfReport> report =
+      optimizer::ExportHf(**reader, args.out, options);
+  bar.Finish();
+  if (!report.ok()) {
+    ReportError("export-hf", report.status());
+    return absl::IsDataLoss(report.status()) ? kExitDamage : kExitUsage;
+  }
+  const uint64_t step = (*reader)->step();
+  if (args.json) {
+    PrintJson({{"root", args.root},
+               {"step", step},
+               {"out", args.out},
+               {"from", args.from},
+               {"tensors", report->tensors},
+               {"bytes", report->bytes},
+               {"sharded", report->sharded},
+               {"config", !args.config.empty()}});
+  } else {
+    std::cout << "exported step " << step << " of " << Printable(args.root) << " ("
+              << report->tensors << " tensors, " << FormatBytes(report->bytes) << ", " << args.from
+              << ") to " << Printable(args.out)
+              << (report->sharded ? " as shards with model.safetensors.index.json"
+                                  : " as model.safetensors")
+              << (args.config.empty() ? "" : ", with config.json") << "\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli
