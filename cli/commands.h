@@ -105,6 +105,17 @@ struct ExportHfArgs {
 };
 int RunExportHf(const ExportHfArgs& args);
 
+struct ReshardArgs {
+  std::string root;
+  std::string dst;
+  int dp = 0;
+  uint64_t bucket_elems = 40'000'000;
+  std::optional<uint64_t> step;  // LATEST when absent.
+  std::optional<int> zstd_level;
+  bool json = false;
+};
+int RunReshard(const ReshardArgs& args);
+
 struct BenchAdamwArgs {
   uint64_t params = 1 << 26;
   int threads = 0;                    // 0: every core.

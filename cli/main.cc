@@ -238,6 +238,24 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--config", export_hf.config, "config.json to copy beside the weights");
   export_cmd->add_flag("--json", export_hf.json, "Print one JSON object");
 
+  ReshardArgs dp_reshard;
+  uint64_t dp_reshard_step = 0;
+  int dp_reshard_zstd = 0;
+  CLI::App* dp_reshard_cmd = app.add_subcommand(
+      "reshard", "Rewrite a committed step for another data-parallel size, as a transaction into "
+                 "DST (bounded memory)");
+  dp_reshard_cmd->add_option("root", dp_reshard.root, "Checkpoint root")->required();
+  dp_reshard_cmd->add_option("dst", dp_reshard.dst, "Output checkpoint root (created if absent)")
+      ->required();
+  dp_reshard_cmd->add_option("--dp", dp_reshard.dp, "Ranks of the output")->required();
+  dp_reshard_cmd->add_option("--bucket-elems", dp_reshard.bucket_elems,
+                             "The next job's bucket size in elements (default 40000000)");
+  CLI::Option* dp_reshard_step_opt =
+      dp_reshard_cmd->add_option("--step", dp_reshard_step, "Step to reshard (default: LATEST)");
+  CLI::Option* dp_reshard_zstd_opt =
+      dp_reshard_cmd->add_option("--zstd", dp_reshard_zstd, "Compress chunks with zstd at LEVEL");
+  dp_reshard_cmd->add_flag("--json", dp_reshard.json, "Print one JSON object");
+
   std::string unknown;
   if (UnknownSubcommand(app, argc, argv, &unknown)) {
     std::cerr << "ckpt-tool: " << Printable(unknown) << "\nRun with --help for more information.\n";
@@ -259,6 +277,11 @@ int main(int argc, char** argv) {
     if (diff_step_opt->count() > 0) diff.step = diff_step;
     if (diff_step_b_opt->count() > 0) diff.step_b = diff_step_b;
     return RunDiff(diff);
+  }
+  if (dp_reshard_cmd->parsed()) {
+    if (dp_reshard_step_opt->count() > 0) dp_reshard.step = dp_reshard_step;
+    if (dp_reshard_zstd_opt->count() > 0) dp_reshard.zstd_level = dp_reshard_zstd;
+    return RunReshard(dp_reshard);
   }
   if (export_cmd->parsed()) {
     if (export_step_opt->count() > 0) export_hf.step = export_step;

@@ -226,5 +226,43 @@ TEST_F(CheckpointReaderTest, ZstdChunksReadBackExactly) {
   ExpectWeights(**reader, 5, 1100, 300);
 }
 
+// A range streamed in several WritePiece calls, each of whole chunks but the last, is recorded
+// as one piece; a call that does not continue it (another tensor, a gap, a partial chunk
+// before it) starts a new one. Every element reads back either way.
+TEST_F(CheckpointReaderTest, AdjacentWritesOfWholeChunksBecomeOnePiece) {
+  auto store = CheckpointStore::Open(kRoot, options_);
+  ASSERT_THAT(store, IsOk());
+  auto txn = (*store)->BeginSave(9);
+  ASSERT_THAT(txn, IsOk());
+  std::vector<float> w(2000);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i);
+  const auto part = [&](size_t begin, size_t count) {
+    return std::as_bytes(std::span(w).subspan(begin, count));
+  };
+  ASSERT_THAT((*txn)->DeclareTensor({"a", formats::DType::kF32, {2000}}), IsOk());
+  ASSERT_THAT((*txn)->DeclareTensor({"b", formats::DType::kF32, {2000}}), IsOk());
+  // "a": 500 + 250 + 100 continue one piece (250 floats a chunk); 900 after a partial chunk is new.
+  ASSERT_THAT((*txn)->WritePiece("a", 0, 500, part(0, 500)), IsOk());
+  ASSERT_THAT((*txn)->WritePiece("a", 500, 250, part(500, 250)), IsOk());
+  ASSERT_THAT((*txn)->WritePiece("a", 750, 100, part(750, 100)), IsOk());
+  ASSERT_THAT((*txn)->WritePiece("a", 850, 1150, part(850, 1150)), IsOk());
+  // "b" after "a" starts its own piece; a gap starts another.
+  ASSERT_THAT((*txn)->WritePiece("b", 0, 250, part(0, 250)), IsOk());
+  ASSERT_THAT((*txn)->WritePiece("b", 300, 250, part(300, 250)), IsOk());
+  ASSERT_THAT((*txn)->Commit(), IsOk());
+  auto reader = Open(9);
+  ASSERT_THAT(reader, IsOk());
+  std::vector<std::tuple<std::string, uint64_t, uint64_t>> pieces;
+  for (const formats::PieceInfo& p : (*reader)->manifest().pieces) {
+    pieces.emplace_back((*reader)->manifest().tensors[p.tensor].name, p.begin, p.count);
+  }
+  using P = std::tuple<std::string, uint64_t, uint64_t>;
+  EXPECT_EQ(pieces, (std::vector<P>{P{"a", 0, 850}, P{"a", 850, 1150}, P{"b", 0, 250},
+                                    P{"b", 300, 250}}));
+  std::vector<float> back(2000);
+  ASSERT_THAT((*reader)->ReadRange("a", 0, 2000, std::as_writable_bytes(std::span(back))), IsOk());
+  EXPECT_EQ(back, w);
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -175,14 +175,36 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
     return absl::InvalidArgumentError(
         absl::StrCat("piece [", begin, ", +", count, ") of \"", tensor, "\" overlaps another"));
   }
+  const uint64_t chunk_elems = std::max<uint64_t>(1, store_->options().chunk_bytes / esize);
+  std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
+  // A piece that continues the one written last (same tensor, adjacent elements, its chunks
+  // the last in the file and all full) extends it: a range streamed in several calls is
+  // recorded as one piece, as if written in one.
+  if (!part_.pieces.empty()) {
+    formats::PieceInfo& last = part_.pieces.back();
+    if (last.tensor == index && last.begin + last.count == begin &&
+        last.count % last.chunk_elems == 0 && last.chunk_elems == chunk_elems &&
+        last.first_chunk + last.chunk_count == chunks.size()) {
+      for (uint64_t done = 0; done < count; done += chunk_elems) {
+        const uint64_t n = std::min(chunk_elems, count - done);
+        ChunkInfo info;
+        absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info);
+        if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " tensor ", tensor)));
+        chunks.push_back(info);
+        ++last.chunk_count;
+        last.count += n;
+      }
+      ranges[last.begin] = last.begin + last.count;
+      return absl::OkStatus();
+    }
+  }
   formats::PieceInfo piece;
   piece.tensor = index;
   piece.rank = part_.files[0].rank;
   piece.begin = begin;
   piece.count = count;
   piece.file = 0;
-  piece.chunk_elems = std::max<uint64_t>(1, store_->options().chunk_bytes / esize);
-  std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
+  piece.chunk_elems = chunk_elems;
   piece.first_chunk = chunks.size();
   for (uint64_t done = 0; done < count; done += piece.chunk_elems) {
     uint64_t n = std::min(piece.chunk_elems, count - done);

@@ -1,0 +1,257 @@
+// Offline reshard: one committed step rewritten for another data-parallel size.
+//
+// R1. Plan, nothing written: the parameters and their order from the step's optimizer record
+//     (or every tensor as a parameter), each parameter's tensors (weights, masters, moments),
+//     Megatron buckets for `dp` ranks and each rank's pieces (layout.h), each output rank's
+//     blobs (the source rank's, or rank 0's), the optimizer record with world size `dp`.
+// R2. Open the output root: the primary handle for rank 0 (which creates the root and recovers
+//     it, removing any staging a crashed reshard left), then one handle per other rank.
+// R3. Every rank, a thread over one ThreadGroup, begins the step's save transaction (the
+//     store's commit protocol, libckpt/checkpoint_writer.cc: a staging directory, published
+//     only by the commit).
+// R4. The ranks write one after the other (the disk sees one sequential stream and memory
+//     holds one buffer): each declares every tensor, then for each of its pieces streams each
+//     of the parameter's tensors, a buffer of whole chunks at a time, read from the source
+//     and written as one growing piece (so its file is laid out as the optimizer's own save
+//     lays it out); rank 0 also writes any tensor no parameter owns, whole; then the blobs;
+//     then Prepare (the data durable, its part of the manifest written). A failure is this
+//     rank's no vote, and the ranks after it write nothing.
+// R5. Commit, collectively: all yes, rank 0 publishes the step and LATEST; any no, the staging
+//     directory is removed and the root is as it was.
+#include "ckpt/optimizer/reshard.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
+#include "optimizer/checkpointer_layout.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using nlohmann::json;
+
+struct Plan {
+  std::vector<ParamSpec> params;
+  std::vector<std::vector<uint32_t>> tensors_of;  // Manifest tensor indices by parameter.
+  std::vector<uint32_t> loose;                    // Tensors no parameter owns (rank 0, whole).
+  std::vector<std::vector<Piece>> pieces;         // By output rank.
+  bool optimizer_layout = false;
+  std::string layout;  // The optimizer record with world size dp (empty without one).
+};
+
+absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptions& options) {
+  const formats::Manifest& m = source.manifest();
+  const std::string where = absl::StrCat("step ", m.step, " (", source.dir(), ")");
+  std::map<std::string, uint32_t> index;
+  for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+  Plan plan;
+  std::vector<bool> owned(m.tensors.size(), false);
+  absl::StatusOr<std::string> record = source.ReadBlob(internal::kLayoutBlob, 0);
+  if (record.ok()) {
+    json root = json::parse(*record, nullptr, /*allow_exceptions=*/false);
+    if (!root.is_object() || !root.contains("params") || !root["params"].is_array()) {
+      return absl::DataLossError(absl::StrCat(where, ": optimizer record has no parameters"));
+    }
+    for (const json& p : root["params"]) {
+      if (!p.is_object() || !p.contains("name") || !p["name"].is_string() ||
+          !p.contains("group") || !p["group"].is_number_unsigned()) {
+        return absl::DataLossError(absl::StrCat(where, ": optimizer record has a bad parameter"));
+      }
+      const std::string name = p["name"].get<std::string>();
+      auto found = index.find(name);
+      if (found == index.end()) {
+        return absl::DataLossError(absl::StrCat(where, ": optimizer record names \"", name,
+                                                "\", which the step does not hold"));
+      }
+      const formats::TensorInfo& t = m.tensors[found->second];
+      plan.params.push_back({name, t.shape, t.dtype, p["group"].get<uint32_t>()});
+      std::vector<uint32_t> tensors = {found->second};
+      for (const char* prefix : internal::kStatePrefixes) {
+        auto state = index.find(prefix + name);
+        if (state == index.end()) {
+          return absl::DataLossError(
+              absl::StrCat(where, ": optimizer record names \"", name, "\" but the step has no \"",
+                           prefix, name, "\""));
+        }
+        tensors.push_back(state->second);
+      }
+      for (uint32_t i : tensors) owned[i] = true;
+      plan.tensors_of.push_back(std::move(tensors));
+    }
+    root["world_size"] = options.dp;
+    plan.layout = root.dump();
+    plan.optimizer_layout = true;
+  } else if (absl::IsNotFound(record.status())) {
+    for (uint32_t i = 0; i < m.tensors.size(); ++i) {
+      plan.params.push_back({m.tensors[i].name, m.tensors[i].shape, m.tensors[i].dtype, 0});
+      plan.tensors_of.push_back({i});
+      owned[i] = true;
+    }
+  } else {
+    return record.status();
+  }
+  for (uint32_t i = 0; i < m.tensors.size(); ++i) {
+    if (!owned[i]) plan.loose.push_back(i);
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<Bucket> buckets,
+                        BuildBuckets(plan.params, options.buckets, options.dp));
+  plan.pieces = RankPieces(buckets, options.dp);
+  return plan;
+}
+
+// Step R4 for one output rank.
+class RankWriter {
+ public:
+  RankWriter(const CheckpointReader& source, const Plan& plan, const ReshardOptions& options,
+             SaveTransaction& txn, std::atomic<uint64_t>& done, uint64_t total)
+      : source_(source), plan_(plan), options_(options), txn_(txn), done_(done), total_(total) {}
+
+  absl::Status Write(int rank) {
+    const formats::Manifest& m = source_.manifest();
+    for (const formats::TensorInfo& t : m.tensors) {
+      CKPT_RETURN_IF_ERROR(txn_.DeclareTensor({t.name, t.dtype, t.shape}));
+    }
+    for (const Piece& piece : plan_.pieces[rank]) {
+      for (uint32_t t : plan_.tensors_of[piece.param]) {
+        CKPT_RETURN_IF_ERROR(Stream(m.tensors[t], piece.begin, piece.count));
+      }
+    }
+    if (rank == 0) {
+      for (uint32_t t : plan_.loose) {
+        if (m.tensors[t].numel() > 0) CKPT_RETURN_IF_ERROR(Stream(m.tensors[t], 0, m.tensors[t].numel()));
+      }
+    }
+    // This rank's blobs: the source rank's, or rank 0's when the source had fewer ranks.
+    const uint32_t from = static_cast<uint32_t>(rank) < m.world_size ? rank : 0;
+    for (const formats::BlobInfo& b : m.blobs) {
+      if (b.rank != from) continue;
+      if (b.name == internal::kLayoutBlob) {
+        CKPT_RETURN_IF_ERROR(txn_.WriteBlob(b.name, std::as_bytes(std::span(plan_.layout))));
+        continue;
+      }
+      CKPT_ASSIGN_OR_RETURN(std::string bytes, source_.ReadBlob(b.name, from));
+      CKPT_RETURN_IF_ERROR(txn_.WriteBlob(b.name, std::as_bytes(std::span(bytes))));
+    }
+    return txn_.Prepare();
+  }
+
+ private:
+  // Elements [begin, begin + count) of `t`, a buffer of whole output chunks at a time.
+  absl::Status Stream(const formats::TensorInfo& t, uint64_t begin, uint64_t count) {
+    const uint64_t esize = formats::DTypeSize(t.dtype);
+    const uint64_t chunk_elems = std::max<uint64_t>(1, options_.store.chunk_bytes / esize);
+    const uint64_t batch =
+        chunk_elems * std::max<uint64_t>(1, options_.buffer_bytes / (chunk_elems * esize));
+    for (uint64_t at = 0; at < count; at += batch) {
+      const uint64_t n = std::min(batch, count - at);
+      buffer_.resize(n * esize);
+      CKPT_RETURN_IF_ERROR(source_.ReadRange(t.name, begin + at, n, buffer_));
+      CKPT_RETURN_IF_ERROR(txn_.WritePiece(t.name, begin + at, n, buffer_));
+      const uint64_t now = done_.fetch_add(n * esize) + n * esize;
+      if (options_.progress) options_.progress(now, total_);
+    }
+    return absl::OkStatus();
+  }
+
+  const CheckpointReader& source_;
+  const Plan& plan_;
+  const ReshardOptions& options_;
+  SaveTransaction& txn_;
+  std::atomic<uint64_t>& done_;
+  const uint64_t total_;
+  std::vector<std::byte> buffer_;
+};
+
+}  // namespace
+
+absl::StatusOr<ReshardReport> Reshard(const CheckpointReader& source, const std::string& dst_root,
+                                      const ReshardOptions& options) {
+  if (options.dp < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("reshard to ", options.dp, " ranks"));
+  }
+  Env* env = options.store.env != nullptr ? options.store.env : Env::Default();
+  absl::StatusOr<std::string> src_root = env->RealPath(Dirname(source.dir()));
+  absl::StatusOr<std::string> dst = env->RealPath(dst_root);
+  if (src_root.ok() && dst.ok() && *src_root == *dst) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reshard into ", dst_root, ", the source's own root: pick another"));
+  }
+  // Step R1.
+  CKPT_ASSIGN_OR_RETURN(Plan plan, MakePlan(source, options));
+  const formats::Manifest& m = source.manifest();
+  uint64_t total = 0;
+  for (const formats::TensorInfo& t : m.tensors) total += t.numel() * formats::DTypeSize(t.dtype);
+  // Step R2.
+  StoreOptions so = options.store;
+  so.env = env;
+  so.read_only = false;
+  std::vector<std::unique_ptr<CheckpointStore>> stores;
+  for (int r = 0; r < options.dp; ++r) {
+    so.primary = r == 0;
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
+                          CheckpointStore::Open(dst_root, so));
+    stores.push_back(std::move(store));
+  }
+  // Steps R3 to R5, a thread per rank.
+  ThreadGroup group(options.dp);
+  std::mutex mu;
+  std::condition_variable cv;
+  int turn = 0;           // The rank writing now (guarded by mu).
+  bool failed = false;    // A rank before `turn` failed (guarded by mu).
+  std::atomic<uint64_t> done{0};
+  std::vector<absl::Status> results(options.dp);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < options.dp; ++r) {
+    threads.emplace_back([&, r] {
+      absl::StatusOr<std::unique_ptr<SaveTransaction>> txn =
+          stores[r]->BeginSave(m.step, group.member(r));
+      absl::Status mine = txn.status();
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return turn == r; });
+        if (failed && mine.ok()) mine = absl::AbortedError("an earlier rank failed");
+      }
+      if (mine.ok()) {
+        RankWriter writer(source, plan, options, **txn, done, total);
+        mine = Annotate(writer.Write(r), absl::StrCat("reshard rank ", r));
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        failed |= !mine.ok();
+        ++turn;
+      }
+      cv.notify_all();
+      if (!txn.ok()) {
+        results[r] = txn.status();  // BeginSave failed on every rank: nothing to commit.
+        return;
+      }
+      if (!mine.ok()) (*txn)->MarkFailed(mine);
+      results[r] = (*txn)->Commit();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) {
+    if (!s.ok()) return s;
+  }
+  ReshardReport report;
+  report.step = m.step;
+  report.source_world_size = m.world_size;
+  report.dp = options.dp;
+  report.tensors = m.tensors.size();
+  report.bytes = total;
+  report.optimizer_layout = plan.optimizer_layout;
+  return report;
+}
+
+}  // namespace ckpt::optimizer
