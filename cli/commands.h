@@ -105,6 +105,15 @@ struct ExportHfArgs {
 };
 int RunExportHf(const ExportHfArgs& args);
 
+struct BenchReshardArgs {
+  std::string dir;
+  uint64_t params = 0;
+  int ranks = 2;
+  int dp = 3;
+  bool json = false;
+};
+int RunBenchReshard(const BenchReshardArgs& args);
+
 struct ReshardArgs {
   std::string root;
   std::string dst;

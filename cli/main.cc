@@ -1,5 +1,7 @@
 // ckpt-tool: inspect, verify, gc and benchmark checkpoint stores. The only place CLI11 appears;
 // its exceptions stay here.
+#include <malloc.h>
+
 #include <charconv>
 #include <cstdint>
 #include <iostream>
@@ -60,6 +62,11 @@ bool UnknownSubcommand(CLI::App& app, int argc, char** argv, std::string* messag
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Buffers of 1 MiB and more are mapped, and unmapped when freed. By default glibc raises this
+  // threshold after the first such free (up to 32 MiB) and then keeps freed buffers in the
+  // arena of the thread that held them: reshard's ranks, each a thread, would each keep their
+  // write buffers, and the tool's peak memory would grow with --dp.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   using namespace ckpt::cli;
   CLI::App app{"ckpt-tool: inspect, verify and maintain ckpt checkpoint stores", "ckpt-tool"};
   app.require_subcommand(1);
@@ -158,6 +165,20 @@ int main(int argc, char** argv) {
   adamw_cmd->add_option("--steps", bench_adamw.steps, "Timed steps (best is reported)")
       ->check(WholeNumber(1, 1000));
   adamw_cmd->add_flag("--json", bench_adamw.json, "Print one JSON object");
+
+  BenchReshardArgs bench_reshard;
+  CLI::App* bench_reshard_cmd = bench_cmd->add_subcommand(
+      "reshard", "Offline reshard of optimizer state against its O_DIRECT read + write bound");
+  bench_reshard_cmd->add_option("--dir", bench_reshard.dir, "Directory to benchmark in (must exist)")
+      ->required();
+  bench_reshard_cmd->add_option("--params", bench_reshard.params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX / 16));
+  bench_reshard_cmd->add_option("--ranks", bench_reshard.ranks, "Ranks that save the source")
+      ->check(WholeNumber(1, 256));
+  bench_reshard_cmd->add_option("--dp", bench_reshard.dp, "Ranks of the output")
+      ->check(WholeNumber(1, 256));
+  bench_reshard_cmd->add_flag("--json", bench_reshard.json, "Print one JSON object");
 
   BenchCkptArgs bench_ckpt;
   CLI::App* ckpt_cmd = bench_cmd->add_subcommand(
@@ -289,6 +310,7 @@ int main(int argc, char** argv) {
   }
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
+  if (bench_reshard_cmd->parsed()) return RunBenchReshard(bench_reshard);
   if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);
   std::cerr << app.help();
   return kExitUsage;

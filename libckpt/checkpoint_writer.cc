@@ -3,9 +3,10 @@
 //    in flight, creates <root>/.staging-step-N-<nonce>/ and broadcasts its name or its error
 //    (then every rank fails BeginSave). Recovery deletes staging directories, so a crash
 //    anywhere before step 8 leaves exactly the previous state.
-// 2. Each rank creates rank-r.data in the staging directory and writes the file header, then
-//    each chunk (header, payload, zero padding to 4 KiB) while computing its XXH3-64: the
-//    bytes are checksummed once, on their way out, never re-read.
+// 2. Each rank creates rank-r.data in the staging directory, and writes the file header with
+//    its first chunk (or at step 3 when it writes none: a rank waiting to write holds no write
+//    buffers), then each chunk (header, payload, zero padding to 4 KiB) while computing its
+//    XXH3-64: the bytes are checksummed once, on their way out, never re-read.
 // 3. Commit, each rank: Sync and Close its data file (its bytes must be durable before any
 //    manifest points at them); write rank-r.part (its tensors, pieces, blobs, chunk checksums
 //    and file size); Sync; Close.
@@ -77,8 +78,13 @@ SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinato
     return;
   }
   file_ = std::move(file).value();
-  formats::DataFileHeader header{step, rank, part_.world_size};
-  Fail(file_->Append(AsBytes(formats::EncodeDataFileHeader(header)))).IgnoreError();
+}
+
+absl::Status SaveTransaction::WriteHeaderOnce() {
+  if (header_written_) return absl::OkStatus();
+  header_written_ = true;
+  formats::DataFileHeader header{step_, part_.files[0].rank, part_.world_size};
+  return file_->Append(AsBytes(formats::EncodeDataFileHeader(header)));
 }
 
 SaveTransaction::~SaveTransaction() {
@@ -110,6 +116,7 @@ absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
 }
 
 absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info) {
+  CKPT_RETURN_IF_ERROR(WriteHeaderOnce());
   const StoreOptions& options = store_->options();
   std::string compressed;
   std::span<const std::byte> payload = raw;
@@ -254,6 +261,7 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
 // Step 3: make this rank's data durable and describe it in its part.
 absl::Status SaveTransaction::FinishLocal(std::string* vote) {
   CKPT_RETURN_IF_ERROR(error_);
+  CKPT_RETURN_IF_ERROR(Fail(WriteHeaderOnce()));
   CKPT_RETURN_IF_ERROR(file_->Sync());
   CKPT_RETURN_IF_ERROR(file_->Close());
   part_.files[0].size_bytes = file_->size();

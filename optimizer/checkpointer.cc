@@ -74,32 +74,6 @@ using nlohmann::json;
 // Elements converted per batch when a checkpoint's moment dtype differs from the slabs'.
 constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 
-std::string LayoutJson(const StagedAdamW& opt, int world_size) {
-  json params = json::array(), groups = json::array();
-  for (const ParamSpec& p : opt.options().params) {
-    params.push_back({{"name", p.name},
-                      {"shape", p.shape},
-                      {"dtype", std::string(formats::DTypeName(p.dtype))},
-                      {"group", p.group}});
-  }
-  for (const ParamGroup& g : opt.groups()) {
-    groups.push_back({{"lr", g.lr},
-                      {"beta1", g.beta1},
-                      {"beta2", g.beta2},
-                      {"eps", g.eps},
-                      {"weight_decay", g.weight_decay},
-                      {"step", g.step}});
-  }
-  return json{
-      {"format", "ckpt-optimizer"},
-      {"version", 1},
-      {"moment_dtype", std::string(formats::DTypeName(MomentDTypeOf(opt.options().moment_dtype)))},
-      {"world_size", world_size},
-      {"params", params},
-      {"groups", groups}}
-      .dump();
-}
-
 // The groups of a layout record, validated.
 absl::StatusOr<std::vector<ParamGroup>> ParseGroups(absl::string_view text, size_t expected,
                                                     absl::string_view where) {
@@ -160,6 +134,33 @@ bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t
     at = std::max(at, hi);
   }
   return at >= begin + count;
+}
+
+std::string LayoutRecord(const std::vector<ParamSpec>& params,
+                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         int world_size) {
+  json ps = json::array(), gs = json::array();
+  for (const ParamSpec& p : params) {
+    ps.push_back({{"name", p.name},
+                  {"shape", p.shape},
+                  {"dtype", std::string(formats::DTypeName(p.dtype))},
+                  {"group", p.group}});
+  }
+  for (const ParamGroup& g : groups) {
+    gs.push_back({{"lr", g.lr},
+                  {"beta1", g.beta1},
+                  {"beta2", g.beta2},
+                  {"eps", g.eps},
+                  {"weight_decay", g.weight_decay},
+                  {"step", g.step}});
+  }
+  return json{{"format", "ckpt-optimizer"},
+              {"version", 1},
+              {"moment_dtype", std::string(formats::DTypeName(MomentDTypeOf(moments)))},
+              {"world_size", world_size},
+              {"params", ps},
+              {"groups", gs}}
+      .dump();
 }
 
 std::string ListNames(const std::vector<std::string>& names) {
@@ -273,7 +274,8 @@ absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
     }
     offset += piece.count;
   }
-  const std::string layout = LayoutJson(*optimizer_, coordinator_->size());
+  const std::string layout = internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
+                                optimizer_->options().moment_dtype, coordinator_->size());
   CKPT_RETURN_IF_ERROR(txn.WriteBlob(kLayoutBlob, std::as_bytes(std::span(layout))));
   for (const auto& [key, value] : blobs) {
     CKPT_RETURN_IF_ERROR(
@@ -320,7 +322,8 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
     const std::vector<TensorSpec>& d = plan.declarations;
     plan.names.push_back({d[i].name, d[i + 1].name, d[i + 2].name, d[i + 3].name});
   }
-  plan.blobs.emplace_back(kLayoutBlob, LayoutJson(*optimizer_, coordinator_->size()));
+  plan.blobs.emplace_back(kLayoutBlob, internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
+                                optimizer_->options().moment_dtype, coordinator_->size()));
   for (const auto& [key, value] : blobs) plan.blobs.emplace_back(kTrainerPrefix + key, value);
   if (staging_ == nullptr) {
     uint64_t slot_bytes = 0;

@@ -27,6 +27,13 @@ inline formats::DType MomentDTypeOf(MomentDType m) {
 // True when the pieces of tensor `index` in `m` cover [begin, begin + count).
 bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count);
 
+// The optimizer record (blob kLayoutBlob) of a step saved by `world_size` ranks: JSON with the
+// parameters (name, shape, model dtype, group), the groups (hyper-parameters in double and
+// step counters) and the moments' dtype (docs/formats/ckpt-v1.md).
+std::string LayoutRecord(const std::vector<ParamSpec>& params,
+                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         int world_size);
+
 // The first 10 names, then how many more: "a, b, c and 12 more".
 std::string ListNames(const std::vector<std::string>& names);
 

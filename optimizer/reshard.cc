@@ -122,16 +122,14 @@ class RankWriter {
     for (const formats::TensorInfo& t : m.tensors) {
       CKPT_RETURN_IF_ERROR(txn_.DeclareTensor({t.name, t.dtype, t.shape}));
     }
+    std::vector<Batch> batches;
     for (const Piece& piece : plan_.pieces[rank]) {
-      for (uint32_t t : plan_.tensors_of[piece.param]) {
-        CKPT_RETURN_IF_ERROR(Stream(m.tensors[t], piece.begin, piece.count));
-      }
+      for (uint32_t t : plan_.tensors_of[piece.param]) Cut(m.tensors[t], piece.begin, piece.count, &batches);
     }
     if (rank == 0) {
-      for (uint32_t t : plan_.loose) {
-        if (m.tensors[t].numel() > 0) CKPT_RETURN_IF_ERROR(Stream(m.tensors[t], 0, m.tensors[t].numel()));
-      }
+      for (uint32_t t : plan_.loose) Cut(m.tensors[t], 0, m.tensors[t].numel(), &batches);
     }
+    CKPT_RETURN_IF_ERROR(Stream(batches));
     // This rank's blobs: the source rank's, or rank 0's when the source had fewer ranks.
     const uint32_t from = static_cast<uint32_t>(rank) < m.world_size ? rank : 0;
     for (const formats::BlobInfo& b : m.blobs) {
@@ -147,18 +145,47 @@ class RankWriter {
   }
 
  private:
-  // Elements [begin, begin + count) of `t`, a buffer of whole output chunks at a time.
-  absl::Status Stream(const formats::TensorInfo& t, uint64_t begin, uint64_t count) {
+  // Elements [begin, begin + count) of one tensor: one read and one write.
+  struct Batch {
+    const formats::TensorInfo* tensor;
+    uint64_t begin;
+    uint64_t count;
+  };
+  // Cuts elements [begin, begin + count) of `t` into batches of whole output chunks.
+  void Cut(const formats::TensorInfo& t, uint64_t begin, uint64_t count,
+           std::vector<Batch>* out) const {
     const uint64_t esize = formats::DTypeSize(t.dtype);
     const uint64_t chunk_elems = std::max<uint64_t>(1, options_.store.chunk_bytes / esize);
     const uint64_t batch =
         chunk_elems * std::max<uint64_t>(1, options_.buffer_bytes / (chunk_elems * esize));
     for (uint64_t at = 0; at < count; at += batch) {
-      const uint64_t n = std::min(batch, count - at);
-      buffer_.resize(n * esize);
-      CKPT_RETURN_IF_ERROR(source_.ReadRange(t.name, begin + at, n, buffer_));
-      CKPT_RETURN_IF_ERROR(txn_.WritePiece(t.name, begin + at, n, buffer_));
-      const uint64_t now = done_.fetch_add(n * esize) + n * esize;
+      out->push_back({&t, begin + at, std::min(batch, count - at)});
+    }
+  }
+  // Reads batch i + 1 on a helper thread while batch i is written: the time is close to the
+  // longer of the two streams rather than their sum. Two buffers in all.
+  absl::Status Stream(const std::vector<Batch>& batches) {
+    std::vector<std::byte> buffers[2];
+    auto read = [&](size_t i) {
+      const Batch& b = batches[i];
+      std::vector<std::byte>& buffer = buffers[i % 2];
+      buffer.resize(b.count * formats::DTypeSize(b.tensor->dtype));
+      return source_.ReadRange(b.tensor->name, b.begin, b.count, buffer);
+    };
+    if (batches.empty()) return absl::OkStatus();
+    absl::Status next = read(0);
+    for (size_t i = 0; i < batches.size(); ++i) {
+      CKPT_RETURN_IF_ERROR(next);
+      absl::Status prefetched;
+      std::thread prefetch;
+      if (i + 1 < batches.size()) prefetch = std::thread([&, i] { prefetched = read(i + 1); });
+      const Batch& b = batches[i];
+      absl::Status written = txn_.WritePiece(b.tensor->name, b.begin, b.count, buffers[i % 2]);
+      if (prefetch.joinable()) prefetch.join();
+      CKPT_RETURN_IF_ERROR(written);
+      next = prefetched;
+      const uint64_t bytes = b.count * formats::DTypeSize(b.tensor->dtype);
+      const uint64_t now = done_.fetch_add(bytes) + bytes;
       if (options_.progress) options_.progress(now, total_);
     }
     return absl::OkStatus();
@@ -170,7 +197,6 @@ class RankWriter {
   SaveTransaction& txn_;
   std::atomic<uint64_t>& done_;
   const uint64_t total_;
-  std::vector<std::byte> buffer_;
 };
 
 }  // namespace

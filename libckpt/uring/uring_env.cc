@@ -80,15 +80,16 @@ class UringWritableFile : public WritableFile {
     bool in_flight = false;
   };
 
+  // The write buffers are made by the first Append and freed by Close, so that a file opened
+  // long before it is written (a rank waiting its turn) or kept open after it is closed holds
+  // no memory.
   UringWritableFile(std::string path, ScopedFd fd, bool direct, size_t buffer_bytes,
-                    std::vector<Slot> slots, UringRing ring, bool registered)
+                    UringRing ring)
       : path_(std::move(path)),
         fd_(std::move(fd)),
         direct_(direct),
         buffer_bytes_(buffer_bytes),
-        slots_(std::move(slots)),
-        ring_(std::move(ring)),
-        registered_(registered) {}
+        ring_(std::move(ring)) {}
 
   ~UringWritableFile() override {
     // Buffers in flight belong to the kernel until reaped: drain before any member goes.
@@ -97,6 +98,8 @@ class UringWritableFile : public WritableFile {
 
   absl::Status Append(std::span<const std::byte> data) override {
     CKPT_RETURN_IF_ERROR(CheckUsable());
+    if (data.empty()) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(MakeBuffers());
     while (!data.empty()) {
       Slot& slot = slots_[current_];
       size_t n = std::min(data.size(), buffer_bytes_ - fill_);
@@ -141,6 +144,10 @@ class UringWritableFile : public WritableFile {
     absl::Status status = first_error_.ok() ? Flush() : first_error_;
     status.Update(DrainAll());
     closed_ = true;
+    if (!AnyInFlight()) {  // The kernel is done with the buffers: free them, ring first.
+      UringRing dropped = std::move(ring_);
+      slots_.clear();
+    }
     if (int err = fd_.Close(); err != 0) status.Update(IoError(err, "close " + path_));
     return status;
   }
@@ -155,6 +162,32 @@ class UringWritableFile : public WritableFile {
   absl::Status Fail(absl::Status s) {
     first_error_.Update(s);
     return first_error_;
+  }
+
+  bool AnyInFlight() const {
+    for (const Slot& slot : slots_) {
+      if (slot.in_flight) return true;
+    }
+    return false;
+  }
+
+  absl::Status MakeBuffers() {
+    if (!slots_.empty()) return absl::OkStatus();
+    std::vector<Slot> slots(kWriteSlots);
+    std::vector<iovec> iovecs;
+    for (Slot& slot : slots) {
+      CKPT_ASSIGN_OR_RETURN(
+          slot.buf, AlignedBuffer::Create(
+                        buffer_bytes_, AlignedBuffer::Fill::kZero,
+                        direct_ ? AlignedBuffer::Pages::kHuge : AlignedBuffer::Pages::kSmall));
+      iovecs.push_back({slot.buf.data(), buffer_bytes_});
+    }
+    slots_ = std::move(slots);
+    // Registration pins the buffers once instead of on every write; when the memlock limit
+    // refuses it, unregistered writes are just as correct.
+    registered_ = io_uring_register_buffers(ring_.get(), iovecs.data(),
+                                            static_cast<unsigned>(iovecs.size())) == 0;
+    return absl::OkStatus();
   }
 
   absl::Status Submit(size_t index, size_t len) {
@@ -254,7 +287,7 @@ class UringWritableFile : public WritableFile {
   // Teardown order: the ring (which registers the buffers) goes before the buffers it names.
   std::vector<Slot> slots_;
   UringRing ring_;
-  const bool registered_;
+  bool registered_ = false;
   size_t current_ = 0;
   size_t fill_ = 0;
   uint64_t buffer_offset_ = 0;
@@ -410,22 +443,8 @@ class UringEnv : public internal::PosixMetadataEnv {
     bool direct = false;
     CKPT_ASSIGN_OR_RETURN(ScopedFd fd, CreateMaybeDirect(path, options.direct_io, &direct));
     const size_t buffer_bytes = direct ? kDirectWriteBufferBytes : kBufferedWriteBufferBytes;
-    std::vector<UringWritableFile::Slot> slots(kWriteSlots);
-    std::vector<iovec> iovecs;
-    for (auto& slot : slots) {
-      CKPT_ASSIGN_OR_RETURN(
-          slot.buf, AlignedBuffer::Create(
-                        buffer_bytes, AlignedBuffer::Fill::kZero,
-                        direct ? AlignedBuffer::Pages::kHuge : AlignedBuffer::Pages::kSmall));
-      iovecs.push_back({slot.buf.data(), buffer_bytes});
-    }
     CKPT_ASSIGN_OR_RETURN(UringRing ring, UringRing::Create(2 * kWriteSlots));
-    // Registration pins the buffers once instead of on every write; when the memlock limit
-    // refuses it, unregistered writes are just as correct.
-    bool registered = io_uring_register_buffers(ring.get(), iovecs.data(),
-                                                static_cast<unsigned>(iovecs.size())) == 0;
-    return std::unique_ptr<WritableFile>(new UringWritableFile(
-        path, std::move(fd), direct, buffer_bytes, std::move(slots), std::move(ring), registered));
+    return std::unique_ptr<WritableFile>(new UringWritableFile(        path, std::move(fd), direct, buffer_bytes, std::move(ring)));
   }
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(

@@ -17,7 +17,9 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/hf_checkpoint.h"
 #include "ckpt/optimizer/checkpointer.h"
@@ -353,34 +355,61 @@ TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_EQ(RunTool("bench io --dir " + tmp_.path() + " --size lots").exit_code, 2);
 }
 
+// A job of `ranks` ranks (threads) loads the model at `hf` with LoadModel, takes a step and
+// saves it as step 1 of `root`.
+void SaveLoadedModel(const std::string& hf_path, const std::string& root, int ranks) {
+  auto hf = HfCheckpointReader::Open(hf_path);
+  ASSERT_THAT(hf, testing::IsOk());
+  std::vector<optimizer::ParamSpec> params;
+  for (const HfTensor& t : (*hf)->tensors()) {
+    params.push_back({t.name, t.shape, formats::DType::kBF16, t.shape.size() == 1 ? 1u : 0u});
+  }
+  auto buckets = optimizer::BuildBuckets(params, {.bucket_elems = 30000}, ranks);
+  ASSERT_THAT(buckets, testing::IsOk());
+  const auto pieces = optimizer::RankPieces(*buckets, ranks);
+  ThreadGroup group(ranks);
+  std::vector<absl::Status> st(ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      st[r] = [&]() -> absl::Status {
+        optimizer::StagedAdamWOptions o;
+        o.params = params;
+        o.groups = {optimizer::ParamGroup{}, optimizer::ParamGroup{.weight_decay = 0}};
+        o.pieces = pieces[r];
+        o.threads = 1;
+        uint64_t elements = 0;
+        for (const auto& p : o.pieces) elements += p.count;
+        std::vector<uint16_t> weights(elements, 0);
+        CKPT_ASSIGN_OR_RETURN(auto opt,
+                              optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights))));
+        StoreOptions so;
+        so.primary = r == 0;
+        if (r > 0) {
+          CKPT_RETURN_IF_ERROR(group.member(r)->Barrier());  // Rank 0 creates the root first.
+        }
+        CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, so));
+        if (r == 0) CKPT_RETURN_IF_ERROR(group.member(r)->Barrier());
+        CKPT_ASSIGN_OR_RETURN(
+            auto ckpt, optimizer::Checkpointer::Create(
+                           opt.get(), std::as_writable_bytes(std::span(weights)), store.get(),
+                           group.member(r)));
+        CKPT_RETURN_IF_ERROR(ckpt->LoadModel(hf_path).status());
+        return ckpt->Save(1, {{"rank", std::to_string(r)}});
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) ASSERT_THAT(st[r], testing::IsOk()) << "rank " << r;
+}
+
 // A trainer loads qwen3-tiny with LoadModel and saves step 1; export-hf writes it back as
 // sharded safetensors with its config, which verify accepts and diff finds equal to the
 // original (weights, and masters as F32); bad requests exit 2.
 TEST_F(CliTest, ExportHfOfALoadedModelEqualsTheOriginal) {
   const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-tiny";
   CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(qwen);
-  auto hf = HfCheckpointReader::Open(qwen);
-  ASSERT_THAT(hf, testing::IsOk());
-  optimizer::StagedAdamWOptions o;
-  for (const HfTensor& t : (*hf)->tensors()) {
-    o.pieces.push_back({static_cast<uint32_t>(o.params.size()), 0, t.numel});
-    o.params.push_back({t.name, t.shape, formats::DType::kBF16, 0});
-  }
-  o.groups = {optimizer::ParamGroup{}};
-  uint64_t elements = 0;
-  for (const auto& p : o.pieces) elements += p.count;
-  std::vector<uint16_t> weights(elements, 0);
-  auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
-  ASSERT_THAT(opt, testing::IsOk());
-  auto store = CheckpointStore::Open(Root(), StoreOptions{});
-  ASSERT_THAT(store, testing::IsOk());
-  SingleProcessCoordinator single;
-  auto ckpt = optimizer::Checkpointer::Create(
-      opt->get(), std::as_writable_bytes(std::span(weights)), store->get(), &single);
-  ASSERT_THAT(ckpt, testing::IsOk());
-  ASSERT_THAT((*ckpt)->LoadModel(qwen).status(), testing::IsOk());
-  ASSERT_THAT((*ckpt)->Save(1), testing::IsOk());
-
+  SaveLoadedModel(qwen, Root(), 1);
   const std::string out = tmp_.path() + "/exported";
   Result r = RunTool("export-hf " + Root() + " " + out + " --max-shard-size 200K --config " + qwen +
                      "/config.json --json");
@@ -409,6 +438,40 @@ TEST_F(CliTest, ExportHfOfALoadedModelEqualsTheOriginal) {
   EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --step 9").exit_code, 2);
   EXPECT_EQ(RunTool("export-hf " + tmp_.path() + "/nowhere " + tmp_.path() + "/x").exit_code, 2);
   EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/x"));
+}
+
+// A step saved by 2 ranks resharded to 1, 3 and 8: each verifies, diff finds it equal to the
+// source, and the ranks' trainer blobs follow Load's rule; a second reshard of the same step
+// into the same root is refused (exit 2).
+TEST_F(CliTest, ReshardToOneThreeAndEightRanksDiffsEqual) {
+  const std::string qwen = std::string(CKPT_HF_TESTDATA) + "/qwen3-moe-tiny";
+  CKPT_SKIP_OR_FAIL_WITHOUT_TESTDATA(qwen);
+  SaveLoadedModel(qwen, Root(), 2);
+  for (int dp : {1, 3, 8}) {
+    const std::string dst = tmp_.path() + "/dp" + std::to_string(dp);
+    Result r = RunTool("reshard " + Root() + " " + dst + " --dp " + std::to_string(dp) +
+                       " --bucket-elems 20000 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    nlohmann::json j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["from_ranks"], 2);
+    EXPECT_EQ(j["dp"], dp);
+    EXPECT_TRUE(j["optimizer"].get<bool>());
+    EXPECT_EQ(RunTool("verify " + dst + " --all").exit_code, 0);
+    Result same = RunTool("diff " + Root() + " " + dst);
+    EXPECT_EQ(same.exit_code, 0) << same.output;
+    Result inspect = RunTool("inspect " + dst + " --json");
+    ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+    EXPECT_EQ(nlohmann::json::parse(inspect.output)["details"]["world_size"], dp) << inspect.output;
+  }
+  Result again = RunTool("reshard " + Root() + " " + tmp_.path() + "/dp3 --dp 3");
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_THAT(again.output, HasSubstr("not newer than LATEST"));
+  Result zstd = RunTool("reshard " + Root() + " " + tmp_.path() + "/z --dp 2 --zstd 3");
+  ASSERT_EQ(zstd.exit_code, 0) << zstd.output;
+  EXPECT_THAT(zstd.output, HasSubstr("from 2 to 2 rank(s)"));
+  EXPECT_EQ(RunTool("diff " + Root() + " " + tmp_.path() + "/z").exit_code, 0);
+  EXPECT_EQ(RunTool("reshard " + Root() + " " + tmp_.path() + "/q --dp 0").exit_code, 2);
+  EXPECT_EQ(RunTool("reshard " + Root() + " " + Root() + " --dp 2").exit_code, 2);
 }
 
 }  // namespace

@@ -78,6 +78,8 @@ class SaveTransaction {
 
   absl::Status AppendChunk(std::span<const std::byte> raw, formats::ChunkInfo* info);
   absl::Status Fail(absl::Status s);
+  // Step 2: the data file's header, before the first chunk or at the commit.
+  absl::Status WriteHeaderOnce();
   absl::Status FinishLocal(std::string* vote);
   absl::Status Finish(bool vote_yes);
   absl::Status CommitAsRoot(const std::vector<std::string>& votes);
@@ -98,6 +100,7 @@ class SaveTransaction {
   bool ended_ = false;
   bool latest_may_name_step_ = false;  // Publish could not undo a LATEST it wrote (step 8).
   bool renamed_ = false;               // Publish renamed staging to the step directory (step 7).
+  bool header_written_ = false;        // The data file's header (step 2).
   bool prepared_ = false;
   absl::Status prepare_status_;  // FinishLocal's result once prepared_.
   std::string prepared_vote_;
