@@ -4,7 +4,7 @@
 # through Checkpointer's async save (the next step runs while it is written); it is killed with
 # SIGKILL while the async save of step 10 is in flight, resumes from LATEST (step 8) on 3 ranks and
 # must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects and verifies the
-# store and the exported model.
+# store and the exported model; export-hf and reshard rewrite LATEST and diff finds them equal.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
@@ -22,3 +22,8 @@ echo "--- the process is gone; run it again on the same store"
 ./build/cli/ckpt-tool inspect "$dir/store"
 ./build/cli/ckpt-tool verify "$dir/store" --all
 ./build/cli/ckpt-tool verify "$dir/final-model"
+echo "--- operators' tools: export LATEST again, reshard it for 4 ranks, compare"
+./build/cli/ckpt-tool export-hf "$dir/store" "$dir/exported"
+./build/cli/ckpt-tool diff "$dir/final-model" "$dir/exported"
+./build/cli/ckpt-tool reshard "$dir/store" "$dir/store-dp4" --dp 4 --bucket-elems 20000
+./build/cli/ckpt-tool diff "$dir/store" "$dir/store-dp4"
