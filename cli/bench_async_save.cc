@@ -52,6 +52,9 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"rounds", args.rounds},
                {"step_ratio", step_ratio},
                {"durable_s", f->durable_s},
+               {"writer_s", f->writer_s},
+               {"finalize_ms", f->finalize_ms},
+               {"finalized_s", f->finalized_s},
                {"sync_save_s", f->sync_save_s},
                {"durable_ratio", durable_ratio},
                {"sync_save_gbps", sync_gbps},
@@ -69,14 +72,16 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       "SaveAsync returned in      %8.2f ms (the longest)\n"
       "step without a save        %8.1f ms\n"
       "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
-      "until durable (async)      %8.3f s\n"
+      "until durable (async)      %8.3f s    (writer done %.3f s + Finalize %.1f ms; Finalize "
+      "after the step then running returned at %.3f s)\n"
       "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
       "durable/sync, paired per round: %.2f\n"
       "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
       "GB/s), steps waited %llu time(s)\n",
       FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds, f->return_ms,
       f->step_ms,
-      f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->sync_save_s,
+      f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->writer_s,
+      f->finalize_ms, f->finalized_s, f->sync_save_s,
       sync_gbps, f->write_bound_gbps, durable_ratio,
       static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),
       FormatBytes(f->bytes_copied), f->copy_bound_gbps,

@@ -17,6 +17,12 @@ int ReportError(absl::string_view context, const absl::Status& status) {
   return kExitUsage;
 }
 
+int OpenStepExitCode(const absl::Status& status, bool step_exists) {
+  if (absl::IsDataLoss(status)) return kExitDamage;
+  if (absl::IsNotFound(status) && step_exists) return kExitDamage;
+  return kExitUsage;
+}
+
 std::string Printable(absl::string_view text) {
   std::string out;
   out.reserve(text.size());

@@ -23,6 +23,12 @@ inline constexpr int kExitUsage = 2;   // Bad usage, or the root cannot be read.
 // Prints "ckpt-tool: <context>: <status>" to stderr (Printable) and returns kExitUsage.
 int ReportError(absl::string_view context, const absl::Status& status);
 
+// The exit code of a command whose opening of a committed step failed with `status`: damage
+// (kDataLoss; kNotFound when the step's directory or LATEST is there, so a file of it is
+// missing or LATEST names a step that is gone) is kExitDamage; anything else (a step that was
+// never saved, a missing root) is kExitUsage.
+int OpenStepExitCode(const absl::Status& status, bool step_exists);
+
 // `text` safe for a terminal: control bytes (below 0x20, and 0x7f) become \xNN and a backslash
 // becomes \\, so a name read from a file cannot move the cursor or rewrite what was printed.
 // Other bytes (UTF-8 names) pass unchanged. JSON output is escaped by the JSON encoder instead.

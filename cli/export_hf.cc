@@ -1,7 +1,9 @@
 // ckpt-tool export-hf ROOT OUT: a committed step's model as HuggingFace safetensors, through
 // the library's ExportHf (ckpt/optimizer/export_hf.h), in bounded memory, with a progress bar on
 // a terminal.
+#include <algorithm>
 #include <iostream>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -43,7 +45,12 @@ int RunExportHf(const ExportHfArgs& args) {
       args.step.has_value() ? (*store)->OpenStep(*args.step) : (*store)->OpenLatest();
   if (!reader.ok()) {
     ReportError(absl::StrCat("export-hf ", Printable(args.root)), reader.status());
-    return absl::IsDataLoss(reader.status()) ? kExitDamage : kExitUsage;
+    bool exists = (*store)->latest_step().has_value();
+    if (args.step.has_value()) {
+      absl::StatusOr<std::vector<uint64_t>> steps = (*store)->ListSteps();
+      exists = steps.ok() && std::count(steps->begin(), steps->end(), *args.step) > 0;
+    }
+    return OpenStepExitCode(reader.status(), exists);
   }
   ProgressBar bar("export", 0, !args.json);
   options.progress = [&](uint64_t done, uint64_t total) {

@@ -249,7 +249,8 @@ int main(int argc, char** argv) {
   export_cmd->add_option("root", export_hf.root, "Checkpoint root")->required();
   export_cmd->add_option("out", export_hf.out, "Output directory (created if absent)")->required();
   CLI::Option* export_step_opt =
-      export_cmd->add_option("--step", export_step, "Step to export (default: LATEST)");
+      export_cmd->add_option("--step", export_step, "Step to export (default: LATEST)")
+          ->check(WholeNumber(0, UINT64_MAX));
   export_cmd->add_option("--dtype", export_hf.dtype,
                          "BF16, F16 or F32 (default: each tensor's own dtype)");
   export_cmd->add_option("--from", export_hf.from,
@@ -268,13 +269,19 @@ int main(int argc, char** argv) {
   dp_reshard_cmd->add_option("root", dp_reshard.root, "Checkpoint root")->required();
   dp_reshard_cmd->add_option("dst", dp_reshard.dst, "Output checkpoint root (created if absent)")
       ->required();
-  dp_reshard_cmd->add_option("--dp", dp_reshard.dp, "Ranks of the output")->required();
+  dp_reshard_cmd->add_option("--dp", dp_reshard.dp, "Ranks of the output (1 to 1024)")
+      ->required()
+      ->check(WholeNumber(1, 1024));
   dp_reshard_cmd->add_option("--bucket-elems", dp_reshard.bucket_elems,
-                             "The next job's bucket size in elements (default 40000000)");
+                             "The next job's bucket size in elements (default 40000000)")
+      ->check(WholeNumber(1, UINT64_MAX));
   CLI::Option* dp_reshard_step_opt =
-      dp_reshard_cmd->add_option("--step", dp_reshard_step, "Step to reshard (default: LATEST)");
+      dp_reshard_cmd->add_option("--step", dp_reshard_step, "Step to reshard (default: LATEST)")
+          ->check(WholeNumber(0, UINT64_MAX));
   CLI::Option* dp_reshard_zstd_opt =
-      dp_reshard_cmd->add_option("--zstd", dp_reshard_zstd, "Compress chunks with zstd at LEVEL");
+      dp_reshard_cmd->add_option("--zstd", dp_reshard_zstd,
+                                 "Compress chunks with zstd at LEVEL (1 to 22)")
+          ->check(WholeNumber(1, 22));
   dp_reshard_cmd->add_flag("--json", dp_reshard.json, "Print one JSON object");
 
   std::string unknown;

@@ -2,7 +2,9 @@
 // the optimizer lays them out for DP size R, through the library's Reshard
 // (ckpt/optimizer/reshard.h): one transaction into DST, in bounded memory, with a progress bar
 // on a terminal.
+#include <algorithm>
 #include <iostream>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint_store.h"
@@ -13,12 +15,6 @@
 namespace ckpt::cli {
 
 int RunReshard(const ReshardArgs& args) {
-  if (args.dp < 1 || args.dp > 65536) {
-    return ReportError("reshard", absl::InvalidArgumentError("--dp must be in [1, 65536]"));
-  }
-  if (args.bucket_elems == 0) {
-    return ReportError("reshard", absl::InvalidArgumentError("--bucket-elems must be > 0"));
-  }
   StoreOptions in;
   in.read_only = true;
   absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(args.root, in);
@@ -27,7 +23,12 @@ int RunReshard(const ReshardArgs& args) {
       args.step.has_value() ? (*store)->OpenStep(*args.step) : (*store)->OpenLatest();
   if (!reader.ok()) {
     ReportError(absl::StrCat("reshard ", Printable(args.root)), reader.status());
-    return absl::IsDataLoss(reader.status()) ? kExitDamage : kExitUsage;
+    bool exists = (*store)->latest_step().has_value();
+    if (args.step.has_value()) {
+      absl::StatusOr<std::vector<uint64_t>> steps = (*store)->ListSteps();
+      exists = steps.ok() && std::count(steps->begin(), steps->end(), *args.step) > 0;
+    }
+    return OpenStepExitCode(reader.status(), exists);
   }
   optimizer::ReshardOptions options;
   options.dp = args.dp;

@@ -1,7 +1,12 @@
 // ExportHf: a committed step's model as HuggingFace safetensors, streamed in bounded memory.
-// The files are written as WriteHfCheckpointStreaming writes them (each under a temporary
-// name, synced, renamed; the index last; the directory synced); config.json after them,
-// atomically. Memory: one buffer of the source dtype and one of the output dtype, each at most
+// 1. Refuse an output that exists and is not an empty directory, or that lies inside the
+//    step's own store; check every tensor's conversion and the config, nothing written yet.
+// 2. Build the directory under a hidden sibling name (optimizer/new_directory.h): the files as
+//    WriteHfCheckpointStreaming writes them (each synced and renamed, the index last, the
+//    directory synced), then config.json.
+// 3. Rename it onto the output and sync the parent: a reader sees the whole model or nothing,
+//    and two exports to one place cannot mix. Any failure removes the staging directory.
+// Memory: one buffer of the source dtype and one of the output dtype, each at most
 // options.buffer_bytes, plus the reader's chunk buffers.
 #include "ckpt/optimizer/export_hf.h"
 
@@ -17,6 +22,7 @@
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
 #include "optimizer/checkpointer_layout.h"
+#include "optimizer/new_directory.h"
 
 namespace ckpt::optimizer {
 namespace {
@@ -71,7 +77,9 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
   std::vector<Entry> entries;
   for (const formats::TensorInfo& t : m.tensors) {
     if (t.name.rfind(internal::kOptimizerPrefix, 0) == 0) continue;
-    Entry e{t.name, t.name, t.dtype, options.dtype.value_or(t.dtype), t.shape};
+    Entry e{t.name, t.name, t.dtype, t.dtype, t.shape};
+    // Masters are exported in FP32 unless told otherwise; weights in their own dtype.
+    e.to = options.dtype.value_or(options.from == ExportFrom::kMasters ? DType::kF32 : t.dtype);
     if (options.from == ExportFrom::kMasters) {
       e.source = internal::kStatePrefixes[0] + t.name;
       absl::StatusOr<const formats::TensorInfo*> master = step.FindTensor(e.source);
@@ -95,14 +103,28 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
   }
   std::string config;
   if (!options.config.empty()) {
-    CKPT_ASSIGN_OR_RETURN(config, ReadFileToString(env, options.config, kMaxConfigBytes));
+    absl::StatusOr<std::string> read = ReadFileToString(env, options.config, kMaxConfigBytes);
+    if (!read.ok()) {
+      // A config too large or unreadable is a bad request, not damage of the step.
+      return absl::Status(absl::IsNotFound(read.status()) ? absl::StatusCode::kNotFound
+                                                          : absl::StatusCode::kInvalidArgument,
+                          absl::StrCat("config: ", read.status().message()));
+    }
+    config = *std::move(read);
+    // What Python's json.load reads: one JSON object, no byte-order mark, no NUL.
+    const bool clean = config.find('\0') == std::string::npos && config.rfind("\xEF\xBB\xBF", 0) != 0;
     const nlohmann::json parsed =
         nlohmann::json::parse(config, nullptr, /*allow_exceptions=*/false);
-    if (!parsed.is_object()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config ", options.config, " is not a JSON object"));
+    if (!clean || !parsed.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config ", options.config,
+          " is not one JSON object (as json.load reads it: no byte-order mark, no NUL)"));
     }
   }
+  // Step 1: where the output goes.
+  CKPT_RETURN_IF_ERROR(internal::CheckOutside(env, Dirname(step.dir()), out_dir, "export"));
+  CKPT_ASSIGN_OR_RETURN(internal::NewDirectory target,
+                        internal::NewDirectory::Plan(env, out_dir, "export"));
   std::vector<HfTensorSpec> specs;
   for (const Entry& e : entries) specs.push_back({e.name, formats::ToStDType(e.to), e.shape});
   std::vector<std::byte> narrow;  // Source elements when they must be converted.
@@ -123,9 +145,15 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
   write.max_shard_bytes = options.max_shard_bytes;
   write.buffer_bytes = options.buffer_bytes;
   write.progress = options.progress;
-  CKPT_RETURN_IF_ERROR(Annotate(WriteHfCheckpointStreaming(out_dir, specs, fill, write), where));
-  if (!config.empty()) {
-    CKPT_RETURN_IF_ERROR(WriteFileAtomically(env, JoinPath(out_dir, "config.json"), config));
+  // Steps 2 and 3.
+  absl::Status written = Annotate(WriteHfCheckpointStreaming(target.staging(), specs, fill, write), where);
+  if (written.ok() && !config.empty()) {
+    written = WriteFileAtomically(env, JoinPath(target.staging(), "config.json"), config);
+  }
+  if (written.ok()) written = target.Publish(env);
+  if (!written.ok()) {
+    target.Discard(env);
+    return written;
   }
   ExportHfReport report;
   report.tensors = entries.size();

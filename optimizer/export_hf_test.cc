@@ -3,12 +3,16 @@
 // in pieces smaller than a tensor; config.json is copied; bad requests are refused.
 #include "ckpt/optimizer/export_hf.h"
 
+#include <algorithm>
+#include <cerrno>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/hf_checkpoint.h"
 #include "optimizer/checkpointer_test_job.h"
+#include "tests/support/fault_injection_env.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt::optimizer {
@@ -163,6 +167,79 @@ TEST_F(ExportHfTest, AStepWithoutMastersCannotExportThem) {
   auto refused = ExportHf(**step, "/plain-out2", o);
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(refused.status().message(), HasSubstr("optimizer.master.w"));
+}
+
+// The output is a new directory, published whole: a non-empty directory, or one inside the
+// store, is refused untouched; a failure at any mutating call leaves nothing at the output and
+// no staging sibling; configs Python's json.load would refuse are refused.
+TEST_F(ExportHfTest, OutputIsPublishedWholeOrNotAtAll) {
+  testing::FaultInjectionEnv fault(env_.get());
+  Job saver(env_.get(), 2, 500);
+  saver.Step(0);
+  ExpectAllOk(saver.Save(1));
+  const std::unique_ptr<CheckpointReader> step = OpenStep(1);
+  ExportHfOptions o;
+  o.env = &fault;
+  o.max_shard_bytes = 3000;  // Three files and an index.
+  ASSERT_THAT(ExportHf(*step, "/model", o), IsOk());
+  auto first = ReadFileToString(env_.get(), "/model/model.safetensors.index.json", 1 << 20);
+  ASSERT_THAT(first, IsOk());
+  // Into the existing model: refused, the model as it was.
+  EXPECT_THAT(ExportHf(*step, "/model", o), StatusIs(absl::StatusCode::kFailedPrecondition));
+  auto again = ReadFileToString(env_.get(), "/model/model.safetensors.index.json", 1 << 20);
+  EXPECT_TRUE(again.ok() && *again == *first);
+  // Inside the store it reads: refused.
+  for (const std::string& inside : {std::string(kRoot), std::string(kRoot) + "/x",
+                                   std::string(kRoot) + "/" + StepDirectoryName(1)}) {
+    EXPECT_THAT(ExportHf(*step, inside, o), StatusIs(absl::StatusCode::kInvalidArgument)) << inside;
+  }
+  // An empty directory is replaced.
+  ASSERT_THAT(env_->CreateDir("/empty"), IsOk());
+  EXPECT_THAT(ExportHf(*step, "/empty", o), IsOk());
+  // A failure at every mutating call: the output absent, no hidden sibling left.
+  const uint64_t start = fault.mutating_calls();
+  ASSERT_THAT(ExportHf(*step, "/probe", o), IsOk());
+  const uint64_t calls = fault.mutating_calls() - start;
+  ASSERT_THAT(RemoveRecursively(env_.get(), "/probe"), IsOk());
+  auto before = env_->GetChildren("/");
+  ASSERT_THAT(before, IsOk());
+  std::sort(before->begin(), before->end());
+  for (uint64_t k = 1; k <= calls; ++k) {
+    fault.FailNth(k, EIO);
+    auto failed = ExportHf(*step, "/out", o);
+    fault.Disarm();
+    if (failed.ok()) {  // Only a failed SyncDir after the publishing rename may pass unseen.
+      ASSERT_THAT(RemoveRecursively(env_.get(), "/out"), IsOk());
+      continue;
+    }
+    auto after = env_->GetChildren("/");
+    ASSERT_THAT(after, IsOk());
+    std::sort(after->begin(), after->end());
+    EXPECT_EQ(*after, *before) << "failure at call " << k << ": " << failed.status();
+  }
+  // Configs json.load refuses.
+  ASSERT_THAT(WriteFileAtomically(env_.get(), "/nul.json", std::string("{\"a\": 1}\0junk", 13)),
+              IsOk());
+  ASSERT_THAT(WriteFileAtomically(env_.get(), "/bom.json", "\xEF\xBB\xBF{\"a\": 1}"), IsOk());
+  for (const char* config : {"/nul.json", "/bom.json"}) {
+    o.config = config;
+    EXPECT_THAT(ExportHf(*step, "/cfg", o), StatusIs(absl::StatusCode::kInvalidArgument)) << config;
+  }
+  EXPECT_THAT(env_->IsDirectory("/cfg"), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(ExportHfTest, MastersExportAsF32UnlessToldOtherwise) {
+  Job saver(env_.get(), 1, 500);
+  saver.Step(0);
+  ExpectAllOk(saver.Save(1));
+  const std::unique_ptr<CheckpointReader> step = OpenStep(1);
+  ExportHfOptions o;
+  o.env = env_.get();
+  o.from = ExportFrom::kMasters;
+  ASSERT_THAT(ExportHf(*step, "/m", o), IsOk());
+  auto hf = HfCheckpointReader::Open("/m", {.env = env_.get()});
+  ASSERT_THAT(hf, IsOk());
+  for (const HfTensor& t : (*hf)->tensors()) EXPECT_EQ(t.dtype, formats::StDType::kF32) << t.name;
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -34,6 +35,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "optimizer/checkpointer_layout.h"
+#include "optimizer/new_directory.h"
 
 namespace ckpt::optimizer {
 namespace {
@@ -199,22 +201,51 @@ class RankWriter {
   const uint64_t total_;
 };
 
+absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& plan,
+                                    const std::string& dst_root, const ReshardOptions& options,
+                                    Env* env);
+
 }  // namespace
 
 absl::StatusOr<ReshardReport> Reshard(const CheckpointReader& source, const std::string& dst_root,
                                       const ReshardOptions& options) {
-  if (options.dp < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("reshard to ", options.dp, " ranks"));
+  if (options.dp < 1 || options.dp > kMaxReshardRanks) {
+    return absl::InvalidArgumentError(absl::StrCat("reshard to ", options.dp,
+                                                   " ranks: from 1 to ", kMaxReshardRanks));
   }
   Env* env = options.store.env != nullptr ? options.store.env : Env::Default();
-  absl::StatusOr<std::string> src_root = env->RealPath(Dirname(source.dir()));
-  absl::StatusOr<std::string> dst = env->RealPath(dst_root);
-  if (src_root.ok() && dst.ok() && *src_root == *dst) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reshard into ", dst_root, ", the source's own root: pick another"));
-  }
+  CKPT_RETURN_IF_ERROR(internal::CheckOutside(env, Dirname(source.dir()), dst_root, "reshard"));
   // Step R1.
   CKPT_ASSIGN_OR_RETURN(Plan plan, MakePlan(source, options));
+  // A new root is built aside and renamed into place when committed: a failure or a crash
+  // leaves nothing at dst_root (a crash: an inert hidden sibling).
+  std::optional<internal::NewDirectory> fresh;
+  absl::StatusOr<bool> exists = env->IsDirectory(dst_root);
+  if (exists.ok() && *exists) {
+    absl::StatusOr<std::vector<std::string>> children = env->GetChildren(dst_root);
+    if (children.ok() && children->empty()) exists = absl::NotFoundError("empty");
+  }
+  if (absl::IsNotFound(exists.status())) {
+    CKPT_ASSIGN_OR_RETURN(fresh, internal::NewDirectory::Plan(env, dst_root, "reshard"));
+  }
+  const std::string root = fresh.has_value() ? fresh->staging() : dst_root;
+  absl::StatusOr<ReshardReport> report = Write(source, plan, root, options, env);
+  if (fresh.has_value()) {
+    absl::Status published = report.ok() ? fresh->Publish(env) : report.status();
+    if (!published.ok()) {
+      fresh->Discard(env);
+      return published;
+    }
+  }
+  return report;
+}
+
+namespace {
+
+// Steps R2 to R5 into the store at `root`.
+absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& plan,
+                                    const std::string& dst_root, const ReshardOptions& options,
+                                    Env* env) {
   const formats::Manifest& m = source.manifest();
   uint64_t total = 0;
   for (const formats::TensorInfo& t : m.tensors) total += t.numel() * formats::DTypeSize(t.dtype);
@@ -280,4 +311,5 @@ absl::StatusOr<ReshardReport> Reshard(const CheckpointReader& source, const std:
   return report;
 }
 
+}  // namespace
 }  // namespace ckpt::optimizer

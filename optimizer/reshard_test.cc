@@ -5,6 +5,9 @@
 // (or, past the commit, holding the new step whole); refusals write nothing.
 #include "ckpt/optimizer/reshard.h"
 
+#include <algorithm>
+#include <cerrno>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -258,6 +261,49 @@ TEST_F(ReshardTest, ACrashAtEveryMutatingCallLeavesTheOutputAsItWas) {
               static_cast<unsigned long long>(calls + 1), old_state, new_state);
   EXPECT_GT(old_state, 20);
   EXPECT_GT(new_state, 0);
+}
+
+// A new output root is built aside and renamed into place: a failure at any mutating call
+// leaves nothing at DST and no hidden sibling. An output inside the source's root, and more
+// ranks than the threads allowed, are refused before anything is written.
+TEST_F(ReshardTest, ANewRootAppearsWholeOrNotAtAll) {
+  Job saver(mem_.get(), 2, kBucket);
+  saver.Step(0);
+  ExpectAllOk(saver.Save(3));
+  const std::unique_ptr<CheckpointReader> source = OpenStep(kRoot, 3);
+  for (const std::string& inside : {absl::StrCat(kRoot, "/", StepDirectoryName(3)),
+                                   absl::StrCat(kRoot, "/sub")}) {
+    EXPECT_THAT(Reshard(*source, inside, Options(2)),
+                StatusIs(absl::StatusCode::kInvalidArgument)) << inside;
+  }
+  EXPECT_THAT(Reshard(*source, "/big", Options(kMaxReshardRanks + 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  auto verified = VerifyStore(mem_.get(), kRoot, std::nullopt, /*all=*/true);
+  ASSERT_THAT(verified, IsOk());
+  EXPECT_TRUE(verified->ok()) << "a refused reshard wrote into the source";
+  const uint64_t start = fault_.mutating_calls();
+  ASSERT_THAT(Reshard(*source, "/probe", Options(3)), IsOk());
+  const uint64_t calls = fault_.mutating_calls() - start;
+  ASSERT_THAT(RemoveRecursively(mem_.get(), "/probe"), IsOk());
+  auto before = mem_->GetChildren("/");
+  ASSERT_THAT(before, IsOk());
+  std::sort(before->begin(), before->end());
+  int failed = 0;
+  for (uint64_t k = 1; k <= calls; k += 3) {
+    fault_.FailNth(k, EIO);
+    auto r = Reshard(*source, "/new", Options(3));
+    fault_.Disarm();
+    if (r.ok()) {  // A failure the commit survives (a best-effort removal, the last SyncDir).
+      ASSERT_THAT(RemoveRecursively(mem_.get(), "/new"), IsOk());
+      continue;
+    }
+    ++failed;
+    auto after = mem_->GetChildren("/");
+    ASSERT_THAT(after, IsOk());
+    std::sort(after->begin(), after->end());
+    EXPECT_EQ(*after, *before) << "failure at call " << k << ": " << r.status();
+  }
+  EXPECT_GT(failed, 20);
 }
 
 }  // namespace

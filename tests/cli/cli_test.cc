@@ -437,7 +437,23 @@ TEST_F(CliTest, ExportHfOfALoadedModelEqualsTheOriginal) {
   EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --from grads").exit_code, 2);
   EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --step 9").exit_code, 2);
   EXPECT_EQ(RunTool("export-hf " + tmp_.path() + "/nowhere " + tmp_.path() + "/x").exit_code, 2);
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/x --step -1").exit_code, 2);
   EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/x"));
+  // Into an existing model, or into the store: refused, exit 2, nothing changed.
+  Result again = RunTool("export-hf " + Root() + " " + out);
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_THAT(again.output, HasSubstr("not an empty directory"));
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + Root() + "/step-00000001").exit_code, 2);
+  EXPECT_EQ(RunTool("verify " + Root() + " --all").exit_code, 0);
+  // Damage of what it reads is exit 1: a rank's data file gone; LATEST naming a vanished step.
+  const std::string copy = tmp_.path() + "/copy";
+  std::filesystem::copy(Root(), copy, std::filesystem::copy_options::recursive);
+  std::filesystem::remove(copy + "/step-00000001/rank-00000.data");
+  EXPECT_EQ(RunTool("export-hf " + copy + " " + tmp_.path() + "/y").exit_code, 1);
+  std::filesystem::remove_all(copy + "/step-00000001");
+  EXPECT_EQ(RunTool("export-hf " + copy + " " + tmp_.path() + "/y").exit_code, 1);
+  EXPECT_EQ(RunTool("export-hf " + Root() + " " + tmp_.path() + "/y --step 2").exit_code, 2);
+  EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/y"));
 }
 
 // A step saved by 2 ranks resharded to 1, 3 and 8: each verifies, diff finds it equal to the
@@ -470,8 +486,14 @@ TEST_F(CliTest, ReshardToOneThreeAndEightRanksDiffsEqual) {
   ASSERT_EQ(zstd.exit_code, 0) << zstd.output;
   EXPECT_THAT(zstd.output, HasSubstr("from 2 to 2 rank(s)"));
   EXPECT_EQ(RunTool("diff " + Root() + " " + tmp_.path() + "/z").exit_code, 0);
-  EXPECT_EQ(RunTool("reshard " + Root() + " " + tmp_.path() + "/q --dp 0").exit_code, 2);
+  for (const char* bad : {"--dp 0", "--dp 1025", "--dp 2 --step -1", "--dp 2 --zstd 23",
+                          "--dp 2 --bucket-elems -1"}) {
+    EXPECT_EQ(RunTool("reshard " + Root() + " " + tmp_.path() + "/q " + bad).exit_code, 2) << bad;
+  }
+  EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/q"));
   EXPECT_EQ(RunTool("reshard " + Root() + " " + Root() + " --dp 2").exit_code, 2);
+  EXPECT_EQ(RunTool("reshard " + Root() + " " + Root() + "/step-00000001 --dp 2").exit_code, 2);
+  EXPECT_EQ(RunTool("verify " + Root() + " --all").exit_code, 0);
 }
 
 }  // namespace

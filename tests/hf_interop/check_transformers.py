@@ -14,7 +14,9 @@ Needs torch, safetensors and transformers (not part of ctest; run on a machine t
 2. A file with one tensor of each torch dtype safetensors supports, written by
    safetensors.torch.save_file, goes through hf-reshard and must load back bit-exactly.
 3. With --demo-trainer: each tiny model is trained by the demo trainer, killed mid-save and
-   resumed; its export must load with from_pretrained holding exactly the exported bits.
+   resumed; its export (optimizer::ExportHf, behind ckpt-tool export-hf) must load with
+   from_pretrained holding exactly the exported bits; so must `ckpt-tool export-hf` of its
+   store, sharded with the config copied, as BF16 weights and as the FP32 masters.
 """
 import argparse
 import glob
@@ -106,7 +108,7 @@ def check_dtypes(tool, work):
     return exact
 
 
-def check_demo_trainer(trainer, testdata, work):
+def check_demo_trainer(tool, trainer, testdata, work):
     """The demo trainer's export of each tiny model (after a crash and a resume) loads with
     from_pretrained, holds exactly the exported bits, has changed, and gives finite logits."""
     from transformers import AutoModelForCausalLM
@@ -139,6 +141,28 @@ def check_demo_trainer(trainer, testdata, work):
               f"export: {same} ({len(common)} tensors by name, {converted} converted), weights "
               f"changed: {trained}, logits finite: {finite}")
         ok &= equal and same and trained and finite
+        # ckpt-tool export-hf of the demo's store: sharded, config copied; weights and masters.
+        for source, dtype, torch_dtype in (("weights", "BF16", torch.bfloat16),
+                                           ("masters", "F32", torch.float32)):
+            cli = os.path.join(out, f"export-{source}")
+            shutil.rmtree(cli, ignore_errors=True)
+            subprocess.run([tool, "export-hf", os.path.join(out, "store"), cli, "--from", source,
+                            "--dtype", dtype, "--max-shard-size", "100K", "--config",
+                            os.path.join(src, "config.json")], check=True, capture_output=True)
+            files = len(glob.glob(os.path.join(cli, "*.safetensors")))
+            ours = load_dir(cli)
+            m = AutoModelForCausalLM.from_pretrained(cli, torch_dtype=torch_dtype)
+            sd = m.state_dict()
+            by_name = [k for k in ours if k in sd]
+            holds = len(by_name) > 0 and all(same_bits(sd[k], ours[k]) for k in by_name)
+            # The masters rounded to BF16 are the weights the demo exported.
+            rounds = all(same_bits(ours[k].to(torch.bfloat16), exported[k]) for k in exported) \
+                if source == "masters" else ours.keys() == exported.keys() and \
+                all(same_bits(ours[k], exported[k]) for k in exported)
+            print(f"demo {model}: export-hf --from {source} --dtype {dtype}: {files} file(s), "
+                  f"from_pretrained holds the export: {holds} ({len(by_name)} tensors by name), "
+                  f"{'rounds to' if source == 'masters' else 'equals'} the demo's export: {rounds}")
+            ok &= holds and rounds and files > 1
     return ok
 
 
@@ -156,7 +180,7 @@ def main():
     ok = check_dtypes(args.tool, args.work)
     ok &= check_models(args.tool, args.testdata, args.work)
     if args.demo_trainer:
-        ok &= check_demo_trainer(args.demo_trainer, args.testdata, args.work)
+        ok &= check_demo_trainer(args.tool, args.demo_trainer, args.testdata, args.work)
     print("ALL OK" if ok else "FAILED")
     return 0 if ok else 1
 

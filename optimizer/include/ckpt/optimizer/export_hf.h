@@ -25,8 +25,8 @@ enum class ExportFrom {
 struct ExportHfOptions {
   Env* env = nullptr;  // Where the output goes; null: Env::Default().
   ExportFrom from = ExportFrom::kWeights;
-  // kF32, kBF16 or kF16 (FP32 rounds to nearest even; 16-bit widens exactly); nullopt writes
-  // each tensor in its weights' dtype.
+  // kF32, kBF16 or kF16 (FP32 rounds to nearest even, 16-bit widens exactly); nullopt writes
+  // weights in their own dtype and masters in F32.
   std::optional<formats::DType> dtype = std::nullopt;
   // Files of at most this many data bytes plus model.safetensors.index.json; 0 or a model that
   // fits writes one model.safetensors.
@@ -47,11 +47,14 @@ struct ExportHfReport {
   bool sharded = false;
 };
 
-// Writes the model of `step` into directory `out_dir` (created if absent; see
-// WriteHfCheckpointStreaming for its durability rules). kNotFound when the step has no model
-// tensors, or no masters for one with kMasters; kInvalidArgument for a dtype conversion of a
-// tensor that is not F32, BF16 or F16, or a config that is not a JSON object; kDataLoss naming
-// file and chunk for a damaged step; IO errors as they come.
+// Writes the model of `step` as a new directory `out_dir`: built under a hidden sibling name
+// and renamed into place when complete and durable, so that it holds the whole model or is
+// absent (an empty directory there is replaced). kFailedPrecondition when `out_dir` exists and
+// is not an empty directory; kInvalidArgument when it lies inside the step's store, for a
+// dtype conversion of a tensor that is not F32, BF16 or F16, or a config that is not one JSON
+// object; kNotFound when the step has no model tensors, no masters for one with kMasters, or
+// the config is missing; kDataLoss naming file and chunk for a damaged step; IO errors as they
+// come. On failure nothing is left at `out_dir`.
 absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std::string& out_dir,
                                         const ExportHfOptions& options = {});
 

@@ -16,8 +16,11 @@
 
 namespace ckpt::optimizer {
 
+// The output's ranks are threads of this process, at most this many.
+inline constexpr int kMaxReshardRanks = 1024;
+
 struct ReshardOptions {
-  int dp = 1;  // Ranks of the output, >= 1.
+  int dp = 1;  // Ranks of the output, from 1 to kMaxReshardRanks.
   // The buckets the next job's optimizer uses (BuildBuckets): who owns which piece.
   BucketOptions buckets;
   // The output store: env, chunk size, codec (zstd) and level, direct IO. `primary` and
@@ -39,17 +42,19 @@ struct ReshardReport {
   bool optimizer_layout = false;  // The step was a Checkpointer's (parameters from its record).
 };
 
-// Writes the step `source` holds into the store at `dst_root` (created if absent; it must not
-// be the source's root) as the same step, committed as one transaction: a crash or an error
-// leaves every step of `dst_root` as it was and its LATEST unchanged (a root created by the
-// call may remain, empty). The parameters and their order come from the step's optimizer
-// record (Checkpointer steps: a parameter's weights, masters and moments share its pieces,
-// and every rank's record says world size `dp`); a step without one treats each tensor as a
-// parameter, in manifest order. Blobs: rank r gets the source's rank r blobs, or rank 0's
-// when the source had fewer ranks (what Load hands a rank). kInvalidArgument for dp < 1, a
-// zero bucket size or dst_root naming the source root; kFailedPrecondition when dst_root
-// already holds this step or a newer one; kDataLoss naming file and chunk for a damaged
-// source; IO errors of the output as they come (kResourceExhausted for ENOSPC).
+// Writes the step `source` holds into the store at `dst_root` as the same step, committed as
+// one transaction. An existing root gets the step through the store's commit protocol: a crash
+// or an error leaves its steps and LATEST as they were. A new root (absent, or an empty
+// directory) is built under a hidden sibling name and renamed into place once committed, so a
+// failure leaves nothing there. `dst_root` must not be or lie inside the source's root.
+// The parameters and their order come from the step's optimizer record (Checkpointer steps: a
+// parameter's weights, masters and moments share its pieces, and every rank's record says
+// world size `dp`); a step without one treats each tensor as a parameter, in manifest order.
+// Blobs: rank r gets the source's rank r blobs, or rank 0's when the source had fewer ranks
+// (what Load hands a rank). kInvalidArgument for dp outside [1, kMaxReshardRanks], a zero
+// bucket size or a `dst_root` inside the source's root; kFailedPrecondition when `dst_root`
+// already holds this step or a newer one, or is a file; kDataLoss naming file and chunk for a
+// damaged source; IO errors of the output as they come (kResourceExhausted for ENOSPC).
 absl::StatusOr<ReshardReport> Reshard(const CheckpointReader& source, const std::string& dst_root,
                                       const ReshardOptions& options);
 

@@ -53,7 +53,15 @@ struct AsyncSaveFigures {
   double step_ms = 0;                   // Median step without a save in flight.
   double step_during_save_ms = 0;       // Per round the mean step while the writer wrote; median.
   int steps_during_save = 0;            // In all rounds.
-  double durable_s = 0;                 // SaveAsync's call until Finalize returned; median.
+  // SaveAsync's call until the writer finished (data durable, this rank's part written; a
+  // watcher thread polls every 100 us), plus the Finalize that then votes and publishes: when
+  // the step is durable had the trainer called Finalize at once; median.
+  double durable_s = 0;
+  double writer_s = 0;                  // SaveAsync's call until the writer finished; median.
+  double finalize_ms = 0;               // Finalize, called after the writer finished; median.
+  // SaveAsync's call until Finalize returned, called after the step that was running when the
+  // writer finished (as a trainer that finalizes between steps does); median.
+  double finalized_s = 0;
   double sync_save_s = 0;               // Checkpointer::Save of the same state; median.
   double durable_ratio = 0;             // Per round durable / sync save; median.
   double write_bound_gbps = 0;          // Best sequential O_DIRECT write of the same bytes.
