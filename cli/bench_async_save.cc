@@ -55,6 +55,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"writer_s", f->writer_s},
                {"finalize_ms", f->finalize_ms},
                {"finalized_s", f->finalized_s},
+               {"retention_s", f->retention_s},
                {"sync_save_s", f->sync_save_s},
                {"durable_ratio", durable_ratio},
                {"sync_save_gbps", sync_gbps},
@@ -77,7 +78,9 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
       "durable/sync, paired per round: %.2f\n"
       "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
-      "GB/s), steps waited %llu time(s)\n",
+      "GB/s), steps waited %llu time(s)\n"
+      "retention (the step before last deleted after each save, outside the times above): "
+      "%.3f s at most\n",
       FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds, f->return_ms,
       f->step_ms,
       f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->writer_s,
@@ -85,7 +88,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       sync_gbps, f->write_bound_gbps, durable_ratio,
       static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),
       FormatBytes(f->bytes_copied), f->copy_bound_gbps,
-      static_cast<unsigned long long>(f->step_waits));
+      static_cast<unsigned long long>(f->step_waits), f->retention_s);
   return kExitOk;
 }
 

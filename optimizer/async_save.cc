@@ -132,8 +132,9 @@ void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
     std::memcpy(to[k] + unit.count * (4 + moment_bytes_),
                 exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
   };
-  const size_t threads = std::min<size_t>(
-      copy.size(), std::max(1u, std::thread::hardware_concurrency()));
+  // Every core but one: the writer's (it runs while the step copies).
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = std::min<size_t>(copy.size(), cores > 1 ? cores - 1 : 1);
   if (threads <= 1) {
     for (size_t k = 0; k < copy.size(); ++k) one(k);
     return;

@@ -62,7 +62,7 @@ class CpuEngine : public internal::Engine {
                    args.grad_scale,
                    constants[t.group]};
       kernel(a);
-    });
+    }, Participants());
     return report;
   }
 
@@ -79,6 +79,8 @@ class CpuEngine : public internal::Engine {
     report.skipped = report.nonfinite > 0;
     return report;
   }
+
+  void SetSpareCores(int cores) override { spare_ = cores; }
 
   std::string name() const override {
     return absl::StrCat("cpu-", internal::IsaName(isa_), "-x", pool_.size());
@@ -104,8 +106,12 @@ class CpuEngine : public internal::Engine {
     });
   }
 
+  // Threads a step runs on: the pool, less the cores it leaves spare (at least one).
+  int Participants() const { return std::max(1, pool_.size() - spare_); }
+
   const CpuIsa isa_;
   internal::ThreadPool pool_;
+  int spare_ = 0;
 };
 
 }  // namespace

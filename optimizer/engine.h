@@ -50,6 +50,8 @@ class Engine {
   virtual absl::StatusOr<StepReport> CheckFinite(const StepArgs& args,
                                                  const std::vector<Unit>& units,
                                                  uint64_t elements) = 0;
+  // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
+  virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }
   virtual absl::Status Restore() { return absl::OkStatus(); }
   virtual uint64_t device_bytes() const { return 0; }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "optimizer/cpu_kernels.h"
@@ -255,6 +256,9 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
   }
   StepArgs unchecked = args;
   unchecked.check_finite = false;
+  // The writer needs a core of its own while the step runs beside it.
+  engine_->SetSpareCores(1);
+  absl::Cleanup all_cores = [&] { engine_->SetSpareCores(0); };
   std::vector<bool> done(units_.size(), false);
   std::vector<size_t> ready;
   std::vector<Unit> batch;

@@ -3,7 +3,7 @@
 namespace ckpt::optimizer::internal {
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -19,16 +19,18 @@ void ThreadPool::Drain() {
   for (size_t i = next_++; i < count_; i = next_++) (*fn_)(i);
 }
 
-void ThreadPool::WorkerLoop() {
+void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   for (;;) {
+    bool takes_part = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
+      takes_part = index < participants_;
     }
-    Drain();
+    if (takes_part) Drain();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (--active_ == 0) done_.notify_all();
@@ -36,8 +38,9 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
-void ThreadPool::ParallelFor(size_t count, const std::function<void(size_t)>& fn) {
-  if (workers_.empty() || count <= 1) {
+void ThreadPool::ParallelFor(size_t count, const std::function<void(size_t)>& fn, int threads) {
+  if (threads <= 0 || threads > size()) threads = size();
+  if (workers_.empty() || count <= 1 || threads == 1) {
     for (size_t i = 0; i < count; ++i) fn(i);
     return;
   }
@@ -46,6 +49,7 @@ void ThreadPool::ParallelFor(size_t count, const std::function<void(size_t)>& fn
     fn_ = &fn;
     count_ = count;
     next_ = 0;
+    participants_ = threads;
     active_ = static_cast<int>(workers_.size());
     ++generation_;
   }

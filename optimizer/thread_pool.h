@@ -20,10 +20,12 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;  // Owns threads.
   ThreadPool& operator=(const ThreadPool&) = delete;
   int size() const { return static_cast<int>(workers_.size()) + 1; }
-  void ParallelFor(size_t count, const std::function<void(size_t)>& fn);
+  // Runs fn(i) for every i in [0, count) on at most `threads` threads (the caller included;
+  // 0 or more than size(): all of them), so that the others' cores stay free.
+  void ParallelFor(size_t count, const std::function<void(size_t)>& fn, int threads = 0);
 
  private:
-  void WorkerLoop();
+  void WorkerLoop(int index);
   void Drain();
 
   std::mutex mu_;
@@ -33,6 +35,7 @@ class ThreadPool {
   int active_ = 0;
   const std::function<void(size_t)>* fn_ = nullptr;
   size_t count_ = 0;
+  int participants_ = 0;  // Threads of the current ParallelFor, the caller included.
   std::atomic<size_t> next_{0};
   std::vector<std::thread> workers_;  // Last: joined in the destructor before the rest goes.
 };

@@ -3,6 +3,9 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <chrono>
+#include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -71,6 +74,28 @@ TEST_F(ThreadPoolTest, SingleThreadPoolRunsEveryTaskOnTheCaller) {
   std::vector<std::thread::id> ran_on(100);
   pool.ParallelFor(ran_on.size(), [&](size_t i) { ran_on[i] = std::this_thread::get_id(); });
   EXPECT_EQ(ran_on, std::vector<std::thread::id>(ran_on.size(), caller));
+}
+
+// A step beside an async save leaves cores to the writer: at most `threads` threads take part
+// (the caller among them), every index still runs exactly once, and the next call may use all.
+TEST_F(ThreadPoolTest, ParallelForOnFewerThreadsLeavesTheOthersIdle) {
+  ThreadPool pool(6);
+  for (int threads : {1, 2, 5, 6, 0}) {
+    std::mutex mu;
+    std::set<std::thread::id> used;
+    std::vector<std::atomic<int>> runs(400);
+    pool.ParallelFor(runs.size(), [&](size_t i) {
+      runs[i].fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      std::lock_guard<std::mutex> lock(mu);
+      used.insert(std::this_thread::get_id());
+    }, threads);
+    for (size_t i = 0; i < runs.size(); ++i) ASSERT_EQ(runs[i].load(), 1) << i;
+    EXPECT_LE(used.size(), static_cast<size_t>(threads == 0 ? 6 : threads)) << threads;
+    if (threads == 1) {
+      EXPECT_EQ(used, std::set<std::thread::id>{std::this_thread::get_id()});
+    }
+  }
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ struct AsyncSaveFigures {
   // SaveAsync's call until Finalize returned, called after the step that was running when the
   // writer finished (as a trainer that finalizes between steps does); median.
   double finalized_s = 0;
+  double retention_s = 0;  // Deleting the step before last after each save, untimed above: longest.
   double sync_save_s = 0;               // Checkpointer::Save of the same state; median.
   double durable_ratio = 0;             // Per round durable / sync save; median.
   double write_bound_gbps = 0;          // Best sequential O_DIRECT write of the same bytes.
