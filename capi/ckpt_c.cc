@@ -1,0 +1,483 @@
+// The C ABI (ckpt/ckpt.h) over the C++ API. Every entry point converts the C++ status into a
+// code plus a thread-local message, checks its handles and sizes before touching them, and
+// catches what the C++ standard library may throw (std::bad_alloc, a thread that cannot be
+// started), so that nothing crosses the boundary but a code.
+#include "ckpt/ckpt.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
+#include "ckpt/optimizer/checkpointer.h"
+#include "ckpt/optimizer/layout.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+#if CKPT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+struct ckpt_store {
+  std::unique_ptr<ckpt::CheckpointStore> store;
+};
+
+struct ckpt_optimizer {
+  std::unique_ptr<ckpt::optimizer::StagedAdamW> opt;
+};
+
+namespace {
+
+using ckpt::formats::DType;
+namespace opt = ckpt::optimizer;
+
+thread_local std::string last_error;
+
+int Fail(const absl::Status& status) {
+  last_error = std::string(status.message());
+  return status.ok() ? CKPT_UNKNOWN : static_cast<int>(status.code());
+}
+int Invalid(const std::string& message) { return Fail(absl::InvalidArgumentError(message)); }
+int Done(const absl::Status& status) {
+  if (status.ok()) return CKPT_OK;
+  return Fail(status);
+}
+
+// Runs `body`, turning an escaping C++ exception into a code.
+template <typename Body>
+int Guard(const char* what, Body body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Fail(absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory")));
+  } catch (const std::exception& e) {
+    return Fail(absl::InternalError(absl::StrCat(what, ": ", e.what())));
+  } catch (...) {
+    return Fail(absl::InternalError(absl::StrCat(what, ": unknown C++ exception")));
+  }
+}
+
+absl::StatusOr<DType> ModelDType(int d) {
+  switch (d) {
+    case CKPT_F32:
+      return DType::kF32;
+    case CKPT_BF16:
+      return DType::kBF16;
+    case CKPT_F16:
+      return DType::kF16;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype ", d, " is not CKPT_F32, CKPT_BF16 or CKPT_F16"));
+  }
+}
+
+absl::StatusOr<std::vector<opt::ParamSpec>> Params(const ckpt_param* params, size_t n) {
+  if (n > 0 && params == nullptr) return absl::InvalidArgumentError("params is NULL");
+  std::vector<opt::ParamSpec> out;
+  for (size_t i = 0; i < n; ++i) {
+    const ckpt_param& p = params[i];
+    if (p.name == nullptr) return absl::InvalidArgumentError(absl::StrCat("param ", i, " has no name"));
+    if (p.ndim > 0 && p.shape == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\" has no shape"));
+    }
+    if (p.ndim > 64) return absl::InvalidArgumentError(absl::StrCat("param \"", p.name, "\": ndim ", p.ndim));
+    absl::StatusOr<DType> dtype = ModelDType(p.dtype);
+    if (!dtype.ok()) return dtype.status();
+    out.push_back({p.name, std::vector<uint64_t>(p.shape, p.shape + p.ndim), *dtype, p.group});
+  }
+  return out;
+}
+
+opt::ParamGroup Group(const ckpt_group& g) {
+  return {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+}
+
+// A Coordinator over the caller's callbacks.
+class CallbackCoordinator : public ckpt::Coordinator {
+ public:
+  explicit CallbackCoordinator(const ckpt_coordinator& c) : c_(c) {}
+  int rank() const override { return c_.rank; }
+  int size() const override { return c_.size; }
+  absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view mine) override {
+    void* out = nullptr;
+    std::vector<size_t> lens(static_cast<size_t>(c_.size), 0);
+    const int rc = c_.all_gather(c_.user, mine.data(), mine.size(), &out, lens.data());
+    std::unique_ptr<void, decltype(&std::free)> owned(out, &std::free);
+    if (rc != 0) {
+      return absl::UnavailableError(absl::StrCat("rank ", c_.rank, ": the coordinator's all_gather failed (", rc, ")"));
+    }
+    std::vector<std::string> parts;
+    size_t at = 0;
+    for (size_t r = 0; r < lens.size(); ++r) {
+      if (lens[r] > 0 && out == nullptr) return absl::InternalError("all_gather returned no buffer");
+      parts.emplace_back(static_cast<const char*>(out) + at, lens[r]);
+      at += lens[r];
+    }
+    return parts;
+  }
+
+ private:
+  const ckpt_coordinator c_;
+};
+
+opt::Blobs MakeBlobs(const char* const* keys, const void* const* values, const size_t* lens,
+                     size_t n, absl::Status* status) {
+  opt::Blobs out;
+  if (n > 0 && (keys == nullptr || values == nullptr || lens == nullptr)) {
+    *status = absl::InvalidArgumentError("blobs: keys, values or lens is NULL");
+    return out;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (keys[i] == nullptr || (lens[i] > 0 && values[i] == nullptr)) {
+      *status = absl::InvalidArgumentError(absl::StrCat("blob ", i, ": NULL key or value"));
+      return out;
+    }
+    out[keys[i]] = std::string(static_cast<const char*>(values[i]), lens[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+struct ckpt_checkpointer {
+  std::unique_ptr<CallbackCoordinator> callbacks;
+  std::unique_ptr<ckpt::SingleProcessCoordinator> single;
+  std::unique_ptr<opt::Checkpointer> ckpt;
+};
+
+struct ckpt_pending_save {
+  std::unique_ptr<opt::PendingSave> save;
+};
+
+struct ckpt_blobs {
+  std::vector<std::pair<std::string, std::string>> items;
+};
+
+extern "C" {
+
+int ckpt_abi_version(void) { return CKPT_ABI_VERSION; }
+
+const char* ckpt_last_error(void) { return last_error.c_str(); }
+
+void* ckpt_alloc(size_t bytes) { return std::malloc(bytes == 0 ? 1 : bytes); }
+
+int ckpt_rank_pieces(const ckpt_param* params, size_t nparams, uint64_t bucket_elems, int dp,
+                     int rank, ckpt_piece* out, size_t capacity, size_t* count) {
+  return Guard("ckpt_rank_pieces", [&]() -> int {
+    if (count == nullptr || (capacity > 0 && out == nullptr)) return Invalid("out or count is NULL");
+    if (dp < 1 || rank < 0 || rank >= dp) return Invalid(absl::StrCat("rank ", rank, " of ", dp));
+    absl::StatusOr<std::vector<opt::ParamSpec>> specs = Params(params, nparams);
+    if (!specs.ok()) return Fail(specs.status());
+    opt::BucketOptions b;
+    if (bucket_elems > 0) b.bucket_elems = bucket_elems;
+    absl::StatusOr<std::vector<opt::Bucket>> buckets = opt::BuildBuckets(*specs, b, dp);
+    if (!buckets.ok()) return Fail(buckets.status());
+    const std::vector<opt::Piece> mine = opt::RankPieces(*buckets, dp)[rank];
+    *count = mine.size();
+    for (size_t i = 0; i < mine.size() && i < capacity; ++i) {
+      out[i] = {mine[i].param, mine[i].begin, mine[i].count};
+    }
+    return CKPT_OK;
+  });
+}
+
+int ckpt_optimizer_create(const ckpt_param* params, size_t nparams, const ckpt_group* groups,
+                          size_t ngroups, const ckpt_piece* pieces, size_t npieces,
+                          const ckpt_optimizer_options* options, const void* weights,
+                          size_t weight_bytes, ckpt_optimizer** out) {
+  return Guard("ckpt_optimizer_create", [&]() -> int {
+    if (out == nullptr) return Invalid("out is NULL");
+    *out = nullptr;
+    if (ngroups > 0 && groups == nullptr) return Invalid("groups is NULL");
+    if (npieces > 0 && pieces == nullptr) return Invalid("pieces is NULL");
+    if (weight_bytes > 0 && weights == nullptr) return Invalid("weights is NULL");
+    opt::StagedAdamWOptions o;
+    absl::StatusOr<std::vector<opt::ParamSpec>> specs = Params(params, nparams);
+    if (!specs.ok()) return Fail(specs.status());
+    o.params = *std::move(specs);
+    for (size_t i = 0; i < ngroups; ++i) o.groups.push_back(Group(groups[i]));
+    for (size_t i = 0; i < npieces; ++i) {
+      o.pieces.push_back({pieces[i].param, pieces[i].begin, pieces[i].count});
+    }
+    if (options != nullptr) {
+      if (options->engine != CKPT_ENGINE_CPU && options->engine != CKPT_ENGINE_CUDA) {
+        return Invalid(absl::StrCat("engine ", options->engine));
+      }
+      if (options->moment_dtype != CKPT_MOMENTS_F32 && options->moment_dtype != CKPT_MOMENTS_BF16) {
+        return Invalid(absl::StrCat("moment dtype ", options->moment_dtype));
+      }
+      o.engine = options->engine == CKPT_ENGINE_CUDA ? opt::EngineKind::kCuda : opt::EngineKind::kCpu;
+      if (options->unit_bytes > 0) o.unit_bytes = options->unit_bytes;
+      o.threads = options->threads;
+      if (options->slot_count > 0) o.slot_count = options->slot_count;
+      o.moment_dtype = options->moment_dtype == CKPT_MOMENTS_BF16 ? opt::MomentDType::kBF16
+                                                                   : opt::MomentDType::kF32;
+    }
+    absl::StatusOr<std::unique_ptr<opt::StagedAdamW>> made = opt::StagedAdamW::Create(
+        o, std::span<const std::byte>(static_cast<const std::byte*>(weights), weight_bytes));
+    if (!made.ok()) return Fail(made.status());
+    *out = new ckpt_optimizer{*std::move(made)};
+    return CKPT_OK;
+  });
+}
+
+void ckpt_optimizer_destroy(ckpt_optimizer* o) { delete o; }
+
+int ckpt_optimizer_size(const ckpt_optimizer* o, uint64_t* elements) {
+  if (o == nullptr || elements == nullptr) return Invalid("optimizer or elements is NULL");
+  *elements = o->opt->size();
+  return CKPT_OK;
+}
+
+int ckpt_optimizer_step(ckpt_optimizer* o, const void* grads, int grad_dtype, float grad_scale,
+                        void* params, int check_finite, void* stream, int* skipped) {
+  return Guard("ckpt_optimizer_step", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+    if (!gd.ok()) return Fail(gd.status());
+    opt::StepArgs args;
+    args.grads = grads;
+    args.grad_dtype = *gd;
+    args.grad_scale = grad_scale;
+    args.params = params;
+    args.check_finite = check_finite != 0;
+    args.stream = static_cast<CUstream_st*>(stream);
+    absl::StatusOr<opt::StepReport> r = o->opt->Step(args);
+    if (!r.ok()) return Fail(r.status());
+    if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
+#if CKPT_HAVE_CUDA
+    if (stream != nullptr && r->done != nullptr) {
+      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r->done, 0);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Fail(absl::InternalError(absl::StrCat("cudaStreamWaitEvent: ", cudaGetErrorName(e))));
+      }
+    }
+#endif
+    return CKPT_OK;
+  });
+}
+
+int ckpt_optimizer_num_groups(const ckpt_optimizer* o, size_t* count) {
+  if (o == nullptr || count == nullptr) return Invalid("optimizer or count is NULL");
+  *count = o->opt->groups().size();
+  return CKPT_OK;
+}
+
+int ckpt_optimizer_get_group(const ckpt_optimizer* o, size_t index, ckpt_group* out) {
+  if (o == nullptr || out == nullptr) return Invalid("optimizer or out is NULL");
+  if (index >= o->opt->groups().size()) {
+    return Invalid(absl::StrCat("param group ", index, " does not exist (", o->opt->groups().size(), ")"));
+  }
+  const opt::ParamGroup& g = o->opt->groups()[index];
+  *out = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+  return CKPT_OK;
+}
+
+int ckpt_optimizer_set_group(ckpt_optimizer* o, size_t index, const ckpt_group* group) {
+  if (o == nullptr || group == nullptr) return Invalid("optimizer or group is NULL");
+  return Guard("ckpt_optimizer_set_group", [&]() -> int { return Done(o->opt->SetGroup(index, Group(*group))); });
+}
+
+int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t count) {
+  return Guard("ckpt_optimizer_read_state", [&]() -> int {
+    if (o == nullptr || (count > 0 && out == nullptr)) return Invalid("optimizer or out is NULL");
+    if (count != o->opt->size()) {
+      return Invalid(absl::StrCat("read_state: ", count, " elements asked, the optimizer has ", o->opt->size()));
+    }
+    absl::Status synced = o->opt->Synchronize();
+    if (!synced.ok()) return Fail(synced);
+    if (which == CKPT_MASTER) {
+      std::memcpy(out, o->opt->master().data(), count * 4);
+      return CKPT_OK;
+    }
+    if (which != CKPT_EXP_AVG && which != CKPT_EXP_AVG_SQ) return Invalid(absl::StrCat("state tensor ", which));
+    const std::span<const std::byte> bytes =
+        which == CKPT_EXP_AVG ? o->opt->exp_avg_bytes() : o->opt->exp_avg_sq_bytes();
+    if (o->opt->moment_bytes() == 4) {
+      std::memcpy(out, bytes.data(), count * 4);
+      return CKPT_OK;
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&out[i], &bits, 4);
+    }
+    return CKPT_OK;
+  });
+}
+
+int ckpt_optimizer_lifecycle(const ckpt_optimizer* o, int* lifecycle) {
+  if (o == nullptr || lifecycle == nullptr) return Invalid("optimizer or lifecycle is NULL");
+  switch (o->opt->lifecycle()) {
+    case opt::Lifecycle::kClean:
+      *lifecycle = CKPT_LIFECYCLE_CLEAN;
+      break;
+    case opt::Lifecycle::kLoading:
+      *lifecycle = CKPT_LIFECYCLE_LOADING;
+      break;
+    case opt::Lifecycle::kPoisoned:
+      *lifecycle = CKPT_LIFECYCLE_POISONED;
+      break;
+  }
+  return CKPT_OK;
+}
+
+int ckpt_store_open(const char* root, int primary, int read_only, ckpt_store** out) {
+  return Guard("ckpt_store_open", [&]() -> int {
+    if (root == nullptr || out == nullptr) return Invalid("root or out is NULL");
+    *out = nullptr;
+    ckpt::StoreOptions o;
+    o.primary = primary != 0;
+    o.read_only = read_only != 0;
+    absl::StatusOr<std::unique_ptr<ckpt::CheckpointStore>> s = ckpt::CheckpointStore::Open(root, o);
+    if (!s.ok()) return Fail(s.status());
+    *out = new ckpt_store{*std::move(s)};
+    return CKPT_OK;
+  });
+}
+
+void ckpt_store_close(ckpt_store* store) { delete store; }
+
+int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step) {
+  if (store == nullptr || has_latest == nullptr || step == nullptr) return Invalid("NULL argument");
+  const std::optional<uint64_t> latest = store->store->latest_step();
+  *has_latest = latest.has_value() ? 1 : 0;
+  *step = latest.value_or(0);
+  return CKPT_OK;
+}
+
+int ckpt_checkpointer_create(ckpt_optimizer* o, void* weights, size_t weight_bytes,
+                             ckpt_store* store, const ckpt_coordinator* coordinator,
+                             uint64_t async_staging_bytes, ckpt_checkpointer** out) {
+  return Guard("ckpt_checkpointer_create", [&]() -> int {
+    if (o == nullptr || store == nullptr || out == nullptr) return Invalid("optimizer, store or out is NULL");
+    *out = nullptr;
+    if (weight_bytes > 0 && weights == nullptr) return Invalid("weights is NULL");
+    auto c = std::make_unique<ckpt_checkpointer>();
+    ckpt::Coordinator* coord = nullptr;
+    if (coordinator != nullptr) {
+      if (coordinator->all_gather == nullptr || coordinator->size < 1 || coordinator->rank < 0 ||
+          coordinator->rank >= coordinator->size) {
+        return Invalid(absl::StrCat("coordinator: rank ", coordinator->rank, " of ", coordinator->size,
+                                    coordinator->all_gather == nullptr ? ", no all_gather" : ""));
+      }
+      c->callbacks = std::make_unique<CallbackCoordinator>(*coordinator);
+      coord = c->callbacks.get();
+    } else {
+      c->single = std::make_unique<ckpt::SingleProcessCoordinator>();
+      coord = c->single.get();
+    }
+    opt::CheckpointerOptions co;
+    if (async_staging_bytes > 0) co.async_staging_bytes = async_staging_bytes;
+    absl::StatusOr<std::unique_ptr<opt::Checkpointer>> made = opt::Checkpointer::Create(
+        o->opt.get(), std::span<std::byte>(static_cast<std::byte*>(weights), weight_bytes),
+        store->store.get(), coord, co);
+    if (!made.ok()) return Fail(made.status());
+    c->ckpt = *std::move(made);
+    *out = c.release();
+    return CKPT_OK;
+  });
+}
+
+void ckpt_checkpointer_destroy(ckpt_checkpointer* c) { delete c; }
+
+int ckpt_checkpointer_save(ckpt_checkpointer* c, uint64_t step, const char* const* keys,
+                           const void* const* values, const size_t* lens, size_t n) {
+  return Guard("ckpt_checkpointer_save", [&]() -> int {
+    if (c == nullptr) return Invalid("checkpointer is NULL");
+    absl::Status status;
+    opt::Blobs blobs = MakeBlobs(keys, values, lens, n, &status);
+    if (!status.ok()) return Fail(status);
+    return Done(c->ckpt->Save(step, blobs));
+  });
+}
+
+int ckpt_checkpointer_save_async(ckpt_checkpointer* c, uint64_t step, const char* const* keys,
+                                 const void* const* values, const size_t* lens, size_t n,
+                                 ckpt_pending_save** out) {
+  return Guard("ckpt_checkpointer_save_async", [&]() -> int {
+    if (c == nullptr || out == nullptr) return Invalid("checkpointer or out is NULL");
+    *out = nullptr;
+    absl::Status status;
+    opt::Blobs blobs = MakeBlobs(keys, values, lens, n, &status);
+    if (!status.ok()) return Fail(status);
+    absl::StatusOr<std::unique_ptr<opt::PendingSave>> p = c->ckpt->SaveAsync(step, blobs);
+    if (!p.ok()) return Fail(p.status());
+    *out = new ckpt_pending_save{*std::move(p)};
+    return CKPT_OK;
+  });
+}
+
+int ckpt_pending_save_finalize(ckpt_pending_save* s) {
+  if (s == nullptr) return Invalid("pending save is NULL");
+  return Guard("ckpt_pending_save_finalize", [&]() -> int { return Done(s->save->Finalize()); });
+}
+
+int ckpt_pending_save_writer_done(const ckpt_pending_save* s, int* done) {
+  if (s == nullptr || done == nullptr) return Invalid("pending save or done is NULL");
+  *done = s->save->writer_done() ? 1 : 0;
+  return CKPT_OK;
+}
+
+void ckpt_pending_save_destroy(ckpt_pending_save* s) { delete s; }
+
+int ckpt_checkpointer_load(ckpt_checkpointer* c, int has_step, uint64_t step, ckpt_blobs** blobs,
+                           uint64_t* loaded_step) {
+  return Guard("ckpt_checkpointer_load", [&]() -> int {
+    if (c == nullptr) return Invalid("checkpointer is NULL");
+    if (blobs != nullptr) *blobs = nullptr;
+    opt::Blobs got;
+    absl::StatusOr<opt::LoadReport> r =
+        c->ckpt->Load(has_step ? std::optional<uint64_t>(step) : std::nullopt, &got);
+    if (!r.ok()) return Fail(r.status());
+    if (loaded_step != nullptr) *loaded_step = r->step;
+    if (blobs != nullptr) {
+      auto b = std::make_unique<ckpt_blobs>();
+      for (auto& [k, v] : got) b->items.emplace_back(k, std::move(v));
+      *blobs = b.release();
+    }
+    return CKPT_OK;
+  });
+}
+
+int ckpt_checkpointer_load_model(ckpt_checkpointer* c, const char* source,
+                                 const char* const* patterns, const char* const* replacements,
+                                 size_t n, int ignore_unexpected) {
+  return Guard("ckpt_checkpointer_load_model", [&]() -> int {
+    if (c == nullptr || source == nullptr) return Invalid("checkpointer or source is NULL");
+    if (n > 0 && (patterns == nullptr || replacements == nullptr)) return Invalid("rename rules are NULL");
+    opt::ModelLoadOptions o;
+    for (size_t i = 0; i < n; ++i) {
+      if (patterns[i] == nullptr || replacements[i] == nullptr) return Invalid(absl::StrCat("rename rule ", i, " is NULL"));
+      o.rename.push_back({patterns[i], replacements[i]});
+    }
+    o.ignore_unexpected = ignore_unexpected != 0;
+    return Done(c->ckpt->LoadModel(source, o).status());
+  });
+}
+
+int ckpt_blobs_count(const ckpt_blobs* b, size_t* count) {
+  if (b == nullptr || count == nullptr) return Invalid("blobs or count is NULL");
+  *count = b->items.size();
+  return CKPT_OK;
+}
+
+int ckpt_blobs_get(const ckpt_blobs* b, size_t i, const char** key, const void** value, size_t* len) {
+  if (b == nullptr || key == nullptr || value == nullptr || len == nullptr) return Invalid("NULL argument");
+  if (i >= b->items.size()) return Invalid(absl::StrCat("blob ", i, " of ", b->items.size()));
+  *key = b->items[i].first.c_str();
+  *value = b->items[i].second.data();
+  *len = b->items[i].second.size();
+  return CKPT_OK;
+}
+
+void ckpt_blobs_free(ckpt_blobs* b) { delete b; }
+
+}  // extern "C"

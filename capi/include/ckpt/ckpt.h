@@ -1,0 +1,193 @@
+/* ckpt's stable C ABI (DESIGN.md §9): StagedAdamW, its Checkpointer and a checkpoint store
+ * behind opaque handles, so that Python (through ctypes) and any other language call one build
+ * of the library whatever their version. Shared library: libckpt_c.so.
+ *
+ * Conventions:
+ * - Every call that can fail returns a status code: CKPT_OK (0) or one of absl's canonical
+ *   codes (CKPT_INVALID_ARGUMENT, CKPT_NOT_FOUND, CKPT_DATA_LOSS, ...). The message of the last
+ *   failure on the calling thread is ckpt_last_error(). No C++ exception and no abort crosses
+ *   this boundary for bad input (a null handle, a wrong size, a closed store: an error code).
+ * - Handles are created by *_create / *_open and released by *_destroy / *_close (NULL is
+ *   accepted and ignored). A handle must outlive the handles made from it: the store and the
+ *   optimizer outlive their checkpointer, the checkpointer its pending saves.
+ * - Pointers to tensors are host memory for the CPU engine and device memory for the CUDA
+ *   engine; element counts and dtypes travel with them. Dtypes: CKPT_F32, CKPT_BF16, CKPT_F16.
+ * - Not thread-safe per handle (one call at a time on an optimizer and its checkpointer), as
+ *   the C++ API.
+ */
+#ifndef CKPT_CKPT_H_
+#define CKPT_CKPT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CKPT_ABI_VERSION 1
+
+/* The library exports these functions and nothing else. */
+#if defined(__GNUC__)
+#define CKPT_C_EXPORT __attribute__((visibility("default")))
+#else
+#define CKPT_C_EXPORT
+#endif
+
+enum {
+  CKPT_OK = 0,
+  CKPT_CANCELLED = 1,
+  CKPT_UNKNOWN = 2,
+  CKPT_INVALID_ARGUMENT = 3,
+  CKPT_DEADLINE_EXCEEDED = 4,
+  CKPT_NOT_FOUND = 5,
+  CKPT_ALREADY_EXISTS = 6,
+  CKPT_PERMISSION_DENIED = 7,
+  CKPT_RESOURCE_EXHAUSTED = 8,
+  CKPT_FAILED_PRECONDITION = 9,
+  CKPT_ABORTED = 10,
+  CKPT_OUT_OF_RANGE = 11,
+  CKPT_UNIMPLEMENTED = 12,
+  CKPT_INTERNAL = 13,
+  CKPT_UNAVAILABLE = 14,
+  CKPT_DATA_LOSS = 15,
+};
+
+enum { CKPT_F32 = 0, CKPT_BF16 = 1, CKPT_F16 = 2 };           /* Tensor dtypes. */
+enum { CKPT_ENGINE_CPU = 0, CKPT_ENGINE_CUDA = 1 };           /* Update engines. */
+enum { CKPT_MOMENTS_F32 = 0, CKPT_MOMENTS_BF16 = 1 };         /* Moment dtypes in the slabs. */
+enum { CKPT_MASTER = 0, CKPT_EXP_AVG = 1, CKPT_EXP_AVG_SQ = 2 }; /* State tensors. */
+enum { CKPT_LIFECYCLE_CLEAN = 0, CKPT_LIFECYCLE_LOADING = 1, CKPT_LIFECYCLE_POISONED = 2 };
+
+/* The ABI version this library implements (CKPT_ABI_VERSION of its header). */
+CKPT_C_EXPORT int ckpt_abi_version(void);
+/* The message of the last failed call on this thread ("" when none). Valid until the next
+ * call on this thread. */
+CKPT_C_EXPORT const char* ckpt_last_error(void);
+/* Memory a coordinator callback hands to ckpt (freed by ckpt with free()). */
+CKPT_C_EXPORT void* ckpt_alloc(size_t bytes);
+
+typedef struct ckpt_store ckpt_store;
+typedef struct ckpt_optimizer ckpt_optimizer;
+typedef struct ckpt_checkpointer ckpt_checkpointer;
+typedef struct ckpt_pending_save ckpt_pending_save;
+typedef struct ckpt_blobs ckpt_blobs;
+
+/* ---- Layout of an optimizer (ckpt/optimizer/layout.h) ---- */
+typedef struct {
+  const char* name;
+  const uint64_t* shape;
+  size_t ndim;      /* 0: a scalar. */
+  int dtype;        /* The model dtype: CKPT_F32, CKPT_BF16 or CKPT_F16. */
+  uint32_t group;   /* Index of its param group. */
+} ckpt_param;
+
+typedef struct {
+  double lr, beta1, beta2, eps, weight_decay;
+  uint64_t step; /* Steps taken; ignored by ckpt_optimizer_set_group. */
+} ckpt_group;
+
+typedef struct {
+  uint32_t param;
+  uint64_t begin, count; /* Elements [begin, begin + count) of the parameter's flat index. */
+} ckpt_piece;
+
+typedef struct {
+  int engine;          /* CKPT_ENGINE_CPU or CKPT_ENGINE_CUDA. */
+  uint64_t unit_bytes; /* 0: the default (8 MiB). */
+  int threads;         /* CPU engine: 0 uses every core. */
+  int slot_count;      /* CUDA engine: 0 for the default (2). */
+  int moment_dtype;    /* CKPT_MOMENTS_F32 or CKPT_MOMENTS_BF16. */
+} ckpt_optimizer_options;
+
+/* Megatron buckets (BuildBuckets, RankPieces): the pieces rank `rank` of `dp` ranks owns.
+ * Writes at most `capacity` pieces to `out` and their number to *count (when *count >
+ * capacity, call again with more room). bucket_elems 0: the default (40,000,000). */
+CKPT_C_EXPORT int ckpt_rank_pieces(const ckpt_param* params, size_t nparams, uint64_t bucket_elems, int dp,
+                     int rank, ckpt_piece* out, size_t capacity, size_t* count);
+
+/* ---- Optimizer ---- */
+/* Masters from `weights` (this rank's elements in slab order, model dtype, host memory). */
+CKPT_C_EXPORT int ckpt_optimizer_create(const ckpt_param* params, size_t nparams, const ckpt_group* groups,
+                          size_t ngroups, const ckpt_piece* pieces, size_t npieces,
+                          const ckpt_optimizer_options* options, const void* weights,
+                          size_t weight_bytes, ckpt_optimizer** out);
+CKPT_C_EXPORT void ckpt_optimizer_destroy(ckpt_optimizer* opt);
+/* Elements this rank owns. */
+CKPT_C_EXPORT int ckpt_optimizer_size(const ckpt_optimizer* opt, uint64_t* elements);
+/* One AdamW step: `grads` (`grad_dtype`, elements in slab order) scaled by `grad_scale`;
+ * the updated masters rounded into `params` (model dtype). `stream`: the CUDA engine's caller
+ * stream (cudaStream_t), which is made to wait for the step's writes; NULL for the CPU engine.
+ * *skipped (may be NULL) is 1 when check_finite found NaN/Inf and nothing changed. */
+CKPT_C_EXPORT int ckpt_optimizer_step(ckpt_optimizer* opt, const void* grads, int grad_dtype, float grad_scale,
+                        void* params, int check_finite, void* stream, int* skipped);
+CKPT_C_EXPORT int ckpt_optimizer_num_groups(const ckpt_optimizer* opt, size_t* count);
+CKPT_C_EXPORT int ckpt_optimizer_get_group(const ckpt_optimizer* opt, size_t index, ckpt_group* out);
+/* Replaces group `index`'s hyper-parameters from the next step on (its step counter kept). */
+CKPT_C_EXPORT int ckpt_optimizer_set_group(ckpt_optimizer* opt, size_t index, const ckpt_group* group);
+/* Copies one state tensor (CKPT_MASTER, CKPT_EXP_AVG, CKPT_EXP_AVG_SQ) as FP32 into `out`
+ * (`count` = the optimizer's size). */
+CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, float* out, uint64_t count);
+/* CKPT_LIFECYCLE_*; a poisoned optimizer refuses to step until a complete load. */
+CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifecycle);
+
+/* ---- Store ---- */
+/* primary: this handle owns the root (rank 0 of a job; recovers it at open); read_only: only
+ * reads. */
+CKPT_C_EXPORT int ckpt_store_open(const char* root, int primary, int read_only, ckpt_store** out);
+CKPT_C_EXPORT void ckpt_store_close(ckpt_store* store);
+/* The step LATEST names (*has_latest 0 when nothing is committed). */
+CKPT_C_EXPORT int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step);
+
+/* ---- Coordinator: the ranks of a job (NULL everywhere: a single process) ---- */
+typedef struct {
+  void* user;
+  int rank;
+  int size;
+  /* Every rank calls it with its `len` bytes at `data`; on return *out holds every rank's
+   * bytes back to back in rank order (memory from ckpt_alloc; ckpt frees it) and lens[r]
+   * (`size` entries) their lengths. Returns 0, or nonzero when the exchange failed. */
+  int (*all_gather)(void* user, const void* data, size_t len, void** out, size_t* lens);
+} ckpt_coordinator;
+
+/* ---- Checkpointer ---- */
+/* `weights`: this rank's model-dtype weight buffer, host memory, in slab order (what every
+ * step writes as `params`; loads write into it). async_staging_bytes 0: the default (1 GiB).
+ * `coordinator` is copied; its callbacks must stay callable while the checkpointer lives. */
+CKPT_C_EXPORT int ckpt_checkpointer_create(ckpt_optimizer* opt, void* weights, size_t weight_bytes,
+                             ckpt_store* store, const ckpt_coordinator* coordinator,
+                             uint64_t async_staging_bytes, ckpt_checkpointer** out);
+CKPT_C_EXPORT void ckpt_checkpointer_destroy(ckpt_checkpointer* ckpt);
+/* Collective. The trainer's blobs: `n` keys with their bytes. */
+CKPT_C_EXPORT int ckpt_checkpointer_save(ckpt_checkpointer* ckpt, uint64_t step, const char* const* keys,
+                           const void* const* values, const size_t* lens, size_t n);
+CKPT_C_EXPORT int ckpt_checkpointer_save_async(ckpt_checkpointer* ckpt, uint64_t step, const char* const* keys,
+                                 const void* const* values, const size_t* lens, size_t n,
+                                 ckpt_pending_save** out);
+/* Collective: waits for the writer, commits on every rank or on none. */
+CKPT_C_EXPORT int ckpt_pending_save_finalize(ckpt_pending_save* save);
+/* 1 when this rank's writer has finished. */
+CKPT_C_EXPORT int ckpt_pending_save_writer_done(const ckpt_pending_save* save, int* done);
+CKPT_C_EXPORT void ckpt_pending_save_destroy(ckpt_pending_save* save);
+/* Collective. has_step 0: LATEST. On success *blobs (may be NULL) receives this rank's blobs
+ * and *loaded_step (may be NULL) the step. On failure the state is as before, or poisoned. */
+CKPT_C_EXPORT int ckpt_checkpointer_load(ckpt_checkpointer* ckpt, int has_step, uint64_t step,
+                           ckpt_blobs** blobs, uint64_t* loaded_step);
+/* Collective. Model-only load from a .safetensors file, an HF directory or a ckpt root ("" for
+ * this store); `n` rename rules (RE2 pattern -> replacement, in order). */
+CKPT_C_EXPORT int ckpt_checkpointer_load_model(ckpt_checkpointer* ckpt, const char* source,
+                                 const char* const* patterns, const char* const* replacements,
+                                 size_t n, int ignore_unexpected);
+
+/* ---- Blobs returned by a load ---- */
+CKPT_C_EXPORT int ckpt_blobs_count(const ckpt_blobs* blobs, size_t* count);
+/* The i-th key (NUL-terminated) and its value's bytes; valid until ckpt_blobs_free. */
+CKPT_C_EXPORT int ckpt_blobs_get(const ckpt_blobs* blobs, size_t i, const char** key, const void** value,
+                   size_t* len);
+CKPT_C_EXPORT void ckpt_blobs_free(ckpt_blobs* blobs);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CKPT_CKPT_H_ */

@@ -1,0 +1,155 @@
+"""ctypes binding of libckpt_c.so (include/ckpt/ckpt.h): the one place that knows the C ABI.
+
+The library is found, in order, at $CKPT_LIB, beside this package (an installed wheel or a
+copy), in the build tree this package sits in (../../build/capi), and on the system's library
+path (ctypes.util.find_library("ckpt_c"), e.g. after `cmake --install`).
+"""
+import ctypes
+import ctypes.util
+import os
+
+ABI_VERSION = 1
+
+OK = 0
+CODE_NAMES = {
+    1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+    6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
+    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS",
+}
+F32, BF16, F16 = 0, 1, 2
+ENGINE_CPU, ENGINE_CUDA = 0, 1
+MOMENTS_F32, MOMENTS_BF16 = 0, 1
+MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+LIFECYCLE = {0: "clean", 1: "loading", 2: "poisoned"}
+
+
+class CkptError(Exception):
+    """A ckpt call failed: `code` is absl's canonical code name ("DATA_LOSS", ...), the message
+    ckpt's own (naming the file, tensor or offset)."""
+
+    def __init__(self, code, message):
+        self.code = CODE_NAMES.get(code, str(code))
+        super().__init__(f"{self.code}: {message}")
+
+
+class Param(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("shape", ctypes.POINTER(ctypes.c_uint64)),
+                ("ndim", ctypes.c_size_t), ("dtype", ctypes.c_int), ("group", ctypes.c_uint32)]
+
+
+class Group(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
+                ("step", ctypes.c_uint64)]
+
+
+class Piece(ctypes.Structure):
+    _fields_ = [("param", ctypes.c_uint32), ("begin", ctypes.c_uint64), ("count", ctypes.c_uint64)]
+
+
+class OptimizerOptions(ctypes.Structure):
+    _fields_ = [("engine", ctypes.c_int), ("unit_bytes", ctypes.c_uint64), ("threads", ctypes.c_int),
+                ("slot_count", ctypes.c_int), ("moment_dtype", ctypes.c_int)]
+
+
+ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
+
+
+class Coordinator(ctypes.Structure):
+    _fields_ = [("user", ctypes.c_void_p), ("rank", ctypes.c_int), ("size", ctypes.c_int),
+                ("all_gather", ALL_GATHER)]
+
+
+def _candidates():
+    env = os.environ.get("CKPT_LIB")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libckpt_c.so")
+    yield os.path.join(here, "..", "..", "build", "capi", "libckpt_c.so")
+    found = ctypes.util.find_library("ckpt_c")
+    if found:
+        yield found
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if path and (os.path.exists(path) or "/" not in path):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append(f"{path} ({e})")
+                continue
+            return lib
+        tried.append(f"{path} (absent)")
+    raise ImportError("ckpt: libckpt_c.so not found; build it (cmake --build build) or set "
+                      "CKPT_LIB to its path. Tried: " + "; ".join(tried))
+
+
+lib = _load()
+_p = ctypes.c_void_p
+_sig = {
+    "ckpt_abi_version": ([], ctypes.c_int),
+    "ckpt_last_error": ([], ctypes.c_char_p),
+    "ckpt_alloc": ([ctypes.c_size_t], ctypes.c_void_p),
+    "ckpt_rank_pieces": ([ctypes.POINTER(Param), ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int,
+                          ctypes.c_int, ctypes.POINTER(Piece), ctypes.c_size_t,
+                          ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_optimizer_create": ([ctypes.POINTER(Param), ctypes.c_size_t, ctypes.POINTER(Group),
+                               ctypes.c_size_t, ctypes.POINTER(Piece), ctypes.c_size_t,
+                               ctypes.POINTER(OptimizerOptions), _p, ctypes.c_size_t,
+                               ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_optimizer_destroy": ([_p], None),
+    "ckpt_optimizer_size": ([_p, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+    "ckpt_optimizer_step": ([_p, _p, ctypes.c_int, ctypes.c_float, _p, ctypes.c_int, _p,
+                             ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_optimizer_num_groups": ([_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_optimizer_get_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
+    "ckpt_optimizer_set_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
+    "ckpt_optimizer_read_state": ([_p, ctypes.c_int, _p, ctypes.c_uint64], ctypes.c_int),
+    "ckpt_optimizer_lifecycle": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_store_open": ([ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_p)],
+                        ctypes.c_int),
+    "ckpt_store_close": ([_p], None),
+    "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
+                          ctypes.c_int),
+    "ckpt_checkpointer_create": ([_p, _p, ctypes.c_size_t, _p, ctypes.POINTER(Coordinator),
+                                  ctypes.c_uint64, ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_checkpointer_destroy": ([_p], None),
+    "ckpt_checkpointer_save": ([_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_char_p),
+                                ctypes.POINTER(_p), ctypes.POINTER(ctypes.c_size_t),
+                                ctypes.c_size_t], ctypes.c_int),
+    "ckpt_checkpointer_save_async": ([_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_char_p),
+                                      ctypes.POINTER(_p), ctypes.POINTER(ctypes.c_size_t),
+                                      ctypes.c_size_t, ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_pending_save_finalize": ([_p], ctypes.c_int),
+    "ckpt_pending_save_writer_done": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_pending_save_destroy": ([_p], None),
+    "ckpt_checkpointer_load": ([_p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p),
+                                ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+    "ckpt_checkpointer_load_model": ([_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
+                                      ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t,
+                                      ctypes.c_int], ctypes.c_int),
+    "ckpt_blobs_count": ([_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_blobs_get": ([_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_p),
+                        ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_blobs_free": ([_p], None),
+}
+for _name, (_args, _res) in _sig.items():
+    _f = getattr(lib, _name)
+    _f.argtypes = _args
+    _f.restype = _res
+
+if lib.ckpt_abi_version() != ABI_VERSION:
+    raise ImportError(f"ckpt: libckpt_c.so implements ABI {lib.ckpt_abi_version()}, this package "
+                      f"speaks {ABI_VERSION}")
+
+
+def check(code):
+    """Raises CkptError for a failed call's code, with ckpt's message."""
+    if code != OK:
+        message = lib.ckpt_last_error()
+        raise CkptError(code, message.decode("utf-8", "replace") if message else "")

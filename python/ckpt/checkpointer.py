@@ -1,0 +1,208 @@
+"""ckpt.Checkpointer: a StagedAdamW's state saved and loaded as ckpt transactions.
+
+Every call is collective over the job's ranks (one process: nothing to coordinate; several:
+torch.distributed's default group, or the one given). A save is committed on every rank or on
+none; `save_async` returns at once and `finalize()` commits; a load that fails anywhere leaves
+the optimizer and the parameters exactly as they were (or poisoned: it then refuses to step
+until a load succeeds), and raises CkptError with ckpt's message.
+
+`extra` is the trainer's own state (LR scheduler, RNG, data position): a dict, stored with
+pickle beside the optimizer's state, per rank, and returned by `load`. Like torch.load, loading
+unpickles: load only checkpoints you trust.
+"""
+import ctypes
+import pickle
+
+from . import _lib
+from ._lib import CkptError, check, lib
+
+_EXTRA = "python.extra"
+
+
+def _torch_coordinator(group):
+    """A ckpt coordinator over torch.distributed (gloo or NCCL): all-gathers bytes."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_gather(_user, data, length, out, lens):
+        try:
+            mine = ctypes.string_at(data, length) if length else b""
+            parts = [None] * size
+            dist.all_gather_object(parts, mine, group=group)
+            total = sum(len(p) for p in parts)
+            buf = lib.ckpt_alloc(total)
+            if not buf:
+                return 1
+            at = 0
+            for r, part in enumerate(parts):
+                ctypes.memmove(buf + at, part, len(part))
+                lens[r] = len(part)
+                at += len(part)
+            out[0] = buf
+            return 0
+        except Exception:  # A failed exchange is the vote's error, not a crash of the caller.
+            return 1
+
+    callback = _lib.ALL_GATHER(all_gather)
+    return _lib.Coordinator(None, rank, size, callback), callback
+
+
+class PendingSave:
+    """An async save in flight: finalize() (collective) commits it or raises."""
+
+    def __init__(self, checkpointer, handle, step):
+        self._checkpointer, self._handle, self.step = checkpointer, handle, step
+
+    @property
+    def writer_done(self):
+        if self._handle is None:
+            return True
+        done = ctypes.c_int()
+        check(lib.ckpt_pending_save_writer_done(self._handle, ctypes.byref(done)))
+        return bool(done.value)
+
+    def finalize(self):
+        if self._handle is None:
+            raise CkptError(9, f"the async save of step {self.step} is already finalized")
+        handle, self._handle = self._handle, None
+        try:
+            check(lib.ckpt_pending_save_finalize(handle))
+        finally:
+            lib.ckpt_pending_save_destroy(handle)
+
+
+class Checkpointer:
+    """Saves and loads `optimizer` (a ckpt.torch.StagedAdamW) in the checkpoint root `root`.
+
+    process_group: a torch.distributed group whose ranks share the root (default: the default
+    group when torch.distributed is initialized, else this process alone).
+    async_staging_bytes: memory an async save may use to copy state aside (0: 1 GiB).
+    """
+
+    def __init__(self, root, optimizer, *, process_group=None, async_staging_bytes=0):
+        self._optimizer = optimizer
+        self._store = None
+        self._handle = None
+        self._callback = None
+        coordinator = None
+        rank = 0
+        distributed = process_group is not None
+        if not distributed:
+            try:
+                import torch.distributed as dist
+                distributed = dist.is_available() and dist.is_initialized()
+            except ImportError:
+                distributed = False
+        if distributed:
+            import torch.distributed as dist
+            coordinator, self._callback = _torch_coordinator(process_group)
+            rank = coordinator.rank
+        store = ctypes.c_void_p()
+        if rank == 0:
+            check(lib.ckpt_store_open(str(root).encode(), 1, 0, ctypes.byref(store)))
+        if distributed:  # The primary creates and recovers the root before the others open it.
+            dist.barrier(group=process_group)
+        if rank != 0:
+            check(lib.ckpt_store_open(str(root).encode(), 0, 0, ctypes.byref(store)))
+        self._store = store
+        handle = ctypes.c_void_p()
+        opt = optimizer._live()
+        host = optimizer._host
+        check(lib.ckpt_checkpointer_create(
+            opt, host.data_ptr(), host.numel() * host.element_size(), store,
+            ctypes.byref(coordinator) if coordinator is not None else None,
+            async_staging_bytes, ctypes.byref(handle)))
+        self._coordinator = coordinator
+        self._handle = handle
+
+    def _live(self):
+        if self._handle is None:
+            raise CkptError(9, "the checkpointer is closed")
+        self._optimizer._live()
+        return self._handle
+
+    @staticmethod
+    def _blobs(extra):
+        data = pickle.dumps(extra if extra is not None else {})
+        keys = (ctypes.c_char_p * 1)(_EXTRA.encode())
+        values = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p))
+        lens = (ctypes.c_size_t * 1)(len(data))
+        return keys, values, lens, data
+
+    def save(self, step, extra=None):
+        """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
+        handle = self._live()
+        self._optimizer._to_host()
+        keys, values, lens, keep = self._blobs(extra)
+        check(lib.ckpt_checkpointer_save(handle, int(step), keys, values, lens, 1))
+        del keep
+
+    def save_async(self, step, extra=None):
+        """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
+        Returns a PendingSave; its finalize() (collective) commits."""
+        handle = self._live()
+        self._optimizer._to_host()
+        keys, values, lens, keep = self._blobs(extra)
+        pending = ctypes.c_void_p()
+        check(lib.ckpt_checkpointer_save_async(handle, int(step), keys, values, lens, 1,
+                                               ctypes.byref(pending)))
+        del keep
+        return PendingSave(self, pending, int(step))
+
+    def load(self, step=None):
+        """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
+        any data-parallel size; returns the `extra` saved with it (this rank's)."""
+        handle = self._live()
+        blobs = ctypes.c_void_p()
+        loaded = ctypes.c_uint64()
+        check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
+                                         0 if step is None else int(step), ctypes.byref(blobs),
+                                         ctypes.byref(loaded)))
+        try:
+            extra = {}
+            count = ctypes.c_size_t()
+            check(lib.ckpt_blobs_count(blobs, ctypes.byref(count)))
+            for i in range(count.value):
+                key, value, length = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
+                check(lib.ckpt_blobs_get(blobs, i, ctypes.byref(key), ctypes.byref(value),
+                                         ctypes.byref(length)))
+                if key.value.decode() == _EXTRA:
+                    extra = pickle.loads(ctypes.string_at(value, length.value))
+        finally:
+            lib.ckpt_blobs_free(blobs)
+        self._optimizer._from_host()
+        self._optimizer._pull_groups()
+        self.loaded_step = loaded.value
+        return extra
+
+    def load_model(self, source, rename=None, ignore_unexpected=False):
+        """Collective. Model-only load from a .safetensors file, a HuggingFace directory or a
+        ckpt root: masters and parameters from the file, moments zero, steps 0; learning rates
+        and everything else untouched. rename: (pattern, replacement) RE2 rules, in order."""
+        handle = self._live()
+        rules = list(rename or [])
+        patterns = (ctypes.c_char_p * max(1, len(rules)))(*[p.encode() for p, _ in rules])
+        replacements = (ctypes.c_char_p * max(1, len(rules)))(*[r.encode() for _, r in rules])
+        check(lib.ckpt_checkpointer_load_model(handle, str(source).encode(), patterns,
+                                               replacements, len(rules),
+                                               1 if ignore_unexpected else 0))
+        self._optimizer._from_host()
+
+    @property
+    def latest(self):
+        """The step LATEST names (as this handle last saw it), or None."""
+        has, step = ctypes.c_int(), ctypes.c_uint64()
+        check(lib.ckpt_store_latest(self._store, ctypes.byref(has), ctypes.byref(step)))
+        return step.value if has.value else None
+
+    def close(self):
+        if getattr(self, "_handle", None) is not None:
+            lib.ckpt_checkpointer_destroy(self._handle)
+            self._handle = None
+        if getattr(self, "_store", None) is not None:
+            lib.ckpt_store_close(self._store)
+            self._store = None
+
+    def __del__(self):
+        self.close()

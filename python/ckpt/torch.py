@@ -1,0 +1,244 @@
+"""ckpt.torch.StagedAdamW: ckpt's AdamW as a torch.optim.Optimizer.
+
+FP32 master weights and both moments live in ckpt's host slabs (not in `state`); each `step()`
+copies the gradients into one flat buffer and hands it to ckpt (the CPU engine on every core, or
+the CUDA engine streaming units through bounded GPU buffers on the current stream), which
+writes the updated weights, rounded to the parameters' dtype, straight into the parameters:
+they are views of one contiguous buffer in ckpt's order. `param_groups` stay mutable as in
+torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters are read at each
+step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
+"""
+import ctypes
+
+import torch
+
+from . import _lib
+from ._lib import CkptError, check, lib
+
+_DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
+_MOMENTS = {"f32": _lib.MOMENTS_F32, "bf16": _lib.MOMENTS_BF16}
+
+
+def _named(params):
+    """Accepts what torch.optim takes, plus (name, tensor) pairs as model.named_parameters()
+    yields, alone or as a group's "params". Returns (params for torch, {id(tensor): name})."""
+    names = {}
+
+    def strip(items):
+        out = []
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                names[id(item[1])] = item[0]
+                out.append(item[1])
+            else:
+                out.append(item)
+        return out
+
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts; "
+                        "got a tensor")
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        groups = []
+        for g in params:
+            g = dict(g)
+            ps = g.get("params")
+            if isinstance(ps, torch.Tensor):
+                ps = [ps]
+            g["params"] = strip(list(ps or []))
+            groups.append(g)
+        return groups, names
+    return strip(params), names
+
+
+class StagedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, as torch.optim.AdamW) with ckpt's staged state.
+
+    params: tensors, (name, tensor) pairs (names become the checkpoint's tensor names, e.g.
+      `model.named_parameters()`, as HuggingFace names them), or param-group dicts of either.
+      All of one dtype (float32, bfloat16, float16) and one device (CPU, or one CUDA device).
+    moments: "f32" (default) or "bf16" (moments rounded to BF16 in the slabs).
+    threads: CPU engine threads (0: every core). unit_bytes: ckpt's unit size (0: default).
+    A parameter whose .grad is None is stepped with a zero gradient (its weight decay applies).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 moments="f32", threads=0, unit_bytes=0):
+        for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        if (not isinstance(betas, (tuple, list)) or len(betas) != 2 or
+                not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if moments not in _MOMENTS:
+            raise ValueError(f"moments must be 'f32' or 'bf16', got {moments!r}")
+        if not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"threads must be an int >= 0, got {threads!r}")
+        params, names = _named(params)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        self._handle = None
+        plist = [p for g in self.param_groups for p in g["params"]]
+        if not plist:
+            raise ValueError("StagedAdamW got no parameters")
+        for p in plist:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+        dtype, device = plist[0].dtype, plist[0].device
+        if dtype not in _DTYPES:
+            raise TypeError(f"parameters must be float32, bfloat16 or float16, got {dtype}")
+        for p in plist:
+            if p.dtype != dtype or p.device != device:
+                raise TypeError(f"all parameters must share one dtype and device: {p.dtype} on "
+                                f"{p.device} beside {dtype} on {device}")
+        if device.type not in ("cpu", "cuda"):
+            raise TypeError(f"parameters on {device} are not supported (CPU or CUDA)")
+        self._dtype, self._device = dtype, device
+        self._params = plist
+        self._names = [names.get(id(p), f"param.{i}") for i, p in enumerate(plist)]
+        if len(set(self._names)) != len(self._names):
+            raise ValueError("parameter names repeat")
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        # One contiguous buffer in ckpt's order; each parameter becomes a view of its slice.
+        total = sum(p.numel() for p in plist)
+        self._slices = []
+        flat = torch.empty(total, dtype=dtype, device=device)
+        at = 0
+        with torch.no_grad():
+            for p in plist:
+                n = p.numel()
+                flat[at:at + n].copy_(p.detach().reshape(-1))
+                self._slices.append((at, n))
+                at += n
+            for p, (o, n) in zip(plist, self._slices):
+                p.data = flat[o:o + n].view(p.shape)
+        self._flat = flat
+        self._grads = torch.zeros(total, dtype=dtype, device=device)
+        # The host buffer ckpt's checkpointer reads and loads into: the parameters themselves on
+        # the CPU; a pinned mirror for CUDA parameters, kept in step around saves and loads.
+        self._host = flat if device.type == "cpu" else torch.empty(
+            total, dtype=dtype, pin_memory=True)
+        if device.type == "cuda":
+            self._host.copy_(flat)
+        shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
+        specs = (_lib.Param * len(plist))(*[
+            _lib.Param(self._names[i].encode(), shapes[i], plist[i].dim(), _DTYPES[dtype],
+                       group_of[id(plist[i])]) for i in range(len(plist))])
+        groups = (_lib.Group * len(self.param_groups))(*[self._group(g) for g in self.param_groups])
+        pieces = (_lib.Piece * len(plist))(*[_lib.Piece(i, 0, n) for i, (_, n) in
+                                             enumerate(self._slices)])
+        options = _lib.OptimizerOptions(
+            _lib.ENGINE_CUDA if device.type == "cuda" else _lib.ENGINE_CPU, unit_bytes, threads, 0,
+            _MOMENTS[moments])
+        handle = ctypes.c_void_p()
+        check(lib.ckpt_optimizer_create(specs, len(plist), groups, len(self.param_groups), pieces,
+                                        len(plist), ctypes.byref(options),
+                                        self._host.data_ptr(), total * self._host.element_size(),
+                                        ctypes.byref(handle)))
+        self._handle = handle
+
+    @staticmethod
+    def _group(g):
+        b1, b2 = g["betas"]
+        return _lib.Group(float(g["lr"]), float(b1), float(b2), float(g["eps"]),
+                          float(g["weight_decay"]), 0)
+
+    def _live(self):
+        if self._handle is None:
+            raise CkptError(9, "the optimizer is closed")
+        return self._handle
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        handle = self._live()
+        for gi, g in enumerate(self.param_groups):
+            check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
+        for p, (o, n) in zip(self._params, self._slices):
+            if p.data_ptr() != self._flat[o:o + n].data_ptr():
+                raise CkptError(9, f"parameter {self._names[self._params.index(p)]} no longer "
+                                   "views the optimizer's buffer (was .data replaced?)")
+            if p.grad is None:
+                self._grads[o:o + n].zero_()
+            else:
+                self._grads[o:o + n].copy_(p.grad.reshape(-1))
+        stream = None
+        if self._device.type == "cuda":
+            stream = torch.cuda.current_stream(self._device).cuda_stream
+        skipped = ctypes.c_int(0)
+        check(lib.ckpt_optimizer_step(handle, self._grads.data_ptr(), _DTYPES[self._dtype], 1.0,
+                                      self._flat.data_ptr(), 0, stream, ctypes.byref(skipped)))
+        return loss
+
+    def _state(self, which):
+        handle = self._live()
+        out = torch.empty(self._flat.numel(), dtype=torch.float32)
+        check(lib.ckpt_optimizer_read_state(handle, which, out.data_ptr(), out.numel()))
+        return out
+
+    def _of(self, p, which):
+        for q, (o, n) in zip(self._params, self._slices):
+            if q is p:
+                return self._state(which)[o:o + n].view(p.shape)
+        raise KeyError("not a parameter of this optimizer")
+
+    def master(self, p):
+        """The FP32 master weights of parameter `p` (a copy)."""
+        return self._of(p, _lib.MASTER)
+
+    def exp_avg(self, p):
+        return self._of(p, _lib.EXP_AVG)
+
+    def exp_avg_sq(self, p):
+        return self._of(p, _lib.EXP_AVG_SQ)
+
+    def group_steps(self):
+        """Each param group's AdamW step counter, as ckpt keeps it."""
+        handle = self._live()
+        out = []
+        for gi in range(len(self.param_groups)):
+            g = _lib.Group()
+            check(lib.ckpt_optimizer_get_group(handle, gi, ctypes.byref(g)))
+            out.append(g.step)
+        return out
+
+    @property
+    def lifecycle(self):
+        value = ctypes.c_int()
+        check(lib.ckpt_optimizer_lifecycle(self._live(), ctypes.byref(value)))
+        return _lib.LIFECYCLE[value.value]
+
+    def _pull_groups(self):
+        """After a load: the checkpoint's hyper-parameters into param_groups."""
+        for gi, g in enumerate(self.param_groups):
+            c = _lib.Group()
+            check(lib.ckpt_optimizer_get_group(self._live(), gi, ctypes.byref(c)))
+            g["lr"], g["betas"], g["eps"], g["weight_decay"] = (
+                c.lr, (c.beta1, c.beta2), c.eps, c.weight_decay)
+
+    def _to_host(self):
+        if self._device.type == "cuda":
+            self._host.copy_(self._flat)
+
+    def _from_host(self):
+        if self._device.type == "cuda":
+            self._flat.copy_(self._host)
+
+    def close(self):
+        """Frees ckpt's slabs; the optimizer refuses every call afterwards."""
+        if getattr(self, "_handle", None) is not None:
+            lib.ckpt_optimizer_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    def state_dict(self):
+        raise NotImplementedError("StagedAdamW's state lives in ckpt: save it with "
+                                  "ckpt.Checkpointer(root, optimizer).save(step)")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("load StagedAdamW's state with ckpt.Checkpointer.load()")

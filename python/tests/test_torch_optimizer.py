@@ -1,0 +1,273 @@
+"""ckpt.torch.StagedAdamW and ckpt.Checkpointer against torch, on the CPU engine."""
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import ckpt
+import ckpt.torch
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TESTDATA = os.path.join(REPO, "..", "shared", "testdata", "hf_tiny_models")
+
+
+class TinyGPT(torch.nn.Module):
+    """A small GPT block: embedding, self-attention, MLP, layer norms, a head."""
+
+    def __init__(self, vocab=97, dim=32, heads=4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.norm1 = torch.nn.LayerNorm(dim)
+        # No projection biases (as Llama): the key bias's true gradient is zero, and what
+        # backward computes for it is rounding noise that no two runs share.
+        self.attn = torch.nn.MultiheadAttention(dim, heads, bias=False, batch_first=True)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        n = ids.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x)
+
+
+def groups(model):
+    """Two param groups: weight decay on matrices, none on norms and biases."""
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    plain = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+
+
+def torch_groups(model):
+    return [{"params": [p for _, p in g["params"]], "weight_decay": g["weight_decay"]}
+            for g in groups(model)]
+
+
+def batch(step, vocab=97):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (4, 16), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_of(model, step):
+    x, y = batch(step)
+    return torch.nn.functional.cross_entropy(model(x).reshape(-1, 97), y.reshape(-1))
+
+
+def schedule(step):
+    return min(1.0, (step + 1) / 5) * (0.5 ** (step / 20))
+
+
+def relative(a, b):
+    return ((a.double() - b.double()).norm() / max(b.double().norm(), 1e-30)).item()
+
+
+def test_parity_with_torch_adamw_fp32():
+    torch.manual_seed(0)
+    ours, ref = TinyGPT(), TinyGPT()
+    ref.load_state_dict(ours.state_dict())
+    opt = ckpt.torch.StagedAdamW(groups(ours), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ropt = torch.optim.AdamW(torch_groups(ref), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                             foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    rsched = torch.optim.lr_scheduler.LambdaLR(ropt, schedule)
+    for step in range(20):
+        for model, o, s in ((ours, opt, sched), (ref, ropt, rsched)):
+            o.zero_grad()
+            loss_of(model, step).backward()
+            o.step()
+            s.step()
+        for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+            assert relative(a, b) <= 2e-6, f"step {step}: {name} off by {relative(a, b):.2e}"
+    assert opt.group_steps() == [20, 20]
+    assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+
+
+def test_bf16_weights_are_the_rounded_masters():
+    torch.manual_seed(1)
+    ours, ref = TinyGPT(), TinyGPT()
+    ref.load_state_dict(ours.state_dict())
+    ours.to(torch.bfloat16)
+    ref_params = [p for _, p in ref.named_parameters()]
+    with torch.no_grad():  # Both start from the same BF16 values.
+        for p in ref_params:
+            p.copy_(p.bfloat16().float())
+    opt = ckpt.torch.StagedAdamW(groups(ours), lr=1e-3)
+    ropt = torch.optim.AdamW(torch_groups(ref), lr=1e-3, foreach=False)
+    for step in range(10):
+        ropt.zero_grad()
+        loss_of(ref, step).backward()
+        # The same gradients for both, held exactly in BF16.
+        for (_, p), r in zip(ours.named_parameters(), ref_params):
+            r.grad = r.grad.bfloat16().float()
+            p.grad = r.grad.bfloat16()
+        ropt.step()
+        opt.step()
+        for (name, p), r in zip(ours.named_parameters(), ref_params):
+            master = opt.master(p)
+            assert torch.equal(p.detach(), master.bfloat16()), name
+            assert relative(master, r.detach()) <= 2e-6, name
+            agree = master == r.detach()
+            assert torch.equal(p.detach()[agree], r.detach().bfloat16()[agree]), name
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    return model, ckpt.torch.StagedAdamW(groups(model), lr=1e-3)
+
+
+def train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+
+
+def snapshot(model, opt):
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.detach().clone(), opt.master(p), opt.exp_avg(p), opt.exp_avg_sq(p))
+    return out
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(
+        all(torch.equal(x, y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def test_save_load_and_async_save_round_trip(tmp_path):
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    train(model, opt, 3)
+    ck.save(3, extra={"data_position": 3, "rng": torch.get_rng_state()})
+    saved = snapshot(model, opt)
+    train(model, opt, 2, first=3)
+    pending = ck.save_async(5, extra={"data_position": 5})
+    train(model, opt, 2, first=5)  # Steps run while the save is written.
+    pending.finalize()
+    with pytest.raises(ckpt.CkptError, match="already finalized"):
+        pending.finalize()
+    assert ck.latest == 5
+    extra = ck.load(3)
+    assert extra["data_position"] == 3 and extra["rng"].dtype == torch.uint8
+    assert same(snapshot(model, opt), saved)
+    assert opt.group_steps() == [3, 3]
+    ck.close()
+    # Another optimizer (another seed), as a new process would make it, loads the same state.
+    model2, opt2 = fresh(seed=7)
+    ck2 = ckpt.Checkpointer(tmp_path / "root", opt2)
+    assert ck2.load(3)["data_position"] == 3
+    assert same(snapshot(model2, opt2), saved)
+    ck2.close()
+
+
+def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    train(model, opt, 2)
+    ck.save(2)
+    train(model, opt, 1, first=2)
+    before = snapshot(model, opt)
+    data = tmp_path / "root" / "step-00000002" / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[4096 + 100] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CkptError) as failure:
+        ck.load(2)
+    assert failure.value.code == "DATA_LOSS"
+    assert "rank-00000.data" in str(failure.value)
+    assert same(snapshot(model, opt), before)
+    assert opt.lifecycle == "clean"
+    train(model, opt, 1, first=3)  # Steps as before.
+
+
+def test_bad_input_raises_clear_errors(tmp_path):
+    with pytest.raises(TypeError):
+        ckpt.torch.StagedAdamW([torch.zeros(3, dtype=torch.int32, requires_grad=False)])
+    with pytest.raises(TypeError, match="one dtype and device"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3)),
+                                torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    with pytest.raises(TypeError):
+        ckpt.torch.StagedAdamW(["not a tensor"])
+    with pytest.raises(TypeError):
+        ckpt.torch.StagedAdamW(torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(ValueError, match="lr"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], lr=-1)
+    with pytest.raises(ValueError, match="betas"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match="moments"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], moments="f8")
+    model, opt = fresh()
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ckpt.CkptError, match="INVALID_ARGUMENT"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-3
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    with pytest.raises(ckpt.CkptError) as missing:
+        ck.load(9)
+    assert missing.value.code == "NOT_FOUND"
+    ck.save(1)
+    with pytest.raises(ckpt.CkptError, match="not newer"):
+        ck.save(1)
+    with pytest.raises(ckpt.CkptError) as bad_model:
+        ck.load_model(tmp_path / "nowhere")
+    assert bad_model.value.code == "NOT_FOUND"
+    ck.close()
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        ck.save(2)
+    opt.close()
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        opt.step()
+
+
+def read_safetensors(path):
+    """The tensors of a .safetensors file as float32 (BF16 or F32), parsed by hand."""
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        data = bytearray(raw[8 + n + begin:8 + n + end])
+        if info["dtype"] == "BF16":
+            t = torch.frombuffer(data, dtype=torch.bfloat16).float()
+        else:
+            t = torch.frombuffer(data, dtype=torch.float32).clone()
+        out[name] = t.reshape(info["shape"])
+    return out
+
+
+def test_load_model_refreshes_masters_and_clears_moments(tmp_path):
+    path = os.path.join(TESTDATA, "llama-tied-tiny", "model.safetensors")
+    if not os.path.exists(path):
+        if os.environ.get("CKPT_REQUIRE_TESTDATA") == "1":
+            pytest.fail(f"{TESTDATA} is missing (CKPT_REQUIRE_TESTDATA=1)")
+        pytest.skip(f"{TESTDATA} is missing")
+    values = read_safetensors(path)
+    params = [(name, torch.nn.Parameter(torch.zeros(t.shape, dtype=torch.bfloat16)))
+              for name, t in sorted(values.items())]
+    opt = ckpt.torch.StagedAdamW(params, lr=1e-3)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ck.load_model(os.path.dirname(path))
+    for name, p in params:
+        assert torch.equal(opt.master(p), values[name]), name
+        assert torch.equal(p.detach().float(), values[name]), name
+        assert not opt.exp_avg(p).any() and not opt.exp_avg_sq(p).any(), name
+    assert opt.group_steps() == [0]
+    assert opt.param_groups[0]["lr"] == 1e-3
+    with pytest.raises(ckpt.CkptError, match="unexpected 1"):
+        ck.load_model(os.path.dirname(path), rename=[("^model\\.norm\\.", "other.")])
+    ck.close()
