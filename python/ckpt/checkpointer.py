@@ -133,6 +133,7 @@ class Checkpointer:
     def save(self, step, extra=None):
         """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
         handle = self._live()
+        self._optimizer._push_groups()
         self._optimizer._to_host()
         keys, values, lens, keep = self._blobs(extra)
         check(lib.ckpt_checkpointer_save(handle, int(step), keys, values, lens, 1))
@@ -142,6 +143,7 @@ class Checkpointer:
         """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
         Returns a PendingSave; its finalize() (collective) commits."""
         handle = self._live()
+        self._optimizer._push_groups()
         self._optimizer._to_host()
         keys, values, lens, keep = self._blobs(extra)
         pending = ctypes.c_void_p()

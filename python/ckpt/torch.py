@@ -154,9 +154,7 @@ class StagedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        handle = self._live()
-        for gi, g in enumerate(self.param_groups):
-            check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
+        handle = self._push_groups()
         for p, (o, n) in zip(self._params, self._slices):
             if p.data_ptr() != self._flat[o:o + n].data_ptr():
                 raise CkptError(9, f"parameter {self._names[self._params.index(p)]} no longer "
@@ -172,6 +170,14 @@ class StagedAdamW(torch.optim.Optimizer):
         check(lib.ckpt_optimizer_step(handle, self._grads.data_ptr(), _DTYPES[self._dtype], 1.0,
                                       self._flat.data_ptr(), 0, stream, ctypes.byref(skipped)))
         return loss
+
+    def _push_groups(self):
+        """param_groups' hyper-parameters into ckpt: before every step, and before a save (so
+        the checkpoint holds what the next step will use, e.g. after a scheduler's step)."""
+        handle = self._live()
+        for gi, g in enumerate(self.param_groups):
+            check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
+        return handle
 
     def _state(self, which):
         handle = self._live()
