@@ -247,12 +247,18 @@ int ckpt_optimizer_step(ckpt_optimizer* o, const void* grads, int grad_dtype, fl
     args.params = params;
     args.check_finite = check_finite != 0;
     args.stream = static_cast<CUstream_st*>(stream);
+#if CKPT_HAVE_CUDA
+    // torch's default stream is handle 0: the legacy default stream, by its own name.
+    if (stream == nullptr && o->opt->options().engine == opt::EngineKind::kCuda) {
+      args.stream = static_cast<CUstream_st*>(cudaStreamLegacy);
+    }
+#endif
     absl::StatusOr<opt::StepReport> r = o->opt->Step(args);
     if (!r.ok()) return Fail(r.status());
     if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
 #if CKPT_HAVE_CUDA
-    if (stream != nullptr && r->done != nullptr) {
-      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r->done, 0);
+    if (args.stream != nullptr && r->done != nullptr) {
+      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.stream), r->done, 0);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return Fail(absl::InternalError(absl::StrCat("cudaStreamWaitEvent: ", cudaGetErrorName(e))));

@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
-# ckpt's main job end to end: the demo trainer (demo/demo_trainer.cc) trains a small model on the
-# CPU engine over 2 data-parallel ranks with a warmup + cosine learning rate, saving every 4 steps
-# through Checkpointer's async save (the next step runs while it is written); it is killed with
-# SIGKILL while the async save of step 10 is in flight, resumes from LATEST (step 8) on 3 ranks and
-# must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects and verifies the
-# store and the exported model; export-hf and reshard rewrite LATEST and diff finds them equal.
+# ckpt's main job end to end, in Python: a small GPT (demo/python/train_gpt.py, a few million
+# parameters) learns the licence texts in /usr/share/common-licenses with ckpt.torch.StagedAdamW
+# (torch's LambdaLR, warmup then cosine) and async saves every 10 steps; it is killed with
+# SIGKILL while the async save of step 35 is in flight, resumes from LATEST (step 30) in a fresh
+# process and must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects and
+# verifies the store, exports the model as safetensors and reshards the last step for 4 ranks.
+# The C++ demo trainer's run is scripts/demo_cpp.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/build.sh
+bash scripts/build.sh  # Installs the Debian packages (python3-torch among them) and builds.
 dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-demo-XXXXXX")
 trap 'rm -rf "$dir"' EXIT
-trainer=./build/demo/ckpt-demo-trainer
+export CKPT_LIB=$PWD/build/capi/libckpt_c.so
+py=/usr/bin/python3  # Debian's, with python3-torch.
+train=(demo/python/train_gpt.py --steps 60 --save-every 10)
 status=0
-"$trainer" --out "$dir" --steps 12 --save-every 4 --crash-at 10 || status=$?
+"$py" "${train[@]}" --out "$dir/run" --crash-at 35 || status=$?
 if [ "$status" -ne 137 ]; then
   echo "demo: the first run should have died of SIGKILL (137), it ended with $status" >&2
   exit 1
 fi
 echo "--- the process is gone; run it again on the same store"
-"$trainer" --out "$dir" --steps 12 --save-every 4 --resume --ranks 3
-./build/cli/ckpt-tool inspect "$dir/store"
-./build/cli/ckpt-tool verify "$dir/store" --all
-./build/cli/ckpt-tool verify "$dir/final-model"
-echo "--- operators' tools: export LATEST again, reshard it for 4 ranks, compare"
-./build/cli/ckpt-tool export-hf "$dir/store" "$dir/exported"
-./build/cli/ckpt-tool diff "$dir/final-model" "$dir/exported"
-./build/cli/ckpt-tool reshard "$dir/store" "$dir/store-dp4" --dp 4 --bucket-elems 20000
-./build/cli/ckpt-tool diff "$dir/store" "$dir/store-dp4"
+"$py" "${train[@]}" --out "$dir/run" --resume --dump "$dir/resumed.pt"
+echo "--- an uninterrupted run of the same job, for comparison"
+"$py" "${train[@]}" --out "$dir/reference" --no-save --dump "$dir/reference.pt" | tail -1
+"$py" demo/python/same_state.py "$dir/resumed.pt" "$dir/reference.pt"
+echo "--- the checkpoints, seen by ckpt-tool"
+./build/cli/ckpt-tool inspect "$dir/run/ckpt" | sed -n "1,/^tensors:/p;/^optimizer:/,\$p"
+./build/cli/ckpt-tool verify "$dir/run/ckpt" --all
+./build/cli/ckpt-tool export-hf "$dir/run/ckpt" "$dir/model"
+./build/cli/ckpt-tool verify "$dir/model"
+./build/cli/ckpt-tool reshard "$dir/run/ckpt" "$dir/ckpt-dp4" --dp 4 --bucket-elems 1000000
+./build/cli/ckpt-tool diff "$dir/run/ckpt" "$dir/ckpt-dp4"

@@ -56,16 +56,21 @@ class PendingSave:
 
     @property
     def writer_done(self):
-        if self._handle is None:
+        if self._handle is None or self._checkpointer._handle is None:
             return True
         done = ctypes.c_int()
         check(lib.ckpt_pending_save_writer_done(self._handle, ctypes.byref(done)))
         return bool(done.value)
 
     def finalize(self):
+        if self._checkpointer._handle is None:
+            raise CkptError(9, f"the async save of step {self.step}: its checkpointer is closed "
+                               "(the save was abandoned)")
         if self._handle is None:
             raise CkptError(9, f"the async save of step {self.step} is already finalized")
         handle, self._handle = self._handle, None
+        if self._checkpointer._pending is self:
+            self._checkpointer._pending = None
         try:
             check(lib.ckpt_pending_save_finalize(handle))
         finally:
@@ -85,15 +90,16 @@ class Checkpointer:
         self._store = None
         self._handle = None
         self._callback = None
+        self._pending = None
         coordinator = None
         rank = 0
         distributed = process_group is not None
-        if not distributed:
-            try:
-                import torch.distributed as dist
-                distributed = dist.is_available() and dist.is_initialized()
-            except ImportError:
-                distributed = False
+        if distributed:
+            # The ranks of a job must each own their pieces of the state (ZeRO-1 style), which
+            # StagedAdamW does not do yet: with whole parameters on every rank, their saves
+            # would overlap.
+            raise NotImplementedError("data-parallel StagedAdamW (pieces per rank) is not built "
+                                      "yet: save from one process")
         if distributed:
             import torch.distributed as dist
             coordinator, self._callback = _torch_coordinator(process_group)
@@ -107,20 +113,38 @@ class Checkpointer:
             check(lib.ckpt_store_open(str(root).encode(), 0, 0, ctypes.byref(store)))
         self._store = store
         handle = ctypes.c_void_p()
-        opt = optimizer._live()
-        host = optimizer._host
-        check(lib.ckpt_checkpointer_create(
-            opt, host.data_ptr(), host.numel() * host.element_size(), store,
-            ctypes.byref(coordinator) if coordinator is not None else None,
-            async_staging_bytes, ctypes.byref(handle)))
+        try:
+            opt = optimizer._live()
+            host = optimizer._host
+            check(lib.ckpt_checkpointer_create(
+                opt, host.data_ptr(), host.numel() * host.element_size(), store,
+                ctypes.byref(coordinator) if coordinator is not None else None,
+                int(async_staging_bytes), ctypes.byref(handle)))
+        except BaseException:
+            self.close()  # Lets go of the root's LOCK.
+            raise
         self._coordinator = coordinator
         self._handle = handle
+        import weakref
+        optimizer._checkpointers.append(weakref.ref(self))
 
     def _live(self):
         if self._handle is None:
             raise CkptError(9, "the checkpointer is closed")
         self._optimizer._live()
         return self._handle
+
+    @staticmethod
+    def _step(step):
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2 ** 64:
+            raise ValueError(f"step must be an int in [0, 2**64), got {step!r}")
+        return step
+
+    def _settle(self):
+        """A previous async save still in flight is finalized first (collective: every rank
+        makes the same calls), so that dropping its handle cannot wedge the checkpointer."""
+        if self._pending is not None:
+            self._pending.finalize()
 
     @staticmethod
     def _blobs(extra):
@@ -132,7 +156,9 @@ class Checkpointer:
 
     def save(self, step, extra=None):
         """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
+        step = self._step(step)
         handle = self._live()
+        self._settle()
         self._optimizer._push_groups()
         self._optimizer._to_host()
         keys, values, lens, keep = self._blobs(extra)
@@ -141,8 +167,11 @@ class Checkpointer:
 
     def save_async(self, step, extra=None):
         """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
-        Returns a PendingSave; its finalize() (collective) commits."""
+        Returns a PendingSave; its finalize() (collective) commits. A save still in flight is
+        finalized first."""
+        step = self._step(step)
         handle = self._live()
+        self._settle()
         self._optimizer._push_groups()
         self._optimizer._to_host()
         keys, values, lens, keep = self._blobs(extra)
@@ -150,39 +179,52 @@ class Checkpointer:
         check(lib.ckpt_checkpointer_save_async(handle, int(step), keys, values, lens, 1,
                                                ctypes.byref(pending)))
         del keep
-        return PendingSave(self, pending, int(step))
+        self._pending = PendingSave(self, pending, step)
+        return self._pending
 
     def load(self, step=None):
         """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
         any data-parallel size; returns the `extra` saved with it (this rank's)."""
+        if step is not None:
+            step = self._step(step)
         handle = self._live()
+        self._settle()
         blobs = ctypes.c_void_p()
         loaded = ctypes.c_uint64()
         check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
                                          0 if step is None else int(step), ctypes.byref(blobs),
                                          ctypes.byref(loaded)))
+        # The state is loaded: the parameters and param_groups follow it before anything else
+        # can fail.
+        self._optimizer._from_host()
+        self._optimizer._pull_groups()
+        self.loaded_step = loaded.value
+        raw = None
         try:
-            extra = {}
             count = ctypes.c_size_t()
             check(lib.ckpt_blobs_count(blobs, ctypes.byref(count)))
             for i in range(count.value):
                 key, value, length = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
                 check(lib.ckpt_blobs_get(blobs, i, ctypes.byref(key), ctypes.byref(value),
                                          ctypes.byref(length)))
-                if key.value.decode() == _EXTRA:
-                    extra = pickle.loads(ctypes.string_at(value, length.value))
+                if key.value == _EXTRA.encode():
+                    raw = ctypes.string_at(value, length.value)
         finally:
             lib.ckpt_blobs_free(blobs)
-        self._optimizer._from_host()
-        self._optimizer._pull_groups()
-        self.loaded_step = loaded.value
-        return extra
+        if raw is None:
+            return {}
+        try:
+            return pickle.loads(raw)
+        except Exception as e:
+            raise CkptError(15, f"step {loaded.value} loaded, but its extra state does not "
+                                f"unpickle here: {e!r}") from e
 
     def load_model(self, source, rename=None, ignore_unexpected=False):
         """Collective. Model-only load from a .safetensors file, a HuggingFace directory or a
         ckpt root: masters and parameters from the file, moments zero, steps 0; learning rates
         and everything else untouched. rename: (pattern, replacement) RE2 rules, in order."""
         handle = self._live()
+        self._settle()
         rules = list(rename or [])
         patterns = (ctypes.c_char_p * max(1, len(rules)))(*[p.encode() for p, _ in rules])
         replacements = (ctypes.c_char_p * max(1, len(rules)))(*[r.encode() for _, r in rules])
@@ -194,11 +236,19 @@ class Checkpointer:
     @property
     def latest(self):
         """The step LATEST names (as this handle last saw it), or None."""
+        if self._store is None:
+            raise CkptError(9, "the checkpointer is closed")
         has, step = ctypes.c_int(), ctypes.c_uint64()
         check(lib.ckpt_store_latest(self._store, ctypes.byref(has), ctypes.byref(step)))
         return step.value if has.value else None
 
     def close(self):
+        """Closes the checkpointer (an async save in flight is abandoned: nothing published)."""
+        pending = getattr(self, "_pending", None)
+        if pending is not None and pending._handle is not None:
+            lib.ckpt_pending_save_destroy(pending._handle)
+            pending._handle = None
+        self._pending = None
         if getattr(self, "_handle", None) is not None:
             lib.ckpt_checkpointer_destroy(self._handle)
             self._handle = None

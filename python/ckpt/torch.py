@@ -78,12 +78,21 @@ class StagedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self._handle = None
+        self._checkpointers = []  # Attached ckpt.Checkpointers (weak): closed before the slabs.
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
             raise ValueError("StagedAdamW got no parameters")
         for p in plist:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
+        if len({id(p) for p in plist}) != len(plist):
+            raise ValueError("a parameter appears twice")
+        for g in self.param_groups:
+            for key in ("lr", "eps", "weight_decay"):
+                v = g[key]
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or \
+                        v == float("inf"):
+                    raise ValueError(f"{key} must be a finite number >= 0, got {v!r}")
         dtype, device = plist[0].dtype, plist[0].device
         if dtype not in _DTYPES:
             raise TypeError(f"parameters must be float32, bfloat16 or float16, got {dtype}")
@@ -135,6 +144,7 @@ class StagedAdamW(torch.optim.Optimizer):
                                         len(plist), ctypes.byref(options),
                                         self._host.data_ptr(), total * self._host.element_size(),
                                         ctypes.byref(handle)))
+        self._host_ptr = self._host.data_ptr()
         self._handle = handle
 
     @staticmethod
@@ -146,7 +156,17 @@ class StagedAdamW(torch.optim.Optimizer):
     def _live(self):
         if self._handle is None:
             raise CkptError(9, "the optimizer is closed")
+        if self._host.data_ptr() != self._host_ptr:
+            raise CkptError(9, "the parameters' buffer moved (model.share_memory(), .to(), ...): "
+                               "ckpt still points at the old one; build the optimizer after "
+                               "moving the model")
         return self._handle
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_handle", None) is not None:
+            raise NotImplementedError("StagedAdamW's parameters are fixed at construction: "
+                                      "build it with every group")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -234,7 +254,13 @@ class StagedAdamW(torch.optim.Optimizer):
             self._flat.copy_(self._host)
 
     def close(self):
-        """Frees ckpt's slabs; the optimizer refuses every call afterwards."""
+        """Frees ckpt's slabs (closing its checkpointers first: an async save in flight is
+        abandoned); the optimizer refuses every call afterwards."""
+        for ref in getattr(self, "_checkpointers", []):
+            ck = ref()
+            if ck is not None:
+                ck.close()
+        self._checkpointers = []
         if getattr(self, "_handle", None) is not None:
             lib.ckpt_optimizer_destroy(self._handle)
             self._handle = None

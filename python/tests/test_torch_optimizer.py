@@ -271,3 +271,47 @@ def test_load_model_refreshes_masters_and_clears_moments(tmp_path):
     with pytest.raises(ckpt.CkptError, match="unexpected 1"):
         ck.load_model(os.path.dirname(path), rename=[("^model\\.norm\\.", "other.")])
     ck.close()
+
+
+def test_lifetimes_and_steps_are_checked(tmp_path):
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    train(model, opt, 1)
+    for bad in (-1, 2 ** 64, 3.7, True):
+        with pytest.raises(ValueError, match="step"):
+            ck.save(bad)
+    # A dropped async save is finalized by the next call, not left in flight forever.
+    ck.save_async(1)
+    ck.save(2)
+    assert ck.latest == 2
+    # A pending save outlived by its checkpointer raises instead of touching freed memory.
+    pending = ck.save_async(3)
+    ck.close()
+    with pytest.raises(ckpt.CkptError, match="checkpointer is closed"):
+        pending.finalize()
+    assert pending.writer_done
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        ck.latest
+    # Closing the optimizer closes its checkpointers first (a save in flight is abandoned).
+    ck2 = ckpt.Checkpointer(tmp_path / "root", opt)
+    pending = ck2.save_async(4)
+    opt.close()
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        pending.finalize()
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        ck2.save(5)
+    # The root was left consistent: LATEST is step 2 (the abandoned saves published nothing).
+    model3, opt3 = fresh(seed=3)
+    ck3 = ckpt.Checkpointer(tmp_path / "root", opt3)
+    assert ck3.latest == 2
+    ck3.close()
+
+
+def test_a_moved_parameter_buffer_is_refused(tmp_path):
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    model.share_memory()
+    with pytest.raises(ckpt.CkptError, match="moved"):
+        ck.save(1)
+    with pytest.raises(ckpt.CkptError, match="moved"):
+        opt.step()

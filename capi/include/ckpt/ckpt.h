@@ -27,7 +27,7 @@ extern "C" {
 
 #define CKPT_ABI_VERSION 1
 
-/* The library exports these functions and nothing else. */
+/* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
 #define CKPT_C_EXPORT __attribute__((visibility("default")))
 #else
@@ -117,7 +117,8 @@ CKPT_C_EXPORT void ckpt_optimizer_destroy(ckpt_optimizer* opt);
 CKPT_C_EXPORT int ckpt_optimizer_size(const ckpt_optimizer* opt, uint64_t* elements);
 /* One AdamW step: `grads` (`grad_dtype`, elements in slab order) scaled by `grad_scale`;
  * the updated masters rounded into `params` (model dtype). `stream`: the CUDA engine's caller
- * stream (cudaStream_t), which is made to wait for the step's writes; NULL for the CPU engine.
+ * stream (cudaStream_t; NULL is the legacy default stream, torch's handle 0), which is made to
+ * wait for the step's writes; ignored by the CPU engine.
  * *skipped (may be NULL) is 1 when check_finite found NaN/Inf and nothing changed. */
 CKPT_C_EXPORT int ckpt_optimizer_step(ckpt_optimizer* opt, const void* grads, int grad_dtype, float grad_scale,
                         void* params, int check_finite, void* stream, int* skipped);
