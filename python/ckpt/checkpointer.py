@@ -93,13 +93,14 @@ class Checkpointer:
         self._pending = None
         coordinator = None
         rank = 0
+        if process_group is None:
+            process_group = optimizer._group_handle
+        elif process_group is not optimizer._group_handle:
+            # Each rank must own its pieces of the state; with whole parameters on every rank,
+            # the ranks' saves would overlap.
+            raise ValueError("the Checkpointer's process_group must be the one its StagedAdamW "
+                             "shards its state over")
         distributed = process_group is not None
-        if distributed:
-            # The ranks of a job must each own their pieces of the state (ZeRO-1 style), which
-            # StagedAdamW does not do yet: with whole parameters on every rank, their saves
-            # would overlap.
-            raise NotImplementedError("data-parallel StagedAdamW (pieces per rank) is not built "
-                                      "yet: save from one process")
         if distributed:
             import torch.distributed as dist
             coordinator, self._callback = _torch_coordinator(process_group)

@@ -59,11 +59,17 @@ class StagedAdamW(torch.optim.Optimizer):
       All of one dtype (float32, bfloat16, float16) and one device (CPU, or one CUDA device).
     moments: "f32" (default) or "bf16" (moments rounded to BF16 in the slabs).
     threads: CPU engine threads (0: every core). unit_bytes: ckpt's unit size (0: default).
+    process_group: a torch.distributed group (e.g. torch.distributed.group.WORLD) over which the
+      state is sharded ZeRO-1 style: each rank owns the pieces Megatron's buckets of
+      `bucket_elems` elements (0: 40M) give it, steps only those, and the ranks then exchange
+      the updated parameters; with reduce_grads the gradients are first averaged over the
+      group (leave it off when DDP already averaged them).
     A parameter whose .grad is None is stepped with a zero gradient (its weight decay applies).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 moments="f32", threads=0, unit_bytes=0):
+                 moments="f32", threads=0, unit_bytes=0, process_group=None, bucket_elems=0,
+                 reduce_grads=True):
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
@@ -123,26 +129,55 @@ class StagedAdamW(torch.optim.Optimizer):
                 p.data = flat[o:o + n].view(p.shape)
         self._flat = flat
         self._grads = torch.zeros(total, dtype=dtype, device=device)
-        # The host buffer ckpt's checkpointer reads and loads into: the parameters themselves on
-        # the CPU; a pinned mirror for CUDA parameters, kept in step around saves and loads.
-        self._host = flat if device.type == "cpu" else torch.empty(
-            total, dtype=dtype, pin_memory=True)
-        if device.type == "cuda":
-            self._host.copy_(flat)
         shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
         specs = (_lib.Param * len(plist))(*[
             _lib.Param(self._names[i].encode(), shapes[i], plist[i].dim(), _DTYPES[dtype],
                        group_of[id(plist[i])]) for i in range(len(plist))])
         groups = (_lib.Group * len(self.param_groups))(*[self._group(g) for g in self.param_groups])
-        pieces = (_lib.Piece * len(plist))(*[_lib.Piece(i, 0, n) for i, (_, n) in
-                                             enumerate(self._slices)])
+        self._group_handle = process_group
+        self._reduce_grads = reduce_grads
+        if process_group is not None:
+            import torch.distributed as dist
+            rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+            count = ctypes.c_size_t()
+            check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, None, 0,
+                                       ctypes.byref(count)))
+            pieces = (_lib.Piece * max(1, count.value))()
+            check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, pieces,
+                                       count.value, ctypes.byref(count)))
+            npieces = count.value
+            # (offset in the flat parameters, offset in this rank's slabs, count) per piece.
+            self._owned = []
+            at = 0
+            for i in range(npieces):
+                q = pieces[i]
+                self._owned.append((self._slices[q.param][0] + q.begin, at, q.count))
+                at += q.count
+            local = at
+        else:
+            pieces = (_lib.Piece * len(plist))(*[_lib.Piece(i, 0, n) for i, (_, n) in
+                                                 enumerate(self._slices)])
+            npieces = len(plist)
+            self._owned = None
+            local = total
+        # This rank's elements in slab order: the weights ckpt steps and its checkpointer reads
+        # and loads into (the parameters themselves for one CPU process), and their gradients.
+        if self._owned is None and device.type == "cpu":
+            self._host = flat
+        else:
+            self._host = torch.empty(local, dtype=dtype, pin_memory=device.type == "cuda")
+            self._gather(flat, self._host)
+        self._local_grads = self._grads if self._owned is None else torch.empty(
+            local, dtype=dtype, device=device)
+        self._local_params = flat if self._owned is None else torch.empty(
+            local, dtype=dtype, device=device)
         options = _lib.OptimizerOptions(
             _lib.ENGINE_CUDA if device.type == "cuda" else _lib.ENGINE_CPU, unit_bytes, threads, 0,
             _MOMENTS[moments])
         handle = ctypes.c_void_p()
         check(lib.ckpt_optimizer_create(specs, len(plist), groups, len(self.param_groups), pieces,
-                                        len(plist), ctypes.byref(options),
-                                        self._host.data_ptr(), total * self._host.element_size(),
+                                        npieces, ctypes.byref(options),
+                                        self._host.data_ptr(), self._host.numel() * self._host.element_size(),
                                         ctypes.byref(handle)))
         self._host_ptr = self._host.data_ptr()
         self._handle = handle
@@ -183,13 +218,45 @@ class StagedAdamW(torch.optim.Optimizer):
                 self._grads[o:o + n].zero_()
             else:
                 self._grads[o:o + n].copy_(p.grad.reshape(-1))
+        if self._owned is not None:
+            import torch.distributed as dist
+            if self._reduce_grads:
+                dist.all_reduce(self._grads, group=self._group_handle)
+                self._grads.div_(dist.get_world_size(self._group_handle))
+            self._gather(self._grads, self._local_grads)
         stream = None
         if self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device).cuda_stream
         skipped = ctypes.c_int(0)
-        check(lib.ckpt_optimizer_step(handle, self._grads.data_ptr(), _DTYPES[self._dtype], 1.0,
-                                      self._flat.data_ptr(), 0, stream, ctypes.byref(skipped)))
+        check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(), _DTYPES[self._dtype],
+                                      1.0, self._local_params.data_ptr(), 0, stream,
+                                      ctypes.byref(skipped)))
+        if self._owned is not None:
+            self._exchange(self._local_params)
         return loss
+
+    def _gather(self, full, local):
+        """This rank's pieces of a full flat buffer, into `local` (slab order)."""
+        if self._owned is None:
+            local.copy_(full)
+            return
+        for flat_at, local_at, n in self._owned:
+            local[local_at:local_at + n].copy_(full[flat_at:flat_at + n])
+
+    def _exchange(self, local):
+        """Every rank's updated pieces into every rank's parameters: each rank places its own
+        in a zeroed full buffer and the ranks sum them bit pattern for bit pattern (each element
+        has exactly one owner), which is exact in any dtype."""
+        import torch.distributed as dist
+        nbytes = self._flat.numel() * self._flat.element_size()
+        # Summed as int32 words: each bit comes from one rank at most, so the sum is the OR of
+        # the ranks' bits, with no carry (2-byte elements of two owners may share a word).
+        words = torch.zeros((nbytes + 3) // 4, dtype=torch.int32, device=self._flat.device)
+        full = words.view(torch.uint8)[:nbytes].view(self._flat.dtype)
+        for flat_at, local_at, n in self._owned:
+            full[flat_at:flat_at + n].copy_(local[local_at:local_at + n])
+        dist.all_reduce(words, group=self._group_handle)
+        self._flat.copy_(full)
 
     def _push_groups(self):
         """param_groups' hyper-parameters into ckpt: before every step, and before a save (so
@@ -200,10 +267,19 @@ class StagedAdamW(torch.optim.Optimizer):
         return handle
 
     def _state(self, which):
+        """One state tensor over every parameter (data-parallel: gathered from the ranks, so
+        every rank must call it)."""
         handle = self._live()
-        out = torch.empty(self._flat.numel(), dtype=torch.float32)
-        check(lib.ckpt_optimizer_read_state(handle, which, out.data_ptr(), out.numel()))
-        return out
+        local = torch.empty(self._host.numel(), dtype=torch.float32)
+        check(lib.ckpt_optimizer_read_state(handle, which, local.data_ptr(), local.numel()))
+        if self._owned is None:
+            return local
+        import torch.distributed as dist
+        full = torch.zeros(self._flat.numel(), dtype=torch.float32)
+        for flat_at, local_at, n in self._owned:
+            full[flat_at:flat_at + n].copy_(local[local_at:local_at + n])
+        dist.all_reduce(full.view(torch.int32), group=self._group_handle)
+        return full
 
     def _of(self, p, which):
         for q, (o, n) in zip(self._params, self._slices):
@@ -246,11 +322,16 @@ class StagedAdamW(torch.optim.Optimizer):
                 c.lr, (c.beta1, c.beta2), c.eps, c.weight_decay)
 
     def _to_host(self):
-        if self._device.type == "cuda":
-            self._host.copy_(self._flat)
+        if self._host is not self._flat:
+            self._gather(self._flat, self._host)
 
     def _from_host(self):
-        if self._device.type == "cuda":
+        """After a load into this rank's host weights: the parameters follow (data-parallel:
+        collective, the ranks exchange their pieces)."""
+        if self._owned is not None:
+            self._exchange(self._host.to(self._device))
+            self._local_params.copy_(self._host)
+        elif self._host is not self._flat:
             self._flat.copy_(self._host)
 
     def close(self):

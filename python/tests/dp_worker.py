@@ -1,0 +1,49 @@
+"""One rank of the data-parallel test (test_distributed.py): trains the TinyGPT of
+test_torch_optimizer.py on its shard of each step's batch with a sharded StagedAdamW over gloo,
+saving or resuming through ckpt.Checkpointer. Usage:
+    dp_worker.py RANK WORLD INIT_FILE ROOT (train FIRST LAST | resume LAST) [DUMP]"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckpt  # noqa: E402
+import ckpt.torch  # noqa: E402
+from test_torch_optimizer import TinyGPT, groups, shard_loss  # noqa: E402
+
+
+def main():
+    rank, world, init, root, phase = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], \
+        sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, process_group=dist.group.WORLD,
+                                 bucket_elems=5000, threads=1)
+    ck = ckpt.Checkpointer(root, opt)
+    if phase == "train":
+        first, last = int(sys.argv[6]), int(sys.argv[7])
+    else:
+        extra = ck.load()
+        first, last = extra["next_step"], int(sys.argv[6])
+    for step in range(first, last + 1):
+        opt.zero_grad()
+        shard_loss(model, step, rank, world).backward()
+        opt.step()
+    if phase == "train":
+        ck.save(last, extra={"next_step": last + 1, "rank": rank})
+    dump = sys.argv[-1] if sys.argv[-1].endswith(".pt") else None
+    state = {n: (p.detach().clone(), opt.master(p), opt.exp_avg(p), opt.exp_avg_sq(p))
+             for n, p in model.named_parameters()}  # Collective: every rank gathers.
+    if dump and rank == 0:
+        torch.save({"state": state, "steps": opt.group_steps()}, dump)
+    ck.close()
+    opt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
