@@ -11,7 +11,7 @@ def bits(t):
 
 
 def main(a_path, b_path):
-    a, b = torch.load(a_path), torch.load(b_path)
+    a, b = torch.load(a_path, map_location="cpu"), torch.load(b_path, map_location="cpu")
     differ = []
     for kind in ("params", "masters", "exp_avg", "exp_avg_sq"):
         for name in b[kind]:

@@ -63,8 +63,8 @@ class GPT(torch.nn.Module):
 
     def forward(self, ids):
         n = ids.shape[1]
-        x = self.embed(ids) + self.pos(torch.arange(n))
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        x = self.embed(ids) + self.pos(torch.arange(n, device=ids.device))
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=ids.device), 1)
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.norm(x))
@@ -93,13 +93,16 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=0, help="torch and ckpt threads (0: all)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (ckpt's CPU engine) or cuda (the model on the GPU, ckpt's CUDA "
+                        "engine streaming the state from host memory)")
     p.add_argument("--dump", help="write the final state here (torch.save) for comparison")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     data = corpus()
-    model = GPT(args.dim, args.layers, args.heads, args.context)
+    model = GPT(args.dim, args.layers, args.heads, args.context).to(args.device)
     decay = [(n, q) for n, q in model.named_parameters() if q.dim() >= 2]
     plain = [(n, q) for n, q in model.named_parameters() if q.dim() < 2]
     opt = ckpt.torch.StagedAdamW([{"params": decay, "weight_decay": 0.1},
@@ -132,6 +135,7 @@ def main():
     start = time.time()
     for step in range(first, args.steps + 1):
         x, y = batch(data, step, args.batch, args.context)
+        x, y = x.to(args.device), y.to(args.device)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
         loss.backward()
@@ -159,7 +163,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
     print(f"trained steps {first}..{args.steps} in {time.time() - start:.1f} s", flush=True)
     if args.dump:
-        state = {"params": {n: q.detach().clone() for n, q in model.named_parameters()},
+        state = {"params": {n: q.detach().cpu() for n, q in model.named_parameters()},
                  "masters": {n: opt.master(q) for n, q in model.named_parameters()},
                  "exp_avg": {n: opt.exp_avg(q) for n, q in model.named_parameters()},
                  "exp_avg_sq": {n: opt.exp_avg_sq(q) for n, q in model.named_parameters()},

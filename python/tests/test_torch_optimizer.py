@@ -31,7 +31,7 @@ class TinyGPT(torch.nn.Module):
     def forward(self, ids):
         x = self.embed(ids)
         n = ids.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=ids.device), 1)
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         x = x + self.mlp(self.norm2(x))
