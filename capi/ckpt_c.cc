@@ -120,6 +120,14 @@ class CallbackCoordinator : public ckpt::Coordinator {
     }
     return parts;
   }
+  absl::Status Barrier() override {
+    if (c_.barrier == nullptr) return Coordinator::Barrier();
+    const int rc = c_.barrier(c_.user);
+    if (rc != 0) {
+      return absl::UnavailableError(absl::StrCat("rank ", c_.rank, ": the coordinator's barrier failed (", rc, ")"));
+    }
+    return absl::OkStatus();
+  }
 
  private:
   const ckpt_coordinator c_;

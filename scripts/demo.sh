@@ -3,8 +3,9 @@
 # parameters) learns the licence texts in /usr/share/common-licenses with ckpt.torch.StagedAdamW
 # (torch's LambdaLR, warmup then cosine) and async saves every 10 steps; it is killed with
 # SIGKILL while the async save of step 35 is in flight, resumes from LATEST (step 30) in a fresh
-# process and must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects and
-# verifies the store, exports the model as safetensors and reshards the last step for 4 ranks.
+# process and must end bit for bit where an uninterrupted run ends; then ckpt-tool inspects the
+# store, exports the model as safetensors, reshards the last step for 4 ranks (diff: equal) and
+# verifies the export and every step.
 # The C++ demo trainer's run is scripts/demo_cpp.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +28,8 @@ echo "--- an uninterrupted run of the same job, for comparison"
 "$py" demo/python/same_state.py "$dir/resumed.pt" "$dir/reference.pt"
 echo "--- the checkpoints, seen by ckpt-tool"
 ./build/cli/ckpt-tool inspect "$dir/run/ckpt" | sed -n "1,/^tensors:/p;/^optimizer:/,\$p"
-./build/cli/ckpt-tool verify "$dir/run/ckpt" --all
 ./build/cli/ckpt-tool export-hf "$dir/run/ckpt" "$dir/model"
-./build/cli/ckpt-tool verify "$dir/model"
 ./build/cli/ckpt-tool reshard "$dir/run/ckpt" "$dir/ckpt-dp4" --dp 4 --bucket-elems 1000000
 ./build/cli/ckpt-tool diff "$dir/run/ckpt" "$dir/ckpt-dp4"
+./build/cli/ckpt-tool verify "$dir/model"
+./build/cli/ckpt-tool verify "$dir/run/ckpt" --all

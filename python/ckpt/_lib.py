@@ -55,11 +55,12 @@ class OptimizerOptions(ctypes.Structure):
 
 ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
+BARRIER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
 class Coordinator(ctypes.Structure):
     _fields_ = [("user", ctypes.c_void_p), ("rank", ctypes.c_int), ("size", ctypes.c_int),
-                ("all_gather", ALL_GATHER)]
+                ("all_gather", ALL_GATHER), ("barrier", BARRIER)]
 
 
 def _candidates():

@@ -44,8 +44,15 @@ def _torch_coordinator(group):
         except Exception:  # A failed exchange is the vote's error, not a crash of the caller.
             return 1
 
-    callback = _lib.ALL_GATHER(all_gather)
-    return _lib.Coordinator(None, rank, size, callback), callback
+    def barrier(_user):
+        try:
+            dist.barrier(group=group)
+            return 0
+        except Exception:  # Reported to ckpt as a failed barrier, not raised through C.
+            return 1
+
+    callbacks = (_lib.ALL_GATHER(all_gather), _lib.BARRIER(barrier))
+    return _lib.Coordinator(None, rank, size, *callbacks), callbacks
 
 
 class PendingSave:

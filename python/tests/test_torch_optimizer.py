@@ -233,6 +233,16 @@ def test_bad_input_raises_clear_errors(tmp_path):
     ck.close()
     with pytest.raises(ckpt.CkptError, match="closed"):
         ck.save(2)
+    # A checkpoint of another model: its shapes do not fit; refused, nothing changed.
+    other = TinyGPT(dim=16)
+    other_opt = ckpt.torch.StagedAdamW(groups(other), lr=1e-3)
+    ck_other = ckpt.Checkpointer(tmp_path / "root", other_opt)
+    before = snapshot(other, other_opt)
+    with pytest.raises(ckpt.CkptError) as shapes:
+        ck_other.load(1)
+    assert shapes.value.code == "INVALID_ARGUMENT" and "embed.weight" in str(shapes.value)
+    assert same(snapshot(other, other_opt), before)
+    ck_other.close()
     opt.close()
     with pytest.raises(ckpt.CkptError, match="closed"):
         opt.step()

@@ -149,6 +149,9 @@ typedef struct {
    * bytes back to back in rank order (memory from ckpt_alloc; ckpt frees it) and lens[r]
    * (`size` entries) their lengths. Returns 0, or nonzero when the exchange failed. */
   int (*all_gather)(void* user, const void* data, size_t len, void** out, size_t* lens);
+  /* Returns when every rank has called it: 0, or nonzero when it failed. May be NULL: an
+   * all_gather of nothing then serves. */
+  int (*barrier)(void* user);
 } ckpt_coordinator;
 
 /* ---- Checkpointer ---- */
