@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <iostream>
+#include <vector>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -17,10 +19,29 @@ int ReportError(absl::string_view context, const absl::Status& status) {
   return kExitUsage;
 }
 
-int OpenStepExitCode(const absl::Status& status, bool step_exists) {
-  if (absl::IsDataLoss(status)) return kExitDamage;
-  if (absl::IsNotFound(status) && step_exists) return kExitDamage;
-  return kExitUsage;
+int OpenStepOrReport(absl::string_view command, const std::string& root,
+                     std::optional<uint64_t> step, OpenedStep* out) {
+  const std::string context = absl::StrCat(command, " ", Printable(root));
+  StoreOptions options;
+  options.read_only = true;
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(root, options);
+  if (!store.ok()) return ReportError(context, store.status());
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
+      step.has_value() ? (*store)->OpenStep(*step) : (*store)->OpenLatest();
+  if (!reader.ok()) {
+    ReportError(context, reader.status());
+    bool exists = (*store)->latest_step().has_value();
+    if (step.has_value()) {
+      absl::StatusOr<std::vector<uint64_t>> steps = (*store)->ListSteps();
+      exists = steps.ok() && std::count(steps->begin(), steps->end(), *step) > 0;
+    }
+    const bool damage = absl::IsDataLoss(reader.status()) ||
+                        (absl::IsNotFound(reader.status()) && exists);
+    return damage ? kExitDamage : kExitUsage;
+  }
+  out->store = *std::move(store);
+  out->reader = *std::move(reader);
+  return kExitOk;
 }
 
 std::string Printable(absl::string_view text) {

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -11,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 
 namespace ckpt::cli {
@@ -23,11 +26,18 @@ inline constexpr int kExitUsage = 2;   // Bad usage, or the root cannot be read.
 // Prints "ckpt-tool: <context>: <status>" to stderr (Printable) and returns kExitUsage.
 int ReportError(absl::string_view context, const absl::Status& status);
 
-// The exit code of a command whose opening of a committed step failed with `status`: damage
-// (kDataLoss; kNotFound when the step's directory or LATEST is there, so a file of it is
-// missing or LATEST names a step that is gone) is kExitDamage; anything else (a step that was
-// never saved, a missing root) is kExitUsage.
-int OpenStepExitCode(const absl::Status& status, bool step_exists);
+// A committed step opened for reading, with the read-only store handle it came from.
+struct OpenedStep {
+  std::unique_ptr<CheckpointStore> store;
+  std::unique_ptr<CheckpointReader> reader;
+};
+// Opens `root` read-only and its `step` (LATEST when nullopt) for `command`. On failure prints
+// the error and returns the exit code: damage (kDataLoss; kNotFound when the step's directory
+// or LATEST is there, so a file of it is missing or LATEST names a step that is gone) is
+// kExitDamage; anything else (a step never saved, a missing root) kExitUsage. kExitOk on
+// success.
+int OpenStepOrReport(absl::string_view command, const std::string& root,
+                     std::optional<uint64_t> step, OpenedStep* out);
 
 // `text` safe for a terminal: control bytes (below 0x20, and 0x7f) become \xNN and a backslash
 // becomes \\, so a name read from a file cannot move the cursor or rewrite what was printed.

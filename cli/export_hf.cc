@@ -1,9 +1,7 @@
 // ckpt-tool export-hf ROOT OUT: a committed step's model as HuggingFace safetensors, through
 // the library's ExportHf (ckpt/optimizer/export_hf.h), in bounded memory, with a progress bar on
 // a terminal.
-#include <algorithm>
 #include <iostream>
-#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -37,34 +35,24 @@ int RunExportHf(const ExportHfArgs& args) {
   if (!shard.ok()) return ReportError("export-hf --max-shard-size", shard.status());
   options.max_shard_bytes = *shard;
   options.config = args.config;
-  StoreOptions so;
-  so.read_only = true;
-  absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(args.root, so);
-  if (!store.ok()) return ReportError(absl::StrCat("export-hf ", Printable(args.root)), store.status());
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
-      args.step.has_value() ? (*store)->OpenStep(*args.step) : (*store)->OpenLatest();
-  if (!reader.ok()) {
-    ReportError(absl::StrCat("export-hf ", Printable(args.root)), reader.status());
-    bool exists = (*store)->latest_step().has_value();
-    if (args.step.has_value()) {
-      absl::StatusOr<std::vector<uint64_t>> steps = (*store)->ListSteps();
-      exists = steps.ok() && std::count(steps->begin(), steps->end(), *args.step) > 0;
-    }
-    return OpenStepExitCode(reader.status(), exists);
+  OpenedStep opened;
+  if (int code = OpenStepOrReport("export-hf", args.root, args.step, &opened); code != kExitOk) {
+    return code;
   }
+  const CheckpointReader& reader = *opened.reader;
   ProgressBar bar("export", 0, !args.json);
   options.progress = [&](uint64_t done, uint64_t total) {
     bar.SetTotal(total);
     bar.Update(done);
   };
   absl::StatusOr<optimizer::ExportHfReport> report =
-      optimizer::ExportHf(**reader, args.out, options);
+      optimizer::ExportHf(reader, args.out, options);
   bar.Finish();
   if (!report.ok()) {
     ReportError("export-hf", report.status());
     return absl::IsDataLoss(report.status()) ? kExitDamage : kExitUsage;
   }
-  const uint64_t step = (*reader)->step();
+  const uint64_t step = reader.step();
   if (args.json) {
     PrintJson({{"root", args.root},
                {"step", step},

@@ -2,9 +2,7 @@
 // the optimizer lays them out for DP size R, through the library's Reshard
 // (ckpt/optimizer/reshard.h): one transaction into DST, in bounded memory, with a progress bar
 // on a terminal.
-#include <algorithm>
 #include <iostream>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint_store.h"
@@ -15,21 +13,11 @@
 namespace ckpt::cli {
 
 int RunReshard(const ReshardArgs& args) {
-  StoreOptions in;
-  in.read_only = true;
-  absl::StatusOr<std::unique_ptr<CheckpointStore>> store = CheckpointStore::Open(args.root, in);
-  if (!store.ok()) return ReportError(absl::StrCat("reshard ", Printable(args.root)), store.status());
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
-      args.step.has_value() ? (*store)->OpenStep(*args.step) : (*store)->OpenLatest();
-  if (!reader.ok()) {
-    ReportError(absl::StrCat("reshard ", Printable(args.root)), reader.status());
-    bool exists = (*store)->latest_step().has_value();
-    if (args.step.has_value()) {
-      absl::StatusOr<std::vector<uint64_t>> steps = (*store)->ListSteps();
-      exists = steps.ok() && std::count(steps->begin(), steps->end(), *args.step) > 0;
-    }
-    return OpenStepExitCode(reader.status(), exists);
+  OpenedStep opened;
+  if (int code = OpenStepOrReport("reshard", args.root, args.step, &opened); code != kExitOk) {
+    return code;
   }
+  const CheckpointReader& reader = *opened.reader;
   optimizer::ReshardOptions options;
   options.dp = args.dp;
   options.buckets.bucket_elems = args.bucket_elems;
@@ -43,7 +31,7 @@ int RunReshard(const ReshardArgs& args) {
     bar.Update(done);
   };
   absl::StatusOr<optimizer::ReshardReport> report =
-      optimizer::Reshard(**reader, args.dst, options);
+      optimizer::Reshard(reader, args.dst, options);
   bar.Finish();
   if (!report.ok()) {
     ReportError("reshard", report.status());
