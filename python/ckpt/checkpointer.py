@@ -87,8 +87,10 @@ class PendingSave:
 class Checkpointer:
     """Saves and loads `optimizer` (a ckpt.torch.StagedAdamW) in the checkpoint root `root`.
 
-    process_group: a torch.distributed group whose ranks share the root (default: the default
-    group when torch.distributed is initialized, else this process alone).
+    process_group: the group the optimizer shards its state over (the default: the optimizer's
+    own; one process when it has none). With a non-sharded optimizer in a DDP job, every rank
+    holds the whole state: make the Checkpointer on one rank only (the others would be refused
+    the root's LOCK).
     async_staging_bytes: memory an async save may use to copy state aside (0: 1 GiB).
     """
 
@@ -192,7 +194,8 @@ class Checkpointer:
 
     def load(self, step=None):
         """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
-        any data-parallel size; returns the `extra` saved with it (this rank's)."""
+        any data-parallel size; returns the `extra` saved with it by this rank (by rank 0 when
+        the checkpoint was saved by fewer ranks than this rank's number)."""
         if step is not None:
             step = self._step(step)
         handle = self._live()

@@ -63,7 +63,7 @@ class StagedAdamW(torch.optim.Optimizer):
       state is sharded ZeRO-1 style: each rank owns the pieces Megatron's buckets of
       `bucket_elems` elements (0: 40M) give it, steps only those, and the ranks then exchange
       the updated parameters; with reduce_grads the gradients are first averaged over the
-      group (leave it off when DDP already averaged them).
+      group in FP32 (leave it off when DDP already averaged them).
     A parameter whose .grad is None is stepped with a zero gradient (its weight decay applies).
     """
 
@@ -78,8 +78,10 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if moments not in _MOMENTS:
             raise ValueError(f"moments must be 'f32' or 'bf16', got {moments!r}")
-        if not isinstance(threads, int) or threads < 0:
-            raise ValueError(f"threads must be an int >= 0, got {threads!r}")
+        for key, value in (("threads", threads), ("unit_bytes", unit_bytes),
+                           ("bucket_elems", bucket_elems)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
+                raise ValueError(f"{key} must be an int >= 0, got {value!r}")
         params, names = _named(params)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
@@ -128,7 +130,10 @@ class StagedAdamW(torch.optim.Optimizer):
             for p, (o, n) in zip(plist, self._slices):
                 p.data = flat[o:o + n].view(p.shape)
         self._flat = flat
-        self._grads = torch.zeros(total, dtype=dtype, device=device)
+        # Data-parallel gradients are averaged in FP32 (gloo cannot all-reduce BF16, and a sum
+        # in F16 overflows where the mean would not); ckpt's step takes FP32 gradients too.
+        grad_dtype = torch.float32 if process_group is not None else dtype
+        self._grads = torch.zeros(total, dtype=grad_dtype, device=device)
         shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
         specs = (_lib.Param * len(plist))(*[
             _lib.Param(self._names[i].encode(), shapes[i], plist[i].dim(), _DTYPES[dtype],
@@ -168,7 +173,7 @@ class StagedAdamW(torch.optim.Optimizer):
             self._host = torch.empty(local, dtype=dtype, pin_memory=device.type == "cuda")
             self._gather(flat, self._host)
         self._local_grads = self._grads if self._owned is None else torch.empty(
-            local, dtype=dtype, device=device)
+            local, dtype=grad_dtype, device=device)
         self._local_params = flat if self._owned is None else torch.empty(
             local, dtype=dtype, device=device)
         options = _lib.OptimizerOptions(
@@ -228,7 +233,8 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device).cuda_stream
         skipped = ctypes.c_int(0)
-        check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(), _DTYPES[self._dtype],
+        check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(),
+                                      _DTYPES[self._local_grads.dtype],
                                       1.0, self._local_params.data_ptr(), 0, stream,
                                       ctypes.byref(skipped)))
         if self._owned is not None:
@@ -275,11 +281,12 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._owned is None:
             return local
         import torch.distributed as dist
-        full = torch.zeros(self._flat.numel(), dtype=torch.float32)
+        # On the parameters' device: NCCL reduces device tensors only.
+        full = torch.zeros(self._flat.numel(), dtype=torch.float32, device=self._flat.device)
         for flat_at, local_at, n in self._owned:
             full[flat_at:flat_at + n].copy_(local[local_at:local_at + n])
         dist.all_reduce(full.view(torch.int32), group=self._group_handle)
-        return full
+        return full.cpu()
 
     def _of(self, p, which):
         for q, (o, n) in zip(self._params, self._slices):

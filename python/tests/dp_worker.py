@@ -2,6 +2,7 @@
 test_torch_optimizer.py on its shard of each step's batch with a sharded StagedAdamW over gloo,
 saving or resuming through ckpt.Checkpointer. Usage:
     dp_worker.py RANK WORLD INIT_FILE ROOT (train FIRST LAST | resume LAST) [DUMP]"""
+import datetime
 import os
 import sys
 
@@ -18,9 +19,12 @@ def main():
     rank, world, init, root, phase = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], \
         sys.argv[5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = TinyGPT()
+    if os.environ.get("CKPT_TEST_DTYPE") == "bf16":
+        model.to(torch.bfloat16)
     opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, process_group=dist.group.WORLD,
                                  bucket_elems=5000, threads=1)
     ck = ckpt.Checkpointer(root, opt)

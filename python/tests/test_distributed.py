@@ -13,10 +13,11 @@ from test_torch_optimizer import TinyGPT, groups, relative, shard_loss
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
 
 
-def launch(world, tmp_path, tag, *args):
+def launch(world, tmp_path, tag, *args, env=None):
     init = tmp_path / f"init-{tag}"
     procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world), str(init), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, **(env or {})))
              for r in range(world)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for r, p in enumerate(procs):
@@ -42,3 +43,16 @@ def test_two_ranks_save_three_load_and_continue_as_one_process(tmp_path):
         for kind, a, b in zip(("weights", "master", "exp_avg", "exp_avg_sq"), got["state"][name],
                               want):
             assert relative(a, b) <= 2e-6, f"{kind} {name}: {relative(a, b):.2e}"
+
+
+def test_bf16_parameters_average_their_gradients_in_fp32(tmp_path):
+    # gloo cannot all-reduce BF16: the ranks reduce FP32 copies; save at 2, resume at 3.
+    root = str(tmp_path / "root")
+    launch(2, tmp_path, "a", root, "train", "1", "2", env={"CKPT_TEST_DTYPE": "bf16"})
+    launch(3, tmp_path, "b", root, "resume", "3", str(tmp_path / "bf16.pt"),
+           env={"CKPT_TEST_DTYPE": "bf16"})
+    got = torch.load(tmp_path / "bf16.pt")
+    assert got["steps"] == [3, 3]
+    for name, (weights, master, _, _) in got["state"].items():
+        assert weights.dtype == torch.bfloat16
+        assert torch.equal(weights, master.bfloat16()), name
