@@ -48,7 +48,6 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/random/random.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -58,6 +57,7 @@
 #include "ckpt/formats/float_convert.h"
 #include "optimizer/async_save.h"
 #include "optimizer/checkpointer_layout.h"
+#include "optimizer/new_directory.h"
 #include "optimizer/engine.h"
 
 namespace ckpt::optimizer {
@@ -513,7 +513,7 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   }
   undo->spill_dir =
       JoinPath(store_->root(), absl::StrFormat(".undo-rank-%05d-%016x", coordinator_->rank(),
-                                               absl::Uniform<uint64_t>(absl::BitGen())));
+                                               internal::RandomNonce()));
   StoreOptions options = store_->options();
   options.primary = true;
   options.read_only = false;

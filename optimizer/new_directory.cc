@@ -1,5 +1,7 @@
 #include "optimizer/new_directory.h"
 
+#include <mutex>
+
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,13 @@ absl::StatusOr<std::string> Resolve(Env* env, const std::string& path) {
 
 }  // namespace
 
+uint64_t RandomNonce() {
+  static std::mutex* mu = new std::mutex;
+  static absl::BitGen* gen = new absl::BitGen;
+  std::lock_guard<std::mutex> lock(*mu);
+  return absl::Uniform<uint64_t>(*gen);
+}
+
 absl::StatusOr<NewDirectory> NewDirectory::Plan(Env* env, const std::string& target,
                                                 absl::string_view what) {
   absl::StatusOr<bool> is_dir = env->IsDirectory(target);
@@ -47,7 +56,7 @@ absl::StatusOr<NewDirectory> NewDirectory::Plan(Env* env, const std::string& tar
   NewDirectory d;
   d.target_ = target;
   d.staging_ = JoinPath(Dirname(target), absl::StrFormat(".%s.%s-%016x", name, what,
-                                                          absl::Uniform<uint64_t>(absl::BitGen())));
+                                                          RandomNonce()));
   return d;
 }
 
