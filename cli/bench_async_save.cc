@@ -35,6 +35,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   o.staging_bytes = *staging;
   o.steps = args.steps;
   o.rounds = args.rounds;
+  o.step_gap_ms = args.step_gap_ms;
   absl::StatusOr<bench::AsyncSaveFigures> f = bench::RunAsyncSaveBench(o);
   if (!f.ok()) return ReportError("bench async-save", f.status());
   const double step_ratio = f->step_during_save_ms / f->step_ms;
@@ -50,6 +51,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"step_during_save_ms", f->step_during_save_ms},
                {"steps_during_save", f->steps_during_save},
                {"rounds", args.rounds},
+               {"step_gap_ms", args.step_gap_ms},
                {"step_ratio", step_ratio},
                {"durable_s", f->durable_s},
                {"writer_s", f->writer_s},
@@ -69,7 +71,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   }
   std::cout << absl::StrFormat(
       "optimizer state %s, %s engine, staging pool %s, %d round(s) of a sync then an async save "
-      "(medians)\n"
+      "(medians), steps %s\n"
       "SaveAsync returned in      %8.2f ms (the longest)\n"
       "step without a save        %8.1f ms\n"
       "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
@@ -81,7 +83,10 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       "GB/s), steps waited %llu time(s)\n"
       "retention (the step before last deleted after each save, outside the times above): "
       "%.3f s at most\n",
-      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds, f->return_ms,
+      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds,
+      args.step_gap_ms == 0 ? std::string("back to back")
+                            : absl::StrCat(args.step_gap_ms, " ms apart"),
+      f->return_ms,
       f->step_ms,
       f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->writer_s,
       f->finalize_ms, f->finalized_s, f->sync_save_s,

@@ -81,6 +81,7 @@ struct BenchAsyncSaveArgs {
   std::string staging = "1G";  // The async save's staging pool.
   int steps = 3;
   int rounds = 3;
+  int step_gap_ms = 0;  // Between steps during the save (a trainer's forward and backward).
   bool json = false;
 };
 int RunBenchAsyncSave(const BenchAsyncSaveArgs& args);

@@ -211,6 +211,10 @@ int main(int argc, char** argv) {
   async_cmd->add_option("--rounds", bench_async.rounds,
                         "Rounds of a sync save then an async save (medians are reported)")
       ->check(WholeNumber(1, 100));
+  async_cmd->add_option("--step-gap-ms", bench_async.step_gap_ms,
+                        "Milliseconds between steps during the save, as a trainer's forward and "
+                        "backward (default 0: back to back)")
+      ->check(WholeNumber(0, 60000));
   async_cmd->add_flag("--json", bench_async.json, "Print one JSON object");
 
   DiffArgs diff;

@@ -211,11 +211,17 @@ absl::Status AsyncSave::WriteUnit(size_t u, const std::byte* master, const std::
     std::span<const std::byte> weights(seg_master, seg.count * 4);
     if (model != DType::kF32) {
       bounce_.resize(seg.count * wsize);
-      for (uint64_t i = 0; i < seg.count; ++i) {
-        float f;
-        std::memcpy(&f, seg_master + 4 * i, 4);
-        const uint16_t h = model == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
-        std::memcpy(bounce_.data() + 2 * i, &h, 2);
+      if (model == DType::kBF16 && reinterpret_cast<uintptr_t>(seg_master) % 4 == 0) {
+        formats::FloatsToBf16(reinterpret_cast<const float*>(seg_master),
+                              reinterpret_cast<uint16_t*>(bounce_.data()), seg.count);
+      } else {
+        for (uint64_t i = 0; i < seg.count; ++i) {
+          float f;
+          std::memcpy(&f, seg_master + 4 * i, 4);
+          const uint16_t h =
+              model == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
+          std::memcpy(bounce_.data() + 2 * i, &h, 2);
+        }
       }
       weights = bounce_;
     }

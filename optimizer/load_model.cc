@@ -340,7 +340,11 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
       std::memset(moment.data(), 0, moment.size());
     }
     const DType model = optimizer_->model_dtype();
-    for (uint64_t i = 0; i < master.size(); ++i) {
+    if (model == DType::kBF16) {
+      formats::FloatsToBf16(master.data(), reinterpret_cast<uint16_t*>(weights_.data()),
+                            master.size());
+    }
+    for (uint64_t i = 0; i < master.size() && model != DType::kBF16; ++i) {
       if (model == DType::kF32) {
         std::memcpy(weights_.data() + 4 * i, &master[i], 4);
         continue;

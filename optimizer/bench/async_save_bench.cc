@@ -157,6 +157,9 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
       }
       during += *s;
       ++steps;
+      if (options.step_gap_ms > 0 && !pending->writer_done()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(options.step_gap_ms));
+      }
     } while (!pending->writer_done());
     stop.store(true);
     watcher.join();

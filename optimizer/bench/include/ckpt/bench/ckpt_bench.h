@@ -45,6 +45,9 @@ struct AsyncSaveBenchOptions {
   uint64_t staging_bytes = uint64_t{1} << 30;  // CheckpointerOptions::async_staging_bytes.
   int steps = 3;                               // Steps timed without a save (median).
   int rounds = 3;                              // Sync save + async save pairs.
+  // Milliseconds between steps during an async save: what a trainer's forward and backward
+  // take between optimizer steps (0: steps back to back, the worst case for the writer).
+  int step_gap_ms = 0;
 };
 
 struct AsyncSaveFigures {
@@ -71,8 +74,8 @@ struct AsyncSaveFigures {
 };
 
 // Times steps, makes one untimed async save (the staging pool is made and faulted in by a
-// Checkpointer's first), then `rounds` times: a sync save, then SaveAsync and steps back to back
-// until the writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
+// Checkpointer's first), then `rounds` times: a sync save, then SaveAsync and steps (back to
+// back, or step_gap_ms apart) until the writer is done, then Finalize. kInvalidArgument for no parameters; kUnimplemented /
 // kFailedPrecondition for the CUDA engine where it cannot run. The store is removed afterwards.
 absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& options);
 
