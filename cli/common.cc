@@ -44,17 +44,62 @@ int OpenStepOrReport(absl::string_view command, const std::string& root,
   return kExitOk;
 }
 
+namespace {
+
+// The code point of the well-formed UTF-8 sequence at the start of `s` and its length, or
+// length 0 when it is not one (a stray continuation byte, a truncated or overlong sequence, a
+// surrogate, past U+10FFFF).
+std::pair<uint32_t, size_t> DecodeUtf8(absl::string_view s) {
+  const auto b = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char lead = b(0);
+  size_t n = lead >= 0xf0 ? 4 : lead >= 0xe0 ? 3 : lead >= 0xc0 ? 2 : 0;
+  if (n == 0 || lead > 0xf4 || s.size() < n) return {0, 0};
+  uint32_t cp = lead & (0xff >> (n + 1));
+  for (size_t i = 1; i < n; ++i) {
+    if ((b(i) & 0xc0) != 0x80) return {0, 0};
+    cp = (cp << 6) | (b(i) & 0x3f);
+  }
+  const uint32_t min = n == 2 ? 0x80 : n == 3 ? 0x800 : 0x10000;
+  if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return {0, 0};
+  return {cp, n};
+}
+
+// Code points a terminal acts on rather than shows: C1 controls (U+0080-U+009F, e.g. CSI
+// U+009B) and the bidirectional controls that reorder what follows (LRM, RLM, ALM, the
+// embeddings, overrides and isolates).
+bool IsTerminalControl(uint32_t cp) {
+  return (cp >= 0x80 && cp <= 0x9f) || cp == 0x61c || cp == 0x200e || cp == 0x200f ||
+         (cp >= 0x202a && cp <= 0x202e) || (cp >= 0x2066 && cp <= 0x2069);
+}
+
+}  // namespace
+
 std::string Printable(absl::string_view text) {
   std::string out;
   out.reserve(text.size());
-  for (char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
+  for (size_t i = 0; i < text.size();) {
+    const auto u = static_cast<unsigned char>(text[i]);
+    if (u < 0x80) {
+      if (u < 0x20 || u == 0x7f) {
+        absl::StrAppendFormat(&out, "\\x%02x", u);
+      } else if (u == '\\') {
+        out += "\\\\";
+      } else {
+        out += static_cast<char>(u);
+      }
+      ++i;
+      continue;
+    }
+    const auto [cp, n] = DecodeUtf8(text.substr(i));
+    if (n == 0) {  // Not UTF-8: a lone byte, which an 8-bit terminal may read as a control.
       absl::StrAppendFormat(&out, "\\x%02x", u);
-    } else if (c == '\\') {
-      out += "\\\\";
+      ++i;
+    } else if (IsTerminalControl(cp)) {
+      absl::StrAppendFormat(&out, "\\u%04x", cp);
+      i += n;
     } else {
-      out += c;
+      out.append(text.data() + i, n);
+      i += n;
     }
   }
   return out;

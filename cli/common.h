@@ -40,8 +40,10 @@ int OpenStepOrReport(absl::string_view command, const std::string& root,
                      std::optional<uint64_t> step, OpenedStep* out);
 
 // `text` safe for a terminal: control bytes (below 0x20, and 0x7f) become \xNN and a backslash
-// becomes \\, so a name read from a file cannot move the cursor or rewrite what was printed.
-// Other bytes (UTF-8 names) pass unchanged. JSON output is escaped by the JSON encoder instead.
+// becomes \\; C1 controls and bidirectional controls (U+0080-U+009F, U+061C, U+200E, U+200F,
+// U+202A-U+202E, U+2066-U+2069) become \uNNNN; bytes that are not well-formed UTF-8 become
+// \xNN. So a name read from a file cannot move the cursor, rewrite what was printed or reorder
+// it. Other UTF-8 passes unchanged. JSON output is escaped by the JSON encoder instead.
 std::string Printable(absl::string_view text);
 
 // kResourceExhausted naming `what` when `bytes` exceed the machine's physical memory: a

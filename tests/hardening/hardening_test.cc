@@ -338,6 +338,14 @@ const Case kCases[] = {
     {"ControlBytesInTensorNamesAreEscaped",
      [](const std::string&, const std::string& dir) { HfModel(dir + "/model", "evil\x1b[2Jname"); },
      "inspect {dir}/model", 0, "evil\\x1b[2Jname"},
+    {"C1AndBidiControlsInTensorNamesAreEscaped",
+     [](const std::string&, const std::string& dir) {
+       HfModel(dir + "/model", "csi\xc2\x9b" "2J-rlo\xe2\x80\xae" "exe.txt-caf\xc3\xa9");
+     },
+     "inspect {dir}/model", 0, "csi\\u009b2J-rlo\\u202eexe.txt-caf\xc3\xa9"},
+    {"BytesThatAreNotUtf8InPathsAreEscaped",  // Tensor names are UTF-8 by the format.
+     [](const std::string&, const std::string&) {}, "inspect {dir}/bad\x9b\xff" "name", 2,
+     "bad\\x9b\\xffname"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, HardeningTest, ::testing::ValuesIn(kCases),
