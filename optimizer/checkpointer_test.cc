@@ -63,12 +63,6 @@ class CheckpointerTest : public ::testing::Test {
     ExpectAllOk(job.Load(1));
     return job.Gather();
   }
-  std::vector<std::string> RootEntries() {
-    auto names = mem_->GetChildren(kRoot);
-    EXPECT_THAT(names, IsOk());
-    std::sort(names->begin(), names->end());
-    return *names;
-  }
 
   std::unique_ptr<Env> mem_;
   testing::FaultInjectionEnv env_;
@@ -115,10 +109,10 @@ TEST_F(CheckpointerTest, PreflightRefusalsTouchNothing) {
     Job job(&env_, 2, 500, params);
     job.Step(0);
     const std::string before = job.Gather();
-    const std::vector<std::string> entries = RootEntries();
+    const std::vector<std::string> entries = test_job::RootEntries(mem_.get());
     ExpectAll(job.Load(1), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(job.Gather(), before);
-    EXPECT_EQ(RootEntries(), entries) << "a refused load wrote something";
+    EXPECT_EQ(test_job::RootEntries(mem_.get()), entries) << "a refused load wrote something";
   }
 }
 
@@ -133,7 +127,8 @@ TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) 
   ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
   EXPECT_EQ(job.Gather(), before);
   EXPECT_EQ(job.rank(0).opt->lifecycle(), Lifecycle::kClean);
-  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+  EXPECT_THAT(test_job::RootEntries(mem_.get()),
+              ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
 TEST_F(CheckpointerTest, ReloadingTheStepTheStateCameFromRollsBackFromASpill) {
@@ -158,7 +153,8 @@ TEST_F(CheckpointerTest, FailedApplyRollsBackFromASpillWhenTheStateMovedOn) {
   ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
   EXPECT_EQ(job.Gather(), before);
   job.Step(2);  // Still clean.
-  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+  EXPECT_THAT(test_job::RootEntries(mem_.get()),
+              ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
 TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
@@ -232,7 +228,8 @@ TEST_F(CheckpointerTest, EveryFailedReadOrWriteOfADirtyLoadRestoresOrPoisons) {
   StoreOptions so;
   so.env = &env_;
   ASSERT_THAT(CheckpointStore::Open(kRoot, so), IsOk());
-  EXPECT_THAT(RootEntries(), ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+  EXPECT_THAT(test_job::RootEntries(mem_.get()),
+              ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
 
@@ -333,7 +330,7 @@ TEST_F(CheckpointerTest, ACrashAtEveryCallOfALoadLeavesTheStoreLoadable) {
     ++crashes;
     {
       Job job(&env_, 3, 400);  // Its primary Open recovers the root.
-      EXPECT_THAT(RootEntries(),
+      EXPECT_THAT(test_job::RootEntries(mem_.get()),
                   ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))))
           << "crash after call " << k;
       auto report = VerifyStore(&env_, kRoot, std::nullopt, /*all=*/true);

@@ -4,6 +4,7 @@
 #ifndef CKPT_OPTIMIZER_CHECKPOINTER_TEST_JOB_H_
 #define CKPT_OPTIMIZER_CHECKPOINTER_TEST_JOB_H_
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <functional>
@@ -216,6 +217,28 @@ inline void ExpectAllOk(const std::vector<absl::Status>& statuses) {
 inline void ExpectAll(const std::vector<absl::Status>& statuses, absl::StatusCode code) {
   for (size_t r = 0; r < statuses.size(); ++r)
     EXPECT_THAT(statuses[r], StatusIs(code)) << "rank " << r;
+}
+
+// Step `step` of the store at `root` in `env`, through a read-only handle (which the reader
+// does not need once open).
+inline std::unique_ptr<CheckpointReader> OpenStep(Env* env, const std::string& root,
+                                                  uint64_t step) {
+  StoreOptions so;
+  so.env = env;
+  so.read_only = true;
+  auto store = CheckpointStore::Open(root, so);
+  EXPECT_THAT(store, IsOk());
+  auto reader = (*store)->OpenStep(step);
+  EXPECT_THAT(reader, IsOk());
+  return *std::move(reader);
+}
+
+// The entries of the store's root directory, sorted.
+inline std::vector<std::string> RootEntries(Env* env, const std::string& root = kRoot) {
+  auto names = env->GetChildren(root);
+  EXPECT_THAT(names, IsOk());
+  std::sort(names->begin(), names->end());
+  return *names;
 }
 
 // Every rank either loads, or ends exactly as before the load, or (when the rollback itself

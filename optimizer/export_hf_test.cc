@@ -30,16 +30,6 @@ class ExportHfTest : public ::testing::Test {
  protected:
   ExportHfTest() : env_(NewMemEnv()) {}
 
-  std::unique_ptr<CheckpointReader> OpenStep(uint64_t step) {
-    StoreOptions so;
-    so.env = env_.get();
-    so.read_only = true;
-    auto store = CheckpointStore::Open(kRoot, so);
-    EXPECT_THAT(store, IsOk());
-    auto reader = (*store)->OpenStep(step);
-    EXPECT_THAT(reader, IsOk());
-    return *std::move(reader);
-  }
   // Per element (param, index): the rank's weight bits and master bits.
   static std::map<std::pair<uint32_t, uint64_t>, std::pair<uint16_t, float>> State(Job& job) {
     std::map<std::pair<uint32_t, uint64_t>, std::pair<uint16_t, float>> out;
@@ -66,7 +56,7 @@ TEST_F(ExportHfTest, WeightsAndMastersRoundTripThroughLoadModel) {
   for (int s = 0; s < 3; ++s) saver.Step(s);
   ExpectAllOk(saver.Save(3));
   const auto saved = State(saver);
-  const std::unique_ptr<CheckpointReader> step = OpenStep(3);
+  const std::unique_ptr<CheckpointReader> step = test_job::OpenStep(env_.get(), kRoot, 3);
   struct Case {
     ExportFrom from;
     std::optional<DType> dtype;
@@ -120,7 +110,7 @@ TEST_F(ExportHfTest, ConfigIsCopiedAndBadRequestsAreRefused) {
   Job saver(env_.get(), 1, 500);
   saver.Step(0);
   ExpectAllOk(saver.Save(1));
-  const std::unique_ptr<CheckpointReader> step = OpenStep(1);
+  const std::unique_ptr<CheckpointReader> step = test_job::OpenStep(env_.get(), kRoot, 1);
   ASSERT_THAT(WriteFileAtomically(env_.get(), "/config.json", R"({"model_type": "toy"})"), IsOk());
   ASSERT_THAT(WriteFileAtomically(env_.get(), "/bad.json", "[1, 2"), IsOk());
   ExportHfOptions o;
@@ -177,7 +167,7 @@ TEST_F(ExportHfTest, OutputIsPublishedWholeOrNotAtAll) {
   Job saver(env_.get(), 2, 500);
   saver.Step(0);
   ExpectAllOk(saver.Save(1));
-  const std::unique_ptr<CheckpointReader> step = OpenStep(1);
+  const std::unique_ptr<CheckpointReader> step = test_job::OpenStep(env_.get(), kRoot, 1);
   ExportHfOptions o;
   o.env = &fault;
   o.max_shard_bytes = 3000;  // Three files and an index.
@@ -232,7 +222,7 @@ TEST_F(ExportHfTest, MastersExportAsF32UnlessToldOtherwise) {
   Job saver(env_.get(), 1, 500);
   saver.Step(0);
   ExpectAllOk(saver.Save(1));
-  const std::unique_ptr<CheckpointReader> step = OpenStep(1);
+  const std::unique_ptr<CheckpointReader> step = test_job::OpenStep(env_.get(), kRoot, 1);
   ExportHfOptions o;
   o.env = env_.get();
   o.from = ExportFrom::kMasters;

@@ -128,12 +128,6 @@ class LoadModelTest : public ::testing::Test {
     for (const auto& r : reports) out.push_back(r.status());
     return out;
   }
-  std::vector<std::string> RootEntries() {
-    auto names = mem_->GetChildren(kRoot);
-    EXPECT_THAT(names, IsOk());
-    std::sort(names->begin(), names->end());
-    return *names;
-  }
 
   std::unique_ptr<Env> mem_;
   testing::FaultInjectionEnv env_;
@@ -356,7 +350,7 @@ TEST_F(LoadModelTest, PreflightRefusalsListTheNamesAndTouchNothing) {
   };
   for (const Refusal& r : refusals) {
     const std::string before = job.Gather();
-    const std::vector<std::string> entries = RootEntries();
+    const std::vector<std::string> entries = test_job::RootEntries(mem_.get());
     std::vector<absl::Status> st = Statuses(LoadModel(job, r.source, r.options));
     for (size_t i = 0; i < st.size(); ++i) {
       EXPECT_FALSE(st[i].ok()) << r.source;
@@ -365,7 +359,8 @@ TEST_F(LoadModelTest, PreflightRefusalsListTheNamesAndTouchNothing) {
       }
     }
     EXPECT_TRUE(job.Gather() == before) << r.source;
-    EXPECT_EQ(RootEntries(), entries) << "a refused model load wrote something: " << r.source;
+    EXPECT_EQ(test_job::RootEntries(mem_.get()), entries)
+        << "a refused model load wrote something: " << r.source;
     EXPECT_EQ(job.rank(0).opt->lifecycle(), Lifecycle::kClean);
   }
   // With ignore_unexpected the extras are counted, and the missing name still refuses.

@@ -34,16 +34,6 @@ class ReshardTest : public ::testing::Test {
  protected:
   ReshardTest() : mem_(NewMemEnv()), fault_(mem_.get()) {}
 
-  std::unique_ptr<CheckpointReader> OpenStep(const std::string& root, uint64_t step) {
-    StoreOptions so;
-    so.env = mem_.get();
-    so.read_only = true;
-    auto store = CheckpointStore::Open(root, so);
-    EXPECT_THAT(store, IsOk());
-    auto reader = (*store)->OpenStep(step);
-    EXPECT_THAT(reader, IsOk());
-    return *std::move(reader);
-  }
   ReshardOptions Options(int dp) {
     ReshardOptions o;
     o.dp = dp;
@@ -109,7 +99,7 @@ TEST_F(ReshardTest, ToDp1And3And8LaysOutAsTheOptimizerAndLoadsThere) {
   for (int s = 0; s < 3; ++s) saver.Step(s);
   ExpectAllOk(saver.Save(3));
   const std::string state = saver.Gather();
-  const std::unique_ptr<CheckpointReader> source = OpenStep(kRoot, 3);
+  const std::unique_ptr<CheckpointReader> source = test_job::OpenStep(mem_.get(), kRoot, 3);
   const auto source_contents = Contents(*source, /*blobs_of_rank0_only=*/true);
   for (int dp : {1, 3, 8}) {
     const std::string dst = absl::StrCat("/dst", dp);
@@ -130,7 +120,7 @@ TEST_F(ReshardTest, ToDp1And3And8LaysOutAsTheOptimizerAndLoadsThere) {
     auto verified = VerifyStore(mem_.get(), dst, std::nullopt, /*all=*/true);
     ASSERT_THAT(verified, IsOk());
     EXPECT_TRUE(verified->ok()) << dp;
-    const std::unique_ptr<CheckpointReader> out = OpenStep(dst, 3);
+    const std::unique_ptr<CheckpointReader> out = test_job::OpenStep(mem_.get(), dst, 3);
     EXPECT_EQ(out->manifest().world_size, static_cast<uint32_t>(dp));
     // Every tensor equals the source; rank 0's blobs are the source's rank 0 blobs.
     EXPECT_TRUE(Contents(*out, /*blobs_of_rank0_only=*/true) == source_contents) << dp;
@@ -145,7 +135,7 @@ TEST_F(ReshardTest, ToDp1And3And8LaysOutAsTheOptimizerAndLoadsThere) {
     ExpectAllOk(loader.Load(3));
     EXPECT_TRUE(loader.Gather() == state) << dp;
     ExpectAllOk(loader.Save(4));
-    const std::unique_ptr<CheckpointReader> own = OpenStep(dst, 4);
+    const std::unique_ptr<CheckpointReader> own = test_job::OpenStep(mem_.get(), dst, 4);
     EXPECT_EQ(Layout(*out), Layout(*own)) << dp;
   }
 }
@@ -174,7 +164,7 @@ TEST_F(ReshardTest, AStepWithoutAnOptimizerRecordReshardsTensorByTensor) {
   auto report = Reshard(**source, "/plain3", Options(3));
   ASSERT_THAT(report, IsOk());
   EXPECT_FALSE(report->optimizer_layout);
-  const std::unique_ptr<CheckpointReader> out = OpenStep("/plain3", 5);
+  const std::unique_ptr<CheckpointReader> out = test_job::OpenStep(mem_.get(), "/plain3", 5);
   EXPECT_TRUE(Contents(*out, true) == Contents(**source, true));
   EXPECT_EQ(out->manifest().world_size, 3u);
 }
@@ -183,7 +173,7 @@ TEST_F(ReshardTest, RefusalsWriteNothing) {
   Job saver(mem_.get(), 2, kBucket);
   saver.Step(0);
   ExpectAllOk(saver.Save(3));
-  const std::unique_ptr<CheckpointReader> source = OpenStep(kRoot, 3);
+  const std::unique_ptr<CheckpointReader> source = test_job::OpenStep(mem_.get(), kRoot, 3);
   ReshardOptions zero = Options(0);
   EXPECT_THAT(Reshard(*source, "/x", zero), StatusIs(absl::StatusCode::kInvalidArgument));
   ReshardOptions no_bucket = Options(2);
@@ -204,8 +194,8 @@ TEST_F(ReshardTest, ACrashAtEveryMutatingCallLeavesTheOutputAsItWas) {
   ExpectAllOk(saver.Save(1));
   saver.Step(1);
   ExpectAllOk(saver.Save(3));
-  const std::unique_ptr<CheckpointReader> one = OpenStep(kRoot, 1);
-  const std::unique_ptr<CheckpointReader> three = OpenStep(kRoot, 3);
+  const std::unique_ptr<CheckpointReader> one = test_job::OpenStep(mem_.get(), kRoot, 1);
+  const std::unique_ptr<CheckpointReader> three = test_job::OpenStep(mem_.get(), kRoot, 3);
   ASSERT_THAT(Reshard(*one, "/dst", Options(3)), IsOk());  // The output already holds step 1.
   const auto before = Tree("/dst");
   // A clean run's mutating calls.
@@ -252,7 +242,7 @@ TEST_F(ReshardTest, ACrashAtEveryMutatingCallLeavesTheOutputAsItWas) {
       } else {
         ++new_state;
         EXPECT_EQ((*store)->latest_step(), 3u) << "crash after call " << k;
-        const std::unique_ptr<CheckpointReader> out = OpenStep("/dst", 3);
+        const std::unique_ptr<CheckpointReader> out = test_job::OpenStep(mem_.get(), "/dst", 3);
         EXPECT_TRUE(Contents(*out, true) == Contents(*three, true)) << "crash after call " << k;
       }
     }
@@ -270,7 +260,7 @@ TEST_F(ReshardTest, ANewRootAppearsWholeOrNotAtAll) {
   Job saver(mem_.get(), 2, kBucket);
   saver.Step(0);
   ExpectAllOk(saver.Save(3));
-  const std::unique_ptr<CheckpointReader> source = OpenStep(kRoot, 3);
+  const std::unique_ptr<CheckpointReader> source = test_job::OpenStep(mem_.get(), kRoot, 3);
   for (const std::string& inside : {absl::StrCat(kRoot, "/", StepDirectoryName(3)),
                                    absl::StrCat(kRoot, "/sub")}) {
     EXPECT_THAT(Reshard(*source, inside, Options(2)),

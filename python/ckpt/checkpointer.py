@@ -164,29 +164,29 @@ class Checkpointer:
         lens = (ctypes.c_size_t * 1)(len(data))
         return keys, values, lens, data
 
-    def save(self, step, extra=None):
-        """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
+    def _begin_save(self, step, extra):
+        """What save and save_async do first: checks, the in-flight save finalized, the
+        hyper-parameters and weights handed to ckpt, the extra state as one blob."""
         step = self._step(step)
         handle = self._live()
         self._settle()
         self._optimizer._push_groups()
         self._optimizer._to_host()
-        keys, values, lens, keep = self._blobs(extra)
-        check(lib.ckpt_checkpointer_save(handle, int(step), keys, values, lens, 1))
+        return (handle, step) + self._blobs(extra)
+
+    def save(self, step, extra=None):
+        """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
+        handle, step, keys, values, lens, keep = self._begin_save(step, extra)
+        check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 1))
         del keep
 
     def save_async(self, step, extra=None):
         """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
         Returns a PendingSave; its finalize() (collective) commits. A save still in flight is
         finalized first."""
-        step = self._step(step)
-        handle = self._live()
-        self._settle()
-        self._optimizer._push_groups()
-        self._optimizer._to_host()
-        keys, values, lens, keep = self._blobs(extra)
+        handle, step, keys, values, lens, keep = self._begin_save(step, extra)
         pending = ctypes.c_void_p()
-        check(lib.ckpt_checkpointer_save_async(handle, int(step), keys, values, lens, 1,
+        check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 1,
                                                ctypes.byref(pending)))
         del keep
         self._pending = PendingSave(self, pending, step)
