@@ -36,11 +36,15 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   o.steps = args.steps;
   o.rounds = args.rounds;
   o.step_gap_ms = args.step_gap_ms;
+  o.write_threads = args.write_threads;
   absl::StatusOr<bench::AsyncSaveFigures> f = bench::RunAsyncSaveBench(o);
   if (!f.ok()) return ReportError("bench async-save", f.status());
   const double step_ratio = f->step_during_save_ms / f->step_ms;
   const double durable_ratio = f->durable_ratio;
   const double sync_gbps = static_cast<double>(f->state_bytes) / f->sync_save_s / 1e9;
+  // The async save's rate until durable against what the disk gives beside the same steps.
+  const double durable_vs_loaded =
+      static_cast<double>(f->state_bytes) / f->durable_s / 1e9 / f->write_bound_during_steps_gbps;
   if (args.json) {
     PrintJson({{"params", args.params},
                {"engine", args.engine},
@@ -52,6 +56,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"steps_during_save", f->steps_during_save},
                {"rounds", args.rounds},
                {"step_gap_ms", args.step_gap_ms},
+               {"write_threads", args.write_threads},
                {"step_ratio", step_ratio},
                {"durable_s", f->durable_s},
                {"writer_s", f->writer_s},
@@ -62,6 +67,8 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
                {"durable_ratio", durable_ratio},
                {"sync_save_gbps", sync_gbps},
                {"write_bound_gbps", f->write_bound_gbps},
+               {"write_bound_during_steps_gbps", f->write_bound_during_steps_gbps},
+               {"durable_vs_bound_during_steps", durable_vs_loaded},
                {"copy_bound_gbps", f->copy_bound_gbps},
                {"units", f->units},
                {"units_copied", f->units_copied},
@@ -71,7 +78,7 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   }
   std::cout << absl::StrFormat(
       "optimizer state %s, %s engine, staging pool %s, %d round(s) of a sync then an async save "
-      "(medians), steps %s\n"
+      "(medians), steps %s, %d write thread(s)\n"
       "SaveAsync returned in      %8.2f ms (the longest)\n"
       "step without a save        %8.1f ms\n"
       "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
@@ -79,6 +86,8 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       "after the step then running returned at %.3f s)\n"
       "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
       "durable/sync, paired per round: %.2f\n"
+      "beside the steps           O_DIRECT write bound %.2f GB/s with the same steps running and no "
+      "save; the async save until durable reached %.2f of it\n"
       "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
       "GB/s), steps waited %llu time(s)\n"
       "retention (the step before last deleted after each save, outside the times above): "
@@ -86,11 +95,13 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds,
       args.step_gap_ms == 0 ? std::string("back to back")
                             : absl::StrCat(args.step_gap_ms, " ms apart"),
+      args.write_threads,
       f->return_ms,
       f->step_ms,
       f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->writer_s,
       f->finalize_ms, f->finalized_s, f->sync_save_s,
-      sync_gbps, f->write_bound_gbps, durable_ratio,
+      sync_gbps, f->write_bound_gbps, durable_ratio, f->write_bound_during_steps_gbps,
+      durable_vs_loaded,
       static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),
       FormatBytes(f->bytes_copied), f->copy_bound_gbps,
       static_cast<unsigned long long>(f->step_waits), f->retention_s);

@@ -63,6 +63,7 @@ int RunBenchIo(const BenchIoArgs& args) {
   options.bytes = bytes;
   options.ranks = args.ranks;
   options.zstd_level = args.zstd_level;
+  options.write_threads = args.write_threads;
   options.keep = args.keep;
   absl::StatusOr<bench::IoFigures> fig;
   {
@@ -85,6 +86,7 @@ int RunBenchIo(const BenchIoArgs& args) {
                {"kept", args.keep},
                {"size_bytes", bytes},
                {"ranks", args.ranks},
+               {"write_threads", args.write_threads},
                {"env", env_name},
                {"codec", codec},
                {"save_gbps", fig->save_gbps},
@@ -95,10 +97,10 @@ int RunBenchIo(const BenchIoArgs& args) {
                {"load_ratio", load_ratio}});
   } else {
     std::cout << absl::StrFormat(
-        "state %s, %d rank(s), %s env, codec %s\n"
+        "state %s, %d rank(s), %s env, codec %s, %d write thread(s) per rank\n"
         "save  %6.2f GB/s   O_DIRECT write bound %6.2f GB/s   ratio %.2f\n"
         "load  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n",
-        FormatBytes(bytes), args.ranks, env_name, codec, fig->save_gbps, fig->write_bound_gbps,
+        FormatBytes(bytes), args.ranks, env_name, codec, args.write_threads, fig->save_gbps, fig->write_bound_gbps,
         save_ratio, fig->load_gbps, fig->read_bound_gbps, load_ratio);
     if (args.keep) std::cout << "kept step " << fig->step << " in " << fig->root << "\n";
   }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/statusor.h"
+#include "ckpt/options.h"
 
 namespace ckpt::cli {
 
@@ -42,6 +43,7 @@ struct BenchIoArgs {
   std::string size = "256M";
   int ranks = 1;
   std::optional<int> zstd_level;
+  int write_threads = StoreOptions{}.write_threads;
   bool keep = false;
   bool json = false;
 };
@@ -82,6 +84,7 @@ struct BenchAsyncSaveArgs {
   int steps = 3;
   int rounds = 3;
   int step_gap_ms = 0;  // Between steps during the save (a trainer's forward and backward).
+  int write_threads = StoreOptions{}.write_threads;
   bool json = false;
 };
 int RunBenchAsyncSave(const BenchAsyncSaveArgs& args);

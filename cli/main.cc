@@ -118,6 +118,9 @@ int main(int argc, char** argv) {
   io_cmd->add_option("--size", bench_io.size, "Bytes of state, e.g. 2G")->required();
   io_cmd->add_option("--ranks", bench_io.ranks, "Ranks, run as threads")
       ->check(WholeNumber(1, 256));
+  io_cmd->add_option("--write-threads", bench_io.write_threads,
+                     "Threads that copy, checksum and write the chunks of each rank's save")
+      ->check(WholeNumber(1, 64));
   io_cmd->add_option("--zstd", bench_io.zstd_level, "Compress chunks with zstd at this level")
       ->check(WholeNumber(1, 19));
   io_cmd->add_flag("--keep", bench_io.keep, "Keep the committed checkpoint for inspection");
@@ -215,6 +218,9 @@ int main(int argc, char** argv) {
                         "Milliseconds between steps during the save, as a trainer's forward and "
                         "backward (default 0: back to back)")
       ->check(WholeNumber(0, 60000));
+  async_cmd->add_option("--write-threads", bench_async.write_threads,
+                        "Threads that copy, checksum and write the chunks of a save")
+      ->check(WholeNumber(1, 64));
   async_cmd->add_flag("--json", bench_async.json, "Print one JSON object");
 
   DiffArgs diff;

@@ -5,9 +5,14 @@
 //    anywhere before step 8 leaves exactly the previous state.
 // 2. Each rank creates rank-r.data in the staging directory, and writes the file header with
 //    its first chunk (or at step 3 when it writes none: a rank waiting to write holds no write
-//    buffers), then each chunk (header, payload, zero padding to 4 KiB) while computing its
-//    XXH3-64: the bytes are checksummed once, on their way out, never re-read.
-// 3. Commit, each rank: Sync and Close its data file (its bytes must be durable before any
+//    buffers), then each chunk (header, payload, zero padding to 4 KiB) at an extent it
+//    reserves in order. A few writer threads (libckpt/chunk_writer.h) build and write the
+//    extents, several at once, computing each chunk's XXH3-64 as they copy it: the bytes are
+//    checksummed once, on their way out, never re-read. WritePiece returns once its bytes are
+//    copied; WritePieceDeferred sooner, for a caller that keeps its memory unchanged until
+//    WaitForPieces.
+// 3. Commit, each rank: wait for the writer threads (an error of theirs is this rank's no
+//    vote), then Sync and Close its data file (its bytes must be durable before any
 //    manifest points at them); write rank-r.part (its tensors, pieces, blobs, chunk checksums
 //    and file size); Sync; Close.
 // 4. Vote (AllGather): "ok <XXH3 of the part>" or "no <code> <message>". Any "no" aborts.
@@ -39,6 +44,7 @@
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
+#include "libckpt/chunk_writer.h"
 #include "libckpt/filename.h"
 
 namespace ckpt {
@@ -47,8 +53,6 @@ namespace {
 using formats::ChunkInfo;
 using formats::Manifest;
 
-constexpr size_t kHashSliceBytes = 256 << 10;
-constexpr std::byte kZeros[formats::kBlockBytes] = {};
 
 bool SameDeclaration(const formats::TensorInfo& a, const formats::TensorInfo& b) {
   return a.dtype == b.dtype && a.shape == b.shape;
@@ -63,6 +67,7 @@ SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinato
       coordinator_(coordinator),
       step_(step),
       staging_dir_(std::move(staging_dir)),
+      next_offset_(formats::kDataFileHeaderBytes),
       error_(std::move(begin_error)) {
   const uint32_t rank = static_cast<uint32_t>(coordinator_->rank());
   part_.step = step;
@@ -83,8 +88,25 @@ SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinato
 absl::Status SaveTransaction::WriteHeaderOnce() {
   if (header_written_) return absl::OkStatus();
   header_written_ = true;
+  if (writer_ == nullptr) {
+    writer_ = std::make_unique<internal::ChunkWriter>(file_.get(),
+                                                      store_->options().write_threads);
+  }
   formats::DataFileHeader header{step_, part_.files[0].rank, part_.world_size};
-  return file_->Append(AsBytes(formats::EncodeDataFileHeader(header)));
+  internal::ChunkWriter::Job job;
+  job.offset = 0;
+  job.prefix = formats::EncodeDataFileHeader(header);
+  CKPT_RETURN_IF_ERROR(writer_->Submit(std::move(job)).status());
+  ++jobs_;
+  return absl::OkStatus();
+}
+
+absl::Status SaveTransaction::WaitFor(uint64_t jobs, bool written) {
+  if (writer_ == nullptr) return error_;  // Nothing queued, or every job done (FinishLocal).
+  jobs = std::min(jobs, jobs_);            // A ticket never handed out waits for them all.
+  absl::Status s = written ? writer_->WaitWritten(jobs) : writer_->WaitConsumed(jobs);
+  if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_)));
+  return absl::OkStatus();
 }
 
 SaveTransaction::~SaveTransaction() {
@@ -94,6 +116,8 @@ SaveTransaction::~SaveTransaction() {
 
 absl::Status SaveTransaction::Fail(absl::Status s) {
   error_.Update(s);
+  // A poisoned transaction writes nothing more; once this returns, no caller memory is read.
+  if (writer_ != nullptr && !s.ok()) writer_->Cancel(s);
   return s;
 }
 
@@ -128,32 +152,40 @@ absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkI
       codec = formats::Codec::kZstd;
     }
   }
-  info->offset = file_->size();
+  internal::ChunkWriter::Job job;
+  job.offset = next_offset_;
+  job.prefix = formats::EncodeChunkHeader({codec, raw.size(), payload.size()});
+  job.checksum = true;
+  if (codec == formats::Codec::kRaw) {
+    job.borrowed = raw;
+  } else {
+    job.owned = std::move(compressed);
+  }
+  info->offset = next_offset_;
   info->raw_bytes = raw.size();
   info->stored_bytes = payload.size();
   info->codec = codec;
-  StreamingChecksum sum;
-  std::string header = formats::EncodeChunkHeader({codec, raw.size(), payload.size()});
-  sum.Update(AsBytes(header));
-  CKPT_RETURN_IF_ERROR(file_->Append(AsBytes(header)));
-  // Checksum a slice, then append it while it is still in cache.
-  for (size_t pos = 0; pos < payload.size(); pos += kHashSliceBytes) {
-    std::span<const std::byte> slice =
-        payload.subspan(pos, std::min(kHashSliceBytes, payload.size() - pos));
-    sum.Update(slice);
-    CKPT_RETURN_IF_ERROR(file_->Append(slice));
-  }
-  uint64_t pad =
-      formats::ChunkExtentBytes(payload.size()) - formats::kChunkHeaderBytes - payload.size();
-  std::span<const std::byte> zeros(kZeros, pad);
-  sum.Update(zeros);
-  CKPT_RETURN_IF_ERROR(file_->Append(zeros));
-  info->checksum = sum.Digest();
+  info->checksum = 0;  // FinishLocal fills it in from the writer.
+  CKPT_ASSIGN_OR_RETURN(const uint64_t n, writer_->Submit(std::move(job)));
+  jobs_ = n + 1;
+  chunk_job_.push_back(n);
+  next_offset_ += formats::ChunkExtentBytes(info->stored_bytes);
   return absl::OkStatus();
 }
 
 absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
                                          std::span<const std::byte> data) {
+  CKPT_ASSIGN_OR_RETURN(const uint64_t ticket, WritePieceDeferred(tensor, begin, count, data));
+  return WaitFor(ticket, /*written=*/false);  // The caller may then reuse `data`.
+}
+
+absl::Status SaveTransaction::WaitForPieces(uint64_t ticket) {
+  return WaitFor(ticket, /*written=*/true);
+}
+
+absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view tensor,
+                                                             uint64_t begin, uint64_t count,
+                                                             std::span<const std::byte> data) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
@@ -202,7 +234,7 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
         last.count += n;
       }
       ranges[last.begin] = last.begin + last.count;
-      return absl::OkStatus();
+      return jobs_;
     }
   }
   formats::PieceInfo piece;
@@ -223,7 +255,7 @@ absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begi
   piece.chunk_count = chunks.size() - piece.first_chunk;
   part_.pieces.push_back(piece);
   ranges.emplace(begin, begin + count);
-  return absl::OkStatus();
+  return jobs_;
 }
 
 absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const std::byte> data) {
@@ -255,13 +287,23 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
   }
   blob.chunk_count = chunks.size() - blob.first_chunk;
   part_.blobs.push_back(std::move(blob));
-  return absl::OkStatus();
+  return WaitFor(jobs_, /*written=*/false);  // The caller may then reuse `data`.
 }
 
 // Step 3: make this rank's data durable and describe it in its part.
 absl::Status SaveTransaction::FinishLocal(std::string* vote) {
-  CKPT_RETURN_IF_ERROR(error_);
-  CKPT_RETURN_IF_ERROR(Fail(WriteHeaderOnce()));
+  if (!error_.ok()) {
+    writer_.reset();  // Skips what is queued, waits for what runs: the file is then the caller's.
+    return error_;
+  }
+  absl::Status written = WriteHeaderOnce();
+  if (written.ok()) written = WaitFor(jobs_, /*written=*/true);
+  if (written.ok()) {
+    std::vector<ChunkInfo>& chunks = part_.files[0].chunks;
+    for (size_t i = 0; i < chunks.size(); ++i) chunks[i].checksum = writer_->checksum(chunk_job_[i]);
+  }
+  writer_.reset();  // Its threads and buffers go before the commit's wait for the others.
+  CKPT_RETURN_IF_ERROR(Fail(written));
   CKPT_RETURN_IF_ERROR(file_->Sync());
   CKPT_RETURN_IF_ERROR(file_->Close());
   part_.files[0].size_bytes = file_->size();
@@ -290,6 +332,7 @@ absl::Status SaveTransaction::Prepare() {
 void SaveTransaction::MarkFailed(absl::Status why) {
   if (why.ok()) return;
   error_.Update(why);
+  if (writer_ != nullptr) writer_->Cancel(why);
   // A prepared rank already chose its vote; a later failure still turns it into a no.
   if (prepared_) prepare_status_.Update(why);
 }

@@ -1,6 +1,8 @@
 // MemEnv: a file system in a map, for fast tests. Every operation is durable at once (crash
 // behaviour is FaultInjectionEnv's job). Paths are compared as strings after stripping trailing
 // slashes; "/" and "." always exist. Safe for concurrent use.
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -9,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/env.h"
+#include "libckpt/io_error.h"
 
 namespace ckpt {
 namespace {
@@ -35,8 +38,24 @@ class MemWritableFile : public WritableFile {
   absl::Status Append(std::span<const std::byte> data) override {
     if (closed_) return absl::FailedPreconditionError(path_ + ": file already closed");
     std::lock_guard<std::mutex> lock(file_->mu);
+    if (positional_) {
+      return absl::FailedPreconditionError(path_ + ": Append on a file written by WriteAt");
+    }
+    appended_ = true;
     file_->bytes.append(reinterpret_cast<const char*>(data.data()), data.size());
     size_ += data.size();
+    return absl::OkStatus();
+  }
+  absl::Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    if (closed_) return absl::FailedPreconditionError(path_ + ": file already closed");
+    std::lock_guard<std::mutex> lock(file_->mu);
+    CKPT_RETURN_IF_ERROR(
+        internal::CheckWriteAt(path_, offset, data.data(), data.size(), appended_));
+    positional_ = true;
+    const uint64_t end = offset + data.size();
+    if (file_->bytes.size() < end) file_->bytes.resize(end, '\0');
+    std::memcpy(file_->bytes.data() + offset, data.data(), data.size());
+    size_ = std::max(size_, end);
     return absl::OkStatus();
   }
   absl::Status Sync() override {
@@ -48,12 +67,17 @@ class MemWritableFile : public WritableFile {
     closed_ = true;
     return absl::OkStatus();
   }
-  uint64_t size() const override { return size_; }
+  uint64_t size() const override {
+    std::lock_guard<std::mutex> lock(file_->mu);
+    return size_;
+  }
 
  private:
   std::string path_;
   std::shared_ptr<FileData> file_;
-  uint64_t size_ = 0;
+  uint64_t size_ = 0;         // Guarded by file_->mu, as the two flags.
+  bool appended_ = false;     // Written by Append: WriteAt refuses.
+  bool positional_ = false;   // Written by WriteAt: Append refuses.
   bool closed_ = false;
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
@@ -39,9 +40,9 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
       exp_avg_sq_(opt.exp_avg_sq_bytes().data()),
       moment_bytes_(opt.moment_bytes()),
       model_dtype_(opt.model_dtype()),
-      txn_(std::move(txn)),
       plan_(std::move(plan)),
       segments_(opt.units().size()),
+      txn_(std::move(txn)),
       state_(opt.units().size(), State::kPending),
       pool_(pool),
       slot_of_(opt.units().size(), -1) {
@@ -167,6 +168,31 @@ void AsyncSave::WriterMain() {
 
 absl::Status AsyncSave::WriteAll() {
   for (const TensorSpec& t : plan_.declarations) CKPT_RETURN_IF_ERROR(txn_->DeclareTensor(t));
+  // Unit u is queued while unit u - 1 is being written, so the store's writer threads always
+  // have the next unit's chunks at hand; a unit is released once written.
+  struct Queued {
+    size_t unit;
+    uint64_t ticket;
+    bool copied;  // Written from its slot in the pool, which it then frees.
+  };
+  std::optional<Queued> previous;
+  auto release = [&](const Queued& q) {
+    absl::Status s = txn_->WaitForPieces(q.ticket);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (q.copied) {
+      free_slots_.push_back(static_cast<size_t>(slot_of_[q.unit]));
+      slot_of_[q.unit] = -1;
+    }
+    state_[q.unit] = State::kWritten;
+    changed_.notify_all();
+    return s;
+  };
+  // On an error, nothing may read the units once this returns (the steps go on): the
+  // transaction stops its writer threads (and votes no).
+  auto fail = [&](absl::Status s) {
+    txn_->MarkFailed(s);
+    return s;
+  };
   for (size_t u = 0; u < state_.size(); ++u) {
     const Unit& unit = units_[u];
     const std::byte* from = nullptr;
@@ -179,30 +205,38 @@ absl::Status AsyncSave::WriteAll() {
         state_[u] = State::kWriting;
       }
     }
-    absl::Status s =
+    absl::StatusOr<uint64_t> ticket =
         from != nullptr
-            ? WriteUnit(u, from, from + unit.count * 4, from + unit.count * (4 + moment_bytes_))
-            : WriteUnit(u, master_ + unit.offset * 4, exp_avg_ + unit.offset * moment_bytes_,
+            ? QueueUnit(u, from, from + unit.count * 4, from + unit.count * (4 + moment_bytes_))
+            : QueueUnit(u, master_ + unit.offset * 4, exp_avg_ + unit.offset * moment_bytes_,
                         exp_avg_sq_ + unit.offset * moment_bytes_);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (from != nullptr) {
-      free_slots_.push_back(static_cast<size_t>(slot_of_[u]));
-      slot_of_[u] = -1;
+    if (!ticket.ok()) return fail(ticket.status());
+    if (previous.has_value()) {
+      absl::Status s = release(*previous);
+      if (!s.ok()) return fail(s);
     }
-    state_[u] = State::kWritten;
-    changed_.notify_all();
-    CKPT_RETURN_IF_ERROR(s);
+    previous = Queued{u, *ticket, from != nullptr};
+  }
+  if (previous.has_value()) {
+    absl::Status s = release(*previous);
+    if (!s.ok()) return fail(s);
   }
   for (const auto& [name, bytes] : plan_.blobs) {
-    CKPT_RETURN_IF_ERROR(txn_->WriteBlob(name, std::as_bytes(std::span(bytes))));
+    absl::Status s = txn_->WriteBlob(name, std::as_bytes(std::span(bytes)));
+    if (!s.ok()) return fail(s);
   }
   return absl::OkStatus();
 }
 
-absl::Status AsyncSave::WriteUnit(size_t u, const std::byte* master, const std::byte* m,
-                                  const std::byte* v) {
+absl::StatusOr<uint64_t> AsyncSave::QueueUnit(size_t u, const std::byte* master,
+                                              const std::byte* m, const std::byte* v) {
   const DType model = model_dtype_;
   const size_t wsize = formats::DTypeSize(model);
+  // The unit's weights, rounded from its masters, stay here until it is written: two units are
+  // in the writer's hands at once, hence two buffers.
+  std::vector<std::byte>& bounce = bounce_[u % 2];
+  if (model != DType::kF32) bounce.resize(units_[u].count * wsize);
+  uint64_t ticket = 0;
   for (const Segment& seg : segments_[u]) {
     const std::array<std::string, 4>& names = plan_.names[seg.param];
     const std::byte* seg_master = master + seg.at * 4;
@@ -210,30 +244,32 @@ absl::Status AsyncSave::WriteUnit(size_t u, const std::byte* master, const std::
     // weight buffer is not read (a CUDA trainer copies device weights into it at will).
     std::span<const std::byte> weights(seg_master, seg.count * 4);
     if (model != DType::kF32) {
-      bounce_.resize(seg.count * wsize);
+      std::byte* out = bounce.data() + seg.at * wsize;
       if (model == DType::kBF16 && reinterpret_cast<uintptr_t>(seg_master) % 4 == 0) {
         formats::FloatsToBf16(reinterpret_cast<const float*>(seg_master),
-                              reinterpret_cast<uint16_t*>(bounce_.data()), seg.count);
+                              reinterpret_cast<uint16_t*>(out), seg.count);
       } else {
         for (uint64_t i = 0; i < seg.count; ++i) {
           float f;
           std::memcpy(&f, seg_master + 4 * i, 4);
           const uint16_t h =
               model == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
-          std::memcpy(bounce_.data() + 2 * i, &h, 2);
+          std::memcpy(out + 2 * i, &h, 2);
         }
       }
-      weights = bounce_;
+      weights = {out, seg.count * wsize};
     }
-    CKPT_RETURN_IF_ERROR(txn_->WritePiece(names[0], seg.begin, seg.count, weights));
-    CKPT_RETURN_IF_ERROR(
-        txn_->WritePiece(names[1], seg.begin, seg.count, {seg_master, seg.count * 4}));
-    CKPT_RETURN_IF_ERROR(txn_->WritePiece(
-        names[2], seg.begin, seg.count, {m + seg.at * moment_bytes_, seg.count * moment_bytes_}));
-    CKPT_RETURN_IF_ERROR(txn_->WritePiece(
-        names[3], seg.begin, seg.count, {v + seg.at * moment_bytes_, seg.count * moment_bytes_}));
+    CKPT_ASSIGN_OR_RETURN(ticket, txn_->WritePieceDeferred(names[0], seg.begin, seg.count, weights));
+    CKPT_ASSIGN_OR_RETURN(ticket, txn_->WritePieceDeferred(names[1], seg.begin, seg.count,
+                                                            {seg_master, seg.count * 4}));
+    CKPT_ASSIGN_OR_RETURN(
+        ticket, txn_->WritePieceDeferred(names[2], seg.begin, seg.count,
+                                         {m + seg.at * moment_bytes_, seg.count * moment_bytes_}));
+    CKPT_ASSIGN_OR_RETURN(
+        ticket, txn_->WritePieceDeferred(names[3], seg.begin, seg.count,
+                                         {v + seg.at * moment_bytes_, seg.count * moment_bytes_}));
   }
-  return absl::OkStatus();
+  return ticket;
 }
 
 bool AsyncSave::writer_done() const {

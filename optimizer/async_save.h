@@ -8,6 +8,9 @@
 //   kPending  --writer takes it-->  kWriting --written--> kWritten   (the step may change it)
 //   kPending  --step copies it-->   kCopying --copied-->  kCopied    (the step may change it;
 //             the writer writes it from the copy later, then frees the copy: kWritten)
+// "Written" means on the file: the writer queues unit u (SaveTransaction::WritePieceDeferred,
+// whose writer threads copy and checksum it) while unit u - 1 is being written, and releases
+// u - 1 once the store reports it written, so two units are kWriting at once.
 // The step copies from the highest pending unit down, the writer writes from the lowest up, so
 // each copy buys the writer the most time before the step needs more room. When the writer
 // fails it marks every unit free (abandoned_) and stops; the step never waits on a dead writer.
@@ -105,9 +108,10 @@ class AsyncSave : public UnitFence {
   };
   void WriterMain();
   absl::Status WriteAll();
-  // Writes unit `u` from its master and moment bytes (the slabs' or its copy's).
-  absl::Status WriteUnit(size_t u, const std::byte* master, const std::byte* m,
-                         const std::byte* v);
+  // Queues unit `u` from its master and moment bytes (the slabs' or its copy's), which must
+  // stay unchanged until the returned ticket is written (SaveTransaction::WaitForPieces).
+  absl::StatusOr<uint64_t> QueueUnit(size_t u, const std::byte* master, const std::byte* m,
+                                     const std::byte* v);
   uint64_t UnitBytes(size_t u) const;
   bool Released(size_t u) const;  // REQUIRES: mu_ held.
 
@@ -119,10 +123,11 @@ class AsyncSave : public UnitFence {
   const std::byte* const exp_avg_sq_;
   const size_t moment_bytes_;
   const formats::DType model_dtype_;
-  std::unique_ptr<SaveTransaction> txn_;
   const Plan plan_;
   std::vector<std::vector<Segment>> segments_;  // Per unit.
-  std::vector<std::byte> bounce_;  // The writer's model-dtype weights of one segment.
+  std::vector<std::byte> bounce_[2];  // The writer's model-dtype weights of units u % 2.
+  // After what its writer threads read (plan_'s blobs, bounce_), so that it goes first.
+  std::unique_ptr<SaveTransaction> txn_;
 
   mutable std::mutex mu_;
   std::condition_variable changed_;

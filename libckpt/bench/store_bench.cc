@@ -227,6 +227,7 @@ absl::StatusOr<IoFigures> RunIoBench(const IoBenchOptions& options) {
   FillState(state, 42);
   fig.root = JoinPath(options.dir, "ckpt-bench");
   StoreOptions store_options;
+  store_options.write_threads = options.write_threads;
   store_options.env = env;
   if (options.zstd_level.has_value()) {
     store_options.codec = formats::Codec::kZstd;

@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
@@ -25,9 +27,28 @@ class PosixWritableFile : public WritableFile {
 
   absl::Status Append(std::span<const std::byte> data) override {
     if (!fd_.valid()) return Closed();
+    std::lock_guard<std::mutex> lock(mu_);  // Uncontended: Append has one writer.
+    if (positional_) {
+      return absl::FailedPreconditionError(path_ + ": Append on a file written by WriteAt");
+    }
+    appended_ = true;
     absl::Status s = internal::PosixWriteAt(fd_.get(), data.data(), data.size(), size_, path_);
     if (s.ok()) size_ += data.size();
     return s;
+  }
+  absl::Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    if (!fd_.valid()) return Closed();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      CKPT_RETURN_IF_ERROR(
+          internal::CheckWriteAt(path_, offset, data.data(), data.size(), appended_));
+      positional_ = true;
+    }
+    CKPT_RETURN_IF_ERROR(
+        internal::PosixWriteAt(fd_.get(), data.data(), data.size(), offset, path_));
+    std::lock_guard<std::mutex> lock(mu_);
+    size_ = std::max(size_, offset + data.size());
+    return absl::OkStatus();
   }
   absl::Status Sync() override {
     if (!fd_.valid()) return Closed();
@@ -39,7 +60,10 @@ class PosixWritableFile : public WritableFile {
     if (int err = fd_.Close(); err != 0) return IoError(err, absl::StrCat("close ", path_));
     return absl::OkStatus();
   }
-  uint64_t size() const override { return size_; }
+  uint64_t size() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return size_;
+  }
 
  private:
   absl::Status Closed() const {
@@ -47,7 +71,10 @@ class PosixWritableFile : public WritableFile {
   }
   std::string path_;
   ScopedFd fd_;
+  mutable std::mutex mu_;    // Guards size_ and the two flags under concurrent WriteAt calls.
   uint64_t size_ = 0;
+  bool appended_ = false;    // Written by Append: WriteAt refuses.
+  bool positional_ = false;  // Written by WriteAt: Append refuses.
 };
 
 class PosixRandomAccessFile : public RandomAccessFile {

@@ -6,7 +6,9 @@
 // the partial buffer (padded to 4 KiB under O_DIRECT, then ftruncate to the logical size),
 // wait for every write to complete, and only then submit the fsync, since a sync covers only
 // completed writes. The partial buffer stays in place and is rewritten whole by the next
-// flush, so the O_DIRECT offset of every submission stays aligned.
+// flush, so the O_DIRECT offset of every submission stays aligned. WriteAt (whole aligned
+// blocks, from several threads: the store's writer threads) is a pwrite on the same
+// descriptor from the caller's thread; a file takes one kind of write or the other.
 //
 // Reads: a read is cut into slices submitted together (bounded by the ring's depth) on a
 // ring borrowed from the Env's pool. Aligned reads use the O_DIRECT descriptor, others the
@@ -20,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -98,7 +101,11 @@ class UringWritableFile : public WritableFile {
 
   absl::Status Append(std::span<const std::byte> data) override {
     CKPT_RETURN_IF_ERROR(CheckUsable());
+    if (positional_.load()) {
+      return absl::FailedPreconditionError(path_ + ": Append on a file written by WriteAt");
+    }
     if (data.empty()) return absl::OkStatus();
+    appended_ = true;
     CKPT_RETURN_IF_ERROR(MakeBuffers());
     while (!data.empty()) {
       Slot& slot = slots_[current_];
@@ -116,6 +123,22 @@ class UringWritableFile : public WritableFile {
       }
     }
     return first_error_;
+  }
+
+  // A plain pwrite on the file's descriptor (O_DIRECT when it has it: the blocks are aligned),
+  // from the caller's thread: the callers are the threads that keep writes in flight.
+  absl::Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    if (closed_) return absl::FailedPreconditionError(path_ + ": file already closed");
+    CKPT_RETURN_IF_ERROR(
+        internal::CheckWriteAt(path_, offset, data.data(), data.size(), appended_));
+    positional_.store(true);
+    CKPT_RETURN_IF_ERROR(
+        internal::PosixWriteAt(fd_.get(), data.data(), data.size(), offset, path_));
+    uint64_t end = offset + data.size();
+    uint64_t seen = positional_size_.load();
+    while (seen < end && !positional_size_.compare_exchange_weak(seen, end)) {
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Sync() override {
@@ -152,7 +175,7 @@ class UringWritableFile : public WritableFile {
     return status;
   }
 
-  uint64_t size() const override { return size_; }
+  uint64_t size() const override { return positional_.load() ? positional_size_.load() : size_; }
 
  private:
   absl::Status CheckUsable() const {
@@ -294,6 +317,11 @@ class UringWritableFile : public WritableFile {
   uint64_t size_ = 0;
   bool closed_ = false;
   absl::Status first_error_;
+  // Append and WriteAt exclude each other. Append's state above has one writer; WriteAt's
+  // callers are several threads, which only read appended_ and closed_ (set before them).
+  bool appended_ = false;
+  std::atomic<bool> positional_{false};
+  std::atomic<uint64_t> positional_size_{0};  // The largest end WriteAt wrote.
 };
 
 // Rings for reads, shared by every RandomAccessFile of one UringEnv. Safe for concurrent use.

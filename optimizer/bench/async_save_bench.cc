@@ -83,6 +83,7 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
   const std::string root = JoinPath(options.dir, "ckpt-bench-async");
   RemoveRecursively(Env::Default(), root).IgnoreError();  // Best effort: a previous run's.
   StoreOptions so;
+  so.write_threads = options.write_threads;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store, CheckpointStore::Open(root, so));
   // Rounds of 4 GiB saves must not fill the disk: the old steps are deleted between the timed
   // parts (the store's own retention would delete inside whichever commit triggered it, sync or
@@ -110,6 +111,26 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
   }
   std::sort(plain.begin(), plain.end());
   fig.step_ms = plain[plain.size() / 2] * 1e3;
+
+  // The write bound again, with the steps running as they will beside the async saves.
+  {
+    absl::StatusOr<double> during = absl::UnknownError("not measured");
+    std::atomic<bool> written{false};
+    std::thread writer([&] {
+      during = RawWriteBoundGbps(nullptr, options.dir, fig.state_bytes);
+      written.store(true);
+    });
+    absl::Status stepped;
+    while (!written.load() && stepped.ok()) {
+      stepped = step().status();
+      if (options.step_gap_ms > 0 && !written.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(options.step_gap_ms));
+      }
+    }
+    writer.join();
+    CKPT_RETURN_IF_ERROR(stepped);
+    CKPT_ASSIGN_OR_RETURN(fig.write_bound_during_steps_gbps, during);
+  }
 
   uint64_t next_step = 1;
   // A first async save with steps running, untimed: it makes the staging pool and faults its

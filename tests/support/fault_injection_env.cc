@@ -1,5 +1,6 @@
 #include "tests/support/fault_injection_env.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <random>
 
@@ -52,6 +53,29 @@ class FaultInjectionEnv::File : public WritableFile {
     }
     absl::Status s = target_->Append(data);
     if (s.ok()) state_->size += data.size();
+    env_->AfterMutation();
+    return s;
+  }
+  // Under the Env's lock like every call: concurrent WriteAt calls take turns.
+  absl::Status WriteAt(uint64_t offset, std::span<const std::byte> data) override {
+    std::lock_guard<std::recursive_mutex> lock(env_->mu_);
+    CKPT_RETURN_IF_ERROR(
+        env_->BeforeMutation(Op::kAppend, absl::StrCat("write ", path_, " at offset ", offset)));
+    ++env_->appends_;
+    if (env_->tear_append_.has_value() && env_->appends_ == *env_->tear_append_) {
+      env_->tear_append_.reset();
+      const size_t keep = std::min(env_->tear_keep_, data.size()) / kWriteAtAlignment *
+                          kWriteAtAlignment;
+      if (keep > 0) {
+        CKPT_RETURN_IF_ERROR(target_->WriteAt(offset, data.first(keep)));
+        state_->size = std::max(state_->size, offset + keep);
+      }
+      if (env_->tear_crash_) env_->crashed_ = true;
+      return internal::IoError(EIO, absl::StrCat("injected torn write ", path_, " at offset ",
+                                                 offset));
+    }
+    absl::Status s = target_->WriteAt(offset, data);
+    if (s.ok()) state_->size = std::max(state_->size, offset + data.size());
     env_->AfterMutation();
     return s;
   }

@@ -28,6 +28,7 @@ namespace ckpt::testing {
 // CreateDir, RemoveDir, SyncDir. Safe for concurrent use.
 class FaultInjectionEnv : public EnvWrapper {
  public:
+  // kAppend counts WritableFile::Append and WriteAt alike: a write of file data.
   enum class Op { kAny, kOpen, kAppend, kSync, kRename, kRemove, kCreateDir, kRemoveDir, kSyncDir };
 
   explicit FaultInjectionEnv(Env* target);
@@ -35,8 +36,9 @@ class FaultInjectionEnv : public EnvWrapper {
 
   // The n-th mutating call (of kind `op`, counted from now) fails with `errnum`.
   void FailNth(uint64_t n, int errnum, Op op = Op::kAny);
-  // The n-th Append (counted from now) writes only its first `keep_bytes`, then fails with EIO
-  // or, with crash, crashes the Env.
+  // The n-th Append or WriteAt (counted from now) writes only its first `keep_bytes` (a WriteAt
+  // whole blocks of them: it writes aligned blocks only), then fails with EIO or, with crash,
+  // crashes the Env.
   void TearNthAppend(uint64_t n, size_t keep_bytes, bool crash);
   // After the k-th mutating call (counted from now) completes, the Env crashes; k = 0 crashes
   // at once.

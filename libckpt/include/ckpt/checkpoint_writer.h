@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/manifest.h"
@@ -20,6 +21,9 @@
 namespace ckpt {
 
 class CheckpointStore;
+namespace internal {
+class ChunkWriter;
+}  // namespace internal
 
 struct TensorSpec {
   std::string name;
@@ -49,6 +53,17 @@ class SaveTransaction {
   // or EDQUOT) poisons the transaction, which then votes no.
   absl::Status WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
                           std::span<const std::byte> data);
+  // As WritePiece, but returns once the piece is queued: the transaction's writer threads go on
+  // reading `data` until WaitForPieces(t) returns for the returned ticket t or a later one, so
+  // `data` must stay alive and unchanged until then. Lets a caller that owns its memory keep
+  // the writers busy across pieces. After an IO error (one that makes the transaction vote no)
+  // no piece's data is read any more; a refused piece (kInvalidArgument) leaves the pieces
+  // queued before it queued.
+  absl::StatusOr<uint64_t> WritePieceDeferred(absl::string_view tensor, uint64_t begin,
+                                              uint64_t count, std::span<const std::byte> data);
+  // Waits until every piece up to `ticket` is written to the data file (not yet durable: that
+  // is Prepare's or Commit's). Returns the transaction's first IO error.
+  absl::Status WaitForPieces(uint64_t ticket);
   // Stores opaque bytes under `name` (unique per rank). Errors as WritePiece.
   absl::Status WriteBlob(absl::string_view name, std::span<const std::byte> data);
 
@@ -59,7 +74,8 @@ class SaveTransaction {
   absl::Status Prepare();
   // Makes this rank vote no at Commit with `why`: an error of the caller's that the
   // transaction did not see (e.g. a writer that stopped before writing everything). Every rank
-  // then returns `why`, annotated with this rank.
+  // then returns `why`, annotated with this rank. Stops the writer threads first: once it
+  // returns, no piece's data is read any more (the caller may change it).
   void MarkFailed(absl::Status why);
 
   // Collective. Finishes this rank's file, votes, and (rank 0) commits. Returns OK on every
@@ -76,7 +92,11 @@ class SaveTransaction {
   SaveTransaction(CheckpointStore* store, Coordinator* coordinator, uint64_t step,
                   std::string staging_dir, absl::Status begin_error);
 
+  // Reserves the next extent of the data file for a chunk of `raw` (compressed first when the
+  // codec says so) and queues it for the writer threads, which read `raw` until its job is
+  // consumed.
   absl::Status AppendChunk(std::span<const std::byte> raw, formats::ChunkInfo* info);
+  absl::Status WaitFor(uint64_t jobs, bool written);
   absl::Status Fail(absl::Status s);
   // Step 2: the data file's header, before the first chunk or at the commit.
   absl::Status WriteHeaderOnce();
@@ -92,6 +112,12 @@ class SaveTransaction {
   const uint64_t step_;
   const std::string staging_dir_;
   std::unique_ptr<WritableFile> file_;
+  // Step 2's writer threads, made with the first chunk; they write file_ with WriteAt. Declared
+  // after file_ so that they stop before it goes; stopped (queued jobs skipped) by FinishLocal.
+  std::unique_ptr<internal::ChunkWriter> writer_;
+  uint64_t next_offset_;            // Where the next chunk's extent goes.
+  uint64_t jobs_ = 0;               // Jobs queued on writer_ (the file header's included).
+  std::vector<uint64_t> chunk_job_;  // Per chunk of part_.files[0]: its job (for its checksum).
   formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
   // Lookups into part_: tensor index by name; per tensor, this rank's ranges (begin -> end).
   std::map<std::string, uint32_t, std::less<>> tensor_index_;

@@ -36,7 +36,10 @@ struct FileOptions {
   bool follow_symlinks = true;
 };
 
-// A file being written from the start. Not thread-safe: one writer per file.
+// What WriteAt requires of its offset, length and buffer address.
+inline constexpr size_t kWriteAtAlignment = 4096;
+
+// A file being written from the start, by Append (one writer) or by WriteAt (several).
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
@@ -46,12 +49,20 @@ class WritableFile {
   // ENOSPC/EDQUOT, another code for other IO errors; after a failure the file's contents are
   // unspecified and the caller must abandon it.
   virtual absl::Status Append(std::span<const std::byte> data) = 0;
-  // Makes every byte appended so far durable.
+  // Writes `data` at `offset`, for a writer that lays out whole blocks itself and keeps several
+  // writes in flight from several threads. The offset, the length and the address of `data`
+  // must be multiples of kWriteAtAlignment, so that an O_DIRECT file takes the bytes as they
+  // are (kInvalidArgument otherwise). A file is written by Append or by WriteAt, never both
+  // (kFailedPrecondition). Safe to call from several threads at once; Sync and Close must not
+  // overlap a WriteAt. The write is done (or failed, with Append's error codes) when it returns;
+  // unwritten gaps read as zeros. size() is then the largest end written.
+  virtual absl::Status WriteAt(uint64_t offset, std::span<const std::byte> data) = 0;
+  // Makes every byte appended or written so far durable.
   virtual absl::Status Sync() = 0;
   // Completes outstanding writes and releases the file. Does not imply Sync. Calling any
   // method after Close is an error (kFailedPrecondition).
   virtual absl::Status Close() = 0;
-  // Bytes appended so far.
+  // Bytes appended so far (or the largest end WriteAt wrote).
   virtual uint64_t size() const = 0;
 };
 

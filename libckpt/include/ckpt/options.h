@@ -38,6 +38,10 @@ struct StoreOptions {
   bool direct_io = true;
   // Threads a reader uses to read and verify chunks of one large range in parallel.
   int read_threads = 8;
+  // Threads each save transaction (one rank's data file) copies, checksums and writes whole
+  // chunks on, so that several chunks are in flight at once (at least 1). Each holds one
+  // chunk-sized buffer while the transaction writes.
+  int write_threads = 4;
   // Applied by the primary after each durable commit.
   RetentionPolicy retention;
   // Diagnostics (what recovery removed, why a fallback happened). Libraries never print.

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/safetensors.h"
+#include "ckpt/options.h"
 
 namespace ckpt::bench {
 
@@ -35,6 +36,7 @@ struct IoBenchOptions {
   uint64_t bytes = 0;  // Bytes of FP32 state; a positive multiple of 4.
   int ranks = 1;       // Ranks, run as threads of this process, each saving and loading a range.
   std::optional<int> zstd_level;  // Compress chunks with zstd at this level; raw without.
+  int write_threads = StoreOptions{}.write_threads;  // StoreOptions::write_threads.
   bool keep = false;              // Keep the committed step; otherwise the store is removed.
   PhaseProgress progress;         // Optional.
 };

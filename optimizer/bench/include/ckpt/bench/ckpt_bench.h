@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "ckpt/options.h"
 #include "ckpt/optimizer/staged_adamw.h"
 
 namespace ckpt::bench {
@@ -48,6 +49,7 @@ struct AsyncSaveBenchOptions {
   // Milliseconds between steps during an async save: what a trainer's forward and backward
   // take between optimizer steps (0: steps back to back, the worst case for the writer).
   int step_gap_ms = 0;
+  int write_threads = StoreOptions{}.write_threads;  // StoreOptions::write_threads.
 };
 
 struct AsyncSaveFigures {
@@ -69,6 +71,9 @@ struct AsyncSaveFigures {
   double sync_save_s = 0;               // Checkpointer::Save of the same state; median.
   double durable_ratio = 0;             // Per round durable / sync save; median.
   double write_bound_gbps = 0;          // Best sequential O_DIRECT write of the same bytes.
+  // The same write while steps run as during the async saves (back to back, or step_gap_ms
+  // apart), with no save in flight: what the disk gives while the steps load memory and PCIe.
+  double write_bound_during_steps_gbps = 0;
   double copy_bound_gbps = 0;           // memcpy of the same bytes into touched memory.
   uint64_t units = 0, units_copied = 0, bytes_copied = 0, step_waits = 0;  // Summed over rounds.
 };
