@@ -6,6 +6,8 @@
 // a crash before the sync brings it back whole while one after it leaves garbage that step 2 of
 // recovery removes. (On a real file system the kernel may persist some of the renames before
 // the sync; each step is still whole, but a crash may then delete a subset of the doomed steps.)
+// After a commit the removal runs on the store's remover thread (the commit waits for the
+// renames and the sync only); WaitForRemovals and the destructor wait for it.
 #include "ckpt/checkpoint_store.h"
 
 #include <algorithm>
@@ -58,7 +60,39 @@ absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::st
 CheckpointStore::CheckpointStore(std::string root, const StoreOptions& options, Env* env)
     : root_(std::move(root)), options_(options), env_(env) {}
 
-CheckpointStore::~CheckpointStore() = default;
+CheckpointStore::~CheckpointStore() {
+  WaitForRemovals();  // While the LOCK is still held.
+  {
+    std::lock_guard<std::mutex> lock(remove_mu_);
+    remover_stop_ = true;
+  }
+  remove_cv_.notify_all();
+  if (remover_.joinable()) remover_.join();
+}
+
+void CheckpointStore::WaitForRemovals() {
+  std::unique_lock<std::mutex> lock(remove_mu_);
+  remove_cv_.wait(lock, [&] { return to_remove_.empty() && !removing_; });
+}
+
+void CheckpointStore::RemoverMain() {
+  std::unique_lock<std::mutex> lock(remove_mu_);
+  for (;;) {
+    remove_cv_.wait(lock, [&] { return remover_stop_ || !to_remove_.empty(); });
+    if (to_remove_.empty()) return;  // Stopping.
+    const std::string dir = std::move(to_remove_.front());
+    to_remove_.pop_front();
+    removing_ = true;
+    lock.unlock();
+    absl::Status s = RemoveRecursively(env_, dir);
+    if (s.ok()) s = env_->SyncDir(root_);
+    // A failure leaves a .deleting-* directory, which no reader opens; recovery removes it.
+    if (!s.ok()) Log(absl::StrCat("retention: removing ", dir, ": ", s.message()));
+    lock.lock();
+    removing_ = false;
+    remove_cv_.notify_all();
+  }
+}
 
 void CheckpointStore::Log(absl::string_view message) const {
   if (options_.logger) options_.logger(message);
@@ -198,6 +232,11 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest() 
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const RetentionPolicy& policy,
                                                                       bool dry_run) {
+  return Retire(policy, dry_run, /*background=*/false);
+}
+
+absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPolicy& policy,
+                                                              bool dry_run, bool background) {
   if (!dry_run && (!options_.primary || options_.read_only)) {
     return absl::FailedPreconditionError("retention needs the primary, writable store handle");
   }
@@ -236,6 +275,13 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const Rete
     CKPT_RETURN_IF_ERROR(env_->RenameFile(JoinPath(root_, StepDirName(step)), trash.back()));
   }
   CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
+  if (background) {
+    std::lock_guard<std::mutex> lock(remove_mu_);
+    for (std::string& dir : trash) to_remove_.push_back(std::move(dir));
+    if (!remover_.joinable()) remover_ = std::thread([this] { RemoverMain(); });
+    remove_cv_.notify_all();
+    return doomed;
+  }
   for (const std::string& dir : trash) CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, dir));
   CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
   return doomed;

@@ -1,12 +1,16 @@
 #include "ckpt/checkpoint_store.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
@@ -338,6 +342,74 @@ TEST_F(StoreTest, RetentionRunsAfterEachCommitWhenConfigured) {
   for (uint64_t step = 1; step <= 4; ++step)
     CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 2, step));
   EXPECT_THAT(*Open()->ListSteps(), ElementsAre(3, 4));
+}
+
+// Removals of files in retired steps (.deleting-*) block while the gate is closed.
+class RemoveGateEnv : public EnvWrapper {
+ public:
+  explicit RemoveGateEnv(Env* target) : EnvWrapper(target) {}
+  void SetOpen(bool open) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = open;
+    cv_.notify_all();
+  }
+  void AwaitHeld() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return held_ > 0; });
+  }
+  absl::Status RemoveFile(const std::string& path) override {
+    if (path.find("/.deleting-") != std::string::npos) {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++held_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return open_; });
+      --held_;
+    }
+    return target()->RemoveFile(path);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  int held_ = 0;
+};
+
+TEST_F(StoreTest, ACommitRetiresOldStepsAndLeavesTheirRemovalToTheBackground) {
+  RemoveGateEnv gate(env_.get());
+  options_.env = &gate;
+  options_.retention = {.keep_last = 1};
+  auto store = Open();
+  auto save = [&](uint64_t step) {
+    auto txn = store->BeginSave(step);
+    CKPT_ASSERT_OK(txn);
+    std::vector<float> w(3000, static_cast<float>(step));
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {3000}}));
+    CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 3000, testing::Bytes(w)));
+    CKPT_ASSERT_OK((*txn)->Commit());
+  };
+  save(1);
+  gate.SetOpen(false);
+  // Committing step 2 retires step 1: renamed away at once; its files stay until the gate opens.
+  save(2);
+  gate.AwaitHeld();
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(2));
+  auto entries = env_->GetChildren(kRoot);
+  CKPT_ASSERT_OK(entries);
+  EXPECT_TRUE(std::any_of(entries->begin(), entries->end(), [](const std::string& e) {
+    return absl::StartsWith(e, ".deleting-");
+  })) << "the retired step is not waiting for removal";
+  // The next save does not wait either.
+  save(3);
+  gate.SetOpen(true);
+  store->WaitForRemovals();
+  entries = env_->GetChildren(kRoot);
+  CKPT_ASSERT_OK(entries);
+  for (const std::string& e : *entries) EXPECT_FALSE(absl::StartsWith(e, ".deleting-")) << e;
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(3));
+  auto report = VerifyStore(env_.get(), kRoot, std::nullopt, /*all=*/true);
+  CKPT_ASSERT_OK(report);
+  EXPECT_TRUE(report->ok());
 }
 
 TEST(ThreadGroupTest, AllGatherDeliversEveryRoundInOrder) {

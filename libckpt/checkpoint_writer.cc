@@ -28,7 +28,9 @@
 //    if even that fails it keeps the step directory (LATEST may name it) and reports the error.
 // 9. Rank 0 broadcasts the outcome and every rank returns it. When rank 0 fails before step 8
 //    it removes the staging or step directory (best effort; recovery removes what remains).
-// 10. Rank 0 applies retention. Its failure is logged, not returned: the step is committed.
+// 10. Rank 0 applies retention: it renames the steps it retires to .deleting-* names (one
+//     SyncDir) and leaves removing their files to the store's remover thread. Its failure is
+//     logged, not returned: the step is committed.
 #include "ckpt/checkpoint_writer.h"
 
 #include <algorithm>
@@ -395,7 +397,7 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
   store_->OnCommitted(step_);
   if (rank == 0 && store_->options().retention.keep_last > 0) {
     absl::StatusOr<std::vector<uint64_t>> removed =
-        store_->ApplyRetention(store_->options().retention);
+        store_->Retire(store_->options().retention, /*dry_run=*/false, /*background=*/true);
     if (!removed.ok())
       store_->Log(absl::StrCat("retention after step ", step_, ": ", removed.status().message()));
   }

@@ -8,8 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <thread>
+
+#include "absl/status/statusor.h"
 #include "ckpt/checkpoint_reader.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/coordinator.h"
@@ -94,6 +98,11 @@ class CheckpointStore {
   // kFailedPrecondition on a non-primary or read-only handle (a dry run works on any).
   absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
                                                        bool dry_run = false);
+  // Waits until the steps that retention retired after a commit are removed. A commit renames
+  // the steps it retires away (one SyncDir) and leaves removing their files to a background
+  // thread, so that a commit (and an async save's Finalize) does not wait for the file system
+  // to free gigabytes. The destructor waits too.
+  void WaitForRemovals();
   // Deletes everything in quarantine/ (rename-then-remove, as retention does). Returns the
   // names deleted (or that would be, with dry_run). Primary, writable handle only.
   absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run = false);
@@ -108,6 +117,10 @@ class CheckpointStore {
   absl::Status RemoveUnpublished();
   absl::Status Quarantine(const std::vector<uint64_t>& steps);
   void Log(absl::string_view message) const;
+  // ApplyRetention; with `background`, the renamed steps are removed by the remover thread.
+  absl::StatusOr<std::vector<uint64_t>> Retire(const RetentionPolicy& policy, bool dry_run,
+                                               bool background);
+  void RemoverMain();
   // Called by rank 0's transaction once LATEST durably names `step`.
   void OnCommitted(uint64_t step);
   void OnSaveEnded();
@@ -125,6 +138,14 @@ class CheckpointStore {
   std::optional<uint64_t> latest_;
   bool save_in_flight_ = false;
   std::optional<uint64_t> latest_uncertain_;  // See OnLatestUncertain.
+  // Retired step directories (renamed to .deleting-*) the remover thread has yet to remove;
+  // recovery removes any a crash leaves.
+  std::mutex remove_mu_;
+  std::condition_variable remove_cv_;
+  std::deque<std::string> to_remove_;  // Guarded by remove_mu_, as the two flags.
+  bool removing_ = false;
+  bool remover_stop_ = false;
+  std::thread remover_;  // Started by the first background removal; joined by the destructor.
 };
 
 }  // namespace ckpt

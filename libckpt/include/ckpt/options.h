@@ -42,7 +42,8 @@ struct StoreOptions {
   // chunks on, so that several chunks are in flight at once (at least 1). Each holds one
   // chunk-sized buffer while the transaction writes.
   int write_threads = 4;
-  // Applied by the primary after each durable commit.
+  // Applied by the primary after each durable commit: the retired steps are renamed away in the
+  // commit and their files removed in the background (CheckpointStore::WaitForRemovals).
   RetentionPolicy retention;
   // Diagnostics (what recovery removed, why a fallback happened). Libraries never print.
   std::function<void(absl::string_view)> logger;
