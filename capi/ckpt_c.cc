@@ -344,12 +344,32 @@ int ckpt_optimizer_lifecycle(const ckpt_optimizer* o, int* lifecycle) {
 }
 
 int ckpt_store_open(const char* root, int primary, int read_only, ckpt_store** out) {
-  return Guard("ckpt_store_open", [&]() -> int {
-    if (root == nullptr || out == nullptr) return Invalid("root or out is NULL");
+  ckpt_store_options o{};
+  o.struct_size = sizeof(o);
+  o.primary = primary;
+  o.read_only = read_only;
+  return ckpt_store_open_with(root, &o, out);
+}
+
+int ckpt_store_open_with(const char* root, const ckpt_store_options* options, ckpt_store** out) {
+  return Guard("ckpt_store_open_with", [&]() -> int {
+    if (root == nullptr || options == nullptr || out == nullptr) {
+      return Invalid("root, options or out is NULL");
+    }
     *out = nullptr;
+    if (options->struct_size < sizeof(ckpt_store_options)) {
+      return Invalid(absl::StrCat("ckpt_store_options.struct_size is ", options->struct_size,
+                                  ", expected at least ", sizeof(ckpt_store_options)));
+    }
+    if (options->write_threads < 0 || options->write_threads > 64) {
+      return Invalid(absl::StrCat("write_threads ", options->write_threads,
+                                  " is outside 0 (the default) to 64"));
+    }
     ckpt::StoreOptions o;
-    o.primary = primary != 0;
-    o.read_only = read_only != 0;
+    o.primary = options->primary != 0;
+    o.read_only = options->read_only != 0;
+    o.retention = {options->keep_last, options->keep_every};
+    if (options->write_threads > 0) o.write_threads = options->write_threads;
     absl::StatusOr<std::unique_ptr<ckpt::CheckpointStore>> s = ckpt::CheckpointStore::Open(root, o);
     if (!s.ok()) return Fail(s.status());
     *out = new ckpt_store{*std::move(s)};

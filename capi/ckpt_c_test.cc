@@ -26,6 +26,17 @@ TEST(CkptCTest, NullAndBadArgumentsAreCodesWithMessages) {
   ckpt_store* store = nullptr;
   EXPECT_EQ(ckpt_store_open("/nonexistent/ckpt-root", 0, 1, &store), CKPT_NOT_FOUND);
   EXPECT_EQ(store, nullptr);
+  ckpt_store_options so{};
+  EXPECT_EQ(ckpt_store_open_with("/nonexistent/ckpt-root", &so, &store), CKPT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ckpt_last_error()).find("struct_size"), std::string::npos);
+  so.struct_size = sizeof(so);
+  so.write_threads = 65;
+  EXPECT_EQ(ckpt_store_open_with("/nonexistent/ckpt-root", &so, &store), CKPT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ckpt_last_error()).find("write_threads 65"), std::string::npos);
+  so.write_threads = 0;
+  so.read_only = 1;
+  EXPECT_EQ(ckpt_store_open_with("/nonexistent/ckpt-root", &so, &store), CKPT_NOT_FOUND);
+  EXPECT_EQ(store, nullptr);
   // A parameter with a dtype that does not exist, and one without a name.
   const uint64_t shape[1] = {4};
   ckpt_param bad = {"w", shape, 1, 7, 0};

@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 OK = 0
 CODE_NAMES = {
@@ -56,6 +56,12 @@ class OptimizerOptions(ctypes.Structure):
 ALL_GATHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
 BARRIER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class StoreOptions(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("primary", ctypes.c_int),
+                ("read_only", ctypes.c_int), ("keep_last", ctypes.c_uint64),
+                ("keep_every", ctypes.c_uint64), ("write_threads", ctypes.c_int)]
 
 
 class Coordinator(ctypes.Structure):
@@ -114,6 +120,8 @@ _sig = {
     "ckpt_optimizer_lifecycle": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "ckpt_store_open": ([ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_p)],
                         ctypes.c_int),
+    "ckpt_store_open_with": ([ctypes.c_char_p, ctypes.POINTER(StoreOptions), ctypes.POINTER(_p)],
+                             ctypes.c_int),
     "ckpt_store_close": ([_p], None),
     "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
                           ctypes.c_int),
@@ -139,14 +147,17 @@ _sig = {
                         ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_blobs_free": ([_p], None),
 }
+lib.ckpt_abi_version.argtypes = []
+lib.ckpt_abi_version.restype = ctypes.c_int
+# Versions only add functions: a library of this package's version or newer serves it.
+if lib.ckpt_abi_version() < ABI_VERSION:
+    raise ImportError(f"ckpt: libckpt_c.so implements ABI {lib.ckpt_abi_version()}, this package "
+                      f"needs {ABI_VERSION} or newer")
+
 for _name, (_args, _res) in _sig.items():
     _f = getattr(lib, _name)
     _f.argtypes = _args
     _f.restype = _res
-
-if lib.ckpt_abi_version() != ABI_VERSION:
-    raise ImportError(f"ckpt: libckpt_c.so implements ABI {lib.ckpt_abi_version()}, this package "
-                      f"speaks {ABI_VERSION}")
 
 
 def check(code):

@@ -92,9 +92,18 @@ class Checkpointer:
     holds the whole state: make the Checkpointer on one rank only (the others would be refused
     the root's LOCK).
     async_staging_bytes: memory an async save may use to copy state aside (0: 1 GiB).
+    keep_last, keep_every: retention after each commit: keep the newest keep_last steps (0: every
+    step) and every step that is a multiple of keep_every (0: none for this reason); the step
+    LATEST names is always kept. The old steps' files are removed in the background, so a save
+    (or finalize) does not wait for them.
     """
 
-    def __init__(self, root, optimizer, *, process_group=None, async_staging_bytes=0):
+    def __init__(self, root, optimizer, *, process_group=None, async_staging_bytes=0,
+                 keep_last=0, keep_every=0):
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every),
+                            ("async_staging_bytes", async_staging_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, not {value!r}")
         self._optimizer = optimizer
         self._store = None
         self._handle = None
@@ -115,12 +124,19 @@ class Checkpointer:
             coordinator, self._callback = _torch_coordinator(process_group)
             rank = coordinator.rank
         store = ctypes.c_void_p()
+
+        def open_store(primary):
+            options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), primary, 0, keep_last,
+                                        keep_every, 0)
+            check(lib.ckpt_store_open_with(str(root).encode(), ctypes.byref(options),
+                                           ctypes.byref(store)))
+
         if rank == 0:
-            check(lib.ckpt_store_open(str(root).encode(), 1, 0, ctypes.byref(store)))
+            open_store(1)
         if distributed:  # The primary creates and recovers the root before the others open it.
             dist.barrier(group=process_group)
         if rank != 0:
-            check(lib.ckpt_store_open(str(root).encode(), 0, 0, ctypes.byref(store)))
+            open_store(0)
         self._store = store
         handle = ctypes.c_void_p()
         try:

@@ -179,6 +179,29 @@ def test_save_load_and_async_save_round_trip(tmp_path):
     ck2.close()
 
 
+def test_retention_keeps_the_newest_steps_and_the_multiples(tmp_path):
+    model, opt = fresh()
+    with pytest.raises(ValueError, match="keep_last"):
+        ckpt.Checkpointer(tmp_path / "root", opt, keep_last=-1)
+    ck = ckpt.Checkpointer(tmp_path / "root", opt, keep_last=2, keep_every=3)
+    for step in range(1, 8):
+        train(model, opt, 1, first=step - 1)
+        if step % 2:
+            ck.save(step)
+        else:
+            ck.save_async(step).finalize()
+    saved = snapshot(model, opt)
+    ck.close()  # Waits for the background removals.
+    steps = sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000003", "step-00000006", "step-00000007"]
+    assert not [p.name for p in (tmp_path / "root").iterdir() if p.name.startswith(".deleting")]
+    model2, opt2 = fresh(seed=7)
+    ck2 = ckpt.Checkpointer(tmp_path / "root", opt2)
+    ck2.load()
+    assert same(snapshot(model2, opt2), saved)
+    ck2.close()
+
+
 def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     model, opt = fresh()
     ck = ckpt.Checkpointer(tmp_path / "root", opt)

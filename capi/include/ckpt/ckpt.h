@@ -25,7 +25,9 @@
 extern "C" {
 #endif
 
-#define CKPT_ABI_VERSION 1
+/* Versions only add (2: ckpt_store_open_with): a library serves callers of its version or an
+ * older one. */
+#define CKPT_ABI_VERSION 2
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -136,6 +138,22 @@ CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifec
 /* primary: this handle owns the root (rank 0 of a job; recovers it at open); read_only: only
  * reads. */
 CKPT_C_EXPORT int ckpt_store_open(const char* root, int primary, int read_only, ckpt_store** out);
+/* ckpt_store_open with more options. Zero the struct, set struct_size to
+ * sizeof(ckpt_store_options) (later versions add fields at the end), then what you need. */
+typedef struct {
+  size_t struct_size;
+  int primary;
+  int read_only;
+  /* Retention after each commit (the primary applies it; the old steps' files are removed in
+   * the background): keep the newest keep_last steps (0: keep every step) and every step that
+   * is a multiple of keep_every (0: none for this reason). LATEST's step is always kept. */
+  uint64_t keep_last;
+  uint64_t keep_every;
+  /* Threads that write this rank's data file of a save, 1 to 64 (0: the default, 4). */
+  int write_threads;
+} ckpt_store_options;
+CKPT_C_EXPORT int ckpt_store_open_with(const char* root, const ckpt_store_options* options,
+                                       ckpt_store** out);
 CKPT_C_EXPORT void ckpt_store_close(ckpt_store* store);
 /* The step LATEST names (*has_latest 0 when nothing is committed). */
 CKPT_C_EXPORT int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step);
