@@ -92,6 +92,11 @@ absl::StatusOr<double> MeasureRawWriteOnce(Env* env, const std::string& dir, uin
   }
   const std::string phase = absl::StrCat("raw x", streams);
   std::atomic<uint64_t> written{0};
+  // A failed write (ENOSPC) must not leave the disk full of scratch: best effort, the error
+  // being what is reported.
+  absl::Cleanup scratch = [&] {
+    for (int i = 0; i < streams; ++i) env->RemoveFile(path(i)).IgnoreError();
+  };
   Clock::time_point start = Clock::now();
   CKPT_RETURN_IF_ERROR(RunRanks(streams, [&](int i) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(auto file, env->NewWritableFile(path(i), FileOptions{.direct_io = true}));
@@ -105,6 +110,7 @@ absl::StatusOr<double> MeasureRawWriteOnce(Env* env, const std::string& dir, uin
   }));
   const double gbps = static_cast<double>(bytes) / Seconds(start) / 1e9;
   Report(progress, phase, bytes, bytes);
+  std::move(scratch).Cancel();
   for (int i = 0; i < streams; ++i) CKPT_RETURN_IF_ERROR(env->RemoveFile(path(i)));
   return gbps;
 }

@@ -65,7 +65,7 @@ struct IoFigures {
 // errors of the raw bound annotated "raw bound"; kResourceExhausted when memory (twice `bytes`)
 // or the disk runs out; kDataLoss when the loaded state differs from the saved one; any error
 // of the store. On failure the store is left in place for inspection; the raw bound's scratch
-// files are removed on success and when a later run starts.
+// files are removed in any case (and by a later run, after a crash).
 absl::StatusOr<IoFigures> RunIoBench(const IoBenchOptions& options);
 
 // The bounds of `bench ckpt`: the best sequential O_DIRECT write of `bytes` into the existing
