@@ -142,6 +142,33 @@ TEST_F(StoreTest, EveryWriterThreadCountWritesTheSameBytes) {
   }
 }
 
+TEST_F(StoreTest, AFailedChunkWriteNamesItsOwnTensorAndOffset) {
+  // The writer threads report an error wherever the caller happens to be; the message must
+  // name the chunk that failed, not the piece being queued then. One thread: the file header
+  // is the first write, "a" the second.
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  options_.write_threads = 1;
+  auto store = Open();
+  auto txn = store->BeginSave(1);
+  CKPT_ASSERT_OK(txn);
+  std::vector<float> w(200, 1.0f);
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"a", formats::DType::kF32, {200}}));
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"b", formats::DType::kF32, {200}}));
+  fault.FailNth(2, EIO, testing::FaultInjectionEnv::Op::kAppend);
+  // Whichever call sees the failure (a's own, b's, or the commit) reports a's chunk.
+  std::vector<absl::Status> seen = {(*txn)->WritePiece("a", 0, 200, testing::Bytes(w)),
+                                    (*txn)->WritePiece("b", 0, 200, testing::Bytes(w)),
+                                    (*txn)->Commit()};
+  EXPECT_THAT(seen.back(), StatusIs(absl::StatusCode::kUnknown));
+  for (const absl::Status& s : seen) {
+    if (s.ok()) continue;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("tensor a: "));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("at offset 4096"));
+    EXPECT_THAT(std::string(s.message()), ::testing::Not(HasSubstr("tensor b")));
+  }
+}
+
 TEST_F(StoreTest, AbortAndDestructionWithoutCommitLeaveNoTrace) {
   auto store = Open();
   {

@@ -98,6 +98,7 @@ absl::Status SaveTransaction::WriteHeaderOnce() {
   internal::ChunkWriter::Job job;
   job.offset = 0;
   job.prefix = formats::EncodeDataFileHeader(header);
+  job.what = absl::StrCat("save step ", step_, " data file header");
   CKPT_RETURN_IF_ERROR(writer_->Submit(std::move(job)).status());
   ++jobs_;
   return absl::OkStatus();
@@ -107,7 +108,7 @@ absl::Status SaveTransaction::WaitFor(uint64_t jobs, bool written) {
   if (writer_ == nullptr) return error_;  // Nothing queued, or every job done (FinishLocal).
   jobs = std::min(jobs, jobs_);            // A ticket never handed out waits for them all.
   absl::Status s = written ? writer_->WaitWritten(jobs) : writer_->WaitConsumed(jobs);
-  if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_)));
+  if (!s.ok()) return Fail(s);  // Named by the job that failed.
   return absl::OkStatus();
 }
 
@@ -141,14 +142,17 @@ absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info) {
+absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info,
+                                          std::string what) {
   CKPT_RETURN_IF_ERROR(WriteHeaderOnce());
   const StoreOptions& options = store_->options();
   std::string compressed;
   std::span<const std::byte> payload = raw;
   formats::Codec codec = formats::Codec::kRaw;
   if (options.codec == formats::Codec::kZstd) {
-    CKPT_ASSIGN_OR_RETURN(compressed, formats::CompressZstd(raw, options.zstd_level));
+    absl::StatusOr<std::string> z = formats::CompressZstd(raw, options.zstd_level);
+    if (!z.ok()) return Annotate(z.status(), what);
+    compressed = *std::move(z);
     if (compressed.size() < raw.size()) {  // Incompressible chunks stay raw.
       payload = AsBytes(compressed);
       codec = formats::Codec::kZstd;
@@ -158,6 +162,7 @@ absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkI
   job.offset = next_offset_;
   job.prefix = formats::EncodeChunkHeader({codec, raw.size(), payload.size()});
   job.checksum = true;
+  job.what = std::move(what);  // The writer threads' errors name the chunk's tensor or blob.
   if (codec == formats::Codec::kRaw) {
     job.borrowed = raw;
   } else {
@@ -229,8 +234,9 @@ absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view t
       for (uint64_t done = 0; done < count; done += chunk_elems) {
         const uint64_t n = std::min(chunk_elems, count - done);
         ChunkInfo info;
-        absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info);
-        if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " tensor ", tensor)));
+        absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info,
+                                     absl::StrCat("save step ", step_, " tensor ", tensor));
+        if (!s.ok()) return Fail(s);
         chunks.push_back(info);
         ++last.chunk_count;
         last.count += n;
@@ -250,8 +256,9 @@ absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view t
   for (uint64_t done = 0; done < count; done += piece.chunk_elems) {
     uint64_t n = std::min(piece.chunk_elems, count - done);
     ChunkInfo info;
-    absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info);
-    if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " tensor ", tensor)));
+    absl::Status s = AppendChunk(data.subspan(done * esize, n * esize), &info,
+                                 absl::StrCat("save step ", step_, " tensor ", tensor));
+    if (!s.ok()) return Fail(s);
     chunks.push_back(info);
   }
   piece.chunk_count = chunks.size() - piece.first_chunk;
@@ -283,8 +290,9 @@ absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const 
   for (uint64_t done = 0; done < data.size(); done += chunk_bytes) {
     ChunkInfo info;
     absl::Status s =
-        AppendChunk(data.subspan(done, std::min(chunk_bytes, data.size() - done)), &info);
-    if (!s.ok()) return Fail(Annotate(s, absl::StrCat("save step ", step_, " blob ", name)));
+        AppendChunk(data.subspan(done, std::min(chunk_bytes, data.size() - done)), &info,
+                    absl::StrCat("save step ", step_, " blob ", name));
+    if (!s.ok()) return Fail(s);
     chunks.push_back(info);
   }
   blob.chunk_count = chunks.size() - blob.first_chunk;

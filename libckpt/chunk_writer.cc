@@ -146,7 +146,9 @@ absl::Status ChunkWriter::Run(const Job& job, uint64_t n, AlignedBuffer* buffer)
     MarkLocked(n, kConsumed);
   }
   changed_.notify_all();
-  return file_->WriteAt(job.offset, {out, extent});
+  absl::Status written = file_->WriteAt(job.offset, {out, extent});
+  if (!written.ok() && !job.what.empty()) return Annotate(written, job.what);
+  return written;
 }
 
 }  // namespace ckpt::internal

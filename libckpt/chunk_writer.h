@@ -41,6 +41,7 @@ class ChunkWriter {
     std::span<const std::byte> borrowed;
     std::string owned;
     bool checksum = false;  // Checksum the whole extent (prefix, body and padding).
+    std::string what;       // What the job writes, for its error (e.g. "save step 3 tensor w").
   };
 
   // `threads` workers (1 to 64), started by the first Submit. Not owned: `file`, which

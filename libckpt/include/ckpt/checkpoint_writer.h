@@ -94,8 +94,9 @@ class SaveTransaction {
 
   // Reserves the next extent of the data file for a chunk of `raw` (compressed first when the
   // codec says so) and queues it for the writer threads, which read `raw` until its job is
-  // consumed.
-  absl::Status AppendChunk(std::span<const std::byte> raw, formats::ChunkInfo* info);
+  // consumed. `what` names the chunk's tensor or blob in its errors.
+  absl::Status AppendChunk(std::span<const std::byte> raw, formats::ChunkInfo* info,
+                           std::string what);
   absl::Status WaitFor(uint64_t jobs, bool written);
   absl::Status Fail(absl::Status s);
   // Step 2: the data file's header, before the first chunk or at the commit.
