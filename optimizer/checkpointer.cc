@@ -29,7 +29,7 @@
 // 2. Fix the undo source: the step the state last equalled, if the optimizer's state_version()
 //    has not moved since and it is not the step being loaded (it costs nothing); otherwise spill
 //    the state into a private store <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written
-//    straight from the slabs: memory bounded by one chunk; a read-only handle refuses). Vote; a
+//    straight from the slabs: memory bounded by two chunks; a read-only handle refuses). Vote; a
 //    failure removes the spills, the state untouched.
 // 3. Apply: lifecycle kLoading; read every piece straight into the slabs and the weights
 //    (moments converted in bounded batches when the dtypes differ), then the groups.
@@ -519,6 +519,9 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   options.read_only = false;
   options.retention = RetentionPolicy{};
   options.logger = nullptr;
+  // Two writer threads still overlap copying with writing, and hold two chunk buffers: the
+  // spill's memory stays within a chunk or two however many threads a save uses.
+  options.write_threads = std::min(options.write_threads, 2);
   // A spill that fails (ENOSPC, say) must not stay behind, possibly nearly a full copy.
   absl::Cleanup remove = [&] { RemoveSpill(*undo); };
   CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));

@@ -1,6 +1,7 @@
 // The undo spill of a load costs at most one chunk plus 16 MiB of memory beyond a load that needs
 // no spill, at 1 GiB of optimizer state on a real file system: the spill is written straight from
-// the slabs, never through a second copy of the state. Measured with the process's peak resident
+// the slabs, never through a second copy of the state (its two writer threads hold a chunk-sized
+// buffer each, up to 6 MiB with 2 MiB pages, within the slack). Measured with the process's peak resident
 // set (getrusage), so this test has a binary of its own: nothing else may have raised the peak.
 #include <sys/resource.h>
 
