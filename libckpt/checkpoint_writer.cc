@@ -55,7 +55,6 @@ namespace {
 using formats::ChunkInfo;
 using formats::Manifest;
 
-
 bool SameDeclaration(const formats::TensorInfo& a, const formats::TensorInfo& b) {
   return a.dtype == b.dtype && a.shape == b.shape;
 }

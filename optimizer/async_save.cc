@@ -154,7 +154,7 @@ void AsyncSave::WriterMain() {
   if (s.ok()) {
     s = txn_->Prepare();
   } else {
-    txn_->MarkFailed(s);
+    txn_->MarkFailed(s);  // Returns once no writer thread reads a unit any more.
   }
   std::lock_guard<std::mutex> lock(mu_);
   status_ = s;
@@ -187,12 +187,8 @@ absl::Status AsyncSave::WriteAll() {
     changed_.notify_all();
     return s;
   };
-  // On an error, nothing may read the units once this returns (the steps go on): the
-  // transaction stops its writer threads (and votes no).
-  auto fail = [&](absl::Status s) {
-    txn_->MarkFailed(s);
-    return s;
-  };
+  // An error returns at once: WriterMain's MarkFailed stops the store's writer threads before
+  // the units are freed for the steps.
   for (size_t u = 0; u < state_.size(); ++u) {
     const Unit& unit = units_[u];
     const std::byte* from = nullptr;
@@ -210,20 +206,20 @@ absl::Status AsyncSave::WriteAll() {
             ? QueueUnit(u, from, from + unit.count * 4, from + unit.count * (4 + moment_bytes_))
             : QueueUnit(u, master_ + unit.offset * 4, exp_avg_ + unit.offset * moment_bytes_,
                         exp_avg_sq_ + unit.offset * moment_bytes_);
-    if (!ticket.ok()) return fail(ticket.status());
+    if (!ticket.ok()) return ticket.status();
     if (previous.has_value()) {
       absl::Status s = release(*previous);
-      if (!s.ok()) return fail(s);
+      if (!s.ok()) return s;
     }
     previous = Queued{u, *ticket, from != nullptr};
   }
   if (previous.has_value()) {
     absl::Status s = release(*previous);
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   for (const auto& [name, bytes] : plan_.blobs) {
     absl::Status s = txn_->WriteBlob(name, std::as_bytes(std::span(bytes)));
-    if (!s.ok()) return fail(s);
+    if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
