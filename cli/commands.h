@@ -38,6 +38,19 @@ struct GcArgs {
 };
 int RunGc(const GcArgs& args);
 
+struct AdoptArgs {
+  std::string root;
+  uint64_t step = 0;
+};
+int RunAdopt(const AdoptArgs& args);
+
+struct QuarantineArgs {
+  std::string root;
+  std::optional<uint64_t> step;
+  bool all = false;
+};
+int RunQuarantine(const QuarantineArgs& args);
+
 struct BenchIoArgs {
   std::string dir;
   std::string size = "256M";

@@ -1,63 +1,104 @@
-// ckpt-tool gc: applies a retention policy through the primary handle (which recovers first),
-// and on request deletes what recovery set aside in quarantine/. --dry-run opens the root
-// read-only (no LOCK, no recovery) and changes nothing.
+// ckpt-tool gc: recovers the root (through the primary handle's Open), applies a retention
+// policy, and on request deletes what recovery set aside in quarantine/. --dry-run takes no
+// LOCK and changes nothing: it prints the recovery plan (PlanRecovery, the very list the real
+// run then acts on, line for line) and the steps retention would delete after it.
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/recovery.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
 namespace ckpt::cli {
+namespace {
+
+struct GcOutcome {
+  std::vector<RecoveryAction> recovery;
+  std::vector<std::string> quarantined_to;
+  std::optional<uint64_t> latest;
+  std::vector<uint64_t> deleted;
+  std::vector<std::string> purged;
+};
+
+// The dry run: the plan, then retention over the steps the plan leaves.
+absl::StatusOr<GcOutcome> DryRun(const GcArgs& args, const std::string& root) {
+  GcOutcome out;
+  CKPT_ASSIGN_OR_RETURN(RecoveryPlan plan, PlanRecovery(Env::Default(), root));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(Env::Default(), root));
+  std::vector<uint64_t> left;
+  for (uint64_t step : steps) {
+    bool goes = false;
+    for (const RecoveryAction& a : plan.actions) {
+      goes |= a.kind == RecoveryAction::Kind::kQuarantine && a.step == step;
+    }
+    if (!goes) left.push_back(step);
+  }
+  out.deleted = RetiredSteps(left, plan.latest, {args.keep_last, args.keep_every});
+  out.recovery = std::move(plan.actions);
+  out.latest = plan.latest;
+  if (args.purge_quarantine) {
+    StoreOptions options;
+    options.read_only = true;
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
+                          CheckpointStore::Open(root, options));
+    CKPT_ASSIGN_OR_RETURN(out.purged, store->ListQuarantine());
+  }
+  return out;
+}
+
+absl::StatusOr<GcOutcome> RealRun(const GcArgs& args) {
+  GcOutcome out;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
+                        CheckpointStore::Open(args.root, StoreOptions{}));
+  out.recovery = store->recovery().actions;
+  out.quarantined_to = store->recovery().quarantined;
+  out.latest = store->latest_step();
+  CKPT_ASSIGN_OR_RETURN(out.deleted, store->ApplyRetention({args.keep_last, args.keep_every}));
+  if (args.purge_quarantine) {
+    CKPT_ASSIGN_OR_RETURN(out.purged, store->PurgeQuarantine());
+  }
+  return out;
+}
+
+}  // namespace
 
 int RunGc(const GcArgs& args) {
-  StoreOptions options;
-  options.read_only = args.dry_run;
   absl::StatusOr<std::string> real = Env::Default()->RealPath(args.root);
   absl::StatusOr<bool> is_dir = real.ok() ? Env::Default()->IsDirectory(*real) : real.status();
   if (!is_dir.ok() || !*is_dir) {
     return ReportError(
         "gc", is_dir.ok() ? absl::NotFoundError(args.root + ": not a directory") : is_dir.status());
   }
-  absl::StatusOr<std::unique_ptr<CheckpointStore>> store =
-      CheckpointStore::Open(args.root, options);
-  if (!store.ok()) return ReportError("gc", store.status());
-  absl::StatusOr<std::vector<uint64_t>> deleted =
-      (*store)->ApplyRetention({args.keep_last, args.keep_every}, args.dry_run);
-  if (!deleted.ok()) return ReportError("gc", deleted.status());
-  std::vector<std::string> purged;
-  if (args.purge_quarantine) {
-    absl::StatusOr<std::vector<std::string>> p = (*store)->PurgeQuarantine(args.dry_run);
-    if (!p.ok()) return ReportError("gc", p.status());
-    purged = *std::move(p);
-  }
-  const RecoveryReport& recovery = (*store)->recovery();
+  absl::StatusOr<GcOutcome> outcome = args.dry_run ? DryRun(args, *real) : RealRun(args);
+  if (!outcome.ok()) return ReportError("gc", outcome.status());
+  std::vector<std::string> lines;
+  for (const RecoveryAction& a : outcome->recovery) lines.push_back(DescribeAction(a));
   if (args.json) {
     PrintJson({{"root", args.root},
                {"dry_run", args.dry_run},
-               {"deleted", *deleted},
-               {"quarantine_purged", purged},
-               {"recovery_removed", recovery.removed},
-               {"recovery_quarantined", recovery.quarantined},
-               {"recovery_problem", recovery.latest_problem}});
+               {"recovery", lines},
+               {"recovery_quarantined_to", outcome->quarantined_to},
+               {"latest", outcome->latest.has_value() ? nlohmann::json(*outcome->latest)
+                                                      : nlohmann::json(nullptr)},
+               {"deleted", outcome->deleted},
+               {"quarantine_purged", outcome->purged}});
     return kExitOk;
   }
-  if (recovery.latest_repaired) {
-    const std::optional<uint64_t> latest = (*store)->latest_step();
-    std::cout << "recovery: " << Printable(recovery.latest_problem) << "; LATEST now names "
-              << (latest.has_value() ? absl::StrCat("step ", *latest) : std::string("no step"))
-              << "\n";
+  const char* prefix = args.dry_run ? "recovery would: " : "recovery: ";
+  for (const std::string& line : lines) std::cout << prefix << Printable(line) << "\n";
+  for (const std::string& q : outcome->quarantined_to) {
+    std::cout << "recovery moved an entry into " << Printable(q) << "\n";
   }
-  for (const std::string& r : recovery.removed)
-    std::cout << "recovery removed " << Printable(r) << "\n";
-  for (const std::string& q : recovery.quarantined)
-    std::cout << "recovery moved a step into " << Printable(q) << "\n";
-  std::cout << (args.dry_run ? "would delete" : "deleted") << " " << deleted->size() << " step(s)"
-            << (deleted->empty() ? "" : ": " + absl::StrJoin(*deleted, ", ")) << "\n";
+  std::cout << (args.dry_run ? "would delete" : "deleted") << " " << outcome->deleted.size()
+            << " step(s)"
+            << (outcome->deleted.empty() ? "" : ": " + absl::StrJoin(outcome->deleted, ", "))
+            << "\n";
   if (args.purge_quarantine) {
-    std::cout << (args.dry_run ? "would purge" : "purged") << " " << purged.size()
-              << " quarantined entr" << (purged.size() == 1 ? "y" : "ies") << "\n";
+    std::cout << (args.dry_run ? "would purge" : "purged") << " " << outcome->purged.size()
+              << " quarantined entr" << (outcome->purged.size() == 1 ? "y" : "ies") << "\n";
   }
   return kExitOk;
 }

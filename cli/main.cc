@@ -103,10 +103,28 @@ int main(int argc, char** argv) {
   gc_cmd->add_option("--keep-every", gc.keep_every, "Also keep steps that are multiples of N")
       ->check(WholeNumber(0, UINT64_MAX));
   gc_cmd->add_flag("--dry-run", gc.dry_run,
-                   "Only print what would be deleted (opens read-only: no recovery, no change)");
+                   "Only print what recovery and retention would do (no LOCK, no change)");
   gc_cmd->add_flag("--purge-quarantine", gc.purge_quarantine,
                    "Also delete the steps recovery set aside in quarantine/");
   gc_cmd->add_flag("--json", gc.json, "Print one JSON object");
+
+  AdoptArgs adopt;
+  CLI::App* adopt_cmd = app.add_subcommand(
+      "adopt", "Make LATEST name STEP once every chunk of it verifies (an unpublished step "
+               "recovery kept, or an older one)");
+  adopt_cmd->add_option("root", adopt.root, "Checkpoint root directory")->required();
+  adopt_cmd->add_option("step", adopt.step, "The step")->required()->check(kStep);
+
+  QuarantineArgs quarantine;
+  uint64_t quarantine_step = 0;
+  CLI::App* quarantine_cmd = app.add_subcommand(
+      "quarantine", "Move a step (or, with --all, every step and LATEST) whole into quarantine/");
+  quarantine_cmd->add_option("root", quarantine.root, "Checkpoint root directory")->required();
+  CLI::Option* quarantine_step_opt =
+      quarantine_cmd->add_option("step", quarantine_step, "The step")->check(kStep);
+  quarantine_cmd
+      ->add_flag("--all", quarantine.all, "Every step and LATEST: the root opens empty after")
+      ->excludes(quarantine_step_opt);
 
   CLI::App* bench_cmd =
       app.add_subcommand("bench", "Benchmarks against the bound measured in the same run");
@@ -308,6 +326,15 @@ int main(int argc, char** argv) {
   if (inspect_cmd->parsed()) return RunInspect(inspect);
   if (verify_cmd->parsed()) return RunVerify(verify);
   if (gc_cmd->parsed()) return RunGc(gc);
+  if (adopt_cmd->parsed()) return RunAdopt(adopt);
+  if (quarantine_cmd->parsed()) {
+    if (quarantine_step_opt->count() > 0) quarantine.step = quarantine_step;
+    if (!quarantine.step.has_value() && !quarantine.all) {
+      std::cerr << "ckpt-tool quarantine: name a STEP or --all\n";
+      return kExitUsage;
+    }
+    return RunQuarantine(quarantine);
+  }
   if (io_cmd->parsed()) return RunBenchIo(bench_io);
   if (st_cmd->parsed()) return RunBenchSafetensors(bench_st);
   if (reshard_cmd->parsed()) return RunHfReshard(reshard);

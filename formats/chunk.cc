@@ -26,9 +26,8 @@
 namespace ckpt::formats {
 namespace {
 
-constexpr absl::string_view kDataMagic = "CKPTDATA";
+constexpr absl::string_view kDataMagic = kDataFileMagic;
 constexpr absl::string_view kChunkMagic = "CKC1";
-constexpr absl::string_view kLatestMagic = "CKLATEST";
 
 bool HasMagic(std::span<const std::byte> bytes, absl::string_view magic) {
   return bytes.size() >= magic.size() && std::memcmp(bytes.data(), magic.data(), magic.size()) == 0;

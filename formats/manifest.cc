@@ -45,7 +45,7 @@ constexpr uint64_t kMaxRank = 64;  // dims of a tensor
 constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;
 
 absl::string_view Magic(ManifestKind kind) {
-  return kind == ManifestKind::kManifest ? "CKPTMANI" : "CKPTPART";
+  return kind == ManifestKind::kManifest ? kManifestMagic : kPartMagic;
 }
 
 // Reads JSON fields with type checks; the first failure is kept and names the field.

@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/verify.h"
 #include "libckpt/filename.h"
 
 namespace ckpt {
@@ -55,6 +56,24 @@ absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::st
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& all, std::optional<uint64_t> latest,
+                                   const RetentionPolicy& policy) {
+  if (policy.keep_last == 0 || !latest.has_value()) return {};
+  // Entries above LATEST are not committed steps (recovery owns them): they neither count
+  // toward keep_last nor are deleted here.
+  std::vector<uint64_t> steps(all.begin(), std::upper_bound(all.begin(), all.end(), *latest));
+  std::set<uint64_t> keep;
+  for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
+    keep.insert(steps[steps.size() - 1 - i]);
+  keep.insert(*latest);
+  std::vector<uint64_t> doomed;
+  for (uint64_t step : steps) {
+    bool every = policy.keep_every > 0 && step % policy.keep_every == 0;
+    if (!keep.count(step) && !every) doomed.push_back(step);
+  }
+  return doomed;
 }
 
 CheckpointStore::CheckpointStore(std::string root, const StoreOptions& options, Env* env)
@@ -119,7 +138,13 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
   std::unique_ptr<CheckpointStore> store(new CheckpointStore(*real, options, env));
   if (writable) {
     CKPT_ASSIGN_OR_RETURN(store->lock_, env->LockFile(JoinPath(*real, internal::kLockName)));
-    CKPT_RETURN_IF_ERROR(store->Recover());
+    if (!options.skip_recovery) {
+      CKPT_RETURN_IF_ERROR(store->Recover());
+      return store;
+    }
+    absl::StatusOr<std::optional<uint64_t>> named = ReadLatest(env, *real);
+    std::lock_guard<std::mutex> lock(store->mu_);
+    if (named.ok()) store->latest_ = *named;
     return store;
   }
   CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> latest, ReadLatest(env, *real));
@@ -158,8 +183,9 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
       s = absl::FailedPreconditionError(absl::StrCat(
           "step ", step, " is not newer than LATEST (step ", *latest_, ") in ", root_));
     } else {
+      s = SetAsideUnpublished(step);
       staging = JoinPath(root_, internal::StagingDirName(step, internal::NewNonce()));
-      s = env_->CreateDir(staging);
+      if (s.ok()) s = env_->CreateDir(staging);
       // Claimed in the same critical section as the check: two BeginSave calls cannot both pass.
       save_in_flight_ = s.ok();
     }
@@ -188,6 +214,101 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
       new SaveTransaction(this, coordinator, step, std::string(view), absl::OkStatus()));
   txn->own_coordinator_ = std::move(own);
   return txn;
+}
+
+absl::Status CheckpointStore::SetAsideUnpublished(uint64_t step) {
+  const std::string name = StepDirName(step);
+  absl::StatusOr<FileInfo> info = env_->Stat(JoinPath(root_, name));
+  if (absl::IsNotFound(info.status())) return absl::OkStatus();
+  CKPT_RETURN_IF_ERROR(info.status());
+  // Only a step above LATEST reaches here: recovery kept it (or it appeared since), and the
+  // commit's rename must not meet it. A rename, so nothing of it is lost.
+  absl::StatusOr<std::vector<std::string>> moved = QuarantineEntries({name});
+  if (!moved.ok()) {
+    return Annotate(moved.status(),
+                    absl::StrCat("setting aside the unpublished ", name, " before saving step ",
+                                 step, " (move or adopt it by hand)"));
+  }
+  Log(absl::StrCat("save of step ", step, ": the unpublished ", name, " moved to ", (*moved)[0]));
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::CheckWritableIdle(absl::string_view what) {
+  if (!options_.primary || options_.read_only) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(root_, ": ", what, " needs the primary, writable store handle"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (save_in_flight_) {
+    return absl::FailedPreconditionError(absl::StrCat(root_, ": a save is in flight"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::Adopt(uint64_t step) {
+  CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("adopting step ", step)));
+  CKPT_RETURN_IF_ERROR(OpenStep(step).status());
+  CKPT_ASSIGN_OR_RETURN(StepVerifyReport report,
+                        VerifyStepDir(env_, JoinPath(root_, StepDirName(step))));
+  if (!report.problems.empty()) {
+    const VerifyProblem& p = report.problems.front();
+    return absl::DataLossError(absl::StrCat(
+        "step ", step, " does not verify, LATEST unchanged: ", p.file,
+        p.chunk.has_value() ? absl::StrCat(" chunk ", *p.chunk) : std::string(), " at offset ",
+        p.offset, ": ", p.message));
+  }
+  CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, JoinPath(root_, internal::kLatestName),
+                                           formats::EncodeLatest(step)));
+  std::lock_guard<std::mutex> lock(mu_);
+  latest_ = step;
+  latest_uncertain_.reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CheckpointStore::QuarantineStep(uint64_t step) {
+  CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("quarantining step ", step)));
+  const std::string name = StepDirName(step);
+  CKPT_RETURN_IF_ERROR(env_->Stat(JoinPath(root_, name)).status());
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
+  // The step LATEST falls back to is chosen first, so that a failure leaves both in place.
+  std::optional<uint64_t> fallback;
+  if (latest_step() == step) {
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+      if (*it < step && OpenStep(*it).ok()) {
+        fallback = *it;
+        break;
+      }
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> moved, QuarantineEntries({name}));
+  if (fallback.has_value()) {
+    // Until this is durable LATEST names a missing step, which the next Open repairs the same.
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, JoinPath(root_, internal::kLatestName),
+                                             formats::EncodeLatest(*fallback)));
+    std::lock_guard<std::mutex> lock(mu_);
+    latest_ = fallback;
+  } else if (latest_step() == step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    latest_uncertain_ = step;  // LATEST names nothing now: no save until an Open decides.
+  }
+  return moved[0];
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineAll() {
+  CKPT_RETURN_IF_ERROR(CheckWritableIdle("quarantining every step"));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::uint64_t> steps, ListSteps());
+  std::vector<std::string> names;
+  // LATEST goes first: from then on no step is named, and a crash leaves steps that the
+  // next Open judges as a store without LATEST (the newest intact one becomes LATEST).
+  absl::StatusOr<FileInfo> latest = env_->Stat(JoinPath(root_, internal::kLatestName));
+  if (latest.ok()) names.push_back(std::string(internal::kLatestName));
+  else if (!absl::IsNotFound(latest.status())) return latest.status();
+  for (uint64_t step : steps) names.push_back(StepDirName(step));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> moved, QuarantineEntries(names));
+  std::lock_guard<std::mutex> lock(mu_);
+  latest_.reset();
+  latest_uncertain_.reset();
+  return moved;
 }
 
 void CheckpointStore::OnCommitted(uint64_t step) {
@@ -249,23 +370,15 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPol
     latest = latest_;
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
-  if (policy.keep_last == 0) return std::vector<uint64_t>{};
-  // Entries above LATEST are not committed steps (recovery owns them): they neither count
-  // toward keep_last nor are deleted here.
-  if (latest.has_value()) {
-    steps.erase(std::upper_bound(steps.begin(), steps.end(), *latest), steps.end());
-  } else {
-    steps.clear();
-  }
-  std::set<uint64_t> keep;
-  for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
-    keep.insert(steps[steps.size() - 1 - i]);
-  if (latest.has_value()) keep.insert(*latest);
-  std::vector<uint64_t> doomed;
+  // Only step directories of the root's own mount are ever retired: a link or a mount point
+  // under a step's name is not something this store created.
+  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env_->Stat(root_));
+  std::vector<uint64_t> own;
   for (uint64_t step : steps) {
-    bool every = policy.keep_every > 0 && step % policy.keep_every == 0;
-    if (!keep.count(step) && !every) doomed.push_back(step);
+    CKPT_ASSIGN_OR_RETURN(FileInfo info, env_->Stat(JoinPath(root_, StepDirName(step))));
+    if (info.type == FileInfo::Type::kDirectory && info.SameMountAs(root_info)) own.push_back(step);
   }
+  std::vector<uint64_t> doomed = RetiredSteps(own, latest, policy);
   if (dry_run) return doomed;
   if (doomed.empty()) return doomed;
   // All renames first and one SyncDir: the deletion is decided at once, then carried out.

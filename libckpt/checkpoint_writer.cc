@@ -21,7 +21,8 @@
 // 6. Rank 0: write MANIFEST; Sync; Close; remove the parts; SyncDir(staging), so the data
 //    files' names, MANIFEST and the removals survive a crash.
 // 7. Rank 0: rename staging -> step-N; SyncDir(root). The step now exists but is unpublished:
-//    recovery removes steps newer than LATEST.
+//    after a crash here recovery keeps it in place and reports it (never deletes it; `ckpt-tool
+//    adopt` publishes it) and the previous LATEST stays the state.
 // 8. Rank 0: LATEST.tmp (Append, Sync, Close), rename to LATEST, SyncDir(root). The commit
 //    point: from here the new step is the state. When that SyncDir fails the rename may or may
 //    not survive a crash: rank 0 puts the previous LATEST back durably and abandons the step;

@@ -112,14 +112,28 @@ absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string
   return env->SyncDir(Dirname(path));
 }
 
-absl::Status RemoveRecursively(Env* env, const std::string& path) {
-  CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(path));
-  if (!is_dir) return env->RemoveFile(path);
+namespace {
+
+absl::Status RemoveBelow(Env* env, const std::string& path, const FileInfo& top) {
+  CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(path));
+  if (!info.SameMountAs(top)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "remove ", path, ": is on another mount (a mount point), which ckpt never enters"));
+  }
+  if (info.type != FileInfo::Type::kDirectory) return env->RemoveFile(path);
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> children, env->GetChildren(path));
   for (const std::string& child : children) {
-    CKPT_RETURN_IF_ERROR(RemoveRecursively(env, JoinPath(path, child)));
+    CKPT_RETURN_IF_ERROR(RemoveBelow(env, JoinPath(path, child), top));
   }
   return env->RemoveDir(path);
+}
+
+}  // namespace
+
+absl::Status RemoveRecursively(Env* env, const std::string& path) {
+  // Judged against the parent, so that a mount point given as `path` is refused too.
+  CKPT_ASSIGN_OR_RETURN(FileInfo parent, env->Stat(Dirname(path)));
+  return RemoveBelow(env, path, parent);
 }
 
 }  // namespace ckpt

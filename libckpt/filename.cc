@@ -34,6 +34,26 @@ std::string DeletingDirName(uint64_t step, absl::string_view nonce) {
   return absl::StrCat(kDeletingPrefix, StepDirName(step), "-", nonce);
 }
 
+std::string UndoDirName(uint32_t rank, absl::string_view nonce) {
+  return absl::StrCat(kUndoPrefix, absl::StrFormat("rank-%05d-", rank), nonce);
+}
+
+namespace {
+
+bool IsRankFileName(absl::string_view name, absl::string_view suffix) {
+  if (!absl::ConsumePrefix(&name, "rank-") || !absl::ConsumeSuffix(&name, suffix)) return false;
+  if (name.size() < 5) return false;
+  for (char c : name) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool IsDataFileName(absl::string_view name) { return IsRankFileName(name, ".data"); }
+bool IsPartFileName(absl::string_view name) { return IsRankFileName(name, ".part"); }
+
 bool IsGarbageName(absl::string_view name) {
   return absl::StartsWith(name, kStagingPrefix) || absl::StartsWith(name, kDeletingPrefix) ||
          absl::StartsWith(name, kUndoPrefix) || name == absl::StrCat(kLatestName, ".tmp");

@@ -263,6 +263,23 @@ class MemEnv : public Env {
     return it->second.is_dir;
   }
 
+  // MemEnv has no links and one mount.
+  absl::StatusOr<FileInfo> Stat(const std::string& raw_path) override {
+    std::string path = Normalize(raw_path);
+    std::shared_ptr<FileData> file;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (IsDirLocked(path)) return FileInfo{.type = FileInfo::Type::kDirectory};
+      auto it = nodes_.find(path);
+      if (it == nodes_.end())
+        return absl::NotFoundError(absl::StrCat("stat ", path, ": no such file"));
+      file = it->second.file;
+    }
+    std::lock_guard<std::mutex> lock(file->mu);
+    return FileInfo{.type = FileInfo::Type::kRegular,
+                    .size_bytes = static_cast<uint64_t>(file->bytes.size())};
+  }
+
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& raw_path) override {
     std::string path = Normalize(raw_path);
     std::lock_guard<std::mutex> lock(mu_);

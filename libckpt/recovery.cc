@@ -1,12 +1,16 @@
 // Recovery of a checkpoint root at Open (primary, writable handle). The save protocol it undoes
-// is in checkpoint_writer.cc; docs/design/commit-protocol.md has the same rules with examples.
+// is in checkpoint_writer.cc; docs/design/recovery.md has the table of every case.
 //
-// The rule: delete only what is provably garbage. Anything we cannot read is left where it is
-// and the open refuses, naming it; anything proven damaged is moved aside, never deleted.
+// The rule: recovery deletes only what ckpt created and can show it created. It removes its own
+// staging, deleting and undo directories and LATEST.tmp, recognised by name AND by holding only
+// entries of ckpt's own names and headers, all on the root's mount. It never follows a symbolic
+// link, never enters another mount (device and mount id, so a bind mount counts), and never
+// removes a file it does not recognise. What it cannot use moves whole into quarantine/ (one
+// rename, never a copy); what it cannot move or judge stays in place and is reported.
 //
-// Judging a step (Judge below) gives one of three verdicts:
+// Judging a step (JudgeStep below) gives one of three verdicts:
 //   good      its MANIFEST parses and verifies, names this step, and every data file's size
-//             and header agree with it;
+//             and header agree with it (chunks are checked when read, or by ckpt-tool verify);
 //   damaged   bytes we read are wrong (kDataLoss: checksum, magic, size, truncation), or the
 //             step directory or a file the protocol always writes is missing (kNotFound);
 //   unknown   anything else: permission denied, an IO error, a format version newer than we
@@ -15,41 +19,56 @@
 // LATEST is judged the same way: missing (while steps exist) or failing its checksum is
 // damaged; unreadable, or not a regular file, is unknown.
 //
-// Steps, each idempotent, so that a crash during recovery is repaired by the next Open:
-// 1. Take <root>/LOCK (never through a link): one primary recovers, saves or deletes at a time.
-// 2. Remove .staging-* and .deleting-* directories and LATEST.tmp: by the commit protocol a
-//    staging directory never reached its commit point and a deleting one was already decided.
-//    Only what is itself a directory (or, for LATEST.tmp, a file) is removed, never followed;
-//    anything else under such a name is not ours and stays.
-//    SyncDir(root).
+// Steps. PlanRecovery (1-4) only reads and returns the actions; Recover carries them out (5).
+// A dry run (ckpt-tool gc --dry-run) prints the plan, which is the list the real run acts on.
+// Every action is idempotent, so a crash during recovery is repaired by the next Open.
+// 1. (Open) Take the LOCK, an OS lock on an open descriptor of LOCK and of the root itself.
+// 2. Garbage names (.staging-*, .deleting-*, .undo-* directories, LATEST.tmp):
+//    a. not the kind of entry ckpt makes there (a file or link under a directory's name, a
+//       directory or link under LATEST.tmp): kept, reported; it is not ours;
+//    b. a mount point: kept, reported; recovery never enters another mount;
+//    c. holding only ckpt's own entries (OwnTreeProblem): removed. By the commit protocol a
+//       staging directory never reached its commit point, a deleting one was already decided,
+//       an undo spill outlived its load;
+//    d. holding anything else (a user's file, a link, a mount, a file without ckpt's header):
+//       moved whole into quarantine/.
 // 3. Judge LATEST and the step it names.
-//    a. Both good: go to 5.
-//    b. Either is unknown: refuse (kFailedPrecondition naming the file and the cause). Nothing
+//    a. Either is unknown: refuse (kFailedPrecondition naming the file and the cause). Nothing
 //       is changed: it may be the newest committed state, and only an operator can tell.
+//    b. Both good: every step entry newer than LATEST was never published (a crash between
+//       the rename of the step and the replacement of LATEST, or LATEST replaced by an older
+//       copy). Each is judged: good: kept in place and reported (`ckpt-tool adopt ROOT STEP`
+//       makes it LATEST; the next save of that step number moves it into quarantine/ first);
+//       damaged, or not a directory: quarantined; unknown or a mount point: kept, reported.
 //    c. Either is damaged (or LATEST is missing while steps exist): go to 4.
-// 4. Fall back. Walk the steps from the newest down. The first good one, T, becomes LATEST. A
-//    damaged step is passed over; an unknown one newer than T refuses as in 3b, since it may
-//    be the step LATEST should name. Every step newer than T is moved whole (one rename per
-//    step) into <root>/quarantine/ under a fresh name; then SyncDir(quarantine), SyncDir(root);
-//    then LATEST := T (tmp + Sync + rename + SyncDir). With no good step, every step is
-//    quarantined and LATEST removed. A crash in between leaves LATEST damaged, so the next
-//    Open repeats 4 and reaches the same T. `ckpt-tool inspect` lists quarantine/ and
-//    `ckpt-tool gc --purge-quarantine` deletes it when an operator decides to.
-// 5. Steps newer than a good LATEST were never published (LATEST is the commit point; a crash
-//    fell between the rename of the step and the replacement of LATEST): directories are
-//    removed; an entry with a step's name that is not a directory is not ours and is
-//    quarantined instead. SyncDir(root).
+// 4. Fall back. Walk the steps from the newest down, skipping mount points (kept: never a
+//    candidate). The first good one, T, becomes LATEST. A damaged step is passed over; an
+//    unknown one newer than T refuses as in 3a, since it may be the step LATEST should name.
+//    With no good step at all: refuse (kDataLoss naming every step and why), changing nothing:
+//    a store that lost every step never presents itself as empty; `ckpt-tool quarantine ROOT
+//    --all` is how an operator starts afresh. Otherwise every damaged step newer than T is
+//    quarantined, then LATEST := T.
+// 5. Carry out: removals, SyncDir(root); quarantines (one rename each into quarantine/ under
+//    <name>-<nonce>), SyncDir(quarantine), SyncDir(root); then LATEST (tmp + Sync + rename +
+//    SyncDir). The quarantines come before LATEST moves, so a crash in between leaves LATEST
+//    damaged and the next Open repeats 4 and reaches the same T.
 #include <algorithm>
+#include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
+#include "ckpt/formats/manifest.h"
 #include "libckpt/filename.h"
 
 namespace ckpt {
 namespace {
+
+using Kind = RecoveryAction::Kind;
+using Type = FileInfo::Type;
 
 enum class Verdict { kGood, kDamaged, kUnknown };
 
@@ -66,116 +85,311 @@ absl::Status Refuse(absl::string_view what, const absl::Status& cause) {
       "to an older step) and open again"));
 }
 
+// Own trees are shallow: a staging directory holds files, an undo spill a store of steps.
+constexpr int kMaxOwnDepth = 4;
+
+// The header a file of ckpt's own name starts with, or nullopt for a name ckpt never writes
+// inside its directories. An empty magic: the file is always empty (LOCK).
+std::optional<absl::string_view> MagicOfOwnFile(absl::string_view name) {
+  if (name == internal::kManifestName) return formats::kManifestMagic;
+  if (internal::IsPartFileName(name)) return formats::kPartMagic;
+  if (internal::IsDataFileName(name)) return formats::kDataFileMagic;
+  if (name == internal::kLatestName || name == absl::StrCat(internal::kLatestName, ".tmp")) {
+    return formats::kLatestMagic;
+  }
+  if (name == internal::kLockName) return absl::string_view();
+  return std::nullopt;
+}
+
+// "" when the file at `path` starts with `magic`, or with a prefix of it (a crash tears a file
+// at its last Sync); a data file may also start with zeros (its extents are written at
+// reserved offsets, the header with the first chunk, so a crash can leave a hole at 0).
+absl::StatusOr<std::string> HeaderProblem(Env* env, const std::string& path, const FileInfo& info,
+                                          absl::string_view magic, bool zeros_allowed) {
+  if (magic.empty()) {
+    return info.size_bytes == 0 ? std::string() : absl::StrCat(path, " is not empty");
+  }
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(info.size_bytes, magic.size()));
+  if (n == 0) return std::string();
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
+                        env->NewRandomAccessFile(path, FileOptions{.follow_symlinks = false}));
+  std::string head(n, '\0');
+  CKPT_RETURN_IF_ERROR(file->Read(0, std::as_writable_bytes(std::span<char>(head))));
+  if (head == magic.substr(0, n)) return std::string();
+  if (zeros_allowed && head == std::string(n, '\0')) return std::string();
+  return absl::StrCat(path, " does not start with ckpt's header for that name");
+}
+
+// "" when everything below the directory `path` is ckpt's own: directories of ckpt's names,
+// regular files of ckpt's names that start with their header, all on `mount`'s mount and
+// no deeper than kMaxOwnDepth. Otherwise the first thing that is not, in words.
+absl::StatusOr<std::string> OwnTreeProblem(Env* env, const std::string& path, const FileInfo& mount,
+                                           int depth) {
+  if (depth > kMaxOwnDepth) return absl::StrCat(path, " is deeper than ckpt ever nests");
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(path));
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::string child = JoinPath(path, name);
+    CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(child));
+    if (!info.SameMountAs(mount)) return absl::StrCat(child, " is a mount point");
+    if (info.type == Type::kDirectory) {
+      if (!internal::ParseStepDirName(name).has_value() && !internal::IsGarbageName(name)) {
+        return absl::StrCat(child, " is a directory ckpt never makes");
+      }
+      CKPT_ASSIGN_OR_RETURN(std::string problem, OwnTreeProblem(env, child, mount, depth + 1));
+      if (!problem.empty()) return problem;
+      continue;
+    }
+    if (info.type == Type::kSymlink) return absl::StrCat(child, " is a symbolic link");
+    std::optional<absl::string_view> magic = MagicOfOwnFile(name);
+    if (info.type != Type::kRegular || !magic.has_value()) {
+      return absl::StrCat(child, " is not a file ckpt writes");
+    }
+    CKPT_ASSIGN_OR_RETURN(
+        std::string problem,
+        HeaderProblem(env, child, info, *magic, internal::IsDataFileName(name)));
+    if (!problem.empty()) return problem;
+  }
+  return std::string();
+}
+
+absl::StatusOr<RecoveryAction> JudgeGarbage(Env* env, const std::string& root,
+                                            const FileInfo& root_info, const std::string& name) {
+  const std::string path = JoinPath(root, name);
+  CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(path));
+  const bool tmp_file = name == absl::StrCat(internal::kLatestName, ".tmp");
+  // Step 2a.
+  if (info.type != (tmp_file ? Type::kRegular : Type::kDirectory)) {
+    return RecoveryAction{Kind::kKeep, name, "not the kind of entry ckpt makes there; not ours", std::nullopt};
+  }
+  // Step 2b.
+  if (!info.SameMountAs(root_info)) {
+    return RecoveryAction{Kind::kKeep, name, "a mount point, which recovery never enters", std::nullopt};
+  }
+  std::string problem;
+  if (tmp_file) {
+    CKPT_ASSIGN_OR_RETURN(problem,
+                          HeaderProblem(env, path, info, formats::kLatestMagic, false));
+  } else {
+    CKPT_ASSIGN_OR_RETURN(problem, OwnTreeProblem(env, path, root_info, 1));
+  }
+  // Step 2c.
+  if (problem.empty()) {
+    return RecoveryAction{Kind::kRemove, name,
+                          tmp_file ? "a LATEST.tmp a crash left"
+                                   : "ckpt's own, left by a save, retention or load that ended",
+                          std::nullopt};
+  }
+  // Step 2d. A LATEST.tmp that is not ours is a file someone put there: left alone.
+  if (tmp_file) return RecoveryAction{Kind::kKeep, name, absl::StrCat("not ours: ", problem),
+                                         std::nullopt};
+  return RecoveryAction{Kind::kQuarantine, name,
+                        absl::StrCat("has ckpt's name but not only ckpt's contents: ", problem),
+                        std::nullopt};
+}
+
+absl::Status JudgeStep(Env* env, const std::string& root, uint64_t step) {
+  const std::string dir = JoinPath(root, internal::StepDirName(step));
+  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
+  if (absl::IsNotFound(is_dir.status())) {
+    return absl::NotFoundError(absl::StrCat(root, ": no step ", step));
+  }
+  CKPT_RETURN_IF_ERROR(is_dir.status());
+  if (!*is_dir) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir,
+                     ": is not a directory (a symbolic link or a file), which ckpt never "
+                     "puts under a step's name"));
+  }
+  StoreOptions options;
+  options.env = env;
+  return CheckpointReader::Open(dir, options).status();
+}
+
+// Step 3b: one entry named like a step, newer than a good LATEST.
+absl::StatusOr<RecoveryAction> JudgeUnpublished(Env* env, const std::string& root,
+                                                const FileInfo& root_info, uint64_t step,
+                                                uint64_t latest) {
+  const std::string name = internal::StepDirName(step);
+  CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(JoinPath(root, name)));
+  RecoveryAction action{Kind::kKeep, name, "", step};
+  if (info.type != Type::kDirectory) {
+    action.kind = Kind::kQuarantine;
+    action.reason = "not a directory (a link or a file), which ckpt never puts under a step's name";
+    return action;
+  }
+  if (!info.SameMountAs(root_info)) {
+    action.reason = "a mount point, which recovery never enters";
+    return action;
+  }
+  absl::Status judged = JudgeStep(env, root, step);
+  switch (VerdictOf(judged)) {
+    case Verdict::kGood:
+      action.reason = absl::StrCat(
+          "complete and intact but newer than LATEST (step ", latest,
+          "): a commit that crashed before LATEST, or a stale LATEST; `ckpt-tool adopt ROOT ",
+          step, "` makes it LATEST");
+      return action;
+    case Verdict::kDamaged:
+      action.kind = Kind::kQuarantine;
+      action.reason = absl::StrCat("unpublished and damaged: ", judged.message());
+      return action;
+    case Verdict::kUnknown:
+      action.reason = absl::StrCat("cannot tell whether it is intact: ", judged.message());
+      return action;
+  }
+  return action;
+}
+
+// Step 4.
+absl::Status FallBack(Env* env, const std::string& root, const FileInfo& root_info,
+                      RecoveryPlan& plan) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
+  std::vector<std::string> damage;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::string name = internal::StepDirName(*it);
+    absl::StatusOr<FileInfo> info = env->Stat(JoinPath(root, name));
+    if (info.ok() && info->type == Type::kDirectory && !info->SameMountAs(root_info)) {
+      plan.actions.push_back({Kind::kKeep, name, "a mount point, which recovery never enters", *it});
+      continue;
+    }
+    absl::Status judged = info.ok() ? JudgeStep(env, root, *it) : info.status();
+    switch (VerdictOf(judged)) {
+      case Verdict::kUnknown:
+        return Refuse(absl::StrCat(JoinPath(root, name), " (newer than any step that verifies, "
+                                                         "while ",
+                                   plan.latest_problem, ")"),
+                      judged);
+      case Verdict::kDamaged:
+        damage.push_back(absl::StrCat(name, ": ", judged.message()));
+        plan.actions.push_back({Kind::kQuarantine, name,
+                                absl::StrCat("damaged, newer than the step LATEST falls back "
+                                             "to: ",
+                                             judged.message()),
+                                *it});
+        continue;
+      case Verdict::kGood:
+        plan.latest = *it;
+        plan.actions.push_back({Kind::kSetLatest, std::string(internal::kLatestName),
+                                absl::StrCat(plan.latest_problem, "; the newest intact step is ",
+                                             *it),
+                                *it});
+        return absl::OkStatus();
+    }
+  }
+  return absl::DataLossError(absl::StrCat(
+      root, ": no step is intact (", plan.latest_problem, "; ",
+      damage.empty() ? std::string("no step directory") : absl::StrJoin(damage, "; "),
+      "); nothing was changed. This root never opens as empty: to start a new run in it, "
+      "`ckpt-tool quarantine ", root, " --all` moves every step and LATEST into quarantine/"));
+}
+
 }  // namespace
 
-absl::Status CheckpointStore::Recover() {
+std::string DescribeAction(const RecoveryAction& action) {
+  switch (action.kind) {
+    case Kind::kRemove:
+      return absl::StrCat("remove ", action.name, ": ", action.reason);
+    case Kind::kQuarantine:
+      return absl::StrCat("quarantine ", action.name, ": ", action.reason);
+    case Kind::kKeep:
+      return absl::StrCat("keep ", action.name, ": ", action.reason);
+    case Kind::kSetLatest:
+      return absl::StrCat("LATEST := step ", action.step.value_or(0), ": ", action.reason);
+  }
+  return action.name;
+}
+
+absl::StatusOr<RecoveryPlan> PlanRecovery(Env* env, const std::string& root) {
+  RecoveryPlan plan;
+  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env->Stat(root));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
+  std::sort(names.begin(), names.end());
   // Step 2.
-  CKPT_RETURN_IF_ERROR(RemoveGarbage());
+  for (const std::string& name : names) {
+    if (!internal::IsGarbageName(name)) continue;
+    CKPT_ASSIGN_OR_RETURN(RecoveryAction action, JudgeGarbage(env, root, root_info, name));
+    plan.actions.push_back(std::move(action));
+  }
   // Step 3.
-  absl::StatusOr<std::optional<uint64_t>> named = ReadLatest(env_, root_);
-  const std::string latest_path = JoinPath(root_, internal::kLatestName);
+  absl::StatusOr<std::optional<uint64_t>> named = ReadLatest(env, root);
+  const std::string latest_path = JoinPath(root, internal::kLatestName);
   switch (VerdictOf(named.status())) {
     case Verdict::kUnknown:
       return Refuse(latest_path, named.status());
     case Verdict::kDamaged:
-      recovery_.latest_problem = std::string(named.status().message());
-      return FallBack();
+      plan.latest_problem = std::string(named.status().message());
+      CKPT_RETURN_IF_ERROR(FallBack(env, root, root_info, plan));
+      return plan;
     case Verdict::kGood:
       break;
   }
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
   if (!named->has_value()) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env_, root_));
-    if (steps.empty()) return absl::OkStatus();  // A new, empty store.
-    recovery_.latest_problem = "LATEST is missing";
-    return FallBack();
+    if (steps.empty()) return plan;  // A new, empty store.
+    plan.latest_problem = "LATEST is missing";
+    CKPT_RETURN_IF_ERROR(FallBack(env, root, root_info, plan));
+    return plan;
   }
   const uint64_t step = **named;
-  absl::Status opened = OpenStep(step).status();
+  absl::Status opened = JudgeStep(env, root, step);
   switch (VerdictOf(opened)) {
     case Verdict::kUnknown:
       return Refuse(
-          absl::StrCat(JoinPath(root_, internal::StepDirName(step)), " (the step LATEST names)"),
+          absl::StrCat(JoinPath(root, internal::StepDirName(step)), " (the step LATEST names)"),
           opened);
     case Verdict::kDamaged:
-      recovery_.latest_problem = absl::StrCat("LATEST names step ", step, ": ", opened.message());
-      return FallBack();
+      plan.latest_problem = absl::StrCat("LATEST names step ", step, ": ", opened.message());
+      CKPT_RETURN_IF_ERROR(FallBack(env, root, root_info, plan));
+      return plan;
     case Verdict::kGood:
       break;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    latest_ = step;
+  plan.latest = step;
+  for (uint64_t newer : steps) {
+    if (newer <= step) continue;
+    CKPT_ASSIGN_OR_RETURN(RecoveryAction action,
+                          JudgeUnpublished(env, root, root_info, newer, step));
+    plan.actions.push_back(std::move(action));
   }
-  // Step 5.
-  return RemoveUnpublished();
+  return plan;
 }
 
-absl::Status CheckpointStore::RemoveGarbage() {
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env_->GetChildren(root_));
+absl::Status CheckpointStore::Recover() {
+  CKPT_ASSIGN_OR_RETURN(RecoveryPlan plan, PlanRecovery(env_, root_));
+  // Step 5, in the plan's order of kinds: removals, quarantines, LATEST.
   bool removed = false;
-  for (const std::string& name : names) {
-    if (!internal::IsGarbageName(name)) continue;
-    const std::string path = JoinPath(root_, name);
-    // Only the kind of entry ckpt makes under that name goes: a directory for staging, deleting
-    // and undo names, a file for LATEST.tmp. Anything else there is not ours and stays.
-    CKPT_ASSIGN_OR_RETURN(bool is_dir, env_->IsDirectory(path));
-    const bool tmp_file = name == absl::StrCat(internal::kLatestName, ".tmp");
-    if (is_dir == tmp_file) {
-      Log(absl::StrCat("recovery left ", path, ": not the kind of entry ckpt makes there"));
-      continue;
-    }
-    CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, path));
-    recovery_.removed.push_back(name);
-    Log(absl::StrCat("recovery removed ", path));
+  for (const RecoveryAction& action : plan.actions) {
+    if (action.kind != Kind::kRemove) continue;
+    CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, JoinPath(root_, action.name)));
+    recovery_.removed.push_back(action.name);
     removed = true;
   }
   if (removed) CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
+  std::vector<std::string> doomed;
+  for (const RecoveryAction& action : plan.actions) {
+    if (action.kind == Kind::kQuarantine) doomed.push_back(action.name);
+    if (action.kind == Kind::kKeep) recovery_.kept.push_back(action.name);
+  }
+  CKPT_ASSIGN_OR_RETURN(recovery_.quarantined, QuarantineEntries(doomed));
+  for (const RecoveryAction& action : plan.actions) {
+    Log(absl::StrCat("recovery: ", DescribeAction(action)));
+    if (action.kind != Kind::kSetLatest) continue;
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, JoinPath(root_, internal::kLatestName),
+                                             formats::EncodeLatest(*action.step)));
+    recovery_.latest_repaired = true;
+  }
+  recovery_.latest_problem = plan.latest_problem;
+  recovery_.actions = std::move(plan.actions);
+  std::lock_guard<std::mutex> lock(mu_);
+  latest_ = plan.latest;
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::FallBack() {
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env_, root_));
-  std::optional<uint64_t> good;
-  std::vector<uint64_t> newer;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    absl::Status opened = OpenStep(*it).status();
-    Verdict verdict = VerdictOf(opened);
-    if (verdict == Verdict::kUnknown) {
-      return Refuse(absl::StrCat(JoinPath(root_, internal::StepDirName(*it)),
-                                 " (newer than any "
-                                 "step that verifies, while ",
-                                 recovery_.latest_problem, ")"),
-                    opened);
-    }
-    if (verdict == Verdict::kGood) {
-      good = *it;
-      break;
-    }
-    newer.push_back(*it);
-  }
-  // Step 4: set the newer steps aside before LATEST moves, so a crash repeats this step.
-  CKPT_RETURN_IF_ERROR(Quarantine(newer));
-  const std::string latest_path = JoinPath(root_, internal::kLatestName);
-  recovery_.latest_repaired = true;
-  if (good.has_value()) {
-    CKPT_RETURN_IF_ERROR(WriteFileAtomically(env_, latest_path, formats::EncodeLatest(*good)));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      latest_ = *good;
-    }
-    Log(absl::StrCat("recovery: ", recovery_.latest_problem, "; LATEST now names step ", *good,
-                     newer.empty() ? "" : "; newer steps moved into quarantine/"));
-    return absl::OkStatus();
-  }
-  absl::Status removed = env_->RemoveFile(latest_path);
-  if (!removed.ok() && !absl::IsNotFound(removed)) return removed;
-  Log(absl::StrCat("recovery: ", recovery_.latest_problem, "; no step verifies",
-                   newer.empty() ? "" : "; every step moved into quarantine/"));
-  return env_->SyncDir(root_);
-}
-
-absl::Status CheckpointStore::Quarantine(const std::vector<uint64_t>& steps) {
-  if (steps.empty()) return absl::OkStatus();
+absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineEntries(
+    const std::vector<std::string>& names) {
+  std::vector<std::string> moved_to;
+  if (names.empty()) return moved_to;
   const std::string dir = JoinPath(root_, kQuarantineDirName);
   absl::Status made = env_->CreateDir(dir);
   if (made.ok()) {
@@ -183,43 +397,21 @@ absl::Status CheckpointStore::Quarantine(const std::vector<uint64_t>& steps) {
   } else if (!absl::IsAlreadyExists(made)) {
     return made;
   } else {
-    CKPT_ASSIGN_OR_RETURN(bool is_dir, env_->IsDirectory(dir));
-    if (!is_dir) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(dir, ": exists and is not a directory; recovery cannot set steps aside"));
+    CKPT_ASSIGN_OR_RETURN(FileInfo info, env_->Stat(dir));
+    if (info.type != FileInfo::Type::kDirectory) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, ": exists and is not a directory; recovery cannot set entries aside"));
     }
   }
-  for (uint64_t step : steps) {
-    const std::string name = absl::StrCat(internal::StepDirName(step), "-", internal::NewNonce());
-    CKPT_RETURN_IF_ERROR(
-        env_->RenameFile(JoinPath(root_, internal::StepDirName(step)), JoinPath(dir, name)));
-    recovery_.quarantined.push_back(absl::StrCat(kQuarantineDirName, "/", name));
-    Log(absl::StrCat("recovery moved ", internal::StepDirName(step), " to ", JoinPath(dir, name)));
+  for (const std::string& name : names) {
+    const std::string moved = absl::StrCat(name, "-", internal::NewNonce());
+    CKPT_RETURN_IF_ERROR(env_->RenameFile(JoinPath(root_, name), JoinPath(dir, moved)));
+    moved_to.push_back(absl::StrCat(kQuarantineDirName, "/", moved));
+    Log(absl::StrCat("moved ", name, " to ", JoinPath(dir, moved)));
   }
   CKPT_RETURN_IF_ERROR(env_->SyncDir(dir));
-  return env_->SyncDir(root_);
-}
-
-absl::Status CheckpointStore::RemoveUnpublished() {
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env_, root_));
-  const uint64_t latest = *latest_step();
-  std::vector<uint64_t> foreign;
-  bool removed = false;
-  for (uint64_t step : steps) {
-    if (step <= latest) continue;
-    const std::string path = JoinPath(root_, internal::StepDirName(step));
-    CKPT_ASSIGN_OR_RETURN(bool is_dir, env_->IsDirectory(path));
-    if (!is_dir) {
-      foreign.push_back(step);
-      continue;
-    }
-    CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, path));
-    recovery_.removed.push_back(internal::StepDirName(step));
-    Log(absl::StrCat("recovery removed unpublished ", path));
-    removed = true;
-  }
-  if (removed) CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  return Quarantine(foreign);
+  CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
+  return moved_to;
 }
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListQuarantine() const {

@@ -10,6 +10,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
 #include "libckpt/io_error.h"
 #include "libckpt/posix/scoped_fd.h"
 
@@ -38,13 +39,36 @@ absl::Status SymlinkRefused(const std::string& path, absl::string_view what) {
                    "following it"));
 }
 
+// Holds the flock of the lock file and, where the file system allows one, of its directory.
 class PosixFileLock : public FileLock {
  public:
-  explicit PosixFileLock(ScopedFd fd) : fd_(std::move(fd)) {}
-  // Closing the descriptor releases the flock.
+  PosixFileLock(ScopedFd fd, ScopedFd dir) : fd_(std::move(fd)), dir_(std::move(dir)) {}
+  // Closing the descriptors releases the flocks.
  private:
   ScopedFd fd_;
+  ScopedFd dir_;
 };
+
+// Locks the directory holding a lock file, so that a second opener is refused even after the
+// file was removed or replaced (its new inode would take a lock of its own). An empty ScopedFd
+// where the file system cannot lock a directory (NFS emulates flock with POSIX locks, which a
+// descriptor opened read-only cannot take exclusively): the file's lock alone then holds.
+absl::StatusOr<ScopedFd> LockDirectoryOf(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  ScopedFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) return ScopedFd();
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "lock ", path, ": ", dir,
+          " is held by another store handle or process (its lock file may have been removed "
+          "or replaced meanwhile)"));
+    }
+    return ScopedFd();
+  }
+  return fd;
+}
 
 }  // namespace
 
@@ -111,6 +135,29 @@ absl::StatusOr<bool> PosixIsDirectory(const std::string& path) {
   return S_ISDIR(st.st_mode);
 }
 
+absl::StatusOr<FileInfo> PosixStat(const std::string& path) {
+  struct statx stx;
+  // STATX_MNT_ID tells a bind mount from its source, which st_dev does not; a kernel without
+  // it (before 5.8) leaves the bit clear and mount_id 0, so only devices are compared.
+  if (::statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT,
+              STATX_TYPE | STATX_SIZE | STATX_MNT_ID, &stx) != 0) {
+    return IoError(errno, absl::StrCat("stat ", path));
+  }
+  FileInfo info;
+  const mode_t mode = stx.stx_mode;
+  if (S_ISREG(mode)) {
+    info.type = FileInfo::Type::kRegular;
+    info.size_bytes = stx.stx_size;
+  } else if (S_ISDIR(mode)) {
+    info.type = FileInfo::Type::kDirectory;
+  } else if (S_ISLNK(mode)) {
+    info.type = FileInfo::Type::kSymlink;
+  }
+  info.device = (uint64_t{stx.stx_dev_major} << 32) | stx.stx_dev_minor;
+  if (stx.stx_mask & STATX_MNT_ID) info.mount_id = stx.stx_mnt_id;
+  return info;
+}
+
 absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path) {
   // O_NOFOLLOW: a dangling link planted at LOCK would otherwise make us create its target.
   ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644));
@@ -129,7 +176,8 @@ absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path)
     }
     return IoError(err, absl::StrCat("lock ", path));
   }
-  return std::unique_ptr<FileLock>(new PosixFileLock(std::move(fd)));
+  CKPT_ASSIGN_OR_RETURN(ScopedFd dir, LockDirectoryOf(path));
+  return std::unique_ptr<FileLock>(new PosixFileLock(std::move(fd), std::move(dir)));
 }
 
 absl::StatusOr<std::string> PosixRealPath(const std::string& path) {

@@ -24,6 +24,7 @@ absl::Status PosixSyncDir(const std::string& path);
 absl::StatusOr<std::vector<std::string>> PosixGetChildren(const std::string& dir);
 absl::StatusOr<uint64_t> PosixGetFileSize(const std::string& path);
 absl::StatusOr<bool> PosixIsDirectory(const std::string& path);
+absl::StatusOr<FileInfo> PosixStat(const std::string& path);
 absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path);
 absl::StatusOr<std::string> PosixRealPath(const std::string& path);
 
@@ -68,6 +69,7 @@ class PosixMetadataEnv : public Env {
   absl::StatusOr<bool> IsDirectory(const std::string& path) override {
     return PosixIsDirectory(path);
   }
+  absl::StatusOr<FileInfo> Stat(const std::string& path) override { return PosixStat(path); }
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
     return PosixLockFile(path);
   }

@@ -203,6 +203,29 @@ TEST_P(EnvConformanceTest, DirectoriesListRenameAndRemove) {
   CKPT_ASSERT_OK(env_->SyncDir(root_));
 }
 
+TEST_P(EnvConformanceTest, StatReportsTypeSizeAndOneMountForOneTree) {
+  CKPT_ASSERT_OK(env_->CreateDir(Path("s")));
+  Write(Path("s/f"), "12345");
+  auto dir = env_->Stat(Path("s"));
+  auto file = env_->Stat(Path("s/f"));
+  CKPT_ASSERT_OK(dir);
+  CKPT_ASSERT_OK(file);
+  EXPECT_EQ(dir->type, FileInfo::Type::kDirectory);
+  EXPECT_EQ(file->type, FileInfo::Type::kRegular);
+  EXPECT_EQ(file->size_bytes, 5u);
+  EXPECT_TRUE(file->SameMountAs(*dir));
+  EXPECT_THAT(env_->Stat(Path("s/missing")), StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_P(EnvConformanceTest, LockStaysExclusiveWhenItsFileIsRemovedOrReplaced) {
+  auto lock = env_->LockFile(Path("LOCK"));
+  CKPT_ASSERT_OK(lock);
+  CKPT_ASSERT_OK(env_->RemoveFile(Path("LOCK")));
+  EXPECT_THAT(env_->LockFile(Path("LOCK")), StatusIs(absl::StatusCode::kFailedPrecondition));
+  lock->reset();
+  CKPT_EXPECT_OK(env_->LockFile(Path("LOCK")));
+}
+
 TEST_P(EnvConformanceTest, LockIsExclusiveUntilReleased) {
   auto lock = env_->LockFile(Path("LOCK"));
   CKPT_ASSERT_OK(lock);

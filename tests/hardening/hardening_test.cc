@@ -180,14 +180,14 @@ const Case kCases[] = {
        m[m.size() / 2] ^= 0x08;
        Spit(Step(root, 3) + "/MANIFEST", m);
      },
-     "gc {root} --keep-last 10", 0, "moved a step into quarantine/step-00000003-",
+     "gc {root} --keep-last 10", 0, "moved an entry into quarantine/step-00000003-",
      Keep::kStepsSomewhere},
     {"DryRunGcChangesNothingEvenWithADamagedLatest",
      [](const std::string& root, const std::string&) {
        fs::create_directory(root + "/.staging-step-00000004-0123456789abcdef");
        Spit(root + "/LATEST", "garbage");
      },
-     "gc {root} --keep-last 1 --dry-run", 2, "LATEST"},
+     "gc {root} --keep-last 1 --dry-run", 0, "recovery would: LATEST := step 3"},
     {"DryRunGcOfAHealthyStoreRemovesNoStagingDirectory",
      [](const std::string& root, const std::string&) {
        fs::create_directory(root + "/.staging-step-00000004-0123456789abcdef");
@@ -236,7 +236,7 @@ const Case kCases[] = {
      [](const std::string& root, const std::string&) {
        Sparse(root + "/LATEST", uint64_t{1} << 40);
      },
-     "gc {root} --keep-last 10", 0, "LATEST now names step 3", Keep::kStepsSomewhere},
+     "gc {root} --keep-last 10", 0, "LATEST := step 3", Keep::kStepsSomewhere},
     {"SparseTebibyteManifestVerify",
      [](const std::string& root, const std::string&) {
        Sparse(Step(root, 3) + "/MANIFEST", uint64_t{1} << 40);

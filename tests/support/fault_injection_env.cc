@@ -315,6 +315,12 @@ absl::StatusOr<bool> FaultInjectionEnv::IsDirectory(const std::string& path) {
   return target()->IsDirectory(path);
 }
 
+absl::StatusOr<FileInfo> FaultInjectionEnv::Stat(const std::string& path) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  CKPT_RETURN_IF_ERROR(CheckAlive("stat " + path));
+  return target()->Stat(path);
+}
+
 absl::StatusOr<std::unique_ptr<FileLock>> FaultInjectionEnv::LockFile(const std::string& path) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   CKPT_RETURN_IF_ERROR(CheckAlive("lock " + path));

@@ -70,6 +70,7 @@ class FaultInjectionEnv : public EnvWrapper {
   absl::StatusOr<std::vector<std::string>> GetChildren(const std::string& dir) override;
   absl::StatusOr<uint64_t> GetFileSize(const std::string& path) override;
   absl::StatusOr<bool> IsDirectory(const std::string& path) override;
+  absl::StatusOr<FileInfo> Stat(const std::string& path) override;
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override;
 
  private:

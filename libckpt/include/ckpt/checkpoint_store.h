@@ -19,16 +19,9 @@
 #include "ckpt/coordinator.h"
 #include "ckpt/env.h"
 #include "ckpt/options.h"
+#include "ckpt/recovery.h"
 
 namespace ckpt {
-
-// What Open() found and did to make the root consistent.
-struct RecoveryReport {
-  std::vector<std::string> removed;      // Garbage and unpublished steps removed.
-  std::vector<std::string> quarantined;  // Entries moved into quarantine/ (never deleted).
-  bool latest_repaired = false;          // LATEST was missing or damaged and was rewritten.
-  std::string latest_problem;            // Why, when latest_repaired.
-};
 
 // The name of the folder below a root into which recovery moves steps it must set aside.
 inline constexpr char kQuarantineDirName[] = "quarantine";
@@ -42,6 +35,10 @@ absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& 
 absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root);
 // The name of `step`'s directory below a root ("step-00001200").
 std::string StepDirectoryName(uint64_t step);
+// The committed steps `policy` retires when LATEST names `latest`, of `steps` (ascending):
+// steps above LATEST are not committed and neither count nor go; LATEST always stays.
+std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& steps,
+                                   std::optional<uint64_t> latest, const RetentionPolicy& policy);
 // The entries of `root` left by saves that never committed or deletions in progress (staging
 // and deleting directories, LATEST.tmp), sorted: what the next recovery removes.
 absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::string& root);
@@ -56,13 +53,15 @@ class CheckpointStore {
  public:
   // Opens `root`, creating it if absent (a writable primary only). A root given as a symbolic
   // link to a directory is resolved once; root() is the resolved path. The primary recovers,
-  // by the rules written at the top of libckpt/recovery.cc: garbage is removed, what is proven
-  // damaged is set aside in quarantine/, and what cannot be read (permission, IO error, a newer
-  // format version, a link or FIFO where the store keeps a file) is left in place while Open
-  // returns kFailedPrecondition naming it and why. A non-primary or read-only handle only
-  // reads LATEST and changes nothing. Returns kNotFound when a non-primary or read-only root
-  // is missing, kFailedPrecondition when the LOCK is held, kDataLoss when a read-only handle
-  // finds LATEST damaged, IO errors as they come.
+  // by the rules written at the top of libckpt/recovery.cc: only ckpt's own garbage is
+  // removed, what is damaged or foreign is set aside in quarantine/, intact unpublished steps
+  // and mount points stay in place and are reported, and what cannot be read (permission, IO
+  // error, a newer format version, a link or FIFO where the store keeps a file) is left in
+  // place while Open returns kFailedPrecondition naming it and why. A non-primary or read-only
+  // handle only reads LATEST and changes nothing. Returns kNotFound when a non-primary or
+  // read-only root is missing, kFailedPrecondition when the LOCK is held, kDataLoss when no
+  // step is intact (primary) or a read-only handle finds LATEST damaged, IO errors as they
+  // come.
   static absl::StatusOr<std::unique_ptr<CheckpointStore>> Open(const std::string& root,
                                                                const StoreOptions& options);
   ~CheckpointStore();
@@ -79,7 +78,8 @@ class CheckpointStore {
   absl::StatusOr<std::vector<std::string>> ListQuarantine() const;
 
   // Begins saving `step` on this rank. Collective over `coordinator` (null: a single process).
-  // Rank 0 must call it on the primary handle. kFailedPrecondition on every rank when `step`
+  // Rank 0 must call it on the primary handle. An entry already named like `step` (an
+  // unpublished step recovery kept) is first moved whole into quarantine/. kFailedPrecondition on every rank when `step`
   // is not newer than LATEST, another save is in flight or the handle is read-only; IO errors
   // of creating the staging directory on every rank. Local errors after that are reported by
   // Commit().
@@ -107,15 +107,33 @@ class CheckpointStore {
   // names deleted (or that would be, with dry_run). Primary, writable handle only.
   absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run = false);
 
+  // Makes LATEST name `step` (ckpt-tool adopt): an intact step recovery kept above LATEST, or
+  // an older one to go back to. Every chunk is verified first. kNotFound when there is no such
+  // step, kDataLoss naming the chunk when it does not verify, kFailedPrecondition on a
+  // non-primary or read-only handle or while a save is in flight. On failure LATEST is
+  // unchanged.
+  absl::Status Adopt(uint64_t step);
+  // Moves `step` whole into quarantine/ (ckpt-tool quarantine). When LATEST named it, LATEST
+  // then names the newest older step that opens intact; with none, LATEST stays and the next
+  // Open refuses (no intact step). Returns the entry's name in quarantine/. kNotFound when
+  // there is no such step; kFailedPrecondition as Adopt.
+  absl::StatusOr<std::string> QuarantineStep(uint64_t step);
+  // Moves every step and LATEST into quarantine/: the root then opens as a new, empty store
+  // (how an operator starts afresh in a root whose steps are all damaged). Returns the names
+  // moved, in quarantine/.
+  absl::StatusOr<std::vector<std::string>> QuarantineAll();
+
  private:
   friend class SaveTransaction;
   CheckpointStore(std::string root, const StoreOptions& options, Env* env);
   // Recovery (libckpt/recovery.cc).
   absl::Status Recover();
-  absl::Status RemoveGarbage();
-  absl::Status FallBack();
-  absl::Status RemoveUnpublished();
-  absl::Status Quarantine(const std::vector<uint64_t>& steps);
+  // Renames each entry of the root named in `names` into quarantine/<name>-<nonce>, then
+  // syncs quarantine/ and the root. Returns the new names ("quarantine/<name>-<nonce>").
+  absl::StatusOr<std::vector<std::string>> QuarantineEntries(const std::vector<std::string>& names);
+  absl::Status CheckWritableIdle(absl::string_view what);
+  // BeginSave, rank 0: moves an entry named like `step` (above LATEST) into quarantine/.
+  absl::Status SetAsideUnpublished(uint64_t step);
   void Log(absl::string_view message) const;
   // ApplyRetention; with `background`, the renamed steps are removed by the remover thread.
   absl::StatusOr<std::vector<uint64_t>> Retire(const RetentionPolicy& policy, bool dry_run,

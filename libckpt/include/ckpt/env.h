@@ -77,6 +77,21 @@ class RandomAccessFile {
   virtual uint64_t size() const = 0;
 };
 
+// What Env::Stat reports of one directory entry, which it never follows.
+struct FileInfo {
+  enum class Type { kRegular, kDirectory, kSymlink, kOther };
+  Type type = Type::kOther;
+  uint64_t size_bytes = 0;  // Of a regular file; 0 for anything else.
+  // Where the entry lives. Two entries with different values are on different file systems or
+  // different mounts of one (a bind mount shows as another mount_id on the same device); an
+  // Env that cannot tell mounts apart reports 0 for both fields everywhere.
+  uint64_t device = 0;
+  uint64_t mount_id = 0;
+  bool SameMountAs(const FileInfo& other) const {
+    return device == other.device && mount_id == other.mount_id;
+  }
+};
+
 // An advisory lock held until destruction.
 class FileLock {
  public:
@@ -123,8 +138,14 @@ class Env {
   virtual absl::StatusOr<uint64_t> GetFileSize(const std::string& path) = 0;
   // OK and true for a directory, false for anything else; kNotFound if absent.
   virtual absl::StatusOr<bool> IsDirectory(const std::string& path) = 0;
-  // Takes an exclusive advisory lock on `path` (created if absent). kFailedPrecondition if
-  // another holder has it, in this process or another, or if `path` is a symbolic link (never
+  // The entry at `path` itself (a symbolic link is reported, never followed): its type, size
+  // and mount. kNotFound if absent.
+  virtual absl::StatusOr<FileInfo> Stat(const std::string& path) = 0;
+  // Takes an exclusive advisory lock on `path` (created if absent), held on an open
+  // descriptor: removing, replacing or recreating the file while it is held does not let a
+  // second holder in (PosixEnv also locks the directory holding `path`; where the file system
+  // refuses a directory lock, the file's lock alone holds). kFailedPrecondition if another
+  // holder has it, in this process or another, or if `path` is a symbolic link (never
   // followed: a dangling link would otherwise create its target) or not a regular file.
   virtual absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) = 0;
   // The absolute path of `path` with every symbolic link resolved, so that a root given as a
@@ -163,6 +184,7 @@ class EnvWrapper : public Env {
   absl::StatusOr<bool> IsDirectory(const std::string& path) override {
     return target_->IsDirectory(path);
   }
+  absl::StatusOr<FileInfo> Stat(const std::string& path) override { return target_->Stat(path); }
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
     return target_->LockFile(path);
   }
@@ -205,8 +227,10 @@ absl::Status WriteFileViaTmpWith(Env* env, const std::string& tmp, const std::st
                                  const FileOptions& options = FileOptions{});
 // WriteFileViaTmp through `path`.tmp, then SyncDir of the parent: durable on return.
 absl::Status WriteFileAtomically(Env* env, const std::string& path, absl::string_view data);
-// Removes `path` and, if it is a directory, everything below it. Not durable until the parent
-// directory is synced. kNotFound if absent.
+// Removes `path` and, if it is a directory, everything below it. A symbolic link is removed,
+// never followed; an entry on another mount than `path` (a mount point below it) is never
+// entered: kFailedPrecondition naming it, with what was removed before it gone. Not durable
+// until the parent directory is synced. kNotFound if absent.
 absl::Status RemoveRecursively(Env* env, const std::string& path);
 // Joins path components with '/'.
 std::string JoinPath(absl::string_view dir, absl::string_view name);

@@ -30,6 +30,10 @@ struct StoreOptions {
   // retention are refused (kFailedPrecondition); only reads and a retention dry run work. What
   // read-only tools (`ckpt-tool inspect`, `verify`, `gc --dry-run`) use.
   bool read_only = false;
+  // Primary only: take the LOCK but do not recover; latest_step() is what LATEST names when it
+  // reads, else none. Only for an operator's repair of a root recovery refuses (`ckpt-tool
+  // quarantine ROOT --all`); a trainer never sets it.
+  bool skip_recovery = false;
   // Raw bytes per chunk of a piece. Every chunk is checksummed and may be compressed on its own.
   uint64_t chunk_bytes = uint64_t{4} << 20;
   formats::Codec codec = formats::Codec::kRaw;

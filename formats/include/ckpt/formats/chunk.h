@@ -19,6 +19,9 @@ inline constexpr uint64_t kBlockBytes = 4096;
 inline constexpr uint64_t kDataFileHeaderBytes = kBlockBytes;
 inline constexpr uint64_t kChunkHeaderBytes = 24;
 inline constexpr uint64_t kLatestBytes = 32;
+// The first bytes of a data file and of LATEST (recovery recognises ckpt's own files by them).
+inline constexpr absl::string_view kDataFileMagic = "CKPTDATA";
+inline constexpr absl::string_view kLatestMagic = "CKLATEST";
 // Hard cap on one chunk's raw or stored size; a reader refuses larger claims.
 inline constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 30;
 

@@ -18,6 +18,9 @@
 namespace ckpt::formats {
 
 inline constexpr uint64_t kManifestHeaderBytes = 32;
+// The first bytes of a MANIFEST and of a rank's part.
+inline constexpr absl::string_view kManifestMagic = "CKPTMANI";
+inline constexpr absl::string_view kPartMagic = "CKPTPART";
 // A manifest larger than this is refused before parsing.
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 30;
 // Blobs are small opaque records (scheduler, RNG, data position); a reader allocates a blob's
