@@ -25,17 +25,24 @@
 // 1. Preflight, nothing touched: rank 0 resolves LATEST and broadcasts it (one step for all);
 //    the CUDA engine's last copies are awaited; open the step, check names (missing and extra ones
 //    listed), dtypes, shapes, that its pieces cover every element this rank owns, and the layout
-//    record (groups, valid hyper-parameters). Vote.
-// 2. Fix the undo source: the step the state last equalled, if the optimizer's state_version()
-//    has not moved since and it is not the step being loaded (it costs nothing); otherwise spill
-//    the state into a private store <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written
-//    straight from the slabs: memory bounded by two chunks; a read-only handle refuses). Vote; a
-//    failure removes the spills, the state untouched.
-// 3. Apply: lifecycle kLoading; read every piece straight into the slabs and the weights
-//    (moments converted in bounded batches when the dtypes differ), then the groups.
-// 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source. Any failure:
-//    every rank restores from its undo source the same way as step 3; a restore that fails
-//    poisons the optimizer (Step, SetGroup and Save refuse until a complete Load).
+//    record (groups, valid hyper-parameters, every parameter in the same group as here). Vote.
+// 2. Fix the undo source, the cheapest that holds: (a) the step the state last equalled, if the
+//    optimizer's state_version() has not moved since and it is not the step being loaded (it
+//    costs nothing); (b) the state re-derived (StateIsDerivable: every step 0, both moments
+//    zero, masters the weight buffer widened, as a freshly built or model-loaded optimizer's
+//    are), so a resume in a new process writes nothing before it reads and works on a full disk
+//    or a read-only store; otherwise (c) spill the state into a private store
+//    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
+//    bounded by two chunks; a read-only handle refuses). Vote; a failure removes the spills,
+//    the state untouched.
+// 3. Apply: lifecycle kLoading; read every piece straight into the slabs (moments converted in
+//    bounded batches when the dtypes differ), then the groups. The weight buffer is not touched
+//    here: (b) re-derives the masters from it.
+// 4. Vote. All OK: the weights := the masters rounded to the model dtype (what every save
+//    writes as the weights), lifecycle kClean, the loaded step is the new undo source. Any
+//    failure: every rank restores from its undo source ((a), (c): as step 3; (b): masters from
+//    the weights, moments zero, the groups as they were); a restore that fails poisons the
+//    optimizer (Step, SetGroup and Save refuse until a complete Load).
 // 5. Remove the spill (best effort: recovery removes .undo-* directories at the next Open).
 #include "ckpt/optimizer/checkpointer.h"
 
@@ -102,6 +109,38 @@ absl::StatusOr<std::vector<ParamGroup>> ParseGroups(absl::string_view text, size
     out.push_back(p);
   }
   return out;
+}
+
+// Refuses a layout record that puts any of `params` in another group than the optimizer does:
+// each group's hyper-parameters would land on other parameters. The record's parameter order
+// may differ (a checkpoint loads at any parameter order, DESIGN.md §2); names it lacks are the
+// tensor check's to report.
+absl::Status CheckParamGroups(absl::string_view text, const std::vector<ParamSpec>& params,
+                              absl::string_view where) {
+  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!root.is_object() || !root.contains("params") || !root["params"].is_array()) {
+    return absl::DataLossError(absl::StrCat(where, ": layout record has no params"));
+  }
+  std::map<std::string, uint64_t> saved;
+  for (const json& p : root["params"]) {
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string() || !p.contains("group") ||
+        !p["group"].is_number_unsigned()) {
+      return absl::DataLossError(absl::StrCat(where, ": layout record has a malformed param"));
+    }
+    saved[p["name"].get<std::string>()] = p["group"].get<uint64_t>();
+  }
+  std::vector<std::string> moved;
+  for (const ParamSpec& p : params) {
+    auto it = saved.find(p.name);
+    if (it != saved.end() && it->second != p.group) {
+      moved.push_back(absl::StrCat(p.name, " (group ", it->second, " in the checkpoint, ", p.group,
+                                   " here)"));
+    }
+  }
+  if (moved.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, " puts ", moved.size(), " parameter(s) in other param groups than this optimizer: ",
+      internal::ListNames(moved), "; their hyper-parameters would change, so nothing was loaded"));
 }
 
 // The tensors every rank declares in a step (the layout at the top of checkpointer.h), in the
@@ -181,6 +220,8 @@ struct Checkpointer::Undo {
   std::unique_ptr<CheckpointStore> spill_store;  // Null for a committed step of the store.
   std::string spill_dir;
   uint64_t step = 0;  // In the store, or 1 in the spill.
+  // Set when the state is re-derived instead (StateIsDerivable): the groups to put back.
+  std::optional<std::vector<ParamGroup>> derived_groups;
 };
 
 struct Checkpointer::InFlight {
@@ -422,7 +463,8 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
     }
   }
   CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
-  return ParseGroups(layout, o.groups.size(), where).status();
+  CKPT_RETURN_IF_ERROR(ParseGroups(layout, o.groups.size(), where).status());
+  return CheckParamGroups(layout, o.params, where);
 }
 
 absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
@@ -436,13 +478,13 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
                                          optimizer_->mutable_exp_avg_sq_bytes()};
   const DType slab_dtypes[3] = {DType::kF32, MomentDTypeOf(o.moment_dtype),
                                 MomentDTypeOf(o.moment_dtype)};
-  const size_t wsize = formats::DTypeSize(optimizer_->model_dtype());
+  // The weights are not read: they are the masters rounded, written once the load has been
+  // voted (Transact), so that until then the weight buffer still holds what a rollback may
+  // re-derive the masters from.
   std::vector<std::byte> batch;
   uint64_t offset = 0;
   for (const Piece& piece : o.pieces) {
     const std::string& name = o.params[piece.param].name;
-    CKPT_RETURN_IF_ERROR(reader.ReadRange(name, piece.begin, piece.count,
-                                          weights_.subspan(offset * wsize, piece.count * wsize)));
     for (int s = 0; s < 3; ++s) {
       const std::string tensor = kStatePrefixes[s] + name;
       CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(tensor));
@@ -503,6 +545,11 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
       return undo;
     }
   }
+  // A fresh (or model-loaded) state is re-derived on a rollback: nothing to write.
+  if (StateIsDerivable()) {
+    undo->derived_groups = optimizer_->groups();
+    return undo;
+  }
   // A private single-rank store below the root: its chunks are checksummed and written from the
   // slabs as they are, so the spill holds no second copy of the state in memory.
   if (store_->options().read_only) {
@@ -548,7 +595,68 @@ void Checkpointer::RemoveSpill(Undo& undo) {
   undo.spill_dir.clear();
 }
 
+bool Checkpointer::StateIsDerivable() const {
+  for (const ParamGroup& g : optimizer_->groups()) {
+    if (g.step != 0) return false;
+  }
+  for (std::span<const std::byte> moment :
+       {optimizer_->exp_avg_bytes(), optimizer_->exp_avg_sq_bytes()}) {
+    for (std::byte b : moment) {
+      if (b != std::byte{0}) return false;
+    }
+  }
+  const std::span<const float> master = optimizer_->master();
+  const DType model = optimizer_->model_dtype();
+  if (model == DType::kF32) {
+    return std::memcmp(master.data(), weights_.data(), master.size() * 4) == 0;
+  }
+  for (uint64_t i = 0; i < master.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, weights_.data() + 2 * i, 2);
+    const float widened =
+        model == DType::kBF16 ? formats::Bf16ToFloat(h) : formats::HalfToFloat(h);
+    if (formats::FloatBits(widened) != formats::FloatBits(master[i])) return false;
+  }
+  return true;
+}
+
+void Checkpointer::WriteWeightsFromMasters() {
+  const std::span<const float> master = optimizer_->master();
+  const DType model = optimizer_->model_dtype();
+  if (model == DType::kBF16) {
+    formats::FloatsToBf16(master.data(), reinterpret_cast<uint16_t*>(weights_.data()),
+                          master.size());
+  } else if (model == DType::kF32) {
+    std::memcpy(weights_.data(), master.data(), master.size() * 4);
+  } else {
+    for (uint64_t i = 0; i < master.size(); ++i) {
+      const uint16_t h = formats::FloatToHalf(master[i]);
+      std::memcpy(weights_.data() + 2 * i, &h, 2);
+    }
+  }
+}
+
 absl::Status Checkpointer::RestoreFrom(Undo& undo) {
+  if (undo.derived_groups.has_value()) {
+    // The construction state again, from the weight buffer no load step has touched.
+    const std::span<float> master = optimizer_->mutable_master();
+    const DType model = optimizer_->model_dtype();
+    for (uint64_t i = 0; i < master.size(); ++i) {
+      if (model == DType::kF32) {
+        std::memcpy(&master[i], weights_.data() + 4 * i, 4);
+        continue;
+      }
+      uint16_t h;
+      std::memcpy(&h, weights_.data() + 2 * i, 2);
+      master[i] = model == DType::kBF16 ? formats::Bf16ToFloat(h) : formats::HalfToFloat(h);
+    }
+    for (std::span<std::byte> moment :
+         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
+      std::memset(moment.data(), 0, moment.size());
+    }
+    optimizer_->RestoreGroups(*undo.derived_groups);
+    return absl::OkStatus();
+  }
   CheckpointStore* from = undo.spill_store != nullptr ? undo.spill_store.get() : store_;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, from->OpenStep(undo.step));
   return Apply(*reader, nullptr);
@@ -575,7 +683,8 @@ absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string
 
 absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
                                     const std::function<absl::Status()>& apply,
-                                    absl::string_view what, bool* undo_spilled) {
+                                    absl::string_view what, bool* undo_spilled,
+                                    bool* undo_derived) {
   // Step 2.
   absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(exclude);
   absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
@@ -588,6 +697,7 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
     return voted;
   }
   *undo_spilled = !(*undo)->spill_dir.empty();
+  *undo_derived = (*undo)->derived_groups.has_value();
   // Step 3.
   const Lifecycle before = optimizer_->lifecycle_;
   optimizer_->lifecycle_ = Lifecycle::kLoading;
@@ -595,6 +705,7 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   // Step 4.
   voted = Vote(applied);
   if (voted.ok()) {
+    WriteWeightsFromMasters();
     optimizer_->lifecycle_ = Lifecycle::kClean;
     optimizer_->poison_reason_.clear();
     remove_spill();
@@ -604,7 +715,9 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   if (restored.ok()) {
     optimizer_->lifecycle_ = before;
     // The state equals the undo source again.
-    if ((*undo)->spill_dir.empty()) clean_version_ = optimizer_->state_version();
+    if ((*undo)->spill_dir.empty() && !(*undo)->derived_groups.has_value()) {
+      clean_version_ = optimizer_->state_version();
+    }
   } else {
     optimizer_->lifecycle_ = Lifecycle::kPoisoned;
     optimizer_->poison_reason_ = absl::StrCat(what, " failed (", voted.message(),
@@ -631,15 +744,16 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
   if (checked.ok()) checked = reader.ok() ? Preflight(**reader) : reader.status();
   CKPT_RETURN_IF_ERROR(Vote(checked));
   // Steps 2 to 5.
-  LoadReport report{(*reader)->manifest().step, (*reader)->manifest().world_size, false,
-                    DType::kF32};
+  LoadReport report;
+  report.step = (*reader)->manifest().step;
+  report.saved_world_size = (*reader)->manifest().world_size;
   absl::StatusOr<const formats::TensorInfo*> moments =
       (*reader)->FindTensor(kStatePrefixes[1] + optimizer_->options().params[0].name);
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   Blobs loaded;
   CKPT_RETURN_IF_ERROR(Transact(
       *step, [&] { return Apply(**reader, blobs != nullptr ? &loaded : nullptr); },
-      absl::StrCat("load of step ", report.step), &report.undo_spilled));
+      absl::StrCat("load of step ", report.step), &report.undo_spilled, &report.undo_derived));
   clean_step_ = report.step;
   clean_version_ = optimizer_->state_version();
   if (blobs != nullptr) *blobs = std::move(loaded);

@@ -15,6 +15,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "ckpt/base/status_macros.h"
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/formats/float_convert.h"
@@ -43,12 +45,28 @@ class CheckpointerTest : public ::testing::Test {
   CheckpointerTest() : mem_(NewMemEnv()), env_(mem_.get()) {}
 
   // Flips one byte in the middle of the first chunk of rank `rank`'s data file of `step`.
+  // Flips a payload byte of the first chunk of a master piece that `rank` saved in `step`
+  // (what every load reads: the weights are the masters rounded and are not read).
   void DamageChunk(uint64_t step, int rank) {
     const std::string path =
         absl::StrCat(kRoot, "/", StepDirectoryName(step), "/rank-0000", rank, ".data");
+    uint64_t at = 0;
+    {
+      const std::unique_ptr<CheckpointReader> reader = test_job::OpenStep(mem_.get(), kRoot, step);
+      const formats::Manifest& m = reader->manifest();
+      for (const formats::PieceInfo& p : m.pieces) {
+        if (p.rank != static_cast<uint32_t>(rank) ||
+            m.tensors[p.tensor].name.rfind("optimizer.master.", 0) != 0) {
+          continue;
+        }
+        at = m.files[p.file].chunks[p.first_chunk].offset + formats::kChunkHeaderBytes + 1;
+        break;
+      }
+    }
+    ASSERT_GT(at, 0u) << "rank " << rank << " saved no master piece";
     auto bytes = ReadFileToString(mem_.get(), path, UINT64_MAX);
     ASSERT_THAT(bytes, IsOk());
-    (*bytes)[4096 + 100] ^= 0x10;
+    (*bytes)[at] ^= 0x10;
     ASSERT_THAT(mem_->RemoveFile(path), IsOk());
     auto file = mem_->NewWritableFile(path, FileOptions{});
     ASSERT_THAT(file, IsOk());
@@ -114,6 +132,70 @@ TEST_F(CheckpointerTest, PreflightRefusalsTouchNothing) {
     EXPECT_EQ(job.Gather(), before);
     EXPECT_EQ(test_job::RootEntries(mem_.get()), entries) << "a refused load wrote something";
   }
+}
+
+TEST_F(CheckpointerTest, AFreshOptimizerResumesWithoutWritingAnythingEvenOnAFullDisk) {
+  std::string saved;
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    job.Step(1);
+    ExpectAllOk(job.Save(1));
+    saved = job.Gather();
+  }
+  Job fresh(&env_, 2, 500);  // A new process: the construction state.
+  const uint64_t calls = env_.mutating_calls();
+  env_.FailNth(1, ENOSPC);  // The disk is full: any write would fail.
+  std::vector<LoadReport> reports(2);
+  ExpectAllOk(fresh.OnEveryRank([&](int r) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(reports[r], fresh.rank(r).ckpt->Load(std::nullopt));
+    return absl::OkStatus();
+  }));
+  env_.Disarm();
+  EXPECT_EQ(env_.mutating_calls(), calls) << "the resume wrote to disk";
+  EXPECT_TRUE(reports[0].undo_derived);
+  EXPECT_FALSE(reports[0].undo_spilled);
+  EXPECT_TRUE(fresh.Gather() == saved) << "the resume did not load the step";
+}
+
+TEST_F(CheckpointerTest, AFailedLoadIntoAFreshOptimizerRestoresItsConstructionState) {
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  DamageChunk(1, 1);
+  Job fresh(&env_, 2, 500);
+  const std::string before = fresh.Gather();
+  const uint64_t calls = env_.mutating_calls();
+  ExpectAll(fresh.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(env_.mutating_calls(), calls);
+  EXPECT_TRUE(fresh.Gather() == before) << "the rollback did not re-derive the fresh state";
+  EXPECT_EQ(fresh.rank(0).opt->lifecycle(), Lifecycle::kClean);
+  // It steps on as a fresh optimizer would.
+  Job reference(&env_, 1, 500, ToyModel(), MomentDType::kF32, {}, "/reference");
+  fresh.Step(0);
+  reference.Step(0);
+  EXPECT_TRUE(fresh.Gather() == reference.Gather());
+}
+
+TEST_F(CheckpointerTest, ALoadThatPutsParametersInOtherGroupsIsRefusedNamingThem) {
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  std::vector<ParamSpec> regrouped = ToyModel();
+  regrouped[1].group = 1;  // layer.weight was in group 0 when saved.
+  regrouped[2].group = 0;  // layer.bias was in group 1.
+  Job other(&env_, 2, 500, regrouped);
+  other.Step(0);
+  const std::string before = other.Gather();
+  const std::vector<absl::Status> st = other.Load(1);
+  ExpectAll(st, absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr("layer.weight"));
+  EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr("layer.bias"));
+  EXPECT_TRUE(other.Gather() == before);
 }
 
 TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) {

@@ -339,20 +339,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
     }
-    const DType model = optimizer_->model_dtype();
-    if (model == DType::kBF16) {
-      formats::FloatsToBf16(master.data(), reinterpret_cast<uint16_t*>(weights_.data()),
-                            master.size());
-    }
-    for (uint64_t i = 0; i < master.size() && model != DType::kBF16; ++i) {
-      if (model == DType::kF32) {
-        std::memcpy(weights_.data() + 4 * i, &master[i], 4);
-        continue;
-      }
-      const uint16_t h = model == DType::kBF16 ? formats::FloatToBf16(master[i])
-                                               : formats::FloatToHalf(master[i]);
-      std::memcpy(weights_.data() + 2 * i, &h, 2);
-    }
+    // The weights follow once the load is voted (Transact writes the masters rounded).
     std::vector<ParamGroup> groups = optimizer_->groups();
     for (ParamGroup& g : groups) g.step = 0;
     optimizer_->RestoreGroups(groups);
@@ -361,7 +348,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   const std::optional<uint64_t> exclude =
       !report.hf && store == store_ ? std::optional<uint64_t>(report.step) : std::nullopt;
   CKPT_RETURN_IF_ERROR(Transact(exclude, apply, absl::StrCat("model load from ", from->Describe()),
-                                &report.undo_spilled));
+                                &report.undo_spilled, &report.undo_derived));
   // Step M5.
   clean_step_.reset();
   return report;

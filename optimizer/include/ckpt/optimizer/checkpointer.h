@@ -34,6 +34,10 @@ struct LoadReport {
   uint64_t step = 0;              // The step loaded.
   uint32_t saved_world_size = 0;  // Ranks that saved it (any number loads into any other).
   bool undo_spilled = false;      // The undo source was a spill of the state (not a checkpoint).
+  // The state was its construction state (moments zero, every step 0, masters the model
+  // weights widened), which a rollback re-derives from the weight buffer: nothing was written
+  // to disk for the undo.
+  bool undo_derived = false;
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
   formats::DType saved_moment_dtype = formats::DType::kF32;
@@ -69,6 +73,7 @@ struct ModelLoadReport {
   std::vector<std::string> tied;  // Parameters read from the tensor they are tied to.
   uint64_t ignored = 0;           // Source tensors no parameter took (ignore_unexpected).
   bool undo_spilled = false;      // The undo source was a spill of the state.
+  bool undo_derived = false;      // As LoadReport::undo_derived.
 };
 
 struct CheckpointerOptions {
@@ -206,13 +211,18 @@ class Checkpointer {
   // `exclude`, the step being read), runs `apply` under kLoading, votes, and restores or
   // poisons on failure. `what` names the load in a poison reason.
   absl::Status Transact(std::optional<uint64_t> exclude, const std::function<absl::Status()>& apply,
-                        absl::string_view what, bool* undo_spilled);
+                        absl::string_view what, bool* undo_spilled, bool* undo_derived);
   // Rank 0 reads `root`'s LATEST afresh and broadcasts it, so every rank reads the same step.
   absl::StatusOr<uint64_t> AgreeOnLatest(Env* env, const std::string& root);
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
   absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo);
+  // True when the state is what a rollback can re-derive without disk: every group's step 0,
+  // both moments zero, and every master the widened weight of weights_ (bit for bit).
+  bool StateIsDerivable() const;
+  // weights_ := the masters rounded to the model dtype (what a successful load publishes).
+  void WriteWeightsFromMasters();
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs);
   absl::Status Vote(const absl::Status& mine);
 
