@@ -160,6 +160,24 @@ for _name, (_args, _res) in _sig.items():
     _f.restype = _res
 
 
+def _no_nul(raw, what, value):
+    # ctypes passes bytes as char*: C would read a NUL as the end and see another string.
+    if b"\0" in raw:
+        raise ValueError(f"{what} contains a NUL byte: {value!r}")
+    return raw
+
+
+def encode_path(value, what):
+    """A path (str, bytes or os.PathLike) as the bytes C gets (os.fsencode). Raises TypeError
+    for anything else, ValueError naming `what` when it holds a NUL byte."""
+    return _no_nul(os.fsencode(value), what, value)
+
+
+def encode_text(value, what):
+    """A str as the UTF-8 bytes C gets. Raises ValueError naming `what` when it holds a NUL."""
+    return _no_nul(value.encode(), what, value)
+
+
 def check(code):
     """Raises CkptError for a failed call's code, with ckpt's message."""
     if code != OK:

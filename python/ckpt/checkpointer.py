@@ -9,11 +9,16 @@ until a load succeeds), and raises CkptError with ckpt's message.
 `extra` is the trainer's own state (LR scheduler, RNG, data position): a dict, stored with
 pickle beside the optimizer's state, per rank, and returned by `load`. Like torch.load, loading
 unpickles: load only checkpoints you trust.
+
+Ctrl-C (SIGINT, and SIGTERM where Python handles it) cannot cut a call in half: once a call has
+checked its arguments, the signal is deferred (ckpt/_signals.py) until what the C call did is
+reflected in Python too (parameters, param_groups, loaded_step and loaded_extra after a load; the
+PendingSave recorded as `pending` after save_async), and is delivered then.
 """
 import ctypes
 import pickle
 
-from . import _lib
+from . import _lib, _signals
 from ._lib import CkptError, check, lib
 
 _EXTRA = "python.extra"
@@ -70,18 +75,23 @@ class PendingSave:
         return bool(done.value)
 
     def finalize(self):
+        """Collective. Waits for the writer and commits on every rank or on none; raises
+        CkptError otherwise. Either way the native handle is released exactly once: a Ctrl-C
+        comes either before the handle was taken (finalize can be called again) or after it
+        was finalized and released."""
         if self._checkpointer._handle is None:
             raise CkptError(9, f"the async save of step {self.step}: its checkpointer is closed "
                                "(the save was abandoned)")
         if self._handle is None:
             raise CkptError(9, f"the async save of step {self.step} is already finalized")
-        handle, self._handle = self._handle, None
-        if self._checkpointer._pending is self:
-            self._checkpointer._pending = None
-        try:
-            check(lib.ckpt_pending_save_finalize(handle))
-        finally:
-            lib.ckpt_pending_save_destroy(handle)
+        with _signals.deferred():
+            handle, self._handle = self._handle, None
+            if self._checkpointer._pending is self:
+                self._checkpointer._pending = None
+            try:
+                check(lib.ckpt_pending_save_finalize(handle))
+            finally:
+                lib.ckpt_pending_save_destroy(handle)
 
 
 class Checkpointer:
@@ -96,19 +106,32 @@ class Checkpointer:
     step) and every step that is a multiple of keep_every (0: none for this reason); the step
     LATEST names is always kept. The old steps' files are removed in the background, so a save
     (or finalize) does not wait for them.
+    read_only: open the root for reading only (no LOCK taken, no recovery, nothing written), e.g.
+    on a read-only file system or beside the job that owns it: load and load_model work, save
+    and save_async raise CkptError (FAILED_PRECONDITION); keep_last/keep_every are a ValueError.
+    root is a str, bytes or os.PathLike; one with a NUL byte is a ValueError.
+    After a load, `loaded_step` and `loaded_extra` hold its step and extra (None before).
     """
 
     def __init__(self, root, optimizer, *, process_group=None, async_staging_bytes=0,
-                 keep_last=0, keep_every=0):
+                 keep_last=0, keep_every=0, read_only=False):
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every),
                             ("async_staging_bytes", async_staging_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, not {value!r}")
+        if not isinstance(read_only, bool):
+            raise ValueError(f"read_only must be a bool, not {read_only!r}")
+        if read_only and (keep_last or keep_every):
+            raise ValueError("keep_last and keep_every remove old steps: a Checkpointer opened "
+                             "with read_only=True removes nothing")
+        root_bytes = _lib.encode_path(root, "root")
         self._optimizer = optimizer
         self._store = None
         self._handle = None
         self._callback = None
         self._pending = None
+        self._root, self.read_only = root, read_only
+        self.loaded_step = self.loaded_extra = None
         coordinator = None
         rank = 0
         if process_group is None:
@@ -126,9 +149,9 @@ class Checkpointer:
         store = ctypes.c_void_p()
 
         def open_store(primary):
-            options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), primary, 0, keep_last,
-                                        keep_every, 0)
-            check(lib.ckpt_store_open_with(str(root).encode(), ctypes.byref(options),
+            options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), primary,
+                                        1 if read_only else 0, keep_last, keep_every, 0)
+            check(lib.ckpt_store_open_with(root_bytes, ctypes.byref(options),
                                            ctypes.byref(store)))
 
         if rank == 0:
@@ -181,84 +204,123 @@ class Checkpointer:
         return keys, values, lens, data
 
     def _begin_save(self, step, extra):
-        """What save and save_async do first: checks, the in-flight save finalized, the
-        hyper-parameters and weights handed to ckpt, the extra state as one blob."""
+        """What save and save_async do before their critical section: checks, the extra state
+        pickled as one blob, the in-flight save finalized (in its own section)."""
         step = self._step(step)
+        if self.read_only:
+            raise CkptError(9, f"{self._root}: cannot save step {step}: the Checkpointer was "
+                               "opened with read_only=True")
         handle = self._live()
+        blob = self._blobs(extra)
         self._settle()
+        return (handle, step) + blob
+
+    def _hand_over(self):
+        """The hyper-parameters and weights handed to ckpt, first thing in a save's section."""
         self._optimizer._push_groups()
         self._optimizer._to_host()
-        return (handle, step) + self._blobs(extra)
 
     def save(self, step, extra=None):
-        """Collective. Saves the state as it is now as `step` (newer than LATEST)."""
+        """Collective. Saves the state as it is now as `step` (newer than LATEST). Raises
+        CkptError when the save failed (nothing committed) or the Checkpointer is read-only.
+        A Ctrl-C comes either before the save began or after it committed (or failed)."""
         handle, step, keys, values, lens, keep = self._begin_save(step, extra)
-        check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 1))
+        with _signals.deferred():
+            self._hand_over()
+            check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 1))
         del keep
 
     def save_async(self, step, extra=None):
         """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
         Returns a PendingSave; its finalize() (collective) commits. A save still in flight is
-        finalized first."""
+        finalized first. A Ctrl-C comes either before the save began or after its PendingSave
+        was recorded as `pending` (finalize it from there, or the next call will)."""
         handle, step, keys, values, lens, keep = self._begin_save(step, extra)
-        pending = ctypes.c_void_p()
-        check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 1,
-                                               ctypes.byref(pending)))
+        with _signals.deferred():
+            self._hand_over()
+            native = ctypes.c_void_p()
+            check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 1,
+                                                   ctypes.byref(native)))
+            pending = self._pending = PendingSave(self, native, step)
         del keep
-        self._pending = PendingSave(self, pending, step)
+        return pending
+
+    @property
+    def pending(self):
+        """The async save in flight (save_async's PendingSave, not finalized yet), or None."""
         return self._pending
 
     def load(self, step=None):
         """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
         any data-parallel size; returns the `extra` saved with it by this rank (by rank 0 when
-        the checkpoint was saved by fewer ranks than this rank's number)."""
+        the checkpoint was saved by fewer ranks than this rank's number), also kept as
+        `loaded_extra` (and the step as `loaded_step`). A Ctrl-C comes either before the load
+        began (nothing changed) or after all of it was applied: state, parameters,
+        param_groups, loaded_step and loaded_extra."""
         if step is not None:
             step = self._step(step)
         handle = self._live()
         self._settle()
-        blobs = ctypes.c_void_p()
-        loaded = ctypes.c_uint64()
-        check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
-                                         0 if step is None else int(step), ctypes.byref(blobs),
-                                         ctypes.byref(loaded)))
-        # The state is loaded: the parameters and param_groups follow it before anything else
-        # can fail.
-        self._optimizer._from_host()
-        self._optimizer._pull_groups()
-        self.loaded_step = loaded.value
-        raw = None
-        try:
-            count = ctypes.c_size_t()
-            check(lib.ckpt_blobs_count(blobs, ctypes.byref(count)))
-            for i in range(count.value):
-                key, value, length = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
-                check(lib.ckpt_blobs_get(blobs, i, ctypes.byref(key), ctypes.byref(value),
-                                         ctypes.byref(length)))
-                if key.value == _EXTRA.encode():
-                    raw = ctypes.string_at(value, length.value)
-        finally:
-            lib.ckpt_blobs_free(blobs)
+        with _signals.deferred():
+            blobs = ctypes.c_void_p()
+            loaded = ctypes.c_uint64()
+            check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
+                                             0 if step is None else int(step),
+                                             ctypes.byref(blobs), ctypes.byref(loaded)))
+            try:
+                # The state is loaded: the parameters and param_groups follow it before
+                # anything else can fail.
+                self._optimizer._from_host()
+                self._optimizer._pull_groups()
+                self.loaded_step, self.loaded_extra = loaded.value, None
+                raw = self._extra_blob(blobs)
+            finally:
+                lib.ckpt_blobs_free(blobs)
+            self.loaded_extra = self._unpickle(raw, loaded.value)
+        return self.loaded_extra
+
+    @staticmethod
+    def _extra_blob(blobs):
+        """The pickled extra state among a load's blobs, or None."""
+        count = ctypes.c_size_t()
+        check(lib.ckpt_blobs_count(blobs, ctypes.byref(count)))
+        for i in range(count.value):
+            key, value, length = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
+            check(lib.ckpt_blobs_get(blobs, i, ctypes.byref(key), ctypes.byref(value),
+                                     ctypes.byref(length)))
+            if key.value == _EXTRA.encode():
+                return ctypes.string_at(value, length.value)
+        return None
+
+    @staticmethod
+    def _unpickle(raw, step):
         if raw is None:
             return {}
         try:
             return pickle.loads(raw)
         except Exception as e:
-            raise CkptError(15, f"step {loaded.value} loaded, but its extra state does not "
+            raise CkptError(15, f"step {step} loaded, but its extra state does not "
                                 f"unpickle here: {e!r}") from e
 
     def load_model(self, source, rename=None, ignore_unexpected=False):
         """Collective. Model-only load from a .safetensors file, a HuggingFace directory or a
         ckpt root: masters and parameters from the file, moments zero, steps 0; learning rates
-        and everything else untouched. rename: (pattern, replacement) RE2 rules, in order."""
+        and everything else untouched. rename: (pattern, replacement) RE2 rules, in order.
+        A source (str, bytes or os.PathLike) or rule with a NUL byte is a ValueError. A Ctrl-C
+        comes either before the load began or after the parameters followed it."""
+        source_bytes = _lib.encode_path(source, "source")
+        rules = list(rename or [])
+        patterns = (ctypes.c_char_p * max(1, len(rules)))(
+            *[_lib.encode_text(p, "rename pattern") for p, _ in rules])
+        replacements = (ctypes.c_char_p * max(1, len(rules)))(
+            *[_lib.encode_text(r, "rename replacement") for _, r in rules])
         handle = self._live()
         self._settle()
-        rules = list(rename or [])
-        patterns = (ctypes.c_char_p * max(1, len(rules)))(*[p.encode() for p, _ in rules])
-        replacements = (ctypes.c_char_p * max(1, len(rules)))(*[r.encode() for _, r in rules])
-        check(lib.ckpt_checkpointer_load_model(handle, str(source).encode(), patterns,
-                                               replacements, len(rules),
-                                               1 if ignore_unexpected else 0))
-        self._optimizer._from_host()
+        with _signals.deferred():
+            check(lib.ckpt_checkpointer_load_model(handle, source_bytes, patterns,
+                                                   replacements, len(rules),
+                                                   1 if ignore_unexpected else 0))
+            self._optimizer._from_host()
 
     @property
     def latest(self):
@@ -271,17 +333,22 @@ class Checkpointer:
 
     def close(self):
         """Closes the checkpointer (an async save in flight is abandoned: nothing published)."""
-        pending = getattr(self, "_pending", None)
+        with _signals.deferred():
+            self._release()
+
+    def _release(self):
+        # Each handle is taken from its owner before it is freed: an interrupt in between
+        # leaks it at worst, and never frees it twice.
+        pending, self._pending = getattr(self, "_pending", None), None
         if pending is not None and pending._handle is not None:
-            lib.ckpt_pending_save_destroy(pending._handle)
-            pending._handle = None
-        self._pending = None
-        if getattr(self, "_handle", None) is not None:
-            lib.ckpt_checkpointer_destroy(self._handle)
-            self._handle = None
-        if getattr(self, "_store", None) is not None:
-            lib.ckpt_store_close(self._store)
-            self._store = None
+            native, pending._handle = pending._handle, None
+            lib.ckpt_pending_save_destroy(native)
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            lib.ckpt_checkpointer_destroy(handle)
+        store, self._store = getattr(self, "_store", None), None
+        if store is not None:
+            lib.ckpt_store_close(store)
 
     def __del__(self):
-        self.close()
+        self._release()  # Not close(): a finalizer must not swap signal handlers.

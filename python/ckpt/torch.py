@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from . import _lib
+from . import _lib, _signals
 from ._lib import CkptError, check, lib
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
@@ -115,6 +115,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._names = [names.get(id(p), f"param.{i}") for i, p in enumerate(plist)]
         if len(set(self._names)) != len(self._names):
             raise ValueError("parameter names repeat")
+        encoded = [_lib.encode_text(n, "parameter name") for n in self._names]
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # One contiguous buffer in ckpt's order; each parameter becomes a view of its slice.
         total = sum(p.numel() for p in plist)
@@ -136,7 +137,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._grads = torch.zeros(total, dtype=grad_dtype, device=device)
         shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
         specs = (_lib.Param * len(plist))(*[
-            _lib.Param(self._names[i].encode(), shapes[i], plist[i].dim(), _DTYPES[dtype],
+            _lib.Param(encoded[i], shapes[i], plist[i].dim(), _DTYPES[dtype],
                        group_of[id(plist[i])]) for i in range(len(plist))])
         groups = (_lib.Group * len(self.param_groups))(*[self._group(g) for g in self.param_groups])
         self._group_handle = process_group
@@ -344,17 +345,22 @@ class StagedAdamW(torch.optim.Optimizer):
     def close(self):
         """Frees ckpt's slabs (closing its checkpointers first: an async save in flight is
         abandoned); the optimizer refuses every call afterwards."""
-        for ref in getattr(self, "_checkpointers", []):
+        with _signals.deferred():
+            self._release()
+
+    def _release(self):
+        refs, self._checkpointers = getattr(self, "_checkpointers", []), []
+        for ref in refs:
             ck = ref()
             if ck is not None:
-                ck.close()
-        self._checkpointers = []
-        if getattr(self, "_handle", None) is not None:
-            lib.ckpt_optimizer_destroy(self._handle)
-            self._handle = None
+                ck._release()
+        # Taken before it is freed: an interrupt in between leaks it, never frees it twice.
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            lib.ckpt_optimizer_destroy(handle)
 
     def __del__(self):
-        self.close()
+        self._release()  # Not close(): a finalizer must not swap signal handlers.
 
     def state_dict(self):
         raise NotImplementedError("StagedAdamW's state lives in ckpt: save it with "

@@ -202,6 +202,18 @@ def test_retention_keeps_the_newest_steps_and_the_multiples(tmp_path):
     ck2.close()
 
 
+def master_chunk_offset(step_dir):
+    """The file offset of the first chunk of a master piece in `step_dir` (read from its
+    MANIFEST: a 32-byte header, then JSON; docs/formats/ckpt-v1.md). A load reads the masters;
+    the weights are the masters rounded and are not read."""
+    import json
+    manifest = json.loads((step_dir / "MANIFEST").read_bytes()[32:])
+    for piece in manifest["pieces"]:
+        if manifest["tensors"][piece["tensor"]]["name"].startswith("optimizer.master."):
+            return manifest["files"][piece["file"]]["chunks"][piece["first_chunk"]][0]
+    raise AssertionError("no master piece in " + str(step_dir))
+
+
 def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     model, opt = fresh()
     ck = ckpt.Checkpointer(tmp_path / "root", opt)
@@ -211,7 +223,7 @@ def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     before = snapshot(model, opt)
     data = tmp_path / "root" / "step-00000002" / "rank-00000.data"
     raw = bytearray(data.read_bytes())
-    raw[4096 + 100] ^= 0x10
+    raw[master_chunk_offset(tmp_path / "root" / "step-00000002") + 24 + 1] ^= 0x10
     data.write_bytes(bytes(raw))
     with pytest.raises(ckpt.CkptError) as failure:
         ck.load(2)
