@@ -481,6 +481,25 @@ int ckpt_checkpointer_load(ckpt_checkpointer* c, int has_step, uint64_t step, ck
   });
 }
 
+int ckpt_checkpointer_load_newest_intact(ckpt_checkpointer* c, ckpt_blobs** blobs,
+                                         uint64_t* loaded_step, uint64_t* skipped) {
+  return Guard("ckpt_checkpointer_load_newest_intact", [&]() -> int {
+    if (c == nullptr) return Invalid("checkpointer is NULL");
+    if (blobs != nullptr) *blobs = nullptr;
+    opt::Blobs got;
+    absl::StatusOr<opt::LoadReport> r = c->ckpt->LoadNewestIntact(&got);
+    if (!r.ok()) return Fail(r.status());
+    if (loaded_step != nullptr) *loaded_step = r->step;
+    if (skipped != nullptr) *skipped = r->skipped.size();
+    if (blobs != nullptr) {
+      auto b = std::make_unique<ckpt_blobs>();
+      for (auto& [k, v] : got) b->items.emplace_back(k, std::move(v));
+      *blobs = b.release();
+    }
+    return CKPT_OK;
+  });
+}
+
 int ckpt_checkpointer_load_model(ckpt_checkpointer* c, const char* source,
                                  const char* const* patterns, const char* const* replacements,
                                  size_t n, int ignore_unexpected) {

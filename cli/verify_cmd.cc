@@ -49,6 +49,7 @@ int RunVerify(const VerifyArgs& args) {
       nlohmann::json step = {{"step", s.step},
                              {"dir", s.dir},
                              {"ok", s.problems.empty()},
+                             {"removed", s.removed},
                              {"bytes_checked", s.bytes_checked},
                              {"chunks_checked", s.chunks_checked},
                              {"problems", nlohmann::json::array()}};
@@ -60,6 +61,11 @@ int RunVerify(const VerifyArgs& args) {
     for (const VerifyProblem& p : report->problems) PrintProblem(p);
     if (report->steps.empty()) std::cout << Printable(args.root) << ": no step to verify\n";
     for (const StepVerifyReport& s : report->steps) {
+      if (s.removed) {
+        std::cout << "step " << s.step
+                  << ": removed while it was being checked (retention or gc), not damage\n";
+        continue;
+      }
       std::cout << "step " << s.step << ": " << (s.problems.empty() ? "OK" : "DAMAGED") << " ("
                 << s.chunks_checked << " chunks, " << FormatBytes(s.bytes_checked) << " checked)\n";
       for (const VerifyProblem& p : s.problems) PrintProblem(p);

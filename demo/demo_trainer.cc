@@ -33,6 +33,7 @@
 // Exit codes: 0 done (and equal), 1 a resumed run that differs, 2 bad usage or any error,
 // 3 --engine cuda where CUDA cannot run (a build without CUDA, or no usable device).
 #include <signal.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -390,18 +391,29 @@ absl::Status Run(const Flags& f, bool* equal) {
   const std::string final_model = f.out + "/final-model";
   // The last step's checkpoint, exported by the library function behind ckpt-tool export-hf;
   // with the model's config beside the weights, transformers' from_pretrained loads the result.
+  // Exported beside final-model first: a resume of a run that already exported replaces its
+  // own earlier export only once the new one is whole (two renames; a crash between leaves
+  // both whole under hidden names, and no half export under final-model).
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> last, job.stores[0]->OpenLatest());
   optimizer::ExportHfOptions export_options;
   if (ReadFileToString(Env::Default(), init_model + "/config.json", kMaxConfigBytes).ok()) {
     export_options.config = init_model + "/config.json";
   }
-  CKPT_RETURN_IF_ERROR(optimizer::ExportHf(*last, final_model, export_options).status());
+  const std::string fresh = absl::StrCat(f.out, "/.final-model-new-", getpid());
+  const std::string replaced = absl::StrCat(f.out, "/.final-model-replaced-", getpid());
+  CKPT_RETURN_IF_ERROR(optimizer::ExportHf(*last, fresh, export_options).status());
   absl::StatusOr<std::string> generation =
       ReadFileToString(Env::Default(), init_model + "/generation_config.json", kMaxConfigBytes);
   if (generation.ok()) {
-    CKPT_RETURN_IF_ERROR(WriteFileAtomically(
-        Env::Default(), final_model + "/generation_config.json", *generation));
+    CKPT_RETURN_IF_ERROR(
+        WriteFileAtomically(Env::Default(), fresh + "/generation_config.json", *generation));
   }
+  Env* env = Env::Default();
+  const bool had_export = env->IsDirectory(final_model).ok();
+  if (had_export) CKPT_RETURN_IF_ERROR(env->RenameFile(final_model, replaced));
+  CKPT_RETURN_IF_ERROR(env->RenameFile(fresh, final_model));
+  CKPT_RETURN_IF_ERROR(env->SyncDir(f.out));
+  if (had_export) CKPT_RETURN_IF_ERROR(RemoveRecursively(env, replaced));
   std::printf("exported step %llu to %s\n", static_cast<unsigned long long>(last->step()),
               final_model.c_str());
   return absl::OkStatus();

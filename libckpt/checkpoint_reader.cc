@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -27,8 +29,20 @@ struct CheckpointReader::ChunkRead {
   std::byte* out;
 };
 
+// The last compressed chunk decoded for a partial read (see decoded_bytes()). Safe for
+// concurrent use: readers hold the decoded bytes by shared_ptr while they copy from them.
+struct CheckpointReader::DecodeCache {
+  std::mutex mu;
+  uint32_t file = 0;
+  uint64_t chunk = 0;
+  std::shared_ptr<const std::byte[]> raw;  // Guarded by mu.
+  std::atomic<uint64_t> decoded_bytes{0};
+};
+
 CheckpointReader::CheckpointReader(std::string dir, const StoreOptions& options, Env* env)
-    : dir_(std::move(dir)), options_(options), env_(env) {}
+    : dir_(std::move(dir)), options_(options), env_(env), cache_(std::make_unique<DecodeCache>()) {}
+
+uint64_t CheckpointReader::decoded_bytes() const { return cache_->decoded_bytes.load(); }
 
 CheckpointReader::~CheckpointReader() = default;
 
@@ -103,9 +117,32 @@ absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
     std::memcpy(read.out, payload.data() + read.raw_offset, read.length);
     return absl::OkStatus();
   }
-  std::vector<std::byte> raw(c.raw_bytes);
-  CKPT_RETURN_IF_ERROR(formats::DecodeChunkPayload(c.codec, payload, raw, path, c.offset));
-  std::memcpy(read.out, raw.data() + read.raw_offset, read.length);
+  const bool partial = read.length < c.raw_bytes;
+  if (partial) {
+    std::shared_ptr<const std::byte[]> hit;
+    {
+      std::lock_guard<std::mutex> lock(cache_->mu);
+      if (cache_->raw != nullptr && cache_->file == read.file && cache_->chunk == read.chunk) {
+        hit = cache_->raw;
+      }
+    }
+    if (hit != nullptr) {  // Its stored bytes verified above, as on every read.
+      std::memcpy(read.out, hit.get() + read.raw_offset, read.length);
+      return absl::OkStatus();
+    }
+  }
+  // Not zeroed first: the decoder writes every byte (up to 1 GiB of them).
+  std::shared_ptr<std::byte[]> raw = std::make_shared_for_overwrite<std::byte[]>(c.raw_bytes);
+  CKPT_RETURN_IF_ERROR(formats::DecodeChunkPayload(
+      c.codec, payload, std::span<std::byte>(raw.get(), c.raw_bytes), path, c.offset));
+  cache_->decoded_bytes += c.raw_bytes;
+  std::memcpy(read.out, raw.get() + read.raw_offset, read.length);
+  if (partial) {
+    std::lock_guard<std::mutex> lock(cache_->mu);
+    cache_->file = read.file;
+    cache_->chunk = read.chunk;
+    cache_->raw = std::move(raw);
+  }
   return absl::OkStatus();
 }
 

@@ -226,6 +226,21 @@ TEST_F(CheckpointReaderTest, ZstdChunksReadBackExactly) {
   ExpectWeights(**reader, 5, 1100, 300);
 }
 
+TEST_F(CheckpointReaderTest, ACompressedChunkReadInBatchesIsDecodedOnce) {
+  options_.codec = formats::Codec::kZstd;
+  options_.chunk_bytes = 1 << 20;  // Each rank's 1000 floats of "w" are one chunk.
+  CKPT_ASSERT_OK(Save(5));
+  auto reader = Open(5);
+  CKPT_ASSERT_OK(reader);
+  // Rank 1's chunk of 1000 floats, read 10 elements at a time.
+  for (uint64_t begin = 1000; begin < 2000; begin += 10) ExpectWeights(**reader, 5, begin, 10);
+  EXPECT_EQ((*reader)->decoded_bytes(), 1000u * 4) << "decoded again for every batch";
+  // A read of another chunk in part replaces the cached one; whole-chunk reads need no cache.
+  ExpectWeights(**reader, 5, 0, 10);
+  ExpectWeights(**reader, 5, 1000, 10);
+  EXPECT_EQ((*reader)->decoded_bytes(), 3000u * 4);
+}
+
 // A range streamed in several WritePiece calls, each of whole chunks but the last, is recorded
 // as one piece; a call that does not continue it (another tensor, a gap, a partial chunk
 // before it) starts a new one. Every element reads back either way.

@@ -58,6 +58,17 @@ absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::st
   return out;
 }
 
+absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
+  for (const std::string& name : names) {
+    if (name == internal::kLatestName || name == internal::kLockName ||
+        internal::ParseStepDirName(name).has_value()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& all, std::optional<uint64_t> latest,
                                    const RetentionPolicy& policy) {
   if (policy.keep_last == 0 || !latest.has_value()) return {};

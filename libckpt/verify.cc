@@ -193,6 +193,11 @@ absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
       r->problems.push_back(
           Problem(dir, std::nullopt, 0, absl::StrCat("MANIFEST names step ", r->step)));
     }
+    if (!r->problems.empty() && absl::IsNotFound(env->Stat(dir).status())) {
+      // Gone by now: retention renamed it away mid-check. Not damage.
+      r->problems.clear();
+      r->removed = true;
+    }
     r->step = s;
     report.steps.push_back(*std::move(r));
   }

@@ -46,6 +46,24 @@ class UnlistableDirEnv : public EnvWrapper {
   const std::string dir_;
 };
 
+// Renames a step directory away (as retention does) at the first open of one of its files.
+class RetireDuringVerifyEnv : public EnvWrapper {
+ public:
+  RetireDuringVerifyEnv(Env* target, std::string dir) : EnvWrapper(target), dir_(std::move(dir)) {}
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path, const FileOptions& options) override {
+    if (!retired_ && path.rfind(dir_ + "/", 0) == 0 && path.find(".data") != std::string::npos) {
+      retired_ = true;
+      CKPT_RETURN_IF_ERROR(target()->RenameFile(dir_, dir_ + ".retired"));
+    }
+    return EnvWrapper::NewRandomAccessFile(path, options);
+  }
+
+ private:
+  const std::string dir_;
+  bool retired_ = false;
+};
+
 class VerifyTest : public ::testing::Test {
  protected:
   VerifyTest() : env_(NewMemEnv()) {
@@ -244,6 +262,18 @@ TEST_F(VerifyTest, ProgressIsNonDecreasingAndEndsAtTotal) {
   }
   EXPECT_EQ(calls.back().first, total);
   EXPECT_EQ(report->bytes_checked, total);
+}
+
+TEST_F(VerifyTest, AStepRetentionRemovesDuringVerifyAllIsReportedRemovedNotDamaged) {
+  RetireDuringVerifyEnv env(env_.get(), StepDir(kOld));
+  auto report = VerifyStore(&env, kRoot, std::nullopt, /*all=*/true);
+  CKPT_ASSERT_OK(report);
+  const StepVerifyReport* old = StepReport(*report, kOld);
+  ASSERT_NE(old, nullptr);
+  EXPECT_TRUE(old->removed);
+  EXPECT_THAT(old->problems, IsEmpty());
+  ExpectIntact(*report, kNew);
+  EXPECT_TRUE(report->ok());
 }
 
 }  // namespace

@@ -59,6 +59,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
@@ -731,6 +732,54 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
 }
 
 absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
+  absl::StatusOr<LoadReport> loaded = LoadStep(step, blobs);
+  if (!absl::IsDataLoss(loaded.status())) return loaded;
+  return Annotate(loaded.status(),
+                  "the state is as before the load. To go on, load the newest older step that "
+                  "loads intact (Checkpointer::LoadNewestIntact; Python: load(fallback=True)), "
+                  "or set the damaged step aside: ckpt-tool quarantine ROOT STEP");
+}
+
+absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  // The candidates as rank 0 lists them, so that every rank walks the same steps.
+  CKPT_ASSIGN_OR_RETURN(uint64_t latest, AgreeOnLatest(store_->env(), store_->root()));
+  std::string listed;
+  if (coordinator_->rank() == 0) {
+    absl::StatusOr<std::vector<uint64_t>> steps = store_->ListSteps();
+    listed = steps.ok() ? absl::StrCat("ok ", absl::StrJoin(*steps, " "))
+                        : EncodeStatus(steps.status());
+  }
+  CKPT_ASSIGN_OR_RETURN(listed, coordinator_->Broadcast(listed, 0));
+  absl::string_view view = listed;
+  if (!absl::ConsumePrefix(&view, "ok")) {
+    absl::Status why = DecodeStatus(listed);
+    return why.ok() ? absl::InternalError("malformed step list from rank 0") : why;
+  }
+  std::vector<uint64_t> candidates = {latest};
+  std::vector<uint64_t> older;
+  for (absl::string_view token : absl::StrSplit(view, ' ', absl::SkipEmpty())) {
+    uint64_t s = 0;
+    if (!absl::SimpleAtoi(token, &s)) return absl::InternalError("malformed step list from rank 0");
+    if (s < latest) older.push_back(s);
+  }
+  candidates.insert(candidates.end(), older.rbegin(), older.rend());
+  std::vector<std::string> skipped;
+  for (uint64_t step : candidates) {
+    absl::StatusOr<LoadReport> r = LoadStep(step, blobs);
+    if (r.ok()) {
+      r->skipped = std::move(skipped);
+      return r;
+    }
+    if (!absl::IsDataLoss(r.status()) && !absl::IsNotFound(r.status())) return r.status();
+    skipped.push_back(absl::StrCat("step ", step, ": ", r.status().message()));
+  }
+  return absl::DataLossError(absl::StrCat(store_->root(), ": no step loads intact (",
+                                          absl::StrJoin(skipped, "; "),
+                                          "); the state is as before the call"));
+}
+
+absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
   // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
   // rank 0 alone and broadcast, so no rank can load another step from a stale cache.

@@ -198,6 +198,36 @@ TEST_F(CheckpointerTest, ALoadThatPutsParametersInOtherGroupsIsRefusedNamingThem
   EXPECT_TRUE(other.Gather() == before);
 }
 
+TEST_F(CheckpointerTest, ADamagedLatestSaysHowToGoOnAndLoadNewestIntactFallsBack) {
+  std::string at_one;
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    at_one = job.Gather();
+    job.Step(1);
+    ExpectAllOk(job.Save(2));
+  }
+  DamageChunk(2, 1);
+  Job fresh(&env_, 2, 500);
+  const std::string before = fresh.Gather();
+  const std::vector<absl::Status> st = fresh.Load(std::nullopt);
+  ExpectAll(st, absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr("rank-00001.data"));
+  EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr("LoadNewestIntact"));
+  EXPECT_THAT(std::string(st[0].message()), ::testing::HasSubstr("ckpt-tool quarantine"));
+  EXPECT_TRUE(fresh.Gather() == before);
+  std::vector<LoadReport> reports(2);
+  ExpectAllOk(fresh.OnEveryRank([&](int r) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(reports[r], fresh.rank(r).ckpt->LoadNewestIntact());
+    return absl::OkStatus();
+  }));
+  EXPECT_EQ(reports[0].step, 1u);
+  ASSERT_EQ(reports[0].skipped.size(), 1u);
+  EXPECT_THAT(reports[0].skipped[0], ::testing::StartsWith("step 2: "));
+  EXPECT_TRUE(fresh.Gather() == at_one);
+}
+
 TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) {
   Job job(&env_, 2, 500);
   job.Step(0);

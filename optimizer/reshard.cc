@@ -222,8 +222,22 @@ absl::StatusOr<ReshardReport> Reshard(const CheckpointReader& source, const std:
   std::optional<internal::NewDirectory> fresh;
   absl::StatusOr<bool> exists = env->IsDirectory(dst_root);
   if (exists.ok() && *exists) {
-    absl::StatusOr<std::vector<std::string>> children = env->GetChildren(dst_root);
-    if (children.ok() && children->empty()) exists = absl::NotFoundError("empty");
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> children, env->GetChildren(dst_root));
+    if (children.empty()) {
+      exists = absl::NotFoundError("empty");
+    } else {
+      CKPT_ASSIGN_OR_RETURN(bool store, LooksLikeStore(env, dst_root));
+      if (!store) {
+        // As export-hf: a user's directory never gets LATEST, LOCK and a step beside its files.
+        return absl::FailedPreconditionError(absl::StrCat(
+            "reshard into ", dst_root,
+            ": is a non-empty directory that is not a ckpt store (no LATEST, LOCK or step "
+            "directory); name a new or empty directory, or a store"));
+      }
+    }
+  } else if (exists.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("reshard into ", dst_root, ": exists and is not a directory"));
   }
   if (absl::IsNotFound(exists.status())) {
     CKPT_ASSIGN_OR_RETURN(fresh, internal::NewDirectory::Plan(env, dst_root, "reshard"));

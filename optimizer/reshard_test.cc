@@ -186,6 +186,13 @@ TEST_F(ReshardTest, RefusalsWriteNothing) {
   EXPECT_THAT(Reshard(*source, "/y", Options(3)),
               StatusIs(absl::StatusCode::kFailedPrecondition));  // Step 3 is there already.
   EXPECT_TRUE(Tree("/y") == before);
+  // A user's directory is not a store: nothing is written beside its files.
+  ASSERT_THAT(mem_->CreateDir("/mine"), IsOk());
+  ASSERT_THAT(WriteFileAtomically(mem_.get(), "/mine/notes.txt", "my notes"), IsOk());
+  const auto mine = Tree("/mine");
+  EXPECT_THAT(Reshard(*source, "/mine", Options(2)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_TRUE(Tree("/mine") == mine);
 }
 
 TEST_F(ReshardTest, ACrashAtEveryMutatingCallLeavesTheOutputAsItWas) {

@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 OK = 0
 CODE_NAMES = {
@@ -139,6 +139,9 @@ _sig = {
     "ckpt_pending_save_destroy": ([_p], None),
     "ckpt_checkpointer_load": ([_p, ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(_p),
                                 ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
+    "ckpt_checkpointer_load_newest_intact": ([_p, ctypes.POINTER(_p),
+                                              ctypes.POINTER(ctypes.c_uint64),
+                                              ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
     "ckpt_checkpointer_load_model": ([_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p),
                                       ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t,
                                       ctypes.c_int], ctypes.c_int),

@@ -132,6 +132,7 @@ class Checkpointer:
         self._pending = None
         self._root, self.read_only = root, read_only
         self.loaded_step = self.loaded_extra = None
+        self.skipped_steps = 0
         coordinator = None
         rank = 0
         if process_group is None:
@@ -250,23 +251,38 @@ class Checkpointer:
         """The async save in flight (save_async's PendingSave, not finalized yet), or None."""
         return self._pending
 
-    def load(self, step=None):
+    def load(self, step=None, *, fallback=False):
         """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
         any data-parallel size; returns the `extra` saved with it by this rank (by rank 0 when
         the checkpoint was saved by fewer ranks than this rank's number), also kept as
         `loaded_extra` (and the step as `loaded_step`). A Ctrl-C comes either before the load
         began (nothing changed) or after all of it was applied: state, parameters,
-        param_groups, loaded_step and loaded_extra."""
+        param_groups, loaded_step and loaded_extra.
+        fallback=True (with step None): when LATEST fails on damage (DATA_LOSS), each older
+        step is tried in turn, newest first, and the newest that loads intact is loaded;
+        `skipped_steps` then counts the newer ones passed over. Without it, such a load raises
+        DATA_LOSS naming the chunk and saying how to go on."""
         if step is not None:
             step = self._step(step)
+        if not isinstance(fallback, bool):
+            raise ValueError(f"fallback must be a bool, not {fallback!r}")
+        if fallback and step is not None:
+            raise ValueError("fallback=True walks back from LATEST: give no step")
         handle = self._live()
         self._settle()
         with _signals.deferred():
             blobs = ctypes.c_void_p()
             loaded = ctypes.c_uint64()
-            check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
-                                             0 if step is None else int(step),
-                                             ctypes.byref(blobs), ctypes.byref(loaded)))
+            if fallback:
+                skipped = ctypes.c_uint64()
+                check(lib.ckpt_checkpointer_load_newest_intact(
+                    handle, ctypes.byref(blobs), ctypes.byref(loaded), ctypes.byref(skipped)))
+                self.skipped_steps = skipped.value
+            else:
+                check(lib.ckpt_checkpointer_load(handle, 0 if step is None else 1,
+                                                 0 if step is None else int(step),
+                                                 ctypes.byref(blobs), ctypes.byref(loaded)))
+                self.skipped_steps = 0
             try:
                 # The state is loaded: the parameters and param_groups follow it before
                 # anything else can fail.

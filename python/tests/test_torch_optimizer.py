@@ -234,6 +234,35 @@ def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     train(model, opt, 1, first=3)  # Steps as before.
 
 
+def test_a_damaged_latest_falls_back_only_when_asked(tmp_path):
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    train(model, opt, 1)
+    ck.save(1, extra={"at": 1})
+    at_one = snapshot(model, opt)
+    train(model, opt, 1, first=1)
+    ck.save(2, extra={"at": 2})
+    ck.close()
+    opt.close()
+    data = tmp_path / "root" / "step-00000002" / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[master_chunk_offset(tmp_path / "root" / "step-00000002") + 24 + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    before = snapshot(model, opt)
+    with pytest.raises(ckpt.CkptError) as failure:
+        ck.load()
+    assert failure.value.code == "DATA_LOSS"
+    assert "fallback=True" in str(failure.value) and "quarantine" in str(failure.value)
+    assert same(snapshot(model, opt), before)
+    with pytest.raises(ValueError):
+        ck.load(2, fallback=True)
+    assert ck.load(fallback=True) == {"at": 1}
+    assert ck.loaded_step == 1 and ck.skipped_steps == 1
+    assert same(snapshot(model, opt), at_one)
+
+
 def test_bad_input_raises_clear_errors(tmp_path):
     with pytest.raises(TypeError):
         ckpt.torch.StagedAdamW([torch.zeros(3, dtype=torch.int32, requires_grad=False)])

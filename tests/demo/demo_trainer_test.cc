@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <filesystem>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -252,6 +253,23 @@ TEST(DemoTrainerTest, ResumingWithOtherMomentsThanSavedConvertsThem) {
   std::optional<Dump> dump = ParseDump(ReadFile(state));
   ASSERT_TRUE(dump.has_value());
   for (const Dump::Rank& rank : dump->ranks) EXPECT_EQ(rank.moment_bytes, 2u);
+}
+
+TEST(DemoTrainerTest, ResumingARunThatAlreadyExportedReplacesItsOwnExportWhole) {
+  testing::ScopedTempDir tmp;
+  const std::string out = tmp.path() + "/run";
+  CommandResult first = Trainer("--out " + out + " --steps 3 --save-every 3 --ranks 2");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  CommandResult again = Trainer("--out " + out + " --steps 3 --save-every 3 --ranks 2 --resume");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_THAT(again.output, HasSubstr("exported step 3"));
+  absl::StatusOr<std::unique_ptr<HfCheckpointReader>> hf =
+      HfCheckpointReader::Open(out + "/final-model");
+  ASSERT_THAT(hf, testing::IsOk());
+  for (const auto& entry : std::filesystem::directory_iterator(out)) {
+    EXPECT_EQ(entry.path().filename().string().rfind(".final-model", 0), std::string::npos)
+        << entry.path() << " left behind";
+  }
 }
 
 TEST(DemoTrainerTest, BadFlagsExitTwoAndSayWhy) {

@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/hf_checkpoint.h"
 #include "tests/support/run_command.h"
@@ -372,6 +375,47 @@ TEST(HardeningVerifyTest, HundredThousandTensorHeaderVerifiesWithinTheLimit) {
       testing::RunCommand(absl::StrCat("timeout 20 ", Tool(), " verify ", path));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, ::testing::HasSubstr("valid (100000 tensors"));
+}
+
+// A zstd bomb: one chunk of 33 KB that decompresses to 1 GiB. Every command that reads it in
+// batches (diff, export-hf, reshard) used to decode the whole chunk again per batch (diff 166 s,
+// export-hf and reshard 43 s each, against verify's 1.3 s); now each decodes it once per
+// reader. Tests never assert on time: the limit only turns the quadratic behaviour into a
+// failure. The figures are printed for the notes.
+TEST(HardeningBombTest, ACompressedChunkIsDecodedOncePerCommand) {
+  testing::ScopedTempDir tmp;
+  const std::string root = tmp.path() + "/bomb";
+  {
+    StoreOptions options;
+    options.chunk_bytes = uint64_t{1} << 30;
+    options.codec = formats::Codec::kZstd;
+    options.zstd_level = 1;
+    auto store = CheckpointStore::Open(root, options);
+    CKPT_ASSERT_OK(store);
+    auto txn = (*store)->BeginSave(1);
+    CKPT_ASSERT_OK(txn);
+    const uint64_t elems = uint64_t{1} << 28;
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {elems}}));
+    std::vector<std::byte> zeros(elems * 4);
+    CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, elems, zeros));
+    CKPT_ASSERT_OK((*txn)->Commit());
+  }
+  auto timed = [&](const std::string& args, double* seconds) {
+    const auto start = std::chrono::steady_clock::now();
+    testing::CommandResult r =
+        testing::RunCommand(absl::StrCat("timeout -k 5 300 ", Tool(), " ", args));
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.output;
+  };
+  double verify = 0, diff = 0, exported = 0, resharded = 0;
+  timed("verify " + root, &verify);
+  timed("diff " + root + " " + root, &diff);
+  timed("export-hf " + root + " " + tmp.path() + "/hf", &exported);
+  timed("reshard " + root + " " + tmp.path() + "/dp2 --dp 2", &resharded);
+  std::printf("zstd bomb (1 GiB in one chunk): verify %.2f s, diff %.2f s (%.2fx), export-hf "
+              "%.2f s (%.2fx), reshard %.2f s (%.2fx)\n",
+              verify, diff, diff / verify, exported, exported / verify, resharded,
+              resharded / verify);
 }
 
 }  // namespace

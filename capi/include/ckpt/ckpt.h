@@ -25,9 +25,9 @@
 extern "C" {
 #endif
 
-/* Versions only add (2: ckpt_store_open_with): a library serves callers of its version or an
- * older one. */
-#define CKPT_ABI_VERSION 2
+/* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact): a
+ * library serves callers of its version or an older one. */
+#define CKPT_ABI_VERSION 3
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -195,6 +195,11 @@ CKPT_C_EXPORT void ckpt_pending_save_destroy(ckpt_pending_save* save);
  * and *loaded_step (may be NULL) the step. On failure the state is as before, or poisoned. */
 CKPT_C_EXPORT int ckpt_checkpointer_load(ckpt_checkpointer* ckpt, int has_step, uint64_t step,
                            ckpt_blobs** blobs, uint64_t* loaded_step);
+/* Collective (ABI 3). LATEST, or while a step fails on damage each older one, newest first
+ * (C++ Checkpointer::LoadNewestIntact): *blobs and *loaded_step as ckpt_checkpointer_load;
+ * *skipped (may be NULL) is set to the number of newer steps passed over. */
+CKPT_C_EXPORT int ckpt_checkpointer_load_newest_intact(ckpt_checkpointer* ckpt, ckpt_blobs** blobs,
+                                                       uint64_t* loaded_step, uint64_t* skipped);
 /* Collective. Model-only load from a .safetensors file, an HF directory or a ckpt root ("" for
  * this store); `n` rename rules (RE2 pattern -> replacement, in order). */
 CKPT_C_EXPORT int ckpt_checkpointer_load_model(ckpt_checkpointer* ckpt, const char* source,

@@ -48,8 +48,16 @@ class CheckpointReader {
   // Reads a whole blob. kNotFound if rank `rank` stored no blob `name`.
   absl::StatusOr<std::string> ReadBlob(absl::string_view name, uint32_t rank = 0) const;
 
+  // Raw bytes decompressed so far by this reader. A compressed chunk read in parts (diff,
+  // export-hf and reshard read in bounded batches) is decoded once and kept until another
+  // compressed chunk is read in part: memory for one decoded chunk (at most
+  // formats::kMaxChunkBytes), and a chunk that decompresses to 1 GiB from a few kilobytes
+  // costs one decode, not one per batch.
+  uint64_t decoded_bytes() const;
+
  private:
   struct ChunkRead;
+  struct DecodeCache;
   CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
   absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
   // Checks and delivers one chunk whose whole extent is `bytes`.
@@ -60,6 +68,7 @@ class CheckpointReader {
   Env* const env_;
   formats::Manifest manifest_;
   std::vector<std::unique_ptr<RandomAccessFile>> files_;  // Parallel to manifest_.files.
+  std::unique_ptr<DecodeCache> cache_;
 };
 
 }  // namespace ckpt

@@ -35,6 +35,9 @@ absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& 
 absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root);
 // The name of `step`'s directory below a root ("step-00001200").
 std::string StepDirectoryName(uint64_t step);
+// True when directory `root` holds what only a store holds: LATEST, LOCK or an entry named like
+// a step directory. IO errors of listing it as they come.
+absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root);
 // The committed steps `policy` retires when LATEST names `latest`, of `steps` (ascending):
 // steps above LATEST are not committed and neither count nor go; LATEST always stays.
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& steps,

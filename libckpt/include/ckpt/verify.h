@@ -28,6 +28,9 @@ struct StepVerifyReport {
   uint64_t bytes_checked = 0;
   uint64_t chunks_checked = 0;
   std::vector<VerifyProblem> problems;
+  // The step directory was gone by the end of its check (retention removed it, or an operator
+  // did): what went missing meanwhile is not damage, and problems is empty.
+  bool removed = false;
 };
 
 struct StoreVerifyReport {
@@ -47,7 +50,9 @@ absl::StatusOr<StepVerifyReport> VerifyStepDir(Env* env, const std::string& dir,
                                                const VerifyProgress& progress = nullptr);
 
 // Verifies LATEST and the steps chosen: `step` when given, every step when `all`, else the step
-// LATEST names. kNotFound when `root` or the chosen step does not exist.
+// LATEST names. A step whose directory is gone once its check ends (a concurrent gc or a
+// commit's retention) is reported `removed`, not damaged. kNotFound when `root` or the chosen
+// step does not exist.
 absl::StatusOr<StoreVerifyReport> VerifyStore(Env* env, const std::string& root,
                                               std::optional<uint64_t> step, bool all,
                                               const VerifyProgress& progress = nullptr);

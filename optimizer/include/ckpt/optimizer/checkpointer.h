@@ -41,6 +41,8 @@ struct LoadReport {
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
   formats::DType saved_moment_dtype = formats::DType::kF32;
+  // LoadNewestIntact: the newer steps passed over, each with why ("step 30: ...").
+  std::vector<std::string> skipped;
 };
 
 // A rename rule of a model-only load: the first match of `pattern` (RE2 syntax, e.g.
@@ -168,7 +170,16 @@ class Checkpointer {
   // names, listed; shapes, dtypes, coverage, hyper-parameters, damaged manifest) touch nothing
   // and write nothing. `blobs` receives this rank's trainer blobs (or rank 0's when the
   // checkpoint has fewer ranks); it is unchanged on failure.
+  // A load that fails on damage (kDataLoss: a chunk that fails its checksum, a damaged
+  // MANIFEST) names the step and says how to go on: LoadNewestIntact, or `ckpt-tool quarantine
+  // ROOT STEP`.
   absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
+  // Collective. Load(LATEST), and while that fails on damage (kDataLoss, or kNotFound for a
+  // step whose files are gone), each older committed step in turn, newest first, each a whole
+  // transaction that rolled back: the explicit fallback to the newest step that loads intact.
+  // LoadReport::skipped names each step passed over and why. Other errors end it at once;
+  // kDataLoss when no step loads (the state is then as before the call).
+  absl::StatusOr<LoadReport> LoadNewestIntact(Blobs* blobs = nullptr);
 
   // Collective. Model-only load (DESIGN.md §6): replaces the model under a running optimizer.
   // `source` is a .safetensors file, a HuggingFace model directory (model.safetensors, or
@@ -207,6 +218,8 @@ class Checkpointer {
                                                              absl::string_view what);
   absl::Status FinalizeAsync(PendingSave& handle);
   absl::Status Preflight(const CheckpointReader& reader) const;
+  // Load without the how-to-go-on annotation (Load and LoadNewestIntact share it).
+  absl::StatusOr<LoadReport> LoadStep(std::optional<uint64_t> step, Blobs* blobs);
   // Load's steps 2 to 5 once the preflight has been voted: fixes the undo source (never
   // `exclude`, the step being read), runs `apply` under kLoading, votes, and restores or
   // poisons on failure. `what` names the load in a poison reason.
