@@ -27,7 +27,7 @@ struct GcOutcome {
 absl::StatusOr<GcOutcome> DryRun(const GcArgs& args, const std::string& root) {
   GcOutcome out;
   CKPT_ASSIGN_OR_RETURN(RecoveryPlan plan, PlanRecovery(Env::Default(), root));
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(Env::Default(), root));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, RetainableSteps(Env::Default(), root));
   std::vector<uint64_t> left;
   for (uint64_t step : steps) {
     bool goes = false;

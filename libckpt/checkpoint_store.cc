@@ -69,6 +69,17 @@ absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
   return false;
 }
 
+absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::string& root) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
+  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env->Stat(root));
+  std::vector<uint64_t> own;
+  for (uint64_t step : steps) {
+    CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(JoinPath(root, StepDirName(step))));
+    if (info.type == FileInfo::Type::kDirectory && info.SameMountAs(root_info)) own.push_back(step);
+  }
+  return own;
+}
+
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& all, std::optional<uint64_t> latest,
                                    const RetentionPolicy& policy) {
   if (policy.keep_last == 0 || !latest.has_value()) return {};
@@ -180,9 +191,9 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
   if (coordinator->rank() == 0) {
     absl::Status s;
     std::lock_guard<std::mutex> lock(mu_);
-    if (!options_.primary || options_.read_only) {
+    if (!options_.primary || options_.read_only || options_.skip_recovery) {
       s = absl::FailedPreconditionError(
-          "rank 0 must save through the primary, writable store handle");
+          "rank 0 must save through the primary, writable store handle (that recovered)");
     } else if (save_in_flight_) {
       s = absl::FailedPreconditionError(absl::StrCat(root_, ": another save is in flight"));
     } else if (latest_uncertain_.has_value()) {
@@ -280,11 +291,11 @@ absl::StatusOr<std::string> CheckpointStore::QuarantineStep(uint64_t step) {
   CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("quarantining step ", step)));
   const std::string name = StepDirName(step);
   CKPT_RETURN_IF_ERROR(env_->Stat(JoinPath(root_, name)).status());
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
   // The step LATEST falls back to is chosen first, so that a failure leaves both in place.
   std::optional<uint64_t> fallback;
   if (latest_step() == step) {
-    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> own, RetainableSteps(env_, root_));
+    for (auto it = own.rbegin(); it != own.rend(); ++it) {
       if (*it < step && OpenStep(*it).ok()) {
         fallback = *it;
         break;
@@ -369,8 +380,9 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const Rete
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPolicy& policy,
                                                               bool dry_run, bool background) {
-  if (!dry_run && (!options_.primary || options_.read_only)) {
-    return absl::FailedPreconditionError("retention needs the primary, writable store handle");
+  if (!dry_run && (!options_.primary || options_.read_only || options_.skip_recovery)) {
+    return absl::FailedPreconditionError(
+        "retention needs the primary, writable store handle (that recovered)");
   }
   std::optional<uint64_t> latest;
   {
@@ -380,15 +392,7 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPol
     }
     latest = latest_;
   }
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps());
-  // Only step directories of the root's own mount are ever retired: a link or a mount point
-  // under a step's name is not something this store created.
-  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env_->Stat(root_));
-  std::vector<uint64_t> own;
-  for (uint64_t step : steps) {
-    CKPT_ASSIGN_OR_RETURN(FileInfo info, env_->Stat(JoinPath(root_, StepDirName(step))));
-    if (info.type == FileInfo::Type::kDirectory && info.SameMountAs(root_info)) own.push_back(step);
-  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> own, RetainableSteps(env_, root_));
   std::vector<uint64_t> doomed = RetiredSteps(own, latest, policy);
   if (dry_run) return doomed;
   if (doomed.empty()) return doomed;

@@ -23,7 +23,8 @@
 // A dry run (ckpt-tool gc --dry-run) prints the plan, which is the list the real run acts on.
 // Every action is idempotent, so a crash during recovery is repaired by the next Open.
 // 1. (Open) Take the LOCK, an OS lock on an open descriptor of LOCK and of the root itself.
-// 2. Garbage names (.staging-*, .deleting-*, .undo-* directories, LATEST.tmp):
+// 2. Garbage names (.staging-*, .deleting-*, .undo-* directories, LATEST.tmp); an entry
+//    recovery cannot judge (an unreadable file in it, an IO error) is kept and reported:
 //    a. not the kind of entry ckpt makes there (a file or link under a directory's name, a
 //       directory or link under LATEST.tmp): kept, reported; it is not ours;
 //    b. a mount point: kept, reported; recovery never enters another mount;
@@ -41,8 +42,10 @@
 //       makes it LATEST; the next save of that step number moves it into quarantine/ first);
 //       damaged, or not a directory: quarantined; unknown or a mount point: kept, reported.
 //    c. Either is damaged (or LATEST is missing while steps exist): go to 4.
-// 4. Fall back. Walk the steps from the newest down, skipping mount points (kept: never a
-//    candidate). The first good one, T, becomes LATEST. A damaged step is passed over; an
+// 4. Fall back. When a readable LATEST named a damaged step S, the steps above S were never
+//    published and are judged as in 3b (LATEST never moves forward to a step it did not name);
+//    the walk starts at S. Otherwise (LATEST missing or damaged) it starts at the newest step.
+//    Walk the steps down, skipping mount points (kept: never a candidate). The first good one, T, becomes LATEST. A damaged step is passed over; an
 //    unknown one newer than T refuses as in 3a, since it may be the step LATEST should name.
 //    With no good step at all: refuse (kDataLoss naming every step and why), changing nothing:
 //    a store that lost every step never presents itself as empty; `ckpt-tool quarantine ROOT
@@ -242,10 +245,23 @@ absl::StatusOr<RecoveryAction> JudgeUnpublished(Env* env, const std::string& roo
 }
 
 // Step 4.
+// `named`: the step a readable LATEST names (damaged): only steps up to it are candidates, and
+// the ones above it were never published and are judged as in step 3b (LATEST never moves
+// forward to a step it did not name). Without it (LATEST missing or damaged) every step is.
 absl::Status FallBack(Env* env, const std::string& root, const FileInfo& root_info,
-                      RecoveryPlan& plan) {
+                      RecoveryPlan& plan, std::optional<uint64_t> named = std::nullopt) {
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
   std::vector<std::string> damage;
+  std::vector<RecoveryAction> above;
+  if (named.has_value()) {
+    while (!steps.empty() && steps.back() > *named) {
+      CKPT_ASSIGN_OR_RETURN(RecoveryAction action,
+                            JudgeUnpublished(env, root, root_info, steps.back(), *named));
+      above.insert(above.begin(), std::move(action));
+      steps.pop_back();
+    }
+  }
+  plan.actions.insert(plan.actions.end(), above.begin(), above.end());
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const std::string name = internal::StepDirName(*it);
     absl::StatusOr<FileInfo> info = env->Stat(JoinPath(root, name));
@@ -308,8 +324,15 @@ absl::StatusOr<RecoveryPlan> PlanRecovery(Env* env, const std::string& root) {
   // Step 2.
   for (const std::string& name : names) {
     if (!internal::IsGarbageName(name)) continue;
-    CKPT_ASSIGN_OR_RETURN(RecoveryAction action, JudgeGarbage(env, root, root_info, name));
-    plan.actions.push_back(std::move(action));
+    absl::StatusOr<RecoveryAction> action = JudgeGarbage(env, root, root_info, name);
+    if (!action.ok()) {
+      // What recovery cannot judge stays where it is (a user's unreadable file, an IO error).
+      action = RecoveryAction{Kind::kKeep, name,
+                              absl::StrCat("cannot tell whether it is ckpt's own: ",
+                                           action.status().message()),
+                              std::nullopt};
+    }
+    plan.actions.push_back(*std::move(action));
   }
   // Step 3.
   absl::StatusOr<std::optional<uint64_t>> named = ReadLatest(env, root);
@@ -340,7 +363,7 @@ absl::StatusOr<RecoveryPlan> PlanRecovery(Env* env, const std::string& root) {
           opened);
     case Verdict::kDamaged:
       plan.latest_problem = absl::StrCat("LATEST names step ", step, ": ", opened.message());
-      CKPT_RETURN_IF_ERROR(FallBack(env, root, root_info, plan));
+      CKPT_RETURN_IF_ERROR(FallBack(env, root, root_info, plan, step));
       return plan;
     case Verdict::kGood:
       break;

@@ -596,27 +596,57 @@ void Checkpointer::RemoveSpill(Undo& undo) {
   undo.spill_dir.clear();
 }
 
+namespace {
+
+// True when every byte of `bytes` is zero; word by word, which the compiler vectorises.
+bool AllZero(std::span<const std::byte> bytes) {
+  const size_t words = bytes.size() / 8;
+  constexpr size_t kBlock = 1 << 12;  // Words per block: an early exit without a branch per word.
+  for (size_t at = 0; at < words; at += kBlock) {
+    uint64_t any = 0;
+    const size_t end = std::min(words, at + kBlock);
+    for (size_t i = at; i < end; ++i) {
+      uint64_t w;
+      std::memcpy(&w, bytes.data() + 8 * i, 8);
+      any |= w;
+    }
+    if (any != 0) return false;
+  }
+  for (size_t i = words * 8; i < bytes.size(); ++i) {
+    if (bytes[i] != std::byte{0}) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 bool Checkpointer::StateIsDerivable() const {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return false;
   }
-  for (std::span<const std::byte> moment :
-       {optimizer_->exp_avg_bytes(), optimizer_->exp_avg_sq_bytes()}) {
-    for (std::byte b : moment) {
-      if (b != std::byte{0}) return false;
-    }
+  // Moments never written are zero without a read (which would fault in every page of them).
+  if (!optimizer_->moments_untouched() &&
+      (!AllZero(optimizer_->exp_avg_bytes()) || !AllZero(optimizer_->exp_avg_sq_bytes()))) {
+    return false;
   }
   const std::span<const float> master = optimizer_->master();
   const DType model = optimizer_->model_dtype();
   if (model == DType::kF32) {
     return std::memcmp(master.data(), weights_.data(), master.size() * 4) == 0;
   }
-  for (uint64_t i = 0; i < master.size(); ++i) {
-    uint16_t h;
-    std::memcpy(&h, weights_.data() + 2 * i, 2);
-    const float widened =
-        model == DType::kBF16 ? formats::Bf16ToFloat(h) : formats::HalfToFloat(h);
-    if (formats::FloatBits(widened) != formats::FloatBits(master[i])) return false;
+  constexpr size_t kBlock = 1 << 14;
+  for (size_t at = 0; at < master.size(); at += kBlock) {
+    uint32_t differ = 0;
+    const size_t end = std::min(master.size(), at + kBlock);
+    for (size_t i = at; i < end; ++i) {
+      uint16_t h;
+      std::memcpy(&h, weights_.data() + 2 * i, 2);
+      const uint32_t widened = model == DType::kBF16
+                                   ? static_cast<uint32_t>(h) << 16
+                                   : formats::FloatBits(formats::HalfToFloat(h));
+      differ |= widened ^ formats::FloatBits(master[i]);
+    }
+    if (differ != 0) return false;
   }
   return true;
 }
@@ -728,6 +758,11 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   }
   // Step 5.
   remove_spill();
+  if (!restored.ok()) {
+    // Not the apply's code: the state is not as before, and no caller may go on as if it were.
+    return absl::FailedPreconditionError(
+        absl::StrCat("the optimizer is poisoned: ", optimizer_->poison_reason_));
+  }
   return voted;
 }
 
@@ -742,11 +777,14 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
 
 absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  // LATEST as rank 0 reads it; a damaged LATEST (a read-only handle runs no recovery) leaves
+  // every step a candidate.
+  absl::StatusOr<uint64_t> latest = AgreeOnLatest(store_->env(), store_->root());
+  if (!latest.ok() && !absl::IsDataLoss(latest.status())) return latest.status();
   // The candidates as rank 0 lists them, so that every rank walks the same steps.
-  CKPT_ASSIGN_OR_RETURN(uint64_t latest, AgreeOnLatest(store_->env(), store_->root()));
   std::string listed;
   if (coordinator_->rank() == 0) {
-    absl::StatusOr<std::vector<uint64_t>> steps = store_->ListSteps();
+    absl::StatusOr<std::vector<uint64_t>> steps = RetainableSteps(store_->env(), store_->root());
     listed = steps.ok() ? absl::StrCat("ok ", absl::StrJoin(*steps, " "))
                         : EncodeStatus(steps.status());
   }
@@ -756,27 +794,52 @@ absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
     absl::Status why = DecodeStatus(listed);
     return why.ok() ? absl::InternalError("malformed step list from rank 0") : why;
   }
-  std::vector<uint64_t> candidates = {latest};
+  std::vector<uint64_t> candidates;
+  if (latest.ok()) candidates.push_back(*latest);
   std::vector<uint64_t> older;
   for (absl::string_view token : absl::StrSplit(view, ' ', absl::SkipEmpty())) {
     uint64_t s = 0;
     if (!absl::SimpleAtoi(token, &s)) return absl::InternalError("malformed step list from rank 0");
-    if (s < latest) older.push_back(s);
+    if (!latest.ok() || s < *latest) older.push_back(s);
   }
   candidates.insert(candidates.end(), older.rbegin(), older.rend());
   std::vector<std::string> skipped;
+  std::vector<uint64_t> skipped_steps;
   for (uint64_t step : candidates) {
     absl::StatusOr<LoadReport> r = LoadStep(step, blobs);
     if (r.ok()) {
+      SetAsideSkipped(skipped_steps, skipped);
       r->skipped = std::move(skipped);
       return r;
     }
-    if (!absl::IsDataLoss(r.status()) && !absl::IsNotFound(r.status())) return r.status();
+    // Only damage passes over a step (a poisoned optimizer, a refusal or an IO error ends it).
+    if (!absl::IsDataLoss(r.status())) return r.status();
     skipped.push_back(absl::StrCat("step ", step, ": ", r.status().message()));
+    skipped_steps.push_back(step);
   }
   return absl::DataLossError(absl::StrCat(store_->root(), ": no step loads intact (",
                                           absl::StrJoin(skipped, "; "),
                                           "); the state is as before the call"));
+}
+
+void Checkpointer::SetAsideSkipped(const std::vector<uint64_t>& steps,
+                                   std::vector<std::string>& skipped) {
+  // Rank 0's primary, writable handle moves the damaged steps it passed over into quarantine/
+  // (newest first, so that LATEST falls back onto the step loaded): the next save then need
+  // not be newer than a damaged step, and nothing is deleted. Elsewhere they stay, said so.
+  const bool writable = store_->options().primary && !store_->options().read_only;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (coordinator_->rank() != 0) continue;
+    if (!writable) {
+      absl::StrAppend(&skipped[i], " (left in place: a read-only handle; ckpt-tool quarantine "
+                                   "ROOT STEP sets it aside)");
+      continue;
+    }
+    absl::StatusOr<std::string> moved = store_->QuarantineStep(steps[i]);
+    absl::StrAppend(&skipped[i], moved.ok() ? absl::StrCat(" (moved into ", *moved, ")")
+                                            : absl::StrCat(" (could not be set aside: ",
+                                                           moved.status().message(), ")"));
+  }
 }
 
 absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, Blobs* blobs) {

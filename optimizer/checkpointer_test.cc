@@ -225,7 +225,12 @@ TEST_F(CheckpointerTest, ADamagedLatestSaysHowToGoOnAndLoadNewestIntactFallsBack
   EXPECT_EQ(reports[0].step, 1u);
   ASSERT_EQ(reports[0].skipped.size(), 1u);
   EXPECT_THAT(reports[0].skipped[0], ::testing::StartsWith("step 2: "));
+  EXPECT_THAT(reports[0].skipped[0], ::testing::HasSubstr("moved into quarantine/step-00000002-"));
   EXPECT_TRUE(fresh.Gather() == at_one);
+  // The damaged step is set aside (not deleted), LATEST names the loaded one: training goes on
+  // and saves step 2 again.
+  fresh.Step(1);
+  ExpectAllOk(fresh.Save(2));
 }
 
 TEST_F(CheckpointerTest, FailedApplyRollsBackFromTheCheckpointTheStateCameFrom) {
@@ -280,7 +285,7 @@ TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
   // Every rank's spill is a private single-rank store saved as its step 1: its data file opens
   // once when the undo source is fixed, then fails when the rollback opens it again.
   env_.FailReadOpens("step-00000001/rank-00000.data", EIO, /*skip=*/2);
-  ExpectAll(job.Load(6), absl::StatusCode::kDataLoss);
+  ExpectAll(job.Load(6), absl::StatusCode::kFailedPrecondition);  // Poisoned, not "as before".
   env_.Disarm();
   for (int r = 0; r < 2; ++r) {
     StagedAdamW& opt = *job.rank(r).opt;

@@ -216,6 +216,7 @@ void StagedAdamW::RestoreGroups(const std::vector<ParamGroup>& groups) {
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   CKPT_RETURN_IF_ERROR(CheckClean("step"));
   ++state_version_;
+  moments_untouched_ = false;
   if (!SupportedFloat(args.grad_dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
@@ -321,10 +322,12 @@ std::span<float> StagedAdamW::mutable_master() {
 }
 std::span<std::byte> StagedAdamW::mutable_exp_avg_bytes() {
   ++state_version_;
+  moments_untouched_ = false;
   return {slabs_->exp_avg.data(), size_ * moment_bytes()};
 }
 std::span<std::byte> StagedAdamW::mutable_exp_avg_sq_bytes() {
   ++state_version_;
+  moments_untouched_ = false;
   return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
 }
 

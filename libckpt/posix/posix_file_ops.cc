@@ -141,7 +141,21 @@ absl::StatusOr<FileInfo> PosixStat(const std::string& path) {
   // it (before 5.8) leaves the bit clear and mount_id 0, so only devices are compared.
   if (::statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT,
               STATX_TYPE | STATX_SIZE | STATX_MNT_ID, &stx) != 0) {
-    return IoError(errno, absl::StrCat("stat ", path));
+    if (errno != ENOSYS && errno != EPERM) return IoError(errno, absl::StrCat("stat ", path));
+    // A seccomp profile that predates statx: lstat, devices only.
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) return IoError(errno, absl::StrCat("stat ", path));
+    FileInfo info;
+    if (S_ISREG(st.st_mode)) {
+      info.type = FileInfo::Type::kRegular;
+      info.size_bytes = static_cast<uint64_t>(st.st_size);
+    } else if (S_ISDIR(st.st_mode)) {
+      info.type = FileInfo::Type::kDirectory;
+    } else if (S_ISLNK(st.st_mode)) {
+      info.type = FileInfo::Type::kSymlink;
+    }
+    info.device = static_cast<uint64_t>(st.st_dev);
+    return info;
   }
   FileInfo info;
   const mode_t mode = stx.stx_mode;

@@ -49,21 +49,12 @@ absl::Status StepAll(std::vector<Rank>& job) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
-  if (options.params == 0 || options.ranks < 1) {
-    return absl::InvalidArgumentError("bench ckpt needs parameters and at least one rank");
-  }
+// One optimizer, store handle and Checkpointer per rank over `root`, in its construction state
+// (what a trainer's new process has before it resumes).
+absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, ThreadGroup& group,
+                     std::vector<Rank>& job) {
   const int n = options.ranks;
-  CkptFigures fig;
-  fig.state_bytes = options.params * 14;
-  CKPT_ASSIGN_OR_RETURN(fig.write_bound_gbps,
-                        RawWriteBoundGbps(nullptr, options.dir, fig.state_bytes));
-  const std::string root = JoinPath(options.dir, "ckpt-bench-optimizer");
-  RemoveRecursively(Env::Default(), root).IgnoreError();  // Best effort: a previous run's.
-  ThreadGroup group(n);
-  std::vector<Rank> job(static_cast<size_t>(n));
+  job = std::vector<Rank>(static_cast<size_t>(n));
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int r = 0; r < n; ++r) {
     Rank& rank = job[static_cast<size_t>(r)];
@@ -96,12 +87,39 @@ absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
     CKPT_RETURN_IF_ERROR(ckpt.status());
     rank.ckpt = *std::move(ckpt);
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
+  if (options.params == 0 || options.ranks < 1) {
+    return absl::InvalidArgumentError("bench ckpt needs parameters and at least one rank");
+  }
+  const int n = options.ranks;
+  CkptFigures fig;
+  fig.state_bytes = options.params * 14;
+  CKPT_ASSIGN_OR_RETURN(fig.write_bound_gbps,
+                        RawWriteBoundGbps(nullptr, options.dir, fig.state_bytes));
+  const std::string root = JoinPath(options.dir, "ckpt-bench-optimizer");
+  RemoveRecursively(Env::Default(), root).IgnoreError();  // Best effort: a previous run's.
+  ThreadGroup group(n);
+  std::vector<Rank> job;
+  CKPT_RETURN_IF_ERROR(MakeJob(options, root, group, job));
   CKPT_RETURN_IF_ERROR(StepAll(job));  // Slabs touched and the moments non-zero.
   auto save = [&](uint64_t step) {
     return Timed(n, [&](int r) { return job[static_cast<size_t>(r)].ckpt->Save(step); });
   };
   auto load = [&](uint64_t step) {
     return Timed(n, [&](int r) { return job[static_cast<size_t>(r)].ckpt->Load(step).status(); });
+  };
+  // What undo source a load used, from its report (every rank's is the same).
+  auto load_reporting = [&](uint64_t step, optimizer::LoadReport* report) {
+    return Timed(n, [&](int r) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(optimizer::LoadReport got, job[static_cast<size_t>(r)].ckpt->Load(step));
+      if (r == 0) *report = got;
+      return absl::OkStatus();
+    });
   };
   const double bytes = static_cast<double>(fig.state_bytes);
   CKPT_ASSIGN_OR_RETURN(const double save_s, save(1));
@@ -110,12 +128,23 @@ absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
   CKPT_ASSIGN_OR_RETURN(const double load_s, load(1));
   fig.load_gbps = bytes / load_s / 1e9;
   CKPT_RETURN_IF_ERROR(StepAll(job));  // The state moves on: the next load must spill.
-  CKPT_ASSIGN_OR_RETURN(const double spill_s, load(1));
+  optimizer::LoadReport spilled;
+  CKPT_ASSIGN_OR_RETURN(const double spill_s, load_reporting(1, &spilled));
+  if (!spilled.undo_spilled) return absl::InternalError("the spill load did not spill");
   fig.load_spill_gbps = bytes / spill_s / 1e9;
+  const int read_threads = job[0].store->options().read_threads;
+  // A new process: fresh optimizers resume from step 1, their undo re-derived, nothing written.
+  job.clear();  // Handles let go of the root.
+  CKPT_RETURN_IF_ERROR(MakeJob(options, root, group, job));
+  optimizer::LoadReport fresh;
+  CKPT_ASSIGN_OR_RETURN(const double fresh_s, load_reporting(1, &fresh));
+  if (!fresh.undo_derived) return absl::InternalError("the fresh load spilled");
+  fig.load_fresh_gbps = bytes / fresh_s / 1e9;
   CKPT_ASSIGN_OR_RETURN(fig.read_bound_gbps,
-                        RawReadStepGbps(nullptr, JoinPath(root, StepDirectoryName(1)),
-                                        job[0].store->options().read_threads));
-  job.clear();                                            // Handles let go of the root.
+                        RawReadStepGbps(nullptr, JoinPath(root, StepDirectoryName(1)), read_threads));
+  // A spill writes the state, then the load reads it: its bound is the two in sequence.
+  fig.spill_bound_gbps = 1.0 / (1.0 / fig.write_bound_gbps + 1.0 / fig.read_bound_gbps);
+  job.clear();
   RemoveRecursively(Env::Default(), root).IgnoreError();  // Best effort: bench output.
   return fig;
 }

@@ -261,6 +261,10 @@ def test_a_damaged_latest_falls_back_only_when_asked(tmp_path):
     assert ck.load(fallback=True) == {"at": 1}
     assert ck.loaded_step == 1 and ck.skipped_steps == 1
     assert same(snapshot(model, opt), at_one)
+    assert ck.latest == 1  # The damaged step 2 went into quarantine/: training saves on.
+    assert any(p.name.startswith("step-00000002-") for p in (tmp_path / "root" / "quarantine").iterdir())
+    train(model, opt, 1, first=1)
+    ck.save(2)
 
 
 def test_bad_input_raises_clear_errors(tmp_path):

@@ -180,6 +180,17 @@ std::vector<RecoveryCase> MakeCases() {
                    absl::StatusCode::kOk,
                    {{"step-00000003", Kind::kQuarantine}, {"LATEST", Kind::kSetLatest}},
                    2});
+  cases.push_back({"LatestNamesADamagedStepBelowIntactUnpublishedOnes",
+                   [](const std::string& root, const std::string&) {
+                     SaveUnpublished(root, 5);
+                     fs::resize_file(root + "/step-00000003/rank-00001.data", 4096 + 100);
+                   },
+                   absl::StatusCode::kOk,
+                   {{"step-00000004", Kind::kKeep},
+                    {"step-00000005", Kind::kKeep},
+                    {"step-00000003", Kind::kQuarantine},
+                    {"LATEST", Kind::kSetLatest}},
+                   2});
   cases.push_back({"LatestIsAFifo",
                    [](const std::string& root, const std::string&) {
                      fs::remove(root + "/LATEST");

@@ -38,6 +38,9 @@ std::string StepDirectoryName(uint64_t step);
 // True when directory `root` holds what only a store holds: LATEST, LOCK or an entry named like
 // a step directory. IO errors of listing it as they come.
 absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root);
+// The step directories of `root` that retention may ever retire, ascending: directories on the
+// root's own mount (a link or a mount point under a step's name is not the store's to delete).
+absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::string& root);
 // The committed steps `policy` retires when LATEST names `latest`, of `steps` (ascending):
 // steps above LATEST are not committed and neither count nor go; LATEST always stays.
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& steps,

@@ -174,10 +174,13 @@ class Checkpointer {
   // MANIFEST) names the step and says how to go on: LoadNewestIntact, or `ckpt-tool quarantine
   // ROOT STEP`.
   absl::StatusOr<LoadReport> Load(std::optional<uint64_t> step, Blobs* blobs = nullptr);
-  // Collective. Load(LATEST), and while that fails on damage (kDataLoss, or kNotFound for a
-  // step whose files are gone), each older committed step in turn, newest first, each a whole
-  // transaction that rolled back: the explicit fallback to the newest step that loads intact.
-  // LoadReport::skipped names each step passed over and why. Other errors end it at once;
+  // Collective. Load(LATEST), and while that fails on damage (kDataLoss), each older committed
+  // step in turn, newest first, each a whole transaction that rolled back: the explicit
+  // fallback to the newest step that loads intact (a damaged LATEST file: every step is a
+  // candidate). The damaged steps passed over are moved into quarantine/ by rank 0 on a
+  // primary, writable handle (so the next save need not be newer than them; LATEST then names
+  // the loaded step), and left in place on others; LoadReport::skipped names each and why.
+  // Other errors end it at once (kFailedPrecondition when a rollback failed: poisoned);
   // kDataLoss when no step loads (the state is then as before the call).
   absl::StatusOr<LoadReport> LoadNewestIntact(Blobs* blobs = nullptr);
 
@@ -218,6 +221,9 @@ class Checkpointer {
                                                              absl::string_view what);
   absl::Status FinalizeAsync(PendingSave& handle);
   absl::Status Preflight(const CheckpointReader& reader) const;
+  // LoadNewestIntact's end: the damaged steps passed over go into quarantine/ (rank 0, a
+  // primary writable handle); `skipped` says where each went.
+  void SetAsideSkipped(const std::vector<uint64_t>& steps, std::vector<std::string>& skipped);
   // Load without the how-to-go-on annotation (Load and LoadNewestIntact share it).
   absl::StatusOr<LoadReport> LoadStep(std::optional<uint64_t> step, Blobs* blobs);
   // Load's steps 2 to 5 once the preflight has been voted: fixes the undo source (never

@@ -123,6 +123,9 @@ class StagedAdamW {
   // Checkpointer compares it to tell whether the state still equals what it last saved or
   // loaded, which makes that checkpoint a free undo source for the next load.
   uint64_t state_version() const { return state_version_; }
+  // True while neither moment has been written since Create (no Step, no mutable moment view):
+  // both are then zero without being read (untouched slab pages stay unmapped).
+  bool moments_untouched() const { return moments_untouched_; }
 
   // CUDA engine: drains and frees every slot, stream and event; the slabs stay. Restore makes
   // fresh ones; the next Step is identical to one without a release in between.
@@ -180,6 +183,7 @@ class StagedAdamW {
   internal::UnitFence* fence_ = nullptr;  // Installed by an async save while it writes.
   std::string poison_reason_;
   uint64_t state_version_ = 0;
+  bool moments_untouched_ = true;
 };
 
 }  // namespace ckpt::optimizer

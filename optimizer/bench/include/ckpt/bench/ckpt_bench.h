@@ -28,12 +28,15 @@ struct CkptFigures {
   double write_bound_gbps = 0;  // Best sequential O_DIRECT write of the same bytes.
   double load_gbps = 0;         // Load whose undo source is a committed step (free).
   double load_spill_gbps = 0;   // Load that first spills the state as its undo source.
+  double load_fresh_gbps = 0;   // A new process's resume: fresh optimizers, undo re-derived.
   double read_bound_gbps = 0;   // Raw O_DIRECT read of the loaded step's data files.
+  double spill_bound_gbps = 0;  // The write bound then the read bound, in sequence.
 };
 
 // Saves step 1 and step 2 through one Checkpointer per rank, loads step 1 (undo source: step 2,
-// free), steps once and loads step 1 again (undo source: a spill), and measures the bounds in
-// the same directory. kInvalidArgument for no parameters or ranks; errors of the optimizer and
+// free), steps once and loads step 1 again (undo source: a spill), then loads step 1 into
+// fresh optimizers as a new process would (undo re-derived, nothing written), and measures the
+// bounds in the same directory. kInvalidArgument for no parameters or ranks; errors of the optimizer and
 // the store as they come. The store is removed afterwards.
 absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options);
 
