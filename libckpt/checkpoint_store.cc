@@ -348,13 +348,14 @@ void CheckpointStore::OnSaveEnded() {
   save_in_flight_ = false;
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint64_t step) const {
-  StoreOptions options = options_;
-  options.env = env_;
-  const std::string dir = JoinPath(root_, StepDirName(step));
-  absl::StatusOr<bool> is_dir = env_->IsDirectory(dir);
+absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStepOf(const std::string& root,
+                                                             uint64_t step,
+                                                             const StoreOptions& options) {
+  Env* env = options.env != nullptr ? options.env : Env::Default();
+  const std::string dir = JoinPath(root, StepDirName(step));
+  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
   if (absl::IsNotFound(is_dir.status())) {
-    return absl::NotFoundError(absl::StrCat(root_, ": no step ", step));
+    return absl::NotFoundError(absl::StrCat(root, ": no step ", step));
   }
   CKPT_RETURN_IF_ERROR(is_dir.status());
   if (!*is_dir) {
@@ -365,6 +366,12 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint
                      "puts under a step's name"));
   }
   return CheckpointReader::Open(dir, options);
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint64_t step) const {
+  StoreOptions options = options_;
+  options.env = env_;
+  return OpenStepOf(root_, step, options);
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest() const {

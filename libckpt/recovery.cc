@@ -192,21 +192,9 @@ absl::StatusOr<RecoveryAction> JudgeGarbage(Env* env, const std::string& root,
 }
 
 absl::Status JudgeStep(Env* env, const std::string& root, uint64_t step) {
-  const std::string dir = JoinPath(root, internal::StepDirName(step));
-  absl::StatusOr<bool> is_dir = env->IsDirectory(dir);
-  if (absl::IsNotFound(is_dir.status())) {
-    return absl::NotFoundError(absl::StrCat(root, ": no step ", step));
-  }
-  CKPT_RETURN_IF_ERROR(is_dir.status());
-  if (!*is_dir) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(dir,
-                     ": is not a directory (a symbolic link or a file), which ckpt never "
-                     "puts under a step's name"));
-  }
   StoreOptions options;
   options.env = env;
-  return CheckpointReader::Open(dir, options).status();
+  return OpenStepOf(root, step, options).status();
 }
 
 // Step 3b: one entry named like a step, newer than a good LATEST.

@@ -33,6 +33,12 @@ absl::StatusOr<std::optional<uint64_t>> ReadLatest(Env* env, const std::string& 
 // The steps that have an entry named like a step directory in `root`, ascending. Whether each
 // is a directory, or verifies, is not checked.
 absl::StatusOr<std::vector<uint64_t>> ListStepDirs(Env* env, const std::string& root);
+// Opens committed step `step` of `root` for reading, as CheckpointStore::OpenStep does (with
+// `options`' env, direct IO and read threads): kNotFound if there is none, kFailedPrecondition
+// for a link or file under the step's name, the reader's errors otherwise.
+absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStepOf(const std::string& root,
+                                                             uint64_t step,
+                                                             const StoreOptions& options);
 // The name of `step`'s directory below a root ("step-00001200").
 std::string StepDirectoryName(uint64_t step);
 // True when directory `root` holds what only a store holds: LATEST, LOCK or an entry named like
