@@ -17,11 +17,13 @@
 
 #include <zstd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::formats {
 namespace {
@@ -142,6 +144,96 @@ absl::Status DecodeChunkPayload(Codec codec, std::span<const std::byte> stored,
         ZSTD_isError(n) ? absl::StrCat(" (", ZSTD_getErrorName(n), ")") : std::string()));
   }
   return absl::OkStatus();
+}
+
+struct ZstdPayloadStream::Context {
+  ZSTD_DCtx* dctx = nullptr;
+  ~Context() { ZSTD_freeDCtx(dctx); }
+};
+
+ZstdPayloadStream::ZstdPayloadStream(uint64_t raw_bytes, std::string file, uint64_t offset)
+    : raw_bytes_(raw_bytes), file_(std::move(file)), offset_(offset),
+      ctx_(std::make_unique<Context>()) {}
+
+ZstdPayloadStream::~ZstdPayloadStream() = default;
+
+absl::StatusOr<std::unique_ptr<ZstdPayloadStream>> ZstdPayloadStream::Create(uint64_t raw_bytes,
+                                                                             std::string file,
+                                                                             uint64_t offset) {
+  std::unique_ptr<ZstdPayloadStream> s(new ZstdPayloadStream(raw_bytes, std::move(file), offset));
+  s->ctx_->dctx = ZSTD_createDCtx();
+  if (s->ctx_->dctx == nullptr) return absl::InternalError("zstd: cannot create a context");
+  return s;
+}
+
+absl::Status ZstdPayloadStream::Fill(std::span<const std::byte> stored, std::span<std::byte> out) {
+  auto damaged = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat(file_, ": zstd chunk at offset ", offset_,
+                                            " does not decode to ", raw_bytes_, " bytes (", why,
+                                            " at raw byte ", position_, ")"));
+  };
+  if (consumed_ > stored.size()) return damaged("the payload shrank");
+  ZSTD_inBuffer in{stored.data(), stored.size(), consumed_};
+  ZSTD_outBuffer o{out.data(), out.size(), 0};
+  while (o.pos < o.size) {
+    if (frame_done_) return damaged("it ends early");
+    const size_t before_in = in.pos, before_out = o.pos;
+    const size_t r = ZSTD_decompressStream(ctx_->dctx, &o, &in);
+    if (ZSTD_isError(r)) return damaged(ZSTD_getErrorName(r));
+    frame_done_ = r == 0;
+    if (in.pos == before_in && o.pos == before_out && !frame_done_) {
+      return damaged("it is truncated");
+    }
+  }
+  consumed_ = in.pos;
+  position_ += o.pos;
+  if (position_ == raw_bytes_ && !frame_done_) {
+    // Every byte is out; the frame must end here, with nothing after it.
+    std::byte extra[1];
+    ZSTD_outBuffer x{extra, sizeof(extra), 0};
+    const size_t r = ZSTD_decompressStream(ctx_->dctx, &x, &in);
+    if (ZSTD_isError(r)) return damaged(ZSTD_getErrorName(r));
+    if (x.pos != 0 || r != 0) return damaged(x.pos != 0 ? "it holds more" : "it is truncated");
+    frame_done_ = true;
+    consumed_ = in.pos;
+  }
+  if (position_ == raw_bytes_ && consumed_ != stored.size()) {
+    return damaged("bytes follow its frame");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ZstdPayloadStream::Read(std::span<const std::byte> stored, uint64_t raw_offset,
+                                     std::span<std::byte> out) {
+  if (raw_offset < position_ || raw_offset > raw_bytes_ ||
+      out.size() > raw_bytes_ - raw_offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file_, ": zstd chunk at offset ", offset_, ": raw range [", raw_offset,
+                     ", +", out.size(), ") is not ahead of byte ", position_, " within ",
+                     raw_bytes_));
+  }
+  if (raw_offset > position_) {
+    constexpr uint64_t kSkipBytes = 256 << 10;
+    auto scratch = std::make_unique_for_overwrite<std::byte[]>(
+        std::min<uint64_t>(kSkipBytes, raw_offset - position_));
+    while (position_ < raw_offset) {
+      const uint64_t n = std::min<uint64_t>(kSkipBytes, raw_offset - position_);
+      CKPT_RETURN_IF_ERROR(Fill(stored, std::span<std::byte>(scratch.get(), n)));
+    }
+  }
+  return Fill(stored, out);
+}
+
+absl::Status CheckPayloadDecodes(Codec codec, std::span<const std::byte> stored,
+                                 uint64_t raw_bytes, absl::string_view file, uint64_t offset) {
+  if (codec == Codec::kRaw) {
+    if (stored.size() == raw_bytes) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat(file, ": raw chunk at offset ", offset, " holds ",
+                                            stored.size(), " bytes, expected ", raw_bytes));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ZstdPayloadStream> stream,
+                        ZstdPayloadStream::Create(raw_bytes, std::string(file), offset));
+  return stream->Read(stored, raw_bytes, {});
 }
 
 std::string EncodeLatest(uint64_t step) {

@@ -57,6 +57,70 @@ TEST(ChunkTest, ZstdRoundTripsAndRejectsWrongSizes) {
               StatusIs(absl::StatusCode::kDataLoss));
 }
 
+std::string Patterned(size_t n) {
+  std::string raw(n, '\0');
+  for (size_t i = 0; i < n; ++i) raw[i] = static_cast<char>((i * 7) ^ (i >> 9));
+  return raw;
+}
+
+TEST(ChunkTest, ZstdStreamReadsInPartsWhatTheWholeDecodeGives) {
+  const std::string raw = Patterned(1 << 20);
+  auto packed = CompressZstd(AsBytes(raw), 1);
+  CKPT_ASSERT_OK(packed);
+  auto stream = ZstdPayloadStream::Create(raw.size(), "f", 4096);
+  CKPT_ASSERT_OK(stream);
+  // Parts of uneven sizes with gaps between them (skipped, never delivered).
+  std::string got;
+  for (uint64_t at = 0; at < raw.size();) {
+    const uint64_t n = std::min<uint64_t>(1000 + at % 77777, raw.size() - at);
+    std::string part(n, '\0');
+    CKPT_ASSERT_OK((*stream)->Read(AsBytes(*packed), at, std::as_writable_bytes(std::span(part))));
+    EXPECT_EQ(part, raw.substr(at, n)) << at;
+    EXPECT_EQ((*stream)->position(), at + n);
+    at += n + (at % 3 == 0 ? 5000 : 0);
+    at = std::min<uint64_t>(at, raw.size());
+  }
+  // Behind its position: refused, nothing decoded.
+  std::string again(10, '\0');
+  EXPECT_THAT((*stream)->Read(AsBytes(*packed), 0, std::as_writable_bytes(std::span(again))),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(ChunkTest, ZstdStreamRefusesAPayloadOfAnotherSizeOrTruncated) {
+  const std::string raw = Patterned(300000);
+  auto packed = CompressZstd(AsBytes(raw), 1);
+  CKPT_ASSERT_OK(packed);
+  std::string out(raw.size() - 1, '\0');
+  // Decodes to more than claimed: found when the claimed end is reached.
+  auto longer = ZstdPayloadStream::Create(raw.size() - 1, "f", 8192);
+  CKPT_ASSERT_OK(longer);
+  const absl::Status longer_read =
+      (*longer)->Read(AsBytes(*packed), 0, std::as_writable_bytes(std::span(out)));
+  EXPECT_THAT(longer_read, StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(longer_read.message(), ::testing::HasSubstr("offset 8192"));
+  // Truncated payload: the stream runs dry.
+  const std::string cut = packed->substr(0, packed->size() / 2);
+  auto truncated = ZstdPayloadStream::Create(raw.size(), "f", 0);
+  CKPT_ASSERT_OK(truncated);
+  std::string whole(raw.size(), '\0');
+  EXPECT_THAT((*truncated)->Read(AsBytes(cut), 0, std::as_writable_bytes(std::span(whole))),
+              StatusIs(absl::StatusCode::kDataLoss));
+  // Decodes to less than claimed.
+  auto shorter = ZstdPayloadStream::Create(raw.size() + 1, "f", 0);
+  CKPT_ASSERT_OK(shorter);
+  std::string more(raw.size() + 1, '\0');
+  EXPECT_THAT((*shorter)->Read(AsBytes(*packed), 0, std::as_writable_bytes(std::span(more))),
+              StatusIs(absl::StatusCode::kDataLoss));
+  // The bounded check verify uses agrees.
+  CKPT_EXPECT_OK(CheckPayloadDecodes(Codec::kZstd, AsBytes(*packed), raw.size(), "f", 0));
+  EXPECT_THAT(CheckPayloadDecodes(Codec::kZstd, AsBytes(*packed), raw.size() - 1, "f", 0),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(CheckPayloadDecodes(Codec::kZstd, AsBytes(cut), raw.size(), "f", 0),
+              StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(CheckPayloadDecodes(Codec::kRaw, AsBytes(raw), raw.size() + 1, "f", 0),
+              StatusIs(absl::StatusCode::kDataLoss));
+}
+
 TEST(ChunkTest, LatestRoundTripsAndDetectsDamage) {
   std::string latest = EncodeLatest(42);
   auto step = DecodeLatest(AsBytes(latest), "LATEST");

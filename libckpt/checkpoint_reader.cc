@@ -29,14 +29,38 @@ struct CheckpointReader::ChunkRead {
   std::byte* out;
 };
 
-// The last compressed chunk decoded for a partial read (see decoded_bytes()). Safe for
-// concurrent use: readers hold the decoded bytes by shared_ptr while they copy from them.
+// The zstd streams of the compressed chunks last read in part (see decoded_bytes()). A read
+// takes its chunk's stream out of the table while it decodes (other chunks' reads go on) and
+// puts it back unless it reached the chunk's end; the least recently used stream goes first.
 struct CheckpointReader::DecodeCache {
+  static constexpr size_t kStreams = 4;
+  struct Entry {
+    uint32_t file;
+    uint64_t chunk;
+    std::unique_ptr<formats::ZstdPayloadStream> stream;
+  };
   std::mutex mu;
-  uint32_t file = 0;
-  uint64_t chunk = 0;
-  std::shared_ptr<const std::byte[]> raw;  // Guarded by mu.
+  std::vector<Entry> entries;  // Guarded by mu; most recently used last.
   std::atomic<uint64_t> decoded_bytes{0};
+
+  // The stream of (file, chunk) if it has not passed raw_offset yet.
+  std::unique_ptr<formats::ZstdPayloadStream> Take(uint32_t file, uint64_t chunk,
+                                                   uint64_t raw_offset) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = entries.begin(); it != entries.end(); ++it) {
+      if (it->file != file || it->chunk != chunk) continue;
+      std::unique_ptr<formats::ZstdPayloadStream> s = std::move(it->stream);
+      entries.erase(it);
+      if (s->position() <= raw_offset) return s;
+      return nullptr;  // Behind the read: a fresh stream starts from the chunk's first byte.
+    }
+    return nullptr;
+  }
+  void Put(uint32_t file, uint64_t chunk, std::unique_ptr<formats::ZstdPayloadStream> s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (entries.size() == kStreams) entries.erase(entries.begin());
+    entries.push_back({file, chunk, std::move(s)});
+  }
 };
 
 CheckpointReader::CheckpointReader(std::string dir, const StoreOptions& options, Env* env)
@@ -117,32 +141,24 @@ absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
     std::memcpy(read.out, payload.data() + read.raw_offset, read.length);
     return absl::OkStatus();
   }
-  const bool partial = read.length < c.raw_bytes;
-  if (partial) {
-    std::shared_ptr<const std::byte[]> hit;
-    {
-      std::lock_guard<std::mutex> lock(cache_->mu);
-      if (cache_->raw != nullptr && cache_->file == read.file && cache_->chunk == read.chunk) {
-        hit = cache_->raw;
-      }
-    }
-    if (hit != nullptr) {  // Its stored bytes verified above, as on every read.
-      std::memcpy(read.out, hit.get() + read.raw_offset, read.length);
-      return absl::OkStatus();
-    }
+  if (read.length == c.raw_bytes) {
+    const absl::Status decoded = formats::DecodeChunkPayload(
+        c.codec, payload, std::span<std::byte>(read.out, read.length), path, c.offset);
+    cache_->decoded_bytes += c.raw_bytes;
+    return decoded;
   }
-  // Not zeroed first: the decoder writes every byte (up to 1 GiB of them).
-  std::shared_ptr<std::byte[]> raw = std::make_shared_for_overwrite<std::byte[]>(c.raw_bytes);
-  CKPT_RETURN_IF_ERROR(formats::DecodeChunkPayload(
-      c.codec, payload, std::span<std::byte>(raw.get(), c.raw_bytes), path, c.offset));
-  cache_->decoded_bytes += c.raw_bytes;
-  std::memcpy(read.out, raw.get() + read.raw_offset, read.length);
-  if (partial) {
-    std::lock_guard<std::mutex> lock(cache_->mu);
-    cache_->file = read.file;
-    cache_->chunk = read.chunk;
-    cache_->raw = std::move(raw);
+  // In part: decoded from where this chunk's stream stopped, so reading a chunk in batches
+  // front to back decodes it once. Its stored bytes were verified above, as on every read.
+  std::unique_ptr<formats::ZstdPayloadStream> stream =
+      cache_->Take(read.file, read.chunk, read.raw_offset);
+  if (stream == nullptr) {
+    CKPT_ASSIGN_OR_RETURN(stream, formats::ZstdPayloadStream::Create(c.raw_bytes, path, c.offset));
   }
+  const uint64_t before = stream->position();
+  CKPT_RETURN_IF_ERROR(
+      stream->Read(payload, read.raw_offset, std::span<std::byte>(read.out, read.length)));
+  cache_->decoded_bytes += stream->position() - before;
+  if (stream->position() < c.raw_bytes) cache_->Put(read.file, read.chunk, std::move(stream));
   return absl::OkStatus();
 }
 

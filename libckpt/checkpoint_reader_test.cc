@@ -235,10 +235,16 @@ TEST_F(CheckpointReaderTest, ACompressedChunkReadInBatchesIsDecodedOnce) {
   // Rank 1's chunk of 1000 floats, read 10 elements at a time.
   for (uint64_t begin = 1000; begin < 2000; begin += 10) ExpectWeights(**reader, 5, begin, 10);
   EXPECT_EQ((*reader)->decoded_bytes(), 1000u * 4) << "decoded again for every batch";
-  // A read of another chunk in part replaces the cached one; whole-chunk reads need no cache.
-  ExpectWeights(**reader, 5, 0, 10);
-  ExpectWeights(**reader, 5, 1000, 10);
+  // Two chunks read in part, alternately: each read continues its own chunk's stream.
+  for (uint64_t begin = 0; begin < 1000; begin += 100) {
+    ExpectWeights(**reader, 5, begin, 100);
+    ExpectWeights(**reader, 5, 1000 + begin, 100);
+  }
   EXPECT_EQ((*reader)->decoded_bytes(), 3000u * 4);
+  // A read behind its chunk's stream decodes that chunk again from its start.
+  ExpectWeights(**reader, 5, 1500, 10);
+  ExpectWeights(**reader, 5, 1200, 10);
+  EXPECT_EQ((*reader)->decoded_bytes(), 3000u * 4 + 510 * 4 + 210 * 4);
 }
 
 // A range streamed in several WritePiece calls, each of whole chunks but the last, is recorded

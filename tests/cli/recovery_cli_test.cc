@@ -1,6 +1,7 @@
 // The recovery table through ckpt-tool: for every case, `gc --dry-run` prints exactly the
 // recovery lines the real `gc` then prints (and does); a real bind mount of another store's
 // step is never entered; adopt and quarantine are the operator's ways on.
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -24,8 +25,14 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
+// The tool under test; CKPT_TOOL overrides it (to show that a case fails on an older build).
+std::string Tool() {
+  const char* override_path = std::getenv("CKPT_TOOL");
+  return override_path != nullptr ? override_path : CKPT_TOOL_PATH;
+}
+
 testing::CommandResult RunTool(const std::string& args) {
-  return testing::RunCommand(std::string(CKPT_TOOL_PATH) + " " + args);
+  return testing::RunCommand(Tool() + " " + args);
 }
 
 // The lines of `output` that start with `prefix`, without it.
@@ -85,7 +92,7 @@ TEST(RecoveryCliMountTest, BindMountedStepOfAnotherStoreSurvivesGc) {
   ASSERT_EQ(RunTool("verify " + other).exit_code, 0);
   fs::create_directory(root + "/step-00000009");
   Spit(root + "/LATEST", "garbage");
-  const std::string tool = CKPT_TOOL_PATH;
+  const std::string tool = Tool();
   // A private mount namespace: the mount ends with the shell, whatever happens.
   const testing::CommandResult r = testing::RunCommand(absl::StrCat(
       "unshare -m sh -c 'mount --bind ", other, "/step-00000009 ", root,

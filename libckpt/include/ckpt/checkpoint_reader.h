@@ -49,10 +49,11 @@ class CheckpointReader {
   absl::StatusOr<std::string> ReadBlob(absl::string_view name, uint32_t rank = 0) const;
 
   // Raw bytes decompressed so far by this reader. A compressed chunk read in parts (diff,
-  // export-hf and reshard read in bounded batches) is decoded once and kept until another
-  // compressed chunk is read in part: memory for one decoded chunk (at most
-  // formats::kMaxChunkBytes), and a chunk that decompresses to 1 GiB from a few kilobytes
-  // costs one decode, not one per batch.
+  // export-hf and reshard read in bounded batches) is decoded as a stream that the next read
+  // of the same chunk continues (up to four chunks' streams are kept, each holding zstd's
+  // window, not the decoded chunk): a chunk read front to back costs one decode, whatever the
+  // batch, and one that decompresses to 1 GiB from a few kilobytes never takes 1 GiB of memory.
+  // A read behind its chunk's stream decodes that chunk again from its start.
   uint64_t decoded_bytes() const;
 
  private:

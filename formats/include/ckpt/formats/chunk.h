@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include "absl/strings/string_view.h"
@@ -62,6 +63,51 @@ absl::StatusOr<std::string> CompressZstd(std::span<const std::byte> raw, int lev
 // `offset` when the payload does not decode to exactly out.size() bytes.
 absl::Status DecodeChunkPayload(Codec codec, std::span<const std::byte> stored,
                                 std::span<std::byte> out, absl::string_view file, uint64_t offset);
+
+// Decodes one zstd payload front to back across several calls, so a chunk read in parts (diff,
+// export-hf and reshard read bounded batches) is decoded once, holding only zstd's window (at
+// most 128 MiB; 512 KiB at ckpt's default level), never the whole decoded chunk. Each call is
+// handed the payload again: the same bytes, which the caller has checked against the chunk's
+// checksum; the stream resumes where it stopped. Not thread-safe.
+class ZstdPayloadStream {
+ public:
+  // `raw_bytes` is what the payload must decode to; `file` and `offset` name the chunk in
+  // errors. kInternal if zstd cannot make a context.
+  static absl::StatusOr<std::unique_ptr<ZstdPayloadStream>> Create(uint64_t raw_bytes,
+                                                                   std::string file,
+                                                                   uint64_t offset);
+  ~ZstdPayloadStream();
+  ZstdPayloadStream(const ZstdPayloadStream&) = delete;  // Owns a zstd context.
+  ZstdPayloadStream& operator=(const ZstdPayloadStream&) = delete;
+
+  // Raw bytes decoded so far (delivered or skipped).
+  uint64_t position() const { return position_; }
+  // Decodes raw bytes [raw_offset, raw_offset + out.size()) into `out`, first decoding and
+  // dropping those from position() to raw_offset. kInvalidArgument when raw_offset is behind
+  // position() or the range passes raw_bytes; kDataLoss naming file and offset when the
+  // payload does not decode (at its end: to exactly raw_bytes).
+  absl::Status Read(std::span<const std::byte> stored, uint64_t raw_offset,
+                    std::span<std::byte> out);
+
+ private:
+  struct Context;
+  ZstdPayloadStream(uint64_t raw_bytes, std::string file, uint64_t offset);
+  // Decodes into `out` whole; kDataLoss when the payload ends first.
+  absl::Status Fill(std::span<const std::byte> stored, std::span<std::byte> out);
+
+  const uint64_t raw_bytes_;
+  const std::string file_;
+  const uint64_t offset_;
+  std::unique_ptr<Context> ctx_;
+  uint64_t position_ = 0;  // Raw bytes produced.
+  uint64_t consumed_ = 0;  // Payload bytes zstd has taken.
+  bool frame_done_ = false;
+};
+
+// Checks that a stored payload decodes to exactly raw_bytes, decoding in bounded pieces (what
+// verify needs: the bytes are dropped). kDataLoss naming `file` and `offset` otherwise.
+absl::Status CheckPayloadDecodes(Codec codec, std::span<const std::byte> stored,
+                                 uint64_t raw_bytes, absl::string_view file, uint64_t offset);
 
 // LATEST: names the newest committed step.
 std::string EncodeLatest(uint64_t step);
