@@ -20,10 +20,6 @@
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
 
-#if CKPT_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 struct ckpt_store {
   std::unique_ptr<ckpt::CheckpointStore> store;
 };
@@ -254,25 +250,13 @@ int ckpt_optimizer_step(ckpt_optimizer* o, const void* grads, int grad_dtype, fl
     args.grad_scale = grad_scale;
     args.params = params;
     args.check_finite = check_finite != 0;
-    args.stream = static_cast<CUstream_st*>(stream);
-#if CKPT_HAVE_CUDA
-    // torch's default stream is handle 0: the legacy default stream, by its own name.
-    if (stream == nullptr && o->opt->options().engine == opt::EngineKind::kCuda) {
-      args.stream = static_cast<CUstream_st*>(cudaStreamLegacy);
-    }
-#endif
+    // The C ABI's NULL is torch's stream 0: the legacy default stream, named as such. Step
+    // orders the stream after its writes of `params`.
+    args.stream = stream == nullptr ? opt::CudaStreamView::Legacy()
+                                    : *opt::CudaStreamView::Of(static_cast<CUstream_st*>(stream));
     absl::StatusOr<opt::StepReport> r = o->opt->Step(args);
     if (!r.ok()) return Fail(r.status());
     if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
-#if CKPT_HAVE_CUDA
-    if (args.stream != nullptr && r->done != nullptr) {
-      const cudaError_t e = cudaStreamWaitEvent(static_cast<cudaStream_t>(args.stream), r->done, 0);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return Fail(absl::InternalError(absl::StrCat("cudaStreamWaitEvent: ", cudaGetErrorName(e))));
-      }
-    }
-#endif
     return CKPT_OK;
   });
 }
@@ -304,26 +288,15 @@ int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t
     if (count != o->opt->size()) {
       return Invalid(absl::StrCat("read_state: ", count, " elements asked, the optimizer has ", o->opt->size()));
     }
-    absl::Status synced = o->opt->Synchronize();
-    if (!synced.ok()) return Fail(synced);
-    if (which == CKPT_MASTER) {
-      std::memcpy(out, o->opt->master().data(), count * 4);
-      return CKPT_OK;
+    using State = opt::StagedAdamW::StateTensor;
+    State tensor;
+    switch (which) {
+      case CKPT_MASTER: tensor = State::kMaster; break;
+      case CKPT_EXP_AVG: tensor = State::kExpAvg; break;
+      case CKPT_EXP_AVG_SQ: tensor = State::kExpAvgSq; break;
+      default: return Invalid(absl::StrCat("state tensor ", which));
     }
-    if (which != CKPT_EXP_AVG && which != CKPT_EXP_AVG_SQ) return Invalid(absl::StrCat("state tensor ", which));
-    const std::span<const std::byte> bytes =
-        which == CKPT_EXP_AVG ? o->opt->exp_avg_bytes() : o->opt->exp_avg_sq_bytes();
-    if (o->opt->moment_bytes() == 4) {
-      std::memcpy(out, bytes.data(), count * 4);
-      return CKPT_OK;
-    }
-    for (uint64_t i = 0; i < count; ++i) {
-      uint16_t h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      const uint32_t bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(&out[i], &bits, 4);
-    }
-    return CKPT_OK;
+    return Done(o->opt->CopyStateAsF32(tensor, std::span<float>(out, count)));
   });
 }
 

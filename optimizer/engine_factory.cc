@@ -1,6 +1,5 @@
 // The one place that knows whether CUDA was built in (STYLE.md §7).
 #include "absl/strings/str_cat.h"
-#include "ckpt/bench/adamw_bench.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
 
@@ -21,17 +20,6 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdam
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 #endif
 }
-
-#if !CKPT_HAVE_CUDA
-absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t, int, MomentDType, uint64_t, int) {
-  return absl::UnimplementedError(
-      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
-}
-absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t, float) {
-  return absl::UnimplementedError(
-      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
-}
-#endif
 
 namespace internal {
 

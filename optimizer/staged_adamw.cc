@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/formats/float_convert.h"
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
@@ -296,6 +298,38 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
 absl::Status StagedAdamW::ReleaseDevice() { return engine_->Release(); }
 absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
 absl::Status StagedAdamW::Synchronize() { return engine_->Synchronize(); }
+
+absl::StatusOr<CudaStreamView> CudaStreamView::Of(CUstream_st* stream) {
+  if (stream == nullptr) {
+    return absl::InvalidArgumentError(
+        "a null CUDA stream handle: name the legacy default stream with CudaStreamView::Legacy()");
+  }
+  return CudaStreamView(stream);
+}
+
+absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out) {
+  if (out.size() != size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state copy: ", out.size(), " elements asked, the optimizer has ", size_));
+  }
+  CKPT_RETURN_IF_ERROR(Synchronize());
+  if (which == StateTensor::kMaster) {
+    std::memcpy(out.data(), master().data(), size_ * 4);
+    return absl::OkStatus();
+  }
+  const std::span<const std::byte> bytes =
+      which == StateTensor::kExpAvg ? exp_avg_bytes() : exp_avg_sq_bytes();
+  if (moment_bytes() == 4) {
+    std::memcpy(out.data(), bytes.data(), size_ * 4);
+    return absl::OkStatus();
+  }
+  for (uint64_t i = 0; i < size_; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, 2);
+    out[i] = formats::Bf16ToFloat(h);
+  }
+  return absl::OkStatus();
+}
 uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }
 std::string StagedAdamW::engine_name() const { return engine_->name(); }
 

@@ -58,12 +58,11 @@ class CudaDeviceStep : public DeviceStep {
     args.grad_dtype = formats::DType::kF32;
     args.params = weights_;
     args.check_finite = true;
-    args.stream = reinterpret_cast<CUstream_st*>(stream_);
+    CKPT_ASSIGN_OR_RETURN(args.stream,
+                          optimizer::CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream_)));
+    // The copy out is queued after the step's writes: Step orders stream_ after them.
     CKPT_ASSIGN_OR_RETURN(optimizer::StepReport report, opt.Step(args));
     if (!report.skipped) {
-      CKPT_RETURN_IF_ERROR(
-          CudaOk(cudaStreamWaitEvent(stream_, reinterpret_cast<cudaEvent_t>(report.done), 0),
-                 "wait for the step"));
       CKPT_RETURN_IF_ERROR(CudaOk(cudaMemcpyAsync(weights.data(), weights_, weights.size_bytes(),
                                                   cudaMemcpyDeviceToHost, stream_),
                                   "copy weights out"));

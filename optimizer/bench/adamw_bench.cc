@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
-#include "optimizer/cpu_bounds.h"
+#include "optimizer/bench/cpu_bounds.h"
 #include "optimizer/host_buffer.h"
 
 namespace ckpt::bench {

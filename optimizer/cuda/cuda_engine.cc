@@ -117,11 +117,11 @@ class CudaEngine : public internal::Engine {
                                   uint64_t elements) override {
     if (slots_.empty())
       return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
-    if (args.stream == nullptr) {
+    if (!args.stream.has_value()) {
       return absl::InvalidArgumentError(
           "the CUDA engine needs the caller's stream (StepArgs::stream)");
     }
-    cudaStream_t caller = reinterpret_cast<cudaStream_t>(args.stream);
+    cudaStream_t caller = ToCudaStream(*args.stream);
     StepReport report;
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
     if (args.check_finite && elements > 0) {
@@ -196,6 +196,8 @@ class CudaEngine : public internal::Engine {
     for (Slot& s : slots_)
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    // What the caller queues next (reading the parameters) runs after the step's last write.
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
     report.done = reinterpret_cast<CUevent_st*>(done_.get());
     return report;
   }
@@ -205,14 +207,13 @@ class CudaEngine : public internal::Engine {
     (void)units;  // The count runs over every element at once.
     if (slots_.empty())
       return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
-    if (args.stream == nullptr) {
+    if (!args.stream.has_value()) {
       return absl::InvalidArgumentError(
           "the CUDA engine needs the caller's stream (StepArgs::stream)");
     }
     StepReport report;
     if (elements == 0) return report;
-    CKPT_CUDA_RETURN_IF_ERROR(
-        cudaEventRecord(grads_ready_.get(), reinterpret_cast<cudaStream_t>(args.stream)));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), ToCudaStream(*args.stream)));
     CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, elements));
     report.skipped = report.nonfinite > 0;
     return report;

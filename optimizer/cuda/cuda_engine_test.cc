@@ -91,7 +91,7 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
                 cudaSuccess);
       args.grads = dgrads;
       args.params = dparams;
-      args.stream = reinterpret_cast<CUstream_st*>(stream);
+      args.stream = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
     }
     auto report = (*opt)->Step(args);
     EXPECT_THAT(report, IsOk());
@@ -164,7 +164,7 @@ State RunCudaUnderAsyncSave(const StagedAdamWOptions& o, int steps, uint64_t poo
     EXPECT_EQ(cudaMemcpyAsync(dgrads, gb.data(), gb.size(), cudaMemcpyHostToDevice, stream),
               cudaSuccess);
     StepArgs args{dgrads, DType::kF32, 0.75f, dparams};
-    args.stream = reinterpret_cast<CUstream_st*>(stream);
+    args.stream = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
     auto report = (*opt)->Step(args);
     EXPECT_THAT(report, IsOk());
     EXPECT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0),
@@ -309,12 +309,12 @@ TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
             cudaSuccess);
   ASSERT_EQ(cudaMemcpyAsync(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice, stream), cudaSuccess);
   StepArgs args{dgrads, DType::kF32, 0.75f, dparams};
-  args.stream = reinterpret_cast<CUstream_st*>(stream);
+  args.stream = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
   auto report = (*opt)->Step(args);
   CKPT_ASSERT_OK(report);
   std::vector<std::byte> params(n * 2);
-  ASSERT_EQ(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(report->done), 0),
-            cudaSuccess);
+  // No wait on report->done: Step orders the caller's stream after its writes of the
+  // parameters, so the copy queued next sees them.
   ASSERT_EQ(cudaMemcpyAsync(params.data(), dparams, n * 2, cudaMemcpyDeviceToHost, stream),
             cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -399,7 +399,7 @@ TEST(CudaEngineTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
   StepArgs args{dgrads, DType::kF32, 1.0f, dparams, /*check_finite=*/true};
-  args.stream = reinterpret_cast<CUstream_st*>(stream);
+  args.stream = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
   auto report = (*opt)->Step(args);
   CKPT_ASSERT_OK(report);
   EXPECT_TRUE(report->skipped);
@@ -407,9 +407,12 @@ TEST(CudaEngineTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   CKPT_ASSERT_OK((*opt)->Synchronize());
   EXPECT_EQ(std::memcmp((*opt)->master().data(), before.data(), 4 * n), 0);
   EXPECT_EQ((*opt)->groups()[0].step, 0u);
-  // Without a stream the engine refuses rather than using the legacy default stream.
-  args.stream = nullptr;
+  // Without a stream the engine refuses rather than using the legacy default stream, and a
+  // null handle makes no stream view (CudaStreamView::Legacy() names that stream).
+  args.stream = std::nullopt;
   EXPECT_THAT((*opt)->Step(args), testing::StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(CudaStreamView::Of(nullptr).status(),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
   cudaFree(dgrads);
   cudaFree(dparams);
   cudaStreamDestroy(stream);

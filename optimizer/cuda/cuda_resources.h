@@ -10,9 +10,17 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/cuda/cuda_check.h"
 
 namespace ckpt::optimizer::internal {
+
+// The runtime's stream for a CudaStreamView. The one place that says what the legacy default
+// stream is: cudaStreamLegacy by name, never handle 0 (which a per-thread-default build would
+// read as its own thread's stream).
+inline cudaStream_t ToCudaStream(const CudaStreamView& view) {
+  return view.is_legacy() ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(view.handle());
+}
 
 class CudaStream {
  public:

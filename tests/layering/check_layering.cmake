@@ -7,7 +7,9 @@
 #   headers of the modules below theirs and tests/support; tests/ spans modules and may include
 #   anything.
 # * "ckpt/bench/..." (benchmark internals of libckpt and optimizer, not installed) is for cli
-#   and for the two modules that implement them.
+#   and for the bench/ folders that implement them: no library source includes one.
+# * CUDA headers (<cuda*.h>, <cu*.h>, <nccl.h>, <nv*.h>) only in files under a cuda/ folder
+#   (STYLE.md §7): the bindings and the libraries outside it only marshal.
 # Usage: cmake -DROOT=<tree> -P check_layering.cmake   (fails listing every violation)
 cmake_minimum_required(VERSION 3.20)
 if(NOT ROOT)
@@ -64,6 +66,13 @@ foreach(module ${modules})
     if(f MATCHES "^[a-z]+/include/")
       set(is_public ON)
     endif()
+    file(STRINGS ${ROOT}/${f} system_lines REGEX "^[ \t]*#[ \t]*include[ \t]*<(cuda|cu[a-z_]*|nccl|nv[a-z_]*)[.]h")
+    if(system_lines AND NOT f MATCHES "(^|/)cuda/")
+      foreach(line ${system_lines})
+        string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*<([^>]+)>.*" "\\1" inc "${line}")
+        list(APPEND violations "${f}: #include <${inc}>: a CUDA header outside a cuda/ folder")
+      endforeach()
+    endif()
     file(STRINGS ${ROOT}/${f} lines REGEX "^[ \t]*#[ \t]*include[ \t]*\"")
     foreach(line ${lines})
       string(REGEX REPLACE "^[ \t]*#[ \t]*include[ \t]*\"([^\"]+)\".*" "\\1" inc "${line}")
@@ -72,8 +81,8 @@ foreach(module ${modules})
         public_module(${inc} pm)
         if(pm STREQUAL "bench")
           # Declared by libckpt and optimizer (their bench/ folders), used by cli.
-          if(NOT module MATCHES "^(cli|libckpt|optimizer)$")
-            set(bad "benchmark internals (ckpt/bench) are for cli and their modules only")
+          if(NOT module STREQUAL "cli" AND NOT f MATCHES "/bench/")
+            set(bad "benchmark internals (ckpt/bench) in a library: for cli and bench/ only")
           endif()
         else()
           level_of(${pm} plevel)

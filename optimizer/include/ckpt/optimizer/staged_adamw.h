@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -55,6 +56,24 @@ struct Unit {
   uint32_t group = 0;
 };
 
+// The caller's CUDA stream for a Step on the CUDA engine: the stream that produced the
+// gradients and that reads the parameters afterwards. Made from a stream handle, never from a
+// null pointer: the legacy default stream (torch's stream 0) is Legacy(), by name, so that "no
+// stream given" cannot pass for "the default stream". What Legacy() means to the CUDA runtime
+// is decided in one place, optimizer/cuda/cuda_resources.h.
+class CudaStreamView {
+ public:
+  static CudaStreamView Legacy() { return CudaStreamView(nullptr); }
+  // kInvalidArgument for a null handle (use Legacy() for the legacy default stream).
+  static absl::StatusOr<CudaStreamView> Of(CUstream_st* stream);
+  bool is_legacy() const { return handle_ == nullptr; }
+  CUstream_st* handle() const { return handle_; }  // nullptr for Legacy().
+
+ private:
+  explicit CudaStreamView(CUstream_st* handle) : handle_(handle) {}
+  CUstream_st* handle_;
+};
+
 // What Step receives. Pointers are host memory for the CPU engine and device memory for the
 // CUDA engine; both hold this rank's elements in slab order.
 struct StepArgs {
@@ -64,15 +83,18 @@ struct StepArgs {
   void* params = nullptr;   // Model-dtype weights, written with the updated masters.
   // Check every scaled gradient for NaN/Inf first; if any, skip the step and change nothing.
   bool check_finite = false;
-  CUstream_st* stream = nullptr;  // CUDA engine: the caller's stream that produced `grads`.
+  // CUDA engine (required there; the CPU engine ignores it): the caller's stream. The step
+  // starts after the work queued on it so far and, once Step returns, the work queued on it
+  // next runs after the step's last write of `params`.
+  std::optional<CudaStreamView> stream = std::nullopt;
 };
 
 struct StepReport {
   bool skipped = false;          // Non-finite gradients were found (check_finite only).
   uint64_t nonfinite = 0;        // How many.
   uint64_t first_nonfinite = 0;  // Slab index of the first.
-  // CUDA engine: recorded after the last write of `params`; the caller's stream must wait on it
-  // before reading parameters. Owned by the optimizer, valid until the next Step or Release.
+  // CUDA engine: recorded after the last write of `params` (the caller's stream already waits
+  // on it; for other streams). Owned by the optimizer, valid until the next Step or Release.
   CUevent_st* done = nullptr;
 };
 
@@ -150,6 +172,11 @@ class StagedAdamW {
   std::span<const float> exp_avg_sq() const;
   std::span<const std::byte> exp_avg_bytes() const;
   std::span<const std::byte> exp_avg_sq_bytes() const;
+  // Copies one of the three state tensors (kMaster, kExpAvg, kExpAvgSq) into `out`, size()
+  // FP32 values, widening BF16 moments exactly; synchronizes the CUDA engine first.
+  // kInvalidArgument when `out` holds another count.
+  enum class StateTensor { kMaster, kExpAvg, kExpAvgSq };
+  absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
   // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
   size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
   // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step

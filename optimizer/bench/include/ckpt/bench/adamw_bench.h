@@ -17,11 +17,11 @@
 #include "ckpt/formats/dtype.h"
 #include "ckpt/optimizer/staged_adamw.h"
 
-// The CUDA half is declared in ckpt::optimizer, where the CUDA engine's code defines it
-// (optimizer/cuda/cuda_bench.cc; optimizer/engine_factory.cc without CUDA). Those files include
-// this header by its path from the repository root, through optimizer's private root: the
-// layering check keeps "ckpt/bench/..." includes to cli/ and bench/ folders. ckpt::bench names
-// both with using-declarations below.
+// The CUDA half is declared in ckpt::optimizer and defined by ckpt_optimizer_cuda_bench
+// (optimizer/cuda/bench/cuda_bench.cc), or without CUDA by optimizer/bench/
+// cuda_bench_unavailable.cc; no library of ckpt's includes this header (the layering check
+// keeps "ckpt/bench/..." includes to cli/ and bench/ folders). ckpt::bench names both with
+// using-declarations below.
 namespace ckpt::optimizer {
 
 // The CUDA engine's step rate against the PCIe duplex bound, as RunCudaStepBenchmark measures
@@ -51,7 +51,7 @@ class DeviceStepBuffers {
   virtual ~DeviceStepBuffers() = default;
   // Gradients, parameters and stream for StagedAdamW::Step.
   virtual StepArgs args() = 0;
-  // Waits for `done` (a StepReport's) on the stream, then for the stream.
+  // Waits for `done` (a StepReport's; the stream already waits on it) and for the stream.
   virtual absl::Status WaitFor(CUevent_st* done) = 0;
 };
 absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t params,

@@ -1,6 +1,6 @@
 // The benchmark's memory-only kernels and bound measurements: they must move exactly the step's
 // bytes and compute what they claim, or the bound they print means nothing.
-#include "optimizer/cpu_bounds.h"
+#include "optimizer/bench/cpu_bounds.h"
 
 #include <cstring>
 #include <vector>

@@ -2,8 +2,8 @@
 // §8). Both run on the engine's footing: buffers laid out as the slabs are (2 MiB-aligned,
 // MADV_HUGEPAGE, staggered), a pool of the same size, the same task size, the widest vectors
 // the CPU has and the step's prefetches; each is the best of `passes` timed passes.
-#ifndef CKPT_OPTIMIZER_CPU_BOUNDS_H_
-#define CKPT_OPTIMIZER_CPU_BOUNDS_H_
+#ifndef CKPT_OPTIMIZER_BENCH_CPU_BOUNDS_H_
+#define CKPT_OPTIMIZER_BENCH_CPU_BOUNDS_H_
 
 #include <cstdint>
 
@@ -35,4 +35,4 @@ absl::StatusOr<double> MeasureShapedGparams(const void* grads, formats::DType gr
 
 }  // namespace ckpt::optimizer::internal
 
-#endif  // CKPT_OPTIMIZER_CPU_BOUNDS_H_
+#endif  // CKPT_OPTIMIZER_BENCH_CPU_BOUNDS_H_

@@ -1,4 +1,4 @@
-#include "optimizer/cpu_bounds.h"
+#include "optimizer/bench/cpu_bounds.h"
 
 #include <immintrin.h>
 
