@@ -3,6 +3,10 @@
 #include "ckpt/ckpt.h"
 
 #include <cstring>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -11,6 +15,50 @@
 #include "tests/support/temp_dir.h"
 
 namespace {
+
+// ckpt_abi_layout() lists every function, constant and struct that ckpt.h declares, so that a
+// binding comparing itself with the layout (python/ckpt/_lib.py) covers the whole header.
+TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
+  std::ifstream in(CKPT_C_HEADER);
+  ASSERT_TRUE(in.good()) << CKPT_C_HEADER;
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string header = text.str();
+  const std::string layout = ckpt_abi_layout();
+  std::set<std::string> lines;
+  std::istringstream layout_lines(layout);
+  for (std::string line; std::getline(layout_lines, line);) lines.insert(line);
+  auto listed = [&](const std::string& prefix) {
+    for (const std::string& l : lines) {
+      if (l.rfind(prefix, 0) == 0) return true;
+    }
+    return false;
+  };
+  int functions = 0, constants = 0, structs = 0;
+  const std::regex function(R"(CKPT_C_EXPORT[^(;]*?\b(ckpt_[a-z_]+)\s*\()");
+  for (std::sregex_iterator it(header.begin(), header.end(), function), end; it != end; ++it) {
+    EXPECT_TRUE(listed("func " + (*it)[1].str() + " ")) << (*it)[1];
+    ++functions;
+  }
+  const std::regex constant(R"(\b(CKPT_[A-Z0-9_]+) = (-?[0-9]+))");
+  for (std::sregex_iterator it(header.begin(), header.end(), constant), end; it != end; ++it) {
+    EXPECT_TRUE(lines.count("const " + (*it)[1].str() + " " + (*it)[2].str())) << (*it)[1];
+    ++constants;
+  }
+  const std::regex record(R"(\}\s*(ckpt_[a-z_]+);)");
+  for (std::sregex_iterator it(header.begin(), header.end(), record), end; it != end; ++it) {
+    EXPECT_TRUE(listed("struct " + (*it)[1].str() + " ")) << (*it)[1];
+    ++structs;
+  }
+  EXPECT_TRUE(lines.count("const CKPT_ABI_VERSION " + std::to_string(CKPT_ABI_VERSION)));
+  EXPECT_TRUE(lines.count("field ckpt_coordinator.all_gather " +
+                          std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
+  EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
+  // The header as written today: a regex that matched nothing would pass everything above.
+  EXPECT_EQ(functions, 31);
+  EXPECT_EQ(constants, 29);
+  EXPECT_EQ(structs, 6);
+}
 
 TEST(CkptCTest, NullAndBadArgumentsAreCodesWithMessages) {
   EXPECT_EQ(ckpt_abi_version(), CKPT_ABI_VERSION);

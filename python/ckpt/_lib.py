@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 OK = 0
 CODE_NAMES = {
@@ -100,6 +100,7 @@ lib = _load()
 _p = ctypes.c_void_p
 _sig = {
     "ckpt_abi_version": ([], ctypes.c_int),
+    "ckpt_abi_layout": ([], ctypes.c_char_p),
     "ckpt_last_error": ([], ctypes.c_char_p),
     "ckpt_alloc": ([ctypes.c_size_t], ctypes.c_void_p),
     "ckpt_rank_pieces": ([ctypes.POINTER(Param), ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int,
@@ -156,6 +157,84 @@ lib.ckpt_abi_version.restype = ctypes.c_int
 if lib.ckpt_abi_version() < ABI_VERSION:
     raise ImportError(f"ckpt: libckpt_c.so implements ABI {lib.ckpt_abi_version()}, this package "
                       f"needs {ABI_VERSION} or newer")
+
+# The structs of ckpt.h this table mirrors, by their C names.
+STRUCTS = [("ckpt_param", Param), ("ckpt_group", Group), ("ckpt_piece", Piece),
+           ("ckpt_optimizer_options", OptimizerOptions), ("ckpt_store_options", StoreOptions),
+           ("ckpt_coordinator", Coordinator)]
+CONSTANTS = dict(
+    {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_F32": F32, "CKPT_BF16": BF16,
+     "CKPT_F16": F16, "CKPT_ENGINE_CPU": ENGINE_CPU, "CKPT_ENGINE_CUDA": ENGINE_CUDA,
+     "CKPT_MOMENTS_F32": MOMENTS_F32, "CKPT_MOMENTS_BF16": MOMENTS_BF16, "CKPT_MASTER": MASTER,
+     "CKPT_EXP_AVG": EXP_AVG, "CKPT_EXP_AVG_SQ": EXP_AVG_SQ},
+    **{"CKPT_LIFECYCLE_" + name.upper(): value for value, name in LIFECYCLE.items()},
+    **{"CKPT_" + name: value for value, name in CODE_NAMES.items()})
+_KINDS = {ctypes.c_int: "i32", ctypes.c_uint32: "u32", ctypes.c_int64: "i64",
+          ctypes.c_uint64: "u64", ctypes.c_float: "f32", ctypes.c_double: "f64"}
+
+
+def _kind(t):
+    if t is None:
+        return "void"
+    if t in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(t, (ctypes._Pointer,
+                                                                  ctypes._CFuncPtr)):
+        return "p"
+    return _KINDS.get(t, f"?{t.__name__}")
+
+
+def package_layout(structs=STRUCTS, sig=_sig, constants=CONSTANTS):
+    """This package's view of the ABI, as lines of ckpt_abi_layout()'s grammar (ckpt.h)."""
+    lines = []
+    for name, cls in structs:
+        lines.append(f"struct {name} {ctypes.sizeof(cls)}")
+        for field, ftype in cls._fields_:
+            lines.append(f"field {name}.{field} {getattr(cls, field).offset} {_kind(ftype)}")
+    for name, (args, res) in sig.items():
+        lines.append(" ".join(["func", name, _kind(res)] + [_kind(a) for a in args]))
+    for name, value in constants.items():
+        lines.append(f"const {name} {value}")
+    return lines
+
+
+def layout_mismatches(library_text, package_lines):
+    """The package's lines the library's layout does not confirm, each with what the library
+    says instead (or that it lacks the item). A library may be newer: it may add functions and
+    constants, and grow a struct that starts with struct_size (its callers say which size they
+    know); everything else must be equal."""
+    library = {}
+    for line in library_text.splitlines():
+        parts = line.split(" ")
+        if len(parts) >= 2:
+            library[(parts[0], parts[1])] = line
+    grows = {line.split(" ")[1].split(".")[0] for line in package_lines
+             if line.startswith("field ") and line.split(" ")[1].endswith(".struct_size")
+             and line.split(" ")[2] == "0"}
+    problems = []
+    for line in package_lines:
+        parts = line.split(" ")
+        theirs = library.get((parts[0], parts[1]))
+        if theirs == line:
+            continue
+        if (theirs is not None and parts[0] == "struct" and parts[1] in grows
+                and int(theirs.split(" ")[2]) >= int(parts[2])):
+            continue
+        if theirs is not None and parts[1] == "CKPT_ABI_VERSION" and (
+                int(theirs.split(" ")[2]) >= int(parts[2])):
+            continue
+        problems.append(f"package: {line!r}, library: "
+                        + (repr(theirs) if theirs is not None else "none"))
+    return problems
+
+
+# A hand-kept table would corrupt memory silently on a layout change: it is compared with the
+# layout the library was compiled with before any other call.
+lib.ckpt_abi_layout.argtypes = []
+lib.ckpt_abi_layout.restype = ctypes.c_char_p
+_problems = layout_mismatches(lib.ckpt_abi_layout().decode(), package_layout())
+if _problems:
+    raise ImportError("ckpt: this package's ctypes table disagrees with the ABI layout of "
+                          "libckpt_c.so (a package and a library of different builds?): "
+                          + "; ".join(_problems))
 
 for _name, (_args, _res) in _sig.items():
     _f = getattr(lib, _name)

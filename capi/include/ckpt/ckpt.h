@@ -25,9 +25,9 @@
 extern "C" {
 #endif
 
-/* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact): a
- * library serves callers of its version or an older one. */
-#define CKPT_ABI_VERSION 3
+/* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
+ * ckpt_abi_layout): a library serves callers of its version or an older one. */
+#define CKPT_ABI_VERSION 4
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -63,6 +63,12 @@ enum { CKPT_LIFECYCLE_CLEAN = 0, CKPT_LIFECYCLE_LOADING = 1, CKPT_LIFECYCLE_POIS
 
 /* The ABI version this library implements (CKPT_ABI_VERSION of its header). */
 CKPT_C_EXPORT int ckpt_abi_version(void);
+/* (ABI 4) This ABI as the compiler laid it out, one line per struct, field, function and
+ * constant: "struct <name> <size>", "field <struct>.<field> <offset> <kind>", "func <name>
+ * <return kind> <argument kinds>", "const <name> <value>" (kinds: p, void, i32, u32, i64, u64,
+ * f32, f64). A binding that cannot include this header (ctypes) compares its own table with it
+ * before the first call. Static storage, valid for the process. */
+CKPT_C_EXPORT const char* ckpt_abi_layout(void);
 /* The message of the last failed call on this thread ("" when none). Valid until the next
  * call on this thread. */
 CKPT_C_EXPORT const char* ckpt_last_error(void);
