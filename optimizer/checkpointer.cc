@@ -232,6 +232,7 @@ struct Checkpointer::InFlight {
   uint64_t step = 0;
   uint64_t version_at_call = 0;  // The optimizer's state_version() when the save began.
   std::unique_ptr<internal::AsyncSave> save;
+  std::optional<StagedAdamW::FenceScope> fence;  // Over `save` until its writer is done.
 };
 
 Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
@@ -246,7 +247,7 @@ Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
 Checkpointer::~Checkpointer() {
   if (in_flight_ == nullptr) return;
   in_flight_->save->Wait().IgnoreError();  // Destructors never report.
-  optimizer_->fence_ = nullptr;
+  in_flight_->fence.reset();
   in_flight_.reset();  // Destroys the unfinished transaction: a collective abort.
 }
 
@@ -387,7 +388,7 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   flight->version_at_call = optimizer_->state_version();
   flight->save = std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn),
                                                        std::move(plan), staging_.get());
-  optimizer_->fence_ = flight->save.get();
+  flight->fence.emplace(optimizer_->InstallFence(flight->save.get()));
   in_flight_ = std::move(flight);
   return std::unique_ptr<PendingSave>(new PendingSave(this, step));
 }
@@ -400,7 +401,7 @@ absl::Status Checkpointer::FinalizeAsync(PendingSave& handle) {
   handle.finalized_ = true;
   // Step A4. The writer's error, if any, is already this rank's vote.
   in_flight_->save->Wait().IgnoreError();
-  optimizer_->fence_ = nullptr;
+  in_flight_->fence.reset();
   const internal::AsyncSaveStats stats = in_flight_->save->stats();
   handle.report_ = {stats.units, stats.units_copied, stats.bytes_copied, stats.step_waits};
   // Step A5.
@@ -471,7 +472,8 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   return CheckParamGroups(layout, o.params, where);
 }
 
-absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
+absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
+                                 StagedAdamW::LoadScope& scope) {
   const formats::Manifest& m = reader.manifest();
   const StagedAdamWOptions& o = optimizer_->options();
   CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
@@ -521,7 +523,7 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs) {
     }
     offset += piece.count;
   }
-  optimizer_->RestoreGroups(groups);
+  scope.RestoreGroups(groups);
   if (blobs == nullptr) return absl::OkStatus();
   // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
   const uint32_t rank = static_cast<uint32_t>(coordinator_->rank()) < m.world_size
@@ -689,7 +691,7 @@ void Checkpointer::WriteWeightsFromMasters() {
   }
 }
 
-absl::Status Checkpointer::RestoreFrom(Undo& undo) {
+absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope) {
   if (undo.derived_groups.has_value()) {
     // The construction state again, from the weight buffer no load step has touched.
     const std::span<float> master = optimizer_->mutable_master();
@@ -707,12 +709,12 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo) {
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
     }
-    optimizer_->RestoreGroups(*undo.derived_groups);
+    scope.RestoreGroups(*undo.derived_groups);
     return absl::OkStatus();
   }
   CheckpointStore* from = undo.spill_store != nullptr ? undo.spill_store.get() : store_;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, from->OpenStep(undo.step));
-  return Apply(*reader, nullptr);
+  return Apply(*reader, nullptr, scope);
 }
 
 absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string& root) {
@@ -735,7 +737,7 @@ absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string
 }
 
 absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
-                                    const std::function<absl::Status()>& apply,
+                                    const std::function<absl::Status(StagedAdamW::LoadScope&)>& apply,
                                     absl::string_view what, bool* undo_spilled,
                                     bool* undo_derived) {
   // Step 2.
@@ -752,30 +754,28 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   *undo_spilled = !(*undo)->spill_dir.empty();
   *undo_derived = (*undo)->derived_groups.has_value();
   // Step 3.
-  const Lifecycle before = optimizer_->lifecycle_;
-  optimizer_->lifecycle_ = Lifecycle::kLoading;
-  absl::Status applied = apply();
+  StagedAdamW::LoadScope scope = optimizer_->BeginLoad();
+  absl::Status applied = apply(scope);
   // Step 4.
   voted = Vote(applied);
   if (voted.ok()) {
     WriteWeightsFromMasters();
-    optimizer_->lifecycle_ = Lifecycle::kClean;
-    optimizer_->poison_reason_.clear();
+    scope.Commit();
     remove_spill();
     return absl::OkStatus();
   }
-  absl::Status restored = RestoreFrom(**undo);
+  absl::Status restored = RestoreFrom(**undo, scope);
+  std::string poison_reason;
   if (restored.ok()) {
-    optimizer_->lifecycle_ = before;
+    scope.RolledBack();
     // The state equals the undo source again.
     if ((*undo)->spill_dir.empty() && !(*undo)->derived_groups.has_value()) {
       clean_version_ = optimizer_->state_version();
     }
   } else {
-    optimizer_->lifecycle_ = Lifecycle::kPoisoned;
-    optimizer_->poison_reason_ = absl::StrCat(what, " failed (", voted.message(),
-                                              ") and its rollback failed too (",
-                                              restored.message(), ")");
+    poison_reason = absl::StrCat(what, " failed (", voted.message(),
+                                 ") and its rollback failed too (", restored.message(), ")");
+    scope.Poison(poison_reason);
     clean_step_.reset();
   }
   // Step 5.
@@ -783,7 +783,7 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   if (!restored.ok()) {
     // Not the apply's code: the state is not as before, and no caller may go on as if it were.
     return absl::FailedPreconditionError(
-        absl::StrCat("the optimizer is poisoned: ", optimizer_->poison_reason_));
+        absl::StrCat("the optimizer is poisoned: ", poison_reason));
   }
   return voted;
 }
@@ -886,7 +886,10 @@ absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, 
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   Blobs loaded;
   CKPT_RETURN_IF_ERROR(Transact(
-      *step, [&] { return Apply(**reader, blobs != nullptr ? &loaded : nullptr); },
+      *step,
+      [&](StagedAdamW::LoadScope& scope) {
+        return Apply(**reader, blobs != nullptr ? &loaded : nullptr, scope);
+      },
       absl::StrCat("load of step ", report.step), &report.undo_spilled, &report.undo_derived));
   clean_step_ = report.step;
   clean_version_ = optimizer_->state_version();

@@ -325,7 +325,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   report.tied = mapping.tied;
   report.ignored = mapping.ignored;
   // Steps M2 to M4.
-  auto apply = [&]() -> absl::Status {
+  auto apply = [&](StagedAdamW::LoadScope& scope) -> absl::Status {
     const std::span<float> master = optimizer_->mutable_master();
     std::vector<HfCheckpointReader::F32Request> requests;
     uint64_t offset = 0;
@@ -342,7 +342,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     // The weights follow once the load is voted (Transact writes the masters rounded).
     std::vector<ParamGroup> groups = optimizer_->groups();
     for (ParamGroup& g : groups) g.step = 0;
-    optimizer_->RestoreGroups(groups);
+    scope.RestoreGroups(groups);
     return absl::OkStatus();
   };
   const std::optional<uint64_t> exclude =

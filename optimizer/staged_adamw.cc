@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -210,9 +211,51 @@ absl::Status StagedAdamW::CheckClean(absl::string_view what) const {
       poison_reason_, "); a complete load clears it"));
 }
 
-void StagedAdamW::RestoreGroups(const std::vector<ParamGroup>& groups) {
-  options_.groups = groups;
-  ++state_version_;
+StagedAdamW::LoadScope StagedAdamW::BeginLoad() {
+  const Lifecycle before = lifecycle_;
+  lifecycle_ = Lifecycle::kLoading;
+  return LoadScope(this, before);
+}
+
+StagedAdamW::LoadScope::LoadScope(LoadScope&& other) noexcept
+    : optimizer_(std::exchange(other.optimizer_, nullptr)), before_(other.before_) {}
+
+StagedAdamW::LoadScope::~LoadScope() {
+  if (optimizer_ != nullptr) Poison("a load ended without committing or rolling back");
+}
+
+void StagedAdamW::LoadScope::RestoreGroups(const std::vector<ParamGroup>& groups) {
+  optimizer_->options_.groups = groups;
+  ++optimizer_->state_version_;
+}
+
+void StagedAdamW::LoadScope::Commit() {
+  optimizer_->lifecycle_ = Lifecycle::kClean;
+  optimizer_->poison_reason_.clear();
+  optimizer_ = nullptr;
+}
+
+void StagedAdamW::LoadScope::RolledBack() {
+  optimizer_->lifecycle_ = before_;
+  optimizer_ = nullptr;
+}
+
+void StagedAdamW::LoadScope::Poison(std::string why) {
+  optimizer_->lifecycle_ = Lifecycle::kPoisoned;
+  optimizer_->poison_reason_ = std::move(why);
+  optimizer_ = nullptr;
+}
+
+StagedAdamW::FenceScope StagedAdamW::InstallFence(internal::UnitFence* fence) {
+  fence_ = fence;
+  return FenceScope(this);
+}
+
+StagedAdamW::FenceScope::FenceScope(FenceScope&& other) noexcept
+    : optimizer_(std::exchange(other.optimizer_, nullptr)) {}
+
+StagedAdamW::FenceScope::~FenceScope() {
+  if (optimizer_ != nullptr) optimizer_->fence_ = nullptr;
 }
 
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {

@@ -414,6 +414,49 @@ class BadInputTest : public ::testing::Test {
   std::unique_ptr<StagedAdamW> opt_;
 };
 
+// The lifecycle changes only through a load scope: kLoading while it is open (steps and group
+// changes refused), then exactly the end the scope was given; one left open poisons.
+TEST_F(BadInputTest, TheLifecycleFollowsTheLoadScopeAndAnUnendedScopePoisons) {
+  const StepArgs args{grads_.data(), DType::kF32, 1.0f, params_.data()};
+  {
+    StagedAdamW::LoadScope scope = opt_->BeginLoad();
+    EXPECT_EQ(opt_->lifecycle(), Lifecycle::kLoading);
+    EXPECT_THAT(opt_->Step(args), StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT(opt_->SetGroup(0, opt_->groups()[0]),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    std::vector<ParamGroup> groups = opt_->groups();
+    groups[1].step = 7;
+    const uint64_t version = opt_->state_version();
+    scope.RestoreGroups(groups);
+    EXPECT_GT(opt_->state_version(), version);
+    scope.Commit();
+  }
+  EXPECT_EQ(opt_->lifecycle(), Lifecycle::kClean);
+  EXPECT_EQ(opt_->groups()[1].step, 7u);
+  CKPT_EXPECT_OK(opt_->Step(args));
+  {
+    StagedAdamW::LoadScope scope = opt_->BeginLoad();
+    scope.Poison("load of step 9 failed (test)");
+  }
+  EXPECT_EQ(opt_->lifecycle(), Lifecycle::kPoisoned);
+  EXPECT_EQ(opt_->poison_reason(), "load of step 9 failed (test)");
+  const absl::Status refused = opt_->Step(args).status();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("load of step 9 failed (test)"));
+  {  // A rollback keeps the lifecycle from before the load: still poisoned.
+    StagedAdamW::LoadScope scope = opt_->BeginLoad();
+    StagedAdamW::LoadScope moved = std::move(scope);  // The moved-from scope ends nothing.
+    moved.RolledBack();
+  }
+  EXPECT_EQ(opt_->lifecycle(), Lifecycle::kPoisoned);
+  { opt_->BeginLoad().Commit(); }
+  EXPECT_EQ(opt_->lifecycle(), Lifecycle::kClean);
+  EXPECT_EQ(opt_->poison_reason(), "");
+  { StagedAdamW::LoadScope forgotten = opt_->BeginLoad(); }
+  EXPECT_EQ(opt_->lifecycle(), Lifecycle::kPoisoned);
+  EXPECT_THAT(opt_->poison_reason(), ::testing::HasSubstr("without committing or rolling back"));
+}
+
 TEST_F(BadInputTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   CKPT_ASSERT_OK(opt_->Step({grads_.data(), DType::kF32, 1.0f, params_.data()}));
   std::vector<float> before = Snapshot();

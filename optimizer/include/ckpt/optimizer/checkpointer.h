@@ -229,14 +229,15 @@ class Checkpointer {
   // Load's steps 2 to 5 once the preflight has been voted: fixes the undo source (never
   // `exclude`, the step being read), runs `apply` under kLoading, votes, and restores or
   // poisons on failure. `what` names the load in a poison reason.
-  absl::Status Transact(std::optional<uint64_t> exclude, const std::function<absl::Status()>& apply,
+  absl::Status Transact(std::optional<uint64_t> exclude,
+                        const std::function<absl::Status(StagedAdamW::LoadScope&)>& apply,
                         absl::string_view what, bool* undo_spilled, bool* undo_derived);
   // Rank 0 reads `root`'s LATEST afresh and broadcasts it, so every rank reads the same step.
   absl::StatusOr<uint64_t> AgreeOnLatest(Env* env, const std::string& root);
-  absl::Status Apply(const CheckpointReader& reader, Blobs* blobs);
+  absl::Status Apply(const CheckpointReader& reader, Blobs* blobs, StagedAdamW::LoadScope& scope);
   absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
   void RemoveSpill(Undo& undo);
-  absl::Status RestoreFrom(Undo& undo);
+  absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
   // True when the state is what a rollback can re-derive without disk: every group's step 0,
   // both moments zero, and every master the widened weight of weights_ (bit for bit).
   bool StateIsDerivable() const;

@@ -103,7 +103,6 @@ struct StepReport {
 // Step, SetGroup and saves until a complete load succeeds.
 enum class Lifecycle { kClean, kLoading, kPoisoned };
 
-class Checkpointer;
 struct StepConstants;  // optimizer/engine.h.
 
 // One rank's optimizer. Not thread-safe: one Step at a time.
@@ -139,6 +138,49 @@ class StagedAdamW {
   absl::Status SetGroup(size_t index, const ParamGroup& group);
 
   Lifecycle lifecycle() const { return lifecycle_; }
+  // OK when kClean; otherwise kFailedPrecondition saying why `what` cannot run now.
+  absl::Status CheckClean(absl::string_view what) const;
+
+  // A load being applied (DESIGN.md §5): the one way the lifecycle changes. BeginLoad() makes
+  // it kLoading (Step, SetGroup and saves refuse meanwhile); the scope ends with exactly one of
+  // Commit() (kClean: the state is the loaded checkpoint's; a poison is cleared), RolledBack()
+  // (the lifecycle from before: the caller put the state back) or Poison(why) (kPoisoned;
+  // every refusal names `why` until a complete load). A scope destroyed without an end
+  // poisons the optimizer. Move-only; one at a time (REQUIRES: none open).
+  class LoadScope {
+   public:
+    LoadScope(LoadScope&& other) noexcept;
+    LoadScope& operator=(LoadScope&&) = delete;
+    ~LoadScope();
+    // The groups, with their step counters, as the load (or its rollback) has them.
+    void RestoreGroups(const std::vector<ParamGroup>& groups);
+    void Commit();
+    void RolledBack();
+    void Poison(std::string why);
+
+   private:
+    friend class StagedAdamW;
+    LoadScope(StagedAdamW* optimizer, Lifecycle before) : optimizer_(optimizer), before_(before) {}
+    StagedAdamW* optimizer_;  // nullptr once ended or moved from.
+    Lifecycle before_;
+  };
+  LoadScope BeginLoad();
+
+  // An async save's copy-on-write fence (DESIGN.md §6), installed while the scope lives: every
+  // Step passes its units in the order the fence lets them go. Move-only; one at a time
+  // (REQUIRES: none installed). The fence must outlive the scope.
+  class FenceScope {
+   public:
+    FenceScope(FenceScope&& other) noexcept;
+    FenceScope& operator=(FenceScope&&) = delete;
+    ~FenceScope();
+
+   private:
+    friend class StagedAdamW;
+    explicit FenceScope(StagedAdamW* optimizer) : optimizer_(optimizer) {}
+    StagedAdamW* optimizer_;  // nullptr once moved from.
+  };
+  FenceScope InstallFence(internal::UnitFence* fence);
   // Why the optimizer is poisoned (the failed load), or empty.
   const std::string& poison_reason() const { return poison_reason_; }
   // Bumped by everything that may change the state (Step, SetGroup, mutable_* views): a
@@ -199,10 +241,6 @@ class StagedAdamW {
   std::unique_ptr<Slabs> slabs_;
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 
-  // The binding to the store drives the lifecycle and restores groups with their steps.
-  friend class Checkpointer;
-  absl::Status CheckClean(absl::string_view what) const;
-  void RestoreGroups(const std::vector<ParamGroup>& groups);
   // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.
   absl::StatusOr<StepReport> StepUnits(const StepArgs& args,
                                        const std::vector<StepConstants>& constants);
