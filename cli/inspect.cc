@@ -10,6 +10,7 @@
 #include "ckpt/checkpoint_reader.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
+#include "ckpt/formats/optimizer_record.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
@@ -79,22 +80,26 @@ std::optional<json> OptimizerRecord(const CheckpointReader& reader) {
   if (!present) return std::nullopt;
   absl::StatusOr<std::string> text = reader.ReadBlob(kLayoutBlob, 0);
   if (!text.ok()) return json{{"error", std::string(text.status().message())}};
-  json layout = json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (!layout.is_object() || !layout["params"].is_array() || !layout["groups"].is_array()) {
-    return json{{"error", "the optimizer.layout record does not parse"}};
-  }
+  absl::StatusOr<formats::OptimizerRecord> record = formats::ParseOptimizerRecord(
+      *text, absl::StrCat("step ", reader.manifest().step));
+  if (!record.ok()) return json{{"error", std::string(record.status().message())}};
   uint64_t elements = 0;
-  for (const json& p : layout["params"]) {
+  for (const formats::OptimizerRecordParam& p : record->params) {
     uint64_t n = 1;
-    for (const json& d : p.value("shape", json::array()))
-      n *= d.is_number_unsigned() ? d.get<uint64_t>() : 0;
+    for (uint64_t d : p.shape) n *= d;
     elements += n;
   }
-  return json{{"moment_dtype", layout.value("moment_dtype", "")},
-              {"world_size", layout.value("world_size", 0)},
-              {"params", layout["params"].size()},
+  json groups = json::array();
+  for (const formats::OptimizerRecordGroup& g : record->groups) {
+    groups.push_back({{"lr", g.lr}, {"beta1", g.beta1}, {"beta2", g.beta2}, {"eps", g.eps},
+                      {"weight_decay", g.weight_decay}, {"step", g.step}});
+  }
+  return json{{"kind", record->kind},
+              {"moment_dtype", std::string(formats::DTypeName(record->moment_dtype))},
+              {"world_size", record->world_size},
+              {"params", record->params.size()},
               {"elements", elements},
-              {"groups", layout["groups"]}};
+              {"groups", groups}};
 }
 
 void PrintOptimizerRecord(const json& o) {
@@ -102,7 +107,8 @@ void PrintOptimizerRecord(const json& o) {
     std::cout << "optimizer: " << Printable(o["error"].get<std::string>()) << "\n";
     return;
   }
-  std::cout << "optimizer: " << o["params"] << " parameters (" << o["elements"]
+  std::cout << "optimizer: " << Printable(o["kind"].get<std::string>()) << ", " << o["params"]
+            << " parameters (" << o["elements"]
             << " elements), moments " << Printable(o["moment_dtype"].get<std::string>())
             << ", saved by " << o["world_size"] << " rank(s)\n";
   int i = 0;

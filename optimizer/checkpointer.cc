@@ -54,7 +54,6 @@
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
@@ -65,6 +64,7 @@
 #include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/optimizer_record.h"
 #include "optimizer/async_save.h"
 #include "optimizer/checkpointer_layout.h"
 #include "optimizer/new_directory.h"
@@ -80,59 +80,47 @@ using internal::kStatePrefixes;
 using internal::kTrainerPrefix;
 using internal::ListNames;
 using internal::MomentDTypeOf;
-using nlohmann::json;
 
 // Elements converted per batch when a checkpoint's moment dtype differs from the slabs'.
 constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 
-// The groups of a layout record, validated.
-absl::StatusOr<std::vector<ParamGroup>> ParseGroups(absl::string_view text, size_t expected,
+// The step's optimizer record (formats/optimizer_record.h), of an AdamW optimizer.
+absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& reader,
                                                     absl::string_view where) {
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  auto invalid = [&](absl::string_view why) {
-    return absl::DataLossError(absl::StrCat(where, ": layout record ", why));
-  };
-  if (!root.is_object() || !root.contains("groups") || !root["groups"].is_array()) {
-    return invalid("has no groups");
+  CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kLayoutBlob, 0));
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record,
+                        formats::ParseOptimizerRecord(text, where));
+  if (record.kind != formats::kOptimizerKindAdamW) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " holds the state of a \"", record.kind, "\" optimizer, not AdamW's"));
   }
-  const json& list = root["groups"];
-  if (list.size() != expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", list.size(), " param groups, the optimizer has ", expected));
+  return record;
+}
+
+// The record's groups, validated, as this optimizer's `expected` groups.
+absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRecord& record,
+                                                     size_t expected, absl::string_view where) {
+  if (record.groups.size() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", record.groups.size(),
+                                                   " param groups, the optimizer has ", expected));
   }
   std::vector<ParamGroup> out;
-  for (const json& g : list) {
-    for (const char* key : {"lr", "beta1", "beta2", "eps", "weight_decay"}) {
-      if (!g.contains(key) || !g[key].is_number()) return invalid(absl::StrCat("lacks ", key));
-    }
-    if (!g.contains("step") || !g["step"].is_number_unsigned()) return invalid("lacks a step");
-    ParamGroup p{g["lr"].get<double>(),           g["beta1"].get<double>(),
-                 g["beta2"].get<double>(),        g["eps"].get<double>(),
-                 g["weight_decay"].get<double>(), g["step"].get<uint64_t>()};
+  for (const formats::OptimizerRecordGroup& g : record.groups) {
+    ParamGroup p{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
     CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
     out.push_back(p);
   }
   return out;
 }
 
-// Refuses a layout record that puts any of `params` in another group than the optimizer does:
-// each group's hyper-parameters would land on other parameters. The record's parameter order
-// may differ (a checkpoint loads at any parameter order, DESIGN.md §2); names it lacks are the
+// Refuses a record that puts any of `params` in another group than the optimizer does: each
+// group's hyper-parameters would land on other parameters. The record's parameter order may
+// differ (a checkpoint loads at any parameter order, DESIGN.md §2); names it lacks are the
 // tensor check's to report.
-absl::Status CheckParamGroups(absl::string_view text, const std::vector<ParamSpec>& params,
-                              absl::string_view where) {
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (!root.is_object() || !root.contains("params") || !root["params"].is_array()) {
-    return absl::DataLossError(absl::StrCat(where, ": layout record has no params"));
-  }
+absl::Status CheckParamGroups(const formats::OptimizerRecord& record,
+                              const std::vector<ParamSpec>& params, absl::string_view where) {
   std::map<std::string, uint64_t> saved;
-  for (const json& p : root["params"]) {
-    if (!p.is_object() || !p.contains("name") || !p["name"].is_string() || !p.contains("group") ||
-        !p["group"].is_number_unsigned()) {
-      return absl::DataLossError(absl::StrCat(where, ": layout record has a malformed param"));
-    }
-    saved[p["name"].get<std::string>()] = p["group"].get<uint64_t>();
-  }
+  for (const formats::OptimizerRecordParam& p : record.params) saved[p.name] = p.group;
   std::vector<std::string> moved;
   for (const ParamSpec& p : params) {
     auto it = saved.find(p.name);
@@ -182,28 +170,15 @@ bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          const std::vector<ParamGroup>& groups, MomentDType moments,
                          int world_size) {
-  json ps = json::array(), gs = json::array();
-  for (const ParamSpec& p : params) {
-    ps.push_back({{"name", p.name},
-                  {"shape", p.shape},
-                  {"dtype", std::string(formats::DTypeName(p.dtype))},
-                  {"group", p.group}});
-  }
+  formats::OptimizerRecord record;
+  record.kind = formats::kOptimizerKindAdamW;
+  record.moment_dtype = MomentDTypeOf(moments);
+  record.world_size = static_cast<uint32_t>(world_size);
+  for (const ParamSpec& p : params) record.params.push_back({p.name, p.shape, p.dtype, p.group});
   for (const ParamGroup& g : groups) {
-    gs.push_back({{"lr", g.lr},
-                  {"beta1", g.beta1},
-                  {"beta2", g.beta2},
-                  {"eps", g.eps},
-                  {"weight_decay", g.weight_decay},
-                  {"step", g.step}});
+    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step});
   }
-  return json{{"format", "ckpt-optimizer"},
-              {"version", 1},
-              {"moment_dtype", std::string(formats::DTypeName(MomentDTypeOf(moments)))},
-              {"world_size", world_size},
-              {"params", ps},
-              {"groups", gs}}
-      .dump();
+  return formats::EncodeOptimizerRecord(record);
 }
 
 std::string ListNames(const std::vector<std::string>& names) {
@@ -467,18 +442,19 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
       }
     }
   }
-  CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
-  CKPT_RETURN_IF_ERROR(ParseGroups(layout, o.groups.size(), where).status());
-  return CheckParamGroups(layout, o.params, where);
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
+  CKPT_RETURN_IF_ERROR(RecordGroups(record, o.groups.size(), where).status());
+  return CheckParamGroups(record, o.params, where);
 }
 
 absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
                                  StagedAdamW::LoadScope& scope) {
   const formats::Manifest& m = reader.manifest();
   const StagedAdamWOptions& o = optimizer_->options();
-  CKPT_ASSIGN_OR_RETURN(std::string layout, reader.ReadBlob(kLayoutBlob, 0));
+  const std::string where = absl::StrCat("step ", m.step);
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
   CKPT_ASSIGN_OR_RETURN(std::vector<ParamGroup> groups,
-                        ParseGroups(layout, o.groups.size(), absl::StrCat("step ", m.step)));
+                        RecordGroups(record, o.groups.size(), where));
   const std::span<std::byte> slabs[3] = {std::as_writable_bytes(optimizer_->mutable_master()),
                                          optimizer_->mutable_exp_avg_bytes(),
                                          optimizer_->mutable_exp_avg_sq_bytes()};

@@ -28,12 +28,12 @@
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
+#include "ckpt/formats/optimizer_record.h"
 #include "optimizer/checkpointer_layout.h"
 #include "optimizer/new_directory.h"
 
@@ -41,7 +41,6 @@ namespace ckpt::optimizer {
 namespace {
 
 using formats::DType;
-using nlohmann::json;
 
 struct Plan {
   std::vector<ParamSpec> params;
@@ -61,23 +60,17 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
   std::vector<bool> owned(m.tensors.size(), false);
   absl::StatusOr<std::string> record = source.ReadBlob(internal::kLayoutBlob, 0);
   if (record.ok()) {
-    json root = json::parse(*record, nullptr, /*allow_exceptions=*/false);
-    if (!root.is_object() || !root.contains("params") || !root["params"].is_array()) {
-      return absl::DataLossError(absl::StrCat(where, ": optimizer record has no parameters"));
-    }
-    for (const json& p : root["params"]) {
-      if (!p.is_object() || !p.contains("name") || !p["name"].is_string() ||
-          !p.contains("group") || !p["group"].is_number_unsigned()) {
-        return absl::DataLossError(absl::StrCat(where, ": optimizer record has a bad parameter"));
-      }
-      const std::string name = p["name"].get<std::string>();
+    CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord parsed,
+                          formats::ParseOptimizerRecord(*record, where));
+    for (const formats::OptimizerRecordParam& p : parsed.params) {
+      const std::string& name = p.name;
       auto found = index.find(name);
       if (found == index.end()) {
         return absl::DataLossError(absl::StrCat(where, ": optimizer record names \"", name,
                                                 "\", which the step does not hold"));
       }
       const formats::TensorInfo& t = m.tensors[found->second];
-      plan.params.push_back({name, t.shape, t.dtype, p["group"].get<uint32_t>()});
+      plan.params.push_back({name, t.shape, t.dtype, p.group});
       std::vector<uint32_t> tensors = {found->second};
       for (const char* prefix : internal::kStatePrefixes) {
         auto state = index.find(prefix + name);
@@ -91,8 +84,8 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       for (uint32_t i : tensors) owned[i] = true;
       plan.tensors_of.push_back(std::move(tensors));
     }
-    root["world_size"] = options.dp;
-    plan.layout = root.dump();
+    parsed.world_size = static_cast<uint32_t>(options.dp);
+    plan.layout = formats::EncodeOptimizerRecord(parsed);
     plan.optimizer_layout = true;
   } else if (absl::IsNotFound(record.status())) {
     for (uint32_t i = 0; i < m.tensors.size(); ++i) {

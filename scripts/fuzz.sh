@@ -6,12 +6,14 @@ cd "$(dirname "$0")/.."
 seconds="${1:-20}"
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCKPT_BUILD_FUZZERS=ON \
   -DCKPT_BUILD_TESTS=OFF -DCKPT_CUDA=OFF > /dev/null
-cmake --build build-fuzz -j2 --target manifest_fuzz safetensors_fuzz hf_index_fuzz store_fuzz
+cmake --build build-fuzz -j2 --target manifest_fuzz safetensors_fuzz hf_index_fuzz optimizer_record_fuzz \
+  store_fuzz
 work=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-fuzz-XXXXXX")
 trap 'rm -rf "$work"' EXIT
 # Each target is <directory>/<name>: binary build-fuzz/<directory>/<name>_fuzz, seeds in
 # <directory>/corpus/<name>/.
-for spec in formats/fuzz/manifest formats/fuzz/safetensors formats/fuzz/hf_index libckpt/fuzz/store; do
+for spec in formats/fuzz/manifest formats/fuzz/safetensors formats/fuzz/hf_index \
+    formats/fuzz/optimizer_record libckpt/fuzz/store; do
   dir="${spec%/*}"
   target="${spec##*/}"
   mkdir -p "$work/$target"

@@ -193,13 +193,14 @@ TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
   nlohmann::json j = nlohmann::json::parse(r.output);
   const nlohmann::json& rec = j["details"]["optimizer"];
   EXPECT_EQ(rec["moment_dtype"], "BF16");
+  EXPECT_EQ(rec["kind"], "adamw");
   EXPECT_EQ(rec["world_size"], 1);
   EXPECT_EQ(rec["params"], 2);
   EXPECT_EQ(rec["elements"], 1010);
   EXPECT_EQ(rec["groups"][0]["lr"].get<double>(), 2.5e-4);
   EXPECT_EQ(rec["groups"][0]["step"], 1);
   Result human = RunTool("inspect " + Root());
-  EXPECT_THAT(human.output, HasSubstr("optimizer: 2 parameters (1010 elements), moments BF16"));
+  EXPECT_THAT(human.output, HasSubstr("optimizer: adamw, 2 parameters (1010 elements), moments BF16"));
 }
 
 TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {

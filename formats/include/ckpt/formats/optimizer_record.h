@@ -1,0 +1,64 @@
+// The optimizer record of a step (blob "optimizer.layout", docs/formats/optimizer-record.md):
+// which parameters the optimizer state belongs to, their param groups with hyper-parameters
+// and step counters, the optimizer's kind and its moments' dtype. Pure functions over bytes,
+// reached by the fuzzer (formats/fuzz/optimizer_record_fuzz.cc).
+#ifndef CKPT_FORMATS_OPTIMIZER_RECORD_H_
+#define CKPT_FORMATS_OPTIMIZER_RECORD_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "ckpt/formats/dtype.h"
+
+namespace ckpt::formats {
+
+inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
+inline constexpr int kOptimizerRecordVersion = 1;
+// The optimizer kinds a record may name; a record without "kind" (written before kinds were
+// recorded) is AdamW's.
+inline constexpr char kOptimizerKindAdamW[] = "adamw";
+// Bounds a reader holds a record to (a record is read whole into memory).
+inline constexpr uint64_t kMaxOptimizerRecordBytes = uint64_t{256} << 20;
+
+struct OptimizerRecordParam {
+  std::string name;
+  std::vector<uint64_t> shape;
+  DType dtype = DType::kF32;  // The model dtype.
+  uint32_t group = 0;         // Index into OptimizerRecord::groups.
+  bool operator==(const OptimizerRecordParam&) const = default;
+};
+
+struct OptimizerRecordGroup {
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  uint64_t step = 0;
+  bool operator==(const OptimizerRecordGroup&) const = default;
+};
+
+struct OptimizerRecord {
+  std::string kind = kOptimizerKindAdamW;
+  DType moment_dtype = DType::kF32;  // kF32 or kBF16.
+  uint32_t world_size = 1;           // The ranks that saved the step.
+  std::vector<OptimizerRecordParam> params;
+  std::vector<OptimizerRecordGroup> groups;
+  bool operator==(const OptimizerRecord&) const = default;
+};
+
+// JSON, one line: {"format":"ckpt-optimizer","version":1,"kind":...,"moment_dtype":...,
+// "world_size":...,"params":[{"name","shape","dtype","group"}...],"groups":[{"lr","beta1",
+// "beta2","eps","weight_decay","step"}...]}. Doubles round-trip exactly.
+std::string EncodeOptimizerRecord(const OptimizerRecord& record);
+
+// kDataLoss naming `where` and the field for anything malformed: not strict JSON (a repeated
+// key), another format, a missing or mistyped field, a dtype ckpt does not know, a moment
+// dtype other than F32 or BF16, world_size 0, a parameter named twice, or one in a group the
+// record lacks; kUnimplemented for a newer version. Hyper-parameter ranges are the optimizer's
+// to judge.
+absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
+                                                     absl::string_view where);
+
+}  // namespace ckpt::formats
+
+#endif  // CKPT_FORMATS_OPTIMIZER_RECORD_H_

@@ -1,0 +1,144 @@
+#include "ckpt/formats/optimizer_record.h"
+
+#include <limits>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
+#include "formats/strict_json.h"
+
+namespace ckpt::formats {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxDepth = 8;
+
+}  // namespace
+
+std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
+  json params = json::array(), groups = json::array();
+  for (const OptimizerRecordParam& p : record.params) {
+    params.push_back({{"name", p.name},
+                      {"shape", p.shape},
+                      {"dtype", std::string(DTypeName(p.dtype))},
+                      {"group", p.group}});
+  }
+  for (const OptimizerRecordGroup& g : record.groups) {
+    groups.push_back({{"lr", g.lr},
+                      {"beta1", g.beta1},
+                      {"beta2", g.beta2},
+                      {"eps", g.eps},
+                      {"weight_decay", g.weight_decay},
+                      {"step", g.step}});
+  }
+  return json{{"format", kOptimizerRecordFormat},
+              {"version", kOptimizerRecordVersion},
+              {"kind", record.kind},
+              {"moment_dtype", std::string(DTypeName(record.moment_dtype))},
+              {"world_size", record.world_size},
+              {"params", params},
+              {"groups", groups}}
+      .dump();
+}
+
+absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
+                                                     absl::string_view where) {
+  auto bad = [&](absl::string_view why) {
+    return absl::DataLossError(absl::StrCat(where, ": optimizer record ", why));
+  };
+  if (text.size() > kMaxOptimizerRecordBytes) {
+    return bad(absl::StrCat("is ", text.size(), " bytes, more than ", kMaxOptimizerRecordBytes));
+  }
+  internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxDepth);
+  if (parsed.syntax_error) return bad("is not JSON");
+  if (parsed.too_deep) return bad("nests too deep");
+  if (!parsed.duplicate.empty()) return bad(absl::StrCat("repeats key \"", parsed.duplicate, "\""));
+  const json& root = parsed.value;
+  if (!root.is_object()) return bad("is not an object");
+  if (!root.contains("format") || root["format"] != kOptimizerRecordFormat) {
+    return bad(absl::StrCat("is not a \"", kOptimizerRecordFormat, "\" record"));
+  }
+  if (!root.contains("version") || !root["version"].is_number_unsigned()) {
+    return bad("has no version");
+  }
+  if (root["version"].get<uint64_t>() > static_cast<uint64_t>(kOptimizerRecordVersion)) {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": optimizer record version ", root["version"].get<uint64_t>(),
+                     " is newer than this build reads (", kOptimizerRecordVersion, ")"));
+  }
+  OptimizerRecord out;
+  if (root.contains("kind")) {
+    if (!root["kind"].is_string()) return bad("has a kind that is not a string");
+    out.kind = root["kind"].get<std::string>();
+  }
+  auto dtype_of = [&](const json& v, absl::string_view field) -> absl::StatusOr<DType> {
+    if (!v.is_string()) return bad(absl::StrCat("has a ", field, " that is not a dtype name"));
+    absl::StatusOr<DType> d = ParseDType(v.get<std::string>());
+    if (!d.ok()) return bad(absl::StrCat("has ", field, " \"", v.get<std::string>(), "\""));
+    return *d;
+  };
+  if (!root.contains("moment_dtype")) return bad("has no moment_dtype");
+  CKPT_ASSIGN_OR_RETURN(out.moment_dtype, dtype_of(root["moment_dtype"], "moment_dtype"));
+  if (out.moment_dtype != DType::kF32 && out.moment_dtype != DType::kBF16) {
+    return bad(absl::StrCat("has moment_dtype ", DTypeName(out.moment_dtype),
+                            " (F32 or BF16 only)"));
+  }
+  if (!root.contains("world_size") || !root["world_size"].is_number_unsigned() ||
+      root["world_size"].get<uint64_t>() == 0 ||
+      root["world_size"].get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
+    return bad("has no world_size from 1 to 2^32 - 1");
+  }
+  out.world_size = root["world_size"].get<uint32_t>();
+  if (!root.contains("groups") || !root["groups"].is_array()) return bad("has no groups");
+  for (const json& g : root["groups"]) {
+    if (!g.is_object()) return bad(absl::StrCat("group ", out.groups.size(), " is not an object"));
+    OptimizerRecordGroup group;
+    for (auto [key, field] : {std::pair{"lr", &group.lr}, {"beta1", &group.beta1},
+                              {"beta2", &group.beta2}, {"eps", &group.eps},
+                              {"weight_decay", &group.weight_decay}}) {
+      if (!g.contains(key) || !g[key].is_number()) {
+        return bad(absl::StrCat("group ", out.groups.size(), " lacks ", key));
+      }
+      *field = g[key].get<double>();
+    }
+    if (!g.contains("step") || !g["step"].is_number_unsigned()) {
+      return bad(absl::StrCat("group ", out.groups.size(), " lacks a step"));
+    }
+    group.step = g["step"].get<uint64_t>();
+    out.groups.push_back(group);
+  }
+  if (!root.contains("params") || !root["params"].is_array()) return bad("has no params");
+  std::set<std::string> names;
+  for (const json& p : root["params"]) {
+    const std::string at = absl::StrCat("param ", out.params.size());
+    if (!p.is_object() || !p.contains("name") || !p["name"].is_string()) {
+      return bad(absl::StrCat(at, " has no name"));
+    }
+    OptimizerRecordParam param;
+    param.name = p["name"].get<std::string>();
+    if (!names.insert(param.name).second) {
+      return bad(absl::StrCat("names parameter \"", param.name, "\" twice"));
+    }
+    const std::string named = absl::StrCat("parameter \"", param.name, "\"");
+    if (!p.contains("shape") || !p["shape"].is_array()) return bad(named + " has no shape");
+    for (const json& d : p["shape"]) {
+      if (!d.is_number_unsigned()) return bad(named + " has a shape of non-integers");
+      param.shape.push_back(d.get<uint64_t>());
+    }
+    if (!p.contains("dtype")) return bad(named + " has no dtype");
+    CKPT_ASSIGN_OR_RETURN(param.dtype, dtype_of(p["dtype"], named + " dtype"));
+    if (!p.contains("group") || !p["group"].is_number_unsigned() ||
+        p["group"].get<uint64_t>() >= out.groups.size()) {
+      return bad(absl::StrCat(named, " is in no group of the ", out.groups.size(),
+                              " the record has"));
+    }
+    param.group = p["group"].get<uint32_t>();
+    out.params.push_back(std::move(param));
+  }
+  return out;
+}
+
+}  // namespace ckpt::formats

@@ -1,0 +1,81 @@
+#include "ckpt/formats/optimizer_record.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/support/status_matchers.h"
+
+namespace ckpt::formats {
+namespace {
+
+using ::ckpt::testing::StatusIs;
+using ::testing::HasSubstr;
+
+OptimizerRecord Sample() {
+  OptimizerRecord r;
+  r.moment_dtype = DType::kBF16;
+  r.world_size = 3;
+  r.params = {{"embed.weight", {32000, 1024}, DType::kBF16, 0},
+              {"norm.bias", {1024}, DType::kBF16, 1},
+              {"scalar", {}, DType::kF32, 1}};
+  r.groups = {{1e-3, 0.9, 0.95, 1e-8, 0.1, 120}, {3.0000000000000004e-4, 0.8, 0.999, 0, 0, 7}};
+  return r;
+}
+
+TEST(OptimizerRecordTest, RoundTripsExactlyWithItsKind) {
+  const std::string text = EncodeOptimizerRecord(Sample());
+  EXPECT_THAT(text, HasSubstr("\"kind\":\"adamw\""));
+  auto back = ParseOptimizerRecord(text, "step 5");
+  CKPT_ASSERT_OK(back);
+  EXPECT_EQ(*back, Sample());
+}
+
+TEST(OptimizerRecordTest, ARecordWithoutAKindIsAdamWs) {
+  auto r = ParseOptimizerRecord(
+      R"({"format":"ckpt-optimizer","version":1,"moment_dtype":"F32","world_size":1,)"
+      R"("params":[{"name":"w","shape":[2],"dtype":"F32","group":0}],)"
+      R"("groups":[{"lr":0.1,"beta1":0.9,"beta2":0.99,"eps":1e-8,"weight_decay":0,"step":3}]})",
+      "old");
+  CKPT_ASSERT_OK(r);
+  EXPECT_EQ(r->kind, kOptimizerKindAdamW);
+  EXPECT_EQ(r->groups[0].step, 3u);
+}
+
+TEST(OptimizerRecordTest, EveryMalformedFieldIsDataLossNamingIt) {
+  const std::string good = EncodeOptimizerRecord(Sample());
+  auto damaged = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    return ParseOptimizerRecord(text, "step 5").status();
+  };
+  struct Case {
+    std::string from, to, names;
+  };
+  const std::vector<Case> cases = {
+      {"\"ckpt-optimizer\"", "\"ckpt\"", "record"},
+      {"\"moment_dtype\":\"BF16\"", "\"moment_dtype\":\"F16\"", "moment_dtype F16"},
+      {"\"moment_dtype\":\"BF16\"", "\"moment_dtype\":\"Q8\"", "moment_dtype \"Q8\""},
+      {"\"world_size\":3", "\"world_size\":0", "world_size"},
+      {"\"group\":1", "\"group\":2", "\"norm.bias\" is in no group"},
+      {"\"name\":\"scalar\"", "\"name\":\"norm.bias\"", "\"norm.bias\" twice"},
+      {"\"step\":7", "\"step\":-7", "group 1 lacks a step"},
+      {"\"lr\":0.001", "\"lr\":\"0.001\"", "group 0 lacks lr"},
+      {"[32000,1024]", "[32000,-1]", "\"embed.weight\" has a shape of non-integers"},
+      {"\"dtype\":\"F32\"", "\"dtype\":7", "\"scalar\" dtype that is not a dtype name"},
+      {"\"world_size\":3", "\"world_size\":3,\"world_size\":3", "repeats key \"world_size\""},
+  };
+  for (const Case& c : cases) {
+    const absl::Status s = damaged(c.from, c.to);
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss)) << c.to;
+    EXPECT_THAT(s.message(), HasSubstr("step 5: optimizer record")) << c.to;
+    EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
+  }
+  EXPECT_THAT(ParseOptimizerRecord("[1,2", "x"), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(damaged("\"version\":1", "\"version\":2"),
+              StatusIs(absl::StatusCode::kUnimplemented));
+}
+
+}  // namespace
+}  // namespace ckpt::formats
