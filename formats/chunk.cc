@@ -187,6 +187,9 @@ absl::Status ZstdPayloadStream::Fill(std::span<const std::byte> stored, std::spa
   }
   consumed_ = in.pos;
   position_ += o.pos;
+  // A frame that ends as this read's buffer fills, short of raw_bytes, is damage now, not at
+  // the next read.
+  if (frame_done_ && position_ < raw_bytes_) return damaged("it ends early");
   if (position_ == raw_bytes_ && !frame_done_) {
     // Every byte is out; the frame must end here, with nothing after it.
     std::byte extra[1];

@@ -111,6 +111,12 @@ TEST(ChunkTest, ZstdStreamRefusesAPayloadOfAnotherSizeOrTruncated) {
   std::string more(raw.size() + 1, '\0');
   EXPECT_THAT((*shorter)->Read(AsBytes(*packed), 0, std::as_writable_bytes(std::span(more))),
               StatusIs(absl::StatusCode::kDataLoss));
+  // A frame that ends exactly where a read in part ends, short of the claimed size.
+  auto early = ZstdPayloadStream::Create(raw.size() + 1000, "f", 0);
+  CKPT_ASSERT_OK(early);
+  std::string exact(raw.size(), '\0');
+  EXPECT_THAT((*early)->Read(AsBytes(*packed), 0, std::as_writable_bytes(std::span(exact))),
+              StatusIs(absl::StatusCode::kDataLoss));
   // The bounded check verify uses agrees.
   CKPT_EXPECT_OK(CheckPayloadDecodes(Codec::kZstd, AsBytes(*packed), raw.size(), "f", 0));
   EXPECT_THAT(CheckPayloadDecodes(Codec::kZstd, AsBytes(*packed), raw.size() - 1, "f", 0),

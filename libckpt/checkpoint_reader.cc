@@ -58,6 +58,8 @@ struct CheckpointReader::DecodeCache {
   }
   void Put(uint32_t file, uint64_t chunk, std::unique_ptr<formats::ZstdPayloadStream> s) {
     std::lock_guard<std::mutex> lock(mu);
+    // Two reads of one chunk that missed at once: the later stream replaces the earlier.
+    std::erase_if(entries, [&](const Entry& e) { return e.file == file && e.chunk == chunk; });
     if (entries.size() == kStreams) entries.erase(entries.begin());
     entries.push_back({file, chunk, std::move(s)});
   }
