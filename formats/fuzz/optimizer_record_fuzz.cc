@@ -3,12 +3,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <string_view>
 
+#include "absl/strings/string_view.h"
 #include "ckpt/formats/optimizer_record.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  const absl::string_view text(reinterpret_cast<const char*>(data), size);
   auto record = ckpt::formats::ParseOptimizerRecord(text, "fuzz");
   if (!record.ok()) return 0;
   for (const auto& p : record->params) {
