@@ -50,6 +50,12 @@ class Engine {
   virtual absl::StatusOr<StepReport> CheckFinite(const StepArgs& args,
                                                  const std::vector<Unit>& units,
                                                  uint64_t elements) = 0;
+  // Orders what the caller queues next on args.stream after the writes of the last Step call
+  // (once per StagedAdamW::Step, however many calls it took); no-op for the CPU engine.
+  virtual absl::Status OrderCallerAfterStep(const StepArgs& args) {
+    (void)args;
+    return absl::OkStatus();
+  }
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }

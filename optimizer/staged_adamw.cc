@@ -291,7 +291,10 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
   SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
                 slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype};
   if (fence_ == nullptr || units_.empty()) {
-    return engine_->Step(args, units_, constants, view, model_dtype_, size_);
+    CKPT_ASSIGN_OR_RETURN(StepReport report,
+                          engine_->Step(args, units_, constants, view, model_dtype_, size_));
+    if (!report.skipped) CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+    return report;
   }
   // An async save is writing: the whole step is checked first (a skipped step changes
   // nothing), then the units go through the engine in batches, each once the fence lets it go.
@@ -320,6 +323,8 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
                           engine_->Step(unchecked, batch, constants, view, model_dtype_, size_));
     report.done = part.done;
   }
+  // Once, after the last batch: the batches' kernels overlap across slots as in a plain step.
+  CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
   return report;
 }
 

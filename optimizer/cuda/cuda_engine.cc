@@ -196,10 +196,14 @@ class CudaEngine : public internal::Engine {
     for (Slot& s : slots_)
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
-    // What the caller queues next (reading the parameters) runs after the step's last write.
-    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
     report.done = reinterpret_cast<CUevent_st*>(done_.get());
     return report;
+  }
+
+  absl::Status OrderCallerAfterStep(const StepArgs& args) override {
+    // What the caller queues next (reading the parameters) runs after the step's last write.
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(ToCudaStream(*args.stream), done_.get(), 0));
+    return absl::OkStatus();
   }
 
   absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
