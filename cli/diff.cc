@@ -21,7 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
 #include "cli/commands.h"
@@ -109,8 +109,7 @@ class CkptSource : public Source {
       out.numel = t.numel();
       out.element_bytes = formats::DTypeSize(t.dtype);
       out.byte_size = out.numel * out.element_bytes;
-      out.floating = t.dtype == formats::DType::kF32 || t.dtype == formats::DType::kBF16 ||
-                     t.dtype == formats::DType::kF16;
+      out.floating = formats::IsFloatDType(t.dtype);
       s->dtypes_[t.name] = t.dtype;
     }
     return std::unique_ptr<Source>(std::move(s));
@@ -126,12 +125,9 @@ class CkptSource : public Source {
       return reader_->ReadRange(name, begin, count, std::as_writable_bytes(out));
     }
     std::vector<uint16_t> half(count);
-    CKPT_RETURN_IF_ERROR(
-        reader_->ReadRange(name, begin, count, std::as_writable_bytes(std::span(half))));
-    for (uint64_t i = 0; i < count; ++i) {
-      out[i] = d == formats::DType::kBF16 ? formats::Bf16ToFloat(half[i])
-                                          : formats::HalfToFloat(half[i]);
-    }
+    const std::span<std::byte> bytes = std::as_writable_bytes(std::span(half));
+    CKPT_RETURN_IF_ERROR(reader_->ReadRange(name, begin, count, bytes));
+    formats::Convert(d, bytes, formats::DType::kF32, std::as_writable_bytes(out));
     return absl::OkStatus();
   }
   absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,

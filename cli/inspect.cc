@@ -74,11 +74,12 @@ json StepDetails(const formats::Manifest& m) {
 // element counts, the DP size that wrote it. nullopt when the step has none; {"error": ...}
 // when it cannot be read.
 std::optional<json> OptimizerRecord(const CheckpointReader& reader) {
-  constexpr char kLayoutBlob[] = "optimizer.layout";
   bool present = false;
-  for (const formats::BlobInfo& b : reader.manifest().blobs) present |= b.name == kLayoutBlob;
+  for (const formats::BlobInfo& b : reader.manifest().blobs) {
+    present |= b.name == formats::kOptimizerRecordBlob;
+  }
   if (!present) return std::nullopt;
-  absl::StatusOr<std::string> text = reader.ReadBlob(kLayoutBlob, 0);
+  absl::StatusOr<std::string> text = reader.ReadBlob(formats::kOptimizerRecordBlob, 0);
   if (!text.ok()) return json{{"error", std::string(text.status().message())}};
   absl::StatusOr<formats::OptimizerRecord> record = formats::ParseOptimizerRecord(
       *text, absl::StrCat("step ", reader.manifest().step));

@@ -9,8 +9,6 @@
 // 4. SyncDir(dir): the renames and removals are durable only now.
 #include "ckpt/hf_checkpoint.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -23,9 +21,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "ckpt/base/coding.h"
-#include "ckpt/base/cpu_features.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "libckpt/aligned_buffer.h"
 #include "libckpt/read_pipeline.h"
 
@@ -38,63 +35,6 @@ using internal::kDirectIoAlignment;
 
 constexpr uint64_t kSliceBytes = uint64_t{8} << 20;
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
-
-// Scalar conversion of n elements. Written as plain loads and shifts so the compiler vectorises
-// the BF16 loop at -O3. Little-endian host: a BF16 is the high half of its float.
-void ConvertScalar(StDType dtype, const unsigned char* src, float* out, size_t n) {
-  if (dtype == StDType::kBF16) {
-    auto* dst = reinterpret_cast<uint32_t*>(out);
-    for (size_t i = 0; i < n; ++i) {
-      uint16_t v;
-      std::memcpy(&v, src + 2 * i, 2);
-      dst[i] = static_cast<uint32_t>(v) << 16;
-    }
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      uint16_t v;
-      std::memcpy(&v, src + 2 * i, 2);
-      out[i] = formats::HalfToFloat(v);
-    }
-  }
-}
-
-// 16-bit to FP32 with streaming stores once `out` is 32-byte aligned: the output of a load is
-// far larger than the caches and is not read back here, so plain stores would first read every
-// destination line (a third of the memory traffic of the conversion) for nothing.
-__attribute__((target("avx2,f16c"))) void Convert16Avx2(StDType dtype, const unsigned char* src,
-                                                        float* out, size_t n) {
-  size_t head = (32 - reinterpret_cast<uintptr_t>(out) % 32) % 32 / 4;
-  if (reinterpret_cast<uintptr_t>(out) % 4 != 0 || head > n) head = n;  // Unaligned: scalar.
-  ConvertScalar(dtype, src, out, head);
-  size_t i = head;
-  if (dtype == StDType::kBF16) {
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i),
-                          _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
-      _mm256_stream_ps(out + i, _mm256_cvtph_ps(h));
-    }
-  }
-  _mm_sfence();  // Streaming stores are weakly ordered: publish them before returning.
-  ConvertScalar(dtype, src + 2 * i, out + i, n - i);
-}
-
-void ConvertToF32(StDType dtype, std::span<const std::byte> in, float* out) {
-  static const bool kAvx2 = CpuHasAvx2F16c();
-  const size_t n = in.size() / (formats::StDTypeBits(dtype) / 8);
-  const auto* src = reinterpret_cast<const unsigned char*>(in.data());
-  if (dtype == StDType::kF32) {
-    std::memcpy(out, in.data(), in.size());
-  } else if (kAvx2) {
-    Convert16Avx2(dtype, src, out, n);
-  } else {
-    ConvertScalar(dtype, src, out, n);
-  }
-}
 
 absl::Status WriteWhole(Env* env, const std::string& dir, const std::string& name,
                         const std::vector<std::span<const std::byte>>& parts) {
@@ -337,11 +277,13 @@ absl::StatusOr<HfCheckpointReader::Job> HfCheckpointReader::F32Job(const F32Requ
                      r.out.size(), "-element output does not fit its ", t->numel, " elements"));
   }
   const uint64_t esize = formats::StDTypeBits(t->dtype) / 8;
-  const StDType dtype = t->dtype;
+  const formats::DType dtype = formats::FromStDType(t->dtype).value();  // F32, BF16 or F16.
   float* out = r.out.data();
   return Job{shards_.at(t->shard).get(), t->file_offset + r.begin * esize, r.count * esize, esize,
              [dtype, out, esize](uint64_t pos, std::span<const std::byte> bytes) {
-               ConvertToF32(dtype, bytes, out + pos / esize);
+               const size_t n = bytes.size() / esize;
+               formats::Convert(dtype, bytes, formats::DType::kF32,
+                                std::as_writable_bytes(std::span(out + pos / esize, n)));
              }};
 }
 

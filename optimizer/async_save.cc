@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "optimizer/state_io.h"
 
 namespace ckpt::optimizer::internal {
 
@@ -32,16 +32,15 @@ uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
   return unit.count * (4 + 2 * opt.moment_bytes());
 }
 
-AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan,
+AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
                      StagingPool* pool)
     : units_(opt.units()),
       master_(reinterpret_cast<const std::byte*>(opt.master().data())),
       exp_avg_(opt.exp_avg_bytes().data()),
       exp_avg_sq_(opt.exp_avg_sq_bytes().data()),
       moment_bytes_(opt.moment_bytes()),
-      model_dtype_(opt.model_dtype()),
-      plan_(std::move(plan)),
-      segments_(opt.units().size()),
+      layout_(StateLayout::Of(opt)),
+      blobs_(std::move(blobs)),
       txn_(std::move(txn)),
       state_(opt.units().size(), State::kPending),
       pool_(pool),
@@ -49,21 +48,7 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
   if (pool_ != nullptr) {
     for (size_t i = pool_->slots(); i-- > 0;) free_slots_.push_back(i);
   }
-  // Cut the pieces (slab order) at unit boundaries (slab order too).
-  const std::vector<Unit>& units = units_;
-  size_t u = 0;
-  uint64_t offset = 0;
-  for (const Piece& piece : opt.options().pieces) {
-    for (uint64_t done = 0; done < piece.count;) {
-      while (offset + done >= units[u].offset + units[u].count) ++u;
-      const uint64_t at = offset + done - units[u].offset;
-      const uint64_t n = std::min(piece.count - done, units[u].count - at);
-      segments_[u].push_back({piece.param, piece.begin + done, at, n});
-      done += n;
-    }
-    offset += piece.count;
-  }
-  stats_.units = units.size();
+  stats_.units = units_.size();
   writer_ = std::thread([this] { WriterMain(); });
 }
 
@@ -167,7 +152,7 @@ void AsyncSave::WriterMain() {
 }
 
 absl::Status AsyncSave::WriteAll() {
-  for (const TensorSpec& t : plan_.declarations) CKPT_RETURN_IF_ERROR(txn_->DeclareTensor(t));
+  for (const TensorSpec& t : layout_.Declarations()) CKPT_RETURN_IF_ERROR(txn_->DeclareTensor(t));
   // Unit u is queued while unit u - 1 is being written, so the store's writer threads always
   // have the next unit's chunks at hand; a unit is released once written.
   struct Queued {
@@ -217,7 +202,7 @@ absl::Status AsyncSave::WriteAll() {
     absl::Status s = release(*previous);
     if (!s.ok()) return s;
   }
-  for (const auto& [name, bytes] : plan_.blobs) {
+  for (const auto& [name, bytes] : blobs_) {
     absl::Status s = txn_->WriteBlob(name, std::as_bytes(std::span(bytes)));
     if (!s.ok()) return s;
   }
@@ -226,46 +211,12 @@ absl::Status AsyncSave::WriteAll() {
 
 absl::StatusOr<uint64_t> AsyncSave::QueueUnit(size_t u, const std::byte* master,
                                               const std::byte* m, const std::byte* v) {
-  const DType model = model_dtype_;
-  const size_t wsize = formats::DTypeSize(model);
-  // The unit's weights, rounded from its masters, stay here until it is written: two units are
-  // in the writer's hands at once, hence two buffers.
+  // The unit's weights, rounded from its masters, stay in a bounce buffer until it is written
+  // (the caller's weight buffer is not read: a CUDA trainer copies device weights into it at
+  // will). Two units are in the writer's hands at once, hence two buffers.
   std::vector<std::byte>& bounce = bounce_[u % 2];
-  if (model != DType::kF32) bounce.resize(units_[u].count * wsize);
-  uint64_t ticket = 0;
-  for (const Segment& seg : segments_[u]) {
-    const std::array<std::string, 4>& names = plan_.names[seg.param];
-    const std::byte* seg_master = master + seg.at * 4;
-    // The weights every step writes are the masters rounded to the model dtype; the caller's
-    // weight buffer is not read (a CUDA trainer copies device weights into it at will).
-    std::span<const std::byte> weights(seg_master, seg.count * 4);
-    if (model != DType::kF32) {
-      std::byte* out = bounce.data() + seg.at * wsize;
-      if (model == DType::kBF16 && reinterpret_cast<uintptr_t>(seg_master) % 4 == 0) {
-        formats::FloatsToBf16(reinterpret_cast<const float*>(seg_master),
-                              reinterpret_cast<uint16_t*>(out), seg.count);
-      } else {
-        for (uint64_t i = 0; i < seg.count; ++i) {
-          float f;
-          std::memcpy(&f, seg_master + 4 * i, 4);
-          const uint16_t h =
-              model == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
-          std::memcpy(out + 2 * i, &h, 2);
-        }
-      }
-      weights = {out, seg.count * wsize};
-    }
-    CKPT_ASSIGN_OR_RETURN(ticket, txn_->WritePieceDeferred(names[0], seg.begin, seg.count, weights));
-    CKPT_ASSIGN_OR_RETURN(ticket, txn_->WritePieceDeferred(names[1], seg.begin, seg.count,
-                                                            {seg_master, seg.count * 4}));
-    CKPT_ASSIGN_OR_RETURN(
-        ticket, txn_->WritePieceDeferred(names[2], seg.begin, seg.count,
-                                         {m + seg.at * moment_bytes_, seg.count * moment_bytes_}));
-    CKPT_ASSIGN_OR_RETURN(
-        ticket, txn_->WritePieceDeferred(names[3], seg.begin, seg.count,
-                                         {v + seg.at * moment_bytes_, seg.count * moment_bytes_}));
-  }
-  return ticket;
+  bounce.resize(units_[u].count * formats::DTypeSize(layout_.dtype(StateKind::kWeights)));
+  return QueueState(*txn_, layout_, units_[u].offset, units_[u].count, {master, m, v}, bounce);
 }
 
 bool AsyncSave::writer_done() const {

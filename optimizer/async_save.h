@@ -17,7 +17,6 @@
 #ifndef CKPT_OPTIMIZER_ASYNC_SAVE_H_
 #define CKPT_OPTIMIZER_ASYNC_SAVE_H_
 
-#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -30,6 +29,7 @@
 #include "absl/status/status.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/state_layout.h"
 #include "optimizer/unit_fence.h"
 
 namespace ckpt::optimizer::internal {
@@ -66,17 +66,14 @@ struct AsyncSaveStats {
 
 class AsyncSave : public UnitFence {
  public:
-  // What the writer writes. Tensor names per parameter: weights (model dtype, rounded from the
-  // masters, which is what every step writes), master, exp_avg, exp_avg_sq; the blobs go last.
-  struct Plan {
-    std::vector<std::array<std::string, 4>> names;  // Indexed by parameter.
-    std::vector<TensorSpec> declarations;
-    std::vector<std::pair<std::string, std::string>> blobs;
-  };
-  // Starts the writer on `txn`. Until Wait() returns, `opt` may change only through Step with
-  // this object installed as its fence, and `pool` (null: steps never copy, they wait) is this
-  // save's. Its slots must hold any unit (UnitStateBytes).
-  AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Plan plan,
+  // Blobs written after the state, by name.
+  using Blobs = std::vector<std::pair<std::string, std::string>>;
+  // Starts the writer on `txn`: the state as StateLayout::Of(opt) lays it out (the weights
+  // rounded from the masters, which is what every step writes), then `blobs`. Until Wait()
+  // returns, `opt` may change only through Step with this object installed as its fence, and
+  // `pool` (null: steps never copy, they wait) is this save's. Its slots must hold any unit
+  // (UnitStateBytes).
+  AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
             StagingPool* pool);
   // The bytes of a unit's master and moments; the largest is a pool's slot size.
   static uint64_t UnitStateBytes(const StagedAdamW& opt, const Unit& unit);
@@ -100,12 +97,6 @@ class AsyncSave : public UnitFence {
   static constexpr uint64_t kCopyBatchBytes = uint64_t{256} << 20;
   // Copies units `copy` into their slots, on up to one thread per core.
   void CopyUnits(const std::vector<size_t>& copy, const std::vector<std::byte*>& to) const;
-  // A run of one unit inside one piece: parameter, first element in the tensor, first element
-  // in the unit (relative), count.
-  struct Segment {
-    uint32_t param;
-    uint64_t begin, at, count;
-  };
   void WriterMain();
   absl::Status WriteAll();
   // Queues unit `u` from its master and moment bytes (the slabs' or its copy's), which must
@@ -122,11 +113,10 @@ class AsyncSave : public UnitFence {
   const std::byte* const exp_avg_;
   const std::byte* const exp_avg_sq_;
   const size_t moment_bytes_;
-  const formats::DType model_dtype_;
-  const Plan plan_;
-  std::vector<std::vector<Segment>> segments_;  // Per unit.
+  const StateLayout layout_;
+  const Blobs blobs_;
   std::vector<std::byte> bounce_[2];  // The writer's model-dtype weights of units u % 2.
-  // After what its writer threads read (plan_'s blobs, bounce_), so that it goes first.
+  // After what its writer threads read (blobs_, bounce_), so that it goes first.
   std::unique_ptr<SaveTransaction> txn_;
 
   mutable std::mutex mu_;

@@ -63,11 +63,12 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "ckpt/formats/optimizer_record.h"
 #include "optimizer/async_save.h"
-#include "optimizer/checkpointer_layout.h"
 #include "optimizer/new_directory.h"
+#include "optimizer/state_io.h"
+#include "optimizer/state_layout.h"
 #include "optimizer/thread_pool.h"
 #include "optimizer/engine.h"
 
@@ -75,19 +76,16 @@ namespace ckpt::optimizer {
 namespace {
 
 using formats::DType;
-using internal::kLayoutBlob;
-using internal::kStatePrefixes;
+using formats::kOptimizerRecordBlob;
 using internal::kTrainerPrefix;
 using internal::ListNames;
-using internal::MomentDTypeOf;
-
-// Elements converted per batch when a checkpoint's moment dtype differs from the slabs'.
-constexpr uint64_t kConvertElems = uint64_t{1} << 20;
+using internal::StateKind;
+using internal::StateLayout;
 
 // The step's optimizer record (formats/optimizer_record.h), of an AdamW optimizer.
 absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& reader,
                                                     absl::string_view where) {
-  CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kLayoutBlob, 0));
+  CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kOptimizerRecordBlob, 0));
   CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record,
                         formats::ParseOptimizerRecord(text, where));
   if (record.kind != formats::kOptimizerKindAdamW) {
@@ -135,62 +133,8 @@ absl::Status CheckParamGroups(const formats::OptimizerRecord& record,
       internal::ListNames(moved), "; their hyper-parameters would change, so nothing was loaded"));
 }
 
-// The tensors every rank declares in a step (the layout at the top of checkpointer.h), in the
-// order Save and SaveAsync declare them: per parameter its weights, master, exp_avg, exp_avg_sq.
-std::vector<TensorSpec> Declarations(const StagedAdamW& opt) {
-  const DType model = opt.model_dtype(), moment = MomentDTypeOf(opt.options().moment_dtype);
-  std::vector<TensorSpec> out;
-  for (const ParamSpec& p : opt.options().params) {
-    out.push_back({p.name, model, p.shape});
-    out.push_back({kStatePrefixes[0] + p.name, DType::kF32, p.shape});
-    out.push_back({kStatePrefixes[1] + p.name, moment, p.shape});
-    out.push_back({kStatePrefixes[2] + p.name, moment, p.shape});
-  }
-  return out;
-}
-
 }  // namespace
 
-namespace internal {
-
-bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const formats::PieceInfo& p : m.pieces) {
-    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
-  }
-  std::sort(ranges.begin(), ranges.end());
-  uint64_t at = begin;
-  for (const auto& [lo, hi] : ranges) {
-    if (lo > at) break;
-    at = std::max(at, hi);
-  }
-  return at >= begin + count;
-}
-
-std::string LayoutRecord(const std::vector<ParamSpec>& params,
-                         const std::vector<ParamGroup>& groups, MomentDType moments,
-                         int world_size) {
-  formats::OptimizerRecord record;
-  record.kind = formats::kOptimizerKindAdamW;
-  record.moment_dtype = MomentDTypeOf(moments);
-  record.world_size = static_cast<uint32_t>(world_size);
-  for (const ParamSpec& p : params) record.params.push_back({p.name, p.shape, p.dtype, p.group});
-  for (const ParamGroup& g : groups) {
-    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step});
-  }
-  return formats::EncodeOptimizerRecord(record);
-}
-
-std::string ListNames(const std::vector<std::string>& names) {
-  constexpr size_t kShown = 10;
-  std::vector<std::string> shown(names.begin(),
-                                 names.begin() + std::min<size_t>(kShown, names.size()));
-  std::string out = absl::StrJoin(shown, ", ");
-  if (names.size() > shown.size()) absl::StrAppend(&out, " and ", names.size() - kShown, " more");
-  return out;
-}
-
-}  // namespace internal
 
 // Where a failed load rolls back from: a committed step (the store's, or a private spill). It
 // is opened once when fixed (so a load never starts without a readable undo source), closed
@@ -274,30 +218,16 @@ absl::Status Checkpointer::Vote(const absl::Status& mine) {
   return absl::OkStatus();
 }
 
-absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs) {
-  const StagedAdamWOptions& o = optimizer_->options();
-  const DType model = optimizer_->model_dtype();
-  for (const TensorSpec& t : Declarations(*optimizer_)) CKPT_RETURN_IF_ERROR(txn.DeclareTensor(t));
-  const std::span<const std::byte> slabs[3] = {std::as_bytes(optimizer_->master()),
-                                               optimizer_->exp_avg_bytes(),
-                                               optimizer_->exp_avg_sq_bytes()};
-  const size_t sizes[3] = {4, optimizer_->moment_bytes(), optimizer_->moment_bytes()};
-  const size_t wsize = formats::DTypeSize(model);
-  uint64_t offset = 0;
-  for (const Piece& piece : o.pieces) {
-    const std::string& name = o.params[piece.param].name;
-    CKPT_RETURN_IF_ERROR(txn.WritePiece(name, piece.begin, piece.count,
-                                        weights_.subspan(offset * wsize, piece.count * wsize)));
-    for (int s = 0; s < 3; ++s) {
-      CKPT_RETURN_IF_ERROR(
-          txn.WritePiece(kStatePrefixes[s] + name, piece.begin, piece.count,
-                         slabs[s].subspan(offset * sizes[s], piece.count * sizes[s])));
-    }
-    offset += piece.count;
-  }
-  const std::string layout = internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
-                                optimizer_->options().moment_dtype, coordinator_->size());
-  CKPT_RETURN_IF_ERROR(txn.WriteBlob(kLayoutBlob, std::as_bytes(std::span(layout))));
+absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs,
+                                    uint64_t chunk_bytes) {
+  const StateLayout layout = StateLayout::Of(*optimizer_);
+  for (const TensorSpec& t : layout.Declarations()) CKPT_RETURN_IF_ERROR(txn.DeclareTensor(t));
+  CKPT_RETURN_IF_ERROR(
+      internal::WriteState(txn, layout, internal::SlabBytes(*optimizer_), chunk_bytes));
+  const std::string record =
+      internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
+                             optimizer_->options().moment_dtype, coordinator_->size());
+  CKPT_RETURN_IF_ERROR(txn.WriteBlob(kOptimizerRecordBlob, std::as_bytes(std::span(record))));
   for (const auto& [key, value] : blobs) {
     CKPT_RETURN_IF_ERROR(
         txn.WriteBlob(absl::StrCat(kTrainerPrefix, key), std::as_bytes(std::span(value))));
@@ -319,7 +249,7 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> Checkpointer::BeginSave(uint64_
 absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
   // Steps 1 and 2.
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, BeginSave(step, "save"));
-  absl::Status written = SaveInto(*txn, blobs);
+  absl::Status written = SaveInto(*txn, blobs, store_->options().chunk_bytes);
   if (!written.ok()) {
     // The vote must go round so the others abort too; this rank already fails with `written`.
     txn->Abort().IgnoreError();
@@ -337,15 +267,12 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   // Step A1.
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, BeginSave(step, "async save"));
   // Step A2: everything that is not in the slabs is taken now.
-  internal::AsyncSave::Plan plan;
-  plan.declarations = Declarations(*optimizer_);
-  for (size_t i = 0; i < plan.declarations.size(); i += 4) {
-    const std::vector<TensorSpec>& d = plan.declarations;
-    plan.names.push_back({d[i].name, d[i + 1].name, d[i + 2].name, d[i + 3].name});
-  }
-  plan.blobs.emplace_back(kLayoutBlob, internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
-                                optimizer_->options().moment_dtype, coordinator_->size()));
-  for (const auto& [key, value] : blobs) plan.blobs.emplace_back(kTrainerPrefix + key, value);
+  std::vector<std::pair<std::string, std::string>> plan_blobs;
+  plan_blobs.emplace_back(
+      kOptimizerRecordBlob,
+      internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
+                             optimizer_->options().moment_dtype, coordinator_->size()));
+  for (const auto& [key, value] : blobs) plan_blobs.emplace_back(kTrainerPrefix + key, value);
   if (staging_ == nullptr) {
     uint64_t slot_bytes = 0;
     for (const Unit& u : optimizer_->units()) {
@@ -362,7 +289,7 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   flight->step = step;
   flight->version_at_call = optimizer_->state_version();
   flight->save = std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn),
-                                                       std::move(plan), staging_.get());
+                                                       std::move(plan_blobs), staging_.get());
   flight->fence.emplace(optimizer_->InstallFence(flight->save.get()));
   in_flight_ = std::move(flight);
   return std::unique_ptr<PendingSave>(new PendingSave(this, step));
@@ -397,9 +324,9 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
   std::set<std::string> expected;
   std::vector<std::string> missing, extra;
-  for (const ParamSpec& p : o.params) {
-    expected.insert(p.name);
-    for (const char* prefix : kStatePrefixes) expected.insert(prefix + p.name);
+  const StateLayout layout = StateLayout::Of(*optimizer_);
+  for (uint32_t p = 0; p < o.params.size(); ++p) {
+    for (StateKind kind : layout.kinds()) expected.insert(layout.name(p, kind));
   }
   for (const std::string& name : expected) {
     if (!index.count(name)) missing.push_back(name);
@@ -415,26 +342,26 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
                       : absl::StrCat("; not in the optimizer ", extra.size(), ": ",
                                      ListNames(extra))));
   }
-  DType moments = m.tensors[index[kStatePrefixes[1] + o.params[0].name]].dtype;
-  for (const ParamSpec& p : o.params) {
-    const std::string names[4] = {p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
-                                  kStatePrefixes[2] + p.name};
-    const DType dtypes[4] = {optimizer_->model_dtype(), DType::kF32, moments, moments};
-    for (int s = 0; s < 4; ++s) {
-      const formats::TensorInfo& t = m.tensors[index[names[s]]];
-      if (t.shape != p.shape || t.dtype != dtypes[s] ||
-          (s > 1 && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": tensor \"", names[s], "\" is ", formats::DTypeName(t.dtype),
-                         " [", absl::StrJoin(t.shape, ", "), "], the optimizer needs ",
-                         formats::DTypeName(dtypes[s]), " [", absl::StrJoin(p.shape, ", "), "]"));
+  // The moments may be stored as F32 or BF16 (a load converts them), both alike.
+  const DType moments = m.tensors[index[layout.name(0, StateKind::kExpAvg)]].dtype;
+  for (uint32_t p = 0; p < o.params.size(); ++p) {
+    for (StateKind kind : layout.kinds()) {
+      const bool moment = kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
+      const DType want = moment ? moments : layout.dtype(kind);
+      const std::string& name = layout.name(p, kind);
+      const formats::TensorInfo& t = m.tensors[index[name]];
+      if (t.shape != o.params[p].shape || t.dtype != want ||
+          (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": tensor \"", name, "\" is ", formats::DTypeName(t.dtype), " [",
+            absl::StrJoin(t.shape, ", "), "], the optimizer needs ", formats::DTypeName(want),
+            " [", absl::StrJoin(o.params[p].shape, ", "), "]"));
       }
     }
   }
   for (const Piece& piece : o.pieces) {
-    const ParamSpec& p = o.params[piece.param];
-    for (const std::string& name : {p.name, kStatePrefixes[0] + p.name, kStatePrefixes[1] + p.name,
-                                    kStatePrefixes[2] + p.name}) {
+    for (StateKind kind : layout.kinds()) {
+      const std::string& name = layout.name(piece.param, kind);
       if (!internal::Covers(m, index[name], piece.begin, piece.count)) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
@@ -455,50 +382,13 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
   CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
   CKPT_ASSIGN_OR_RETURN(std::vector<ParamGroup> groups,
                         RecordGroups(record, o.groups.size(), where));
-  const std::span<std::byte> slabs[3] = {std::as_writable_bytes(optimizer_->mutable_master()),
-                                         optimizer_->mutable_exp_avg_bytes(),
-                                         optimizer_->mutable_exp_avg_sq_bytes()};
-  const DType slab_dtypes[3] = {DType::kF32, MomentDTypeOf(o.moment_dtype),
-                                MomentDTypeOf(o.moment_dtype)};
   // The weights are not read: they are the masters rounded, written once the load has been
   // voted (Transact), so that until then the weight buffer still holds what a rollback may
   // re-derive the masters from.
-  std::vector<std::byte> batch;
-  uint64_t offset = 0;
-  for (const Piece& piece : o.pieces) {
-    const std::string& name = o.params[piece.param].name;
-    for (int s = 0; s < 3; ++s) {
-      const std::string tensor = kStatePrefixes[s] + name;
-      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(tensor));
-      const size_t size = formats::DTypeSize(slab_dtypes[s]);
-      std::span<std::byte> out = slabs[s].subspan(offset * size, piece.count * size);
-      if (info->dtype == slab_dtypes[s]) {
-        CKPT_RETURN_IF_ERROR(reader.ReadRange(tensor, piece.begin, piece.count, out));
-        continue;
-      }
-      // F32 <-> BF16 moments, a bounded batch at a time.
-      const size_t in_size = formats::DTypeSize(info->dtype);
-      for (uint64_t done = 0; done < piece.count; done += kConvertElems) {
-        const uint64_t n = std::min(kConvertElems, piece.count - done);
-        batch.resize(n * in_size);
-        CKPT_RETURN_IF_ERROR(reader.ReadRange(tensor, piece.begin + done, n, batch));
-        for (uint64_t i = 0; i < n; ++i) {
-          if (info->dtype == DType::kF32) {
-            float f;
-            std::memcpy(&f, batch.data() + 4 * i, 4);
-            const uint16_t h = formats::FloatToBf16(f);
-            std::memcpy(out.data() + 2 * (done + i), &h, 2);
-          } else {
-            uint16_t h;
-            std::memcpy(&h, batch.data() + 2 * i, 2);
-            const float f = formats::Bf16ToFloat(h);
-            std::memcpy(out.data() + 4 * (done + i), &f, 4);
-          }
-        }
-      }
-    }
-    offset += piece.count;
-  }
+  CKPT_RETURN_IF_ERROR(internal::ReadState(
+      reader, StateLayout::Of(*optimizer_),
+      {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),
+       optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data()}));
   scope.RestoreGroups(groups);
   if (blobs == nullptr) return absl::OkStatus();
   // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
@@ -555,7 +445,7 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   absl::Cleanup remove = [&] { RemoveSpill(*undo); };
   CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, undo->spill_store->BeginSave(1));
-  absl::Status written = SaveInto(*txn, {});
+  absl::Status written = SaveInto(*txn, {}, options.chunk_bytes);
   if (!written.ok()) {
     // Already failing with `written`; the abort only ends this private transaction.
     txn->Abort().IgnoreError();
@@ -632,19 +522,15 @@ bool Checkpointer::StateIsDerivable() const {
         same = same && AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)));
       }
     }
-    if (same && model == DType::kF32) {
-      same = std::memcmp(master.data() + at, weights_.data() + 4 * at, (end - at) * 4) == 0;
-    } else if (same) {
-      uint32_t differ = 0;
-      for (size_t i = at; i < end; ++i) {
-        uint16_t h;
-        std::memcpy(&h, weights_.data() + 2 * i, 2);
-        const uint32_t widened = model == DType::kBF16
-                                     ? static_cast<uint32_t>(h) << 16
-                                     : formats::FloatBits(formats::HalfToFloat(h));
-        differ |= widened ^ formats::FloatBits(master[i]);
-      }
-      same = differ == 0;
+    // The weights widened, a stack block at a time, against the masters.
+    constexpr size_t kWiden = 2048;
+    const size_t wsize = formats::DTypeSize(model);
+    float widened[kWiden];
+    for (size_t i = at; same && i < end; i += kWiden) {
+      const size_t n = std::min(kWiden, end - i);
+      formats::Convert(model, weights_.subspan(i * wsize, n * wsize), DType::kF32,
+                       std::as_writable_bytes(std::span(widened, n)));
+      same = std::memcmp(widened, master.data() + i, n * 4) == 0;
     }
     if (!same) differs.store(true, std::memory_order_relaxed);
   });
@@ -652,35 +538,15 @@ bool Checkpointer::StateIsDerivable() const {
 }
 
 void Checkpointer::WriteWeightsFromMasters() {
-  const std::span<const float> master = optimizer_->master();
-  const DType model = optimizer_->model_dtype();
-  if (model == DType::kBF16) {
-    formats::FloatsToBf16(master.data(), reinterpret_cast<uint16_t*>(weights_.data()),
-                          master.size());
-  } else if (model == DType::kF32) {
-    std::memcpy(weights_.data(), master.data(), master.size() * 4);
-  } else {
-    for (uint64_t i = 0; i < master.size(); ++i) {
-      const uint16_t h = formats::FloatToHalf(master[i]);
-      std::memcpy(weights_.data() + 2 * i, &h, 2);
-    }
-  }
+  formats::Convert(DType::kF32, std::as_bytes(optimizer_->master()), optimizer_->model_dtype(),
+                   weights_);
 }
 
 absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope) {
   if (undo.derived_groups.has_value()) {
     // The construction state again, from the weight buffer no load step has touched.
-    const std::span<float> master = optimizer_->mutable_master();
-    const DType model = optimizer_->model_dtype();
-    for (uint64_t i = 0; i < master.size(); ++i) {
-      if (model == DType::kF32) {
-        std::memcpy(&master[i], weights_.data() + 4 * i, 4);
-        continue;
-      }
-      uint16_t h;
-      std::memcpy(&h, weights_.data() + 2 * i, 2);
-      master[i] = model == DType::kBF16 ? formats::Bf16ToFloat(h) : formats::HalfToFloat(h);
-    }
+    formats::Convert(optimizer_->model_dtype(), weights_, DType::kF32,
+                     std::as_writable_bytes(optimizer_->mutable_master()));
     for (std::span<std::byte> moment :
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
@@ -858,7 +724,8 @@ absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, 
   report.step = (*reader)->manifest().step;
   report.saved_world_size = (*reader)->manifest().world_size;
   absl::StatusOr<const formats::TensorInfo*> moments =
-      (*reader)->FindTensor(kStatePrefixes[1] + optimizer_->options().params[0].name);
+      (*reader)->FindTensor(
+          internal::StateTensorName(StateKind::kExpAvg, optimizer_->options().params[0].name));
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   Blobs loaded;
   CKPT_RETURN_IF_ERROR(Transact(

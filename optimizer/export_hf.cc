@@ -18,10 +18,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
-#include "optimizer/checkpointer_layout.h"
+#include "optimizer/state_layout.h"
 #include "optimizer/new_directory.h"
 
 namespace ckpt::optimizer {
@@ -31,27 +31,7 @@ using formats::DType;
 
 constexpr uint64_t kMaxConfigBytes = uint64_t{16} << 20;
 
-bool IsFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
-
-float ToFloat(DType d, const std::byte* p) {
-  if (d == DType::kF32) {
-    float f;
-    std::memcpy(&f, p, 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return d == DType::kBF16 ? formats::Bf16ToFloat(h) : formats::HalfToFloat(h);
-}
-
-void FromFloat(DType d, float f, std::byte* p) {
-  if (d == DType::kF32) {
-    std::memcpy(p, &f, 4);
-    return;
-  }
-  const uint16_t h = d == DType::kBF16 ? formats::FloatToBf16(f) : formats::FloatToHalf(f);
-  std::memcpy(p, &h, 2);
-}
+using formats::IsFloatDType;
 
 // One tensor of the export: where its values come from and what is written.
 struct Entry {
@@ -69,7 +49,7 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
   Env* env = options.env != nullptr ? options.env : Env::Default();
   const formats::Manifest& m = step.manifest();
   const std::string where = absl::StrCat("export of step ", m.step, " (", step.dir(), ")");
-  if (options.dtype.has_value() && !IsFloat(*options.dtype)) {
+  if (options.dtype.has_value() && !IsFloatDType(*options.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": export dtype ",
                                                    formats::DTypeName(*options.dtype),
                                                    " is not F32, BF16 or F16"));
@@ -81,7 +61,7 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
     // Masters are exported in FP32 unless told otherwise; weights in their own dtype.
     e.to = options.dtype.value_or(options.from == ExportFrom::kMasters ? DType::kF32 : t.dtype);
     if (options.from == ExportFrom::kMasters) {
-      e.source = internal::kStatePrefixes[0] + t.name;
+      e.source = internal::StateTensorName(internal::StateKind::kMaster, t.name);
       absl::StatusOr<const formats::TensorInfo*> master = step.FindTensor(e.source);
       if (!master.ok()) {
         return absl::NotFoundError(absl::StrCat(where, ": no FP32 masters \"", e.source,
@@ -90,7 +70,7 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
       }
       e.from = (*master)->dtype;
     }
-    if (e.from != e.to && (!IsFloat(e.from) || !IsFloat(e.to))) {
+    if (e.from != e.to && (!IsFloatDType(e.from) || !IsFloatDType(e.to))) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": \"", e.source, "\" is ",
                                                      formats::DTypeName(e.from),
                                                      ", which does not convert to ",
@@ -135,9 +115,7 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
     if (e.from == e.to) return step.ReadRange(e.source, begin, count, out);
     narrow.resize(count * in_size);
     CKPT_RETURN_IF_ERROR(step.ReadRange(e.source, begin, count, narrow));
-    for (uint64_t i = 0; i < count; ++i) {
-      FromFloat(e.to, ToFloat(e.from, narrow.data() + i * in_size), out.data() + i * out_size);
-    }
+    formats::Convert(e.from, narrow, e.to, out);
     return absl::OkStatus();
   };
   HfWriteOptions write;

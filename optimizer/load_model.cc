@@ -29,10 +29,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "ckpt/hf_checkpoint.h"
 #include "ckpt/optimizer/checkpointer.h"
-#include "optimizer/checkpointer_layout.h"
+#include "optimizer/state_layout.h"
 
 namespace ckpt::optimizer {
 namespace {
@@ -139,12 +139,10 @@ class StepSource : public ModelSource {
       for (uint64_t done = 0; done < r.count; done += kWidenElems) {
         const uint64_t n = std::min(kWidenElems, r.count - done);
         narrow.resize(n);
-        CKPT_RETURN_IF_ERROR(reader_->ReadRange(r.name, r.begin + done, n,
-                                                std::as_writable_bytes(std::span(narrow))));
-        for (uint64_t i = 0; i < n; ++i) {
-          r.out[done + i] = t->dtype == DType::kBF16 ? formats::Bf16ToFloat(narrow[i])
-                                                     : formats::HalfToFloat(narrow[i]);
-        }
+        const std::span<std::byte> bytes = std::as_writable_bytes(std::span(narrow));
+        CKPT_RETURN_IF_ERROR(reader_->ReadRange(r.name, r.begin + done, n, bytes));
+        formats::Convert(t->dtype, bytes, DType::kF32,
+                         std::as_writable_bytes(r.out.subspan(done, n)));
       }
     }
     return absl::OkStatus();
@@ -328,11 +326,9 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   auto apply = [&](StagedAdamW::LoadScope& scope) -> absl::Status {
     const std::span<float> master = optimizer_->mutable_master();
     std::vector<HfCheckpointReader::F32Request> requests;
-    uint64_t offset = 0;
-    for (const Piece& piece : o.pieces) {
-      requests.push_back({mapping.source_of[piece.param], piece.begin, piece.count,
-                          master.subspan(offset, piece.count)});
-      offset += piece.count;
+    for (const internal::StateRun& run : internal::StateLayout::Of(*optimizer_).Runs()) {
+      requests.push_back({mapping.source_of[run.param], run.tensor_begin, run.count,
+                          master.subspan(run.slab_offset, run.count)});
     }
     CKPT_RETURN_IF_ERROR(from->ReadF32(requests));
     for (std::span<std::byte> moment :

@@ -34,7 +34,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/formats/optimizer_record.h"
-#include "optimizer/checkpointer_layout.h"
+#include "optimizer/state_layout.h"
 #include "optimizer/new_directory.h"
 
 namespace ckpt::optimizer {
@@ -58,7 +58,7 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
   for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
   Plan plan;
   std::vector<bool> owned(m.tensors.size(), false);
-  absl::StatusOr<std::string> record = source.ReadBlob(internal::kLayoutBlob, 0);
+  absl::StatusOr<std::string> record = source.ReadBlob(formats::kOptimizerRecordBlob, 0);
   if (record.ok()) {
     CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord parsed,
                           formats::ParseOptimizerRecord(*record, where));
@@ -71,13 +71,13 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       }
       const formats::TensorInfo& t = m.tensors[found->second];
       plan.params.push_back({name, t.shape, t.dtype, p.group});
-      std::vector<uint32_t> tensors = {found->second};
-      for (const char* prefix : internal::kStatePrefixes) {
-        auto state = index.find(prefix + name);
+      std::vector<uint32_t> tensors;
+      for (internal::StateKind kind : internal::kAdamWKinds) {
+        const std::string tensor = internal::StateTensorName(kind, name);
+        auto state = index.find(tensor);
         if (state == index.end()) {
-          return absl::DataLossError(
-              absl::StrCat(where, ": optimizer record names \"", name, "\" but the step has no \"",
-                           prefix, name, "\""));
+          return absl::DataLossError(absl::StrCat(where, ": optimizer record names \"", name,
+                                                  "\" but the step has no \"", tensor, "\""));
         }
         tensors.push_back(state->second);
       }
@@ -129,7 +129,7 @@ class RankWriter {
     const uint32_t from = static_cast<uint32_t>(rank) < m.world_size ? rank : 0;
     for (const formats::BlobInfo& b : m.blobs) {
       if (b.rank != from) continue;
-      if (b.name == internal::kLayoutBlob) {
+      if (b.name == formats::kOptimizerRecordBlob) {
         CKPT_RETURN_IF_ERROR(txn_.WriteBlob(b.name, std::as_bytes(std::span(plan_.layout))));
         continue;
       }

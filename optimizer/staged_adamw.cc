@@ -9,7 +9,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/convert.h"
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
@@ -187,17 +187,8 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(
       opt->slabs_->exp_avg_sq,
       internal::HostBuffer::Create(size * moment_bytes, 2 * internal::kSlabStagger, pinned));
-  float* master = opt->mutable_master().data();
-  const void* w = model_weights.data();
-  for (uint64_t i = 0; i < size; ++i) {
-    if (dtype == DType::kF32) {
-      master[i] = static_cast<const float*>(w)[i];
-    } else if (dtype == DType::kBF16) {
-      master[i] = internal::Bf16ToFloat(static_cast<const uint16_t*>(w)[i]);
-    } else {
-      master[i] = internal::HalfToFloat(static_cast<const uint16_t*>(w)[i]);
-    }
-  }
+  formats::Convert(dtype, model_weights, DType::kF32,
+                   std::as_writable_bytes(opt->mutable_master()));
   return opt;
 }
 
@@ -371,11 +362,7 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
     std::memcpy(out.data(), bytes.data(), size_ * 4);
     return absl::OkStatus();
   }
-  for (uint64_t i = 0; i < size_; ++i) {
-    uint16_t h;
-    std::memcpy(&h, bytes.data() + 2 * i, 2);
-    out[i] = formats::Bf16ToFloat(h);
-  }
+  formats::Convert(DType::kBF16, bytes, DType::kF32, std::as_writable_bytes(out));
   return absl::OkStatus();
 }
 uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }

@@ -13,9 +13,10 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/formats/float_convert.h"
+#include "ckpt/formats/optimizer_record.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/reshard.h"
-#include "optimizer/checkpointer_layout.h"
+#include "optimizer/state_layout.h"
 
 namespace ckpt::bench {
 namespace {
@@ -79,17 +80,17 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
         return;
       }
       absl::Status s = [&]() -> absl::Status {
-        for (const ParamSpec& p : specs) {
-          CKPT_RETURN_IF_ERROR((*txn)->DeclareTensor({p.name, DType::kBF16, p.shape}));
-          for (const char* prefix : optimizer::internal::kStatePrefixes) {
-            CKPT_RETURN_IF_ERROR((*txn)->DeclareTensor({prefix + p.name, DType::kF32, p.shape}));
-          }
+        const optimizer::internal::StateLayout layout(specs, pieces[r], DType::kBF16,
+                                                      DType::kF32);
+        for (const TensorSpec& t : layout.Declarations()) {
+          CKPT_RETURN_IF_ERROR((*txn)->DeclareTensor(t));
         }
         std::vector<uint16_t> weights;
         std::vector<float> state;
         for (const Piece& piece : pieces[r]) {
-          const std::string& name = specs[piece.param].name;
           for (int kind = 0; kind < 4; ++kind) {
+            const std::string& name =
+                layout.name(piece.param, optimizer::internal::kAdamWKinds[kind]);
             for (uint64_t at = 0; at < piece.count; at += kBatchElems) {
               const uint64_t n = std::min(kBatchElems, piece.count - at);
               const uint64_t begin = piece.begin + at;
@@ -107,12 +108,11 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
                 state[i] = kind == 1 ? v : kind == 2 ? 0.1f * v : v * v;
               }
               CKPT_RETURN_IF_ERROR(
-                  (*txn)->WritePiece(optimizer::internal::kStatePrefixes[kind - 1] + name, begin,
-                                     n, std::as_bytes(std::span(state))));
+                  (*txn)->WritePiece(name, begin, n, std::as_bytes(std::span(state))));
             }
           }
         }
-        return (*txn)->WriteBlob(optimizer::internal::kLayoutBlob,
+        return (*txn)->WriteBlob(formats::kOptimizerRecordBlob,
                                  std::as_bytes(std::span(record)));
       }();
       if (!s.ok()) (*txn)->MarkFailed(s);

@@ -1,7 +1,7 @@
 // Conversions between FP32 and the 16-bit float formats, exact where they can be and rounded to
 // nearest even where they cannot, bit-compatible with the x86 F16C instructions (vcvtph2ps,
 // vcvtps2ph): NaNs come out quiet with their payload's top bits. The one definition used by the
-// safetensors reader and the optimizer's kernels.
+// safetensors reader and the optimizer's kernels; bulk conversions go through convert.h.
 #ifndef CKPT_FORMATS_FLOAT_CONVERT_H_
 #define CKPT_FORMATS_FLOAT_CONVERT_H_
 
@@ -48,11 +48,6 @@ inline uint16_t FloatToBf16(float f) {
   if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN.
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
-
-// FloatToBf16 of n elements, bit for bit, in a loop the compiler vectorises (float_convert.cc
-// is built at -O3): the bulk rounding of the async save's writer, the model-only load and the
-// export, where a scalar call per element costs about a second per billion.
-void FloatsToBf16(const float* in, uint16_t* out, size_t n);
 
 inline uint16_t FloatToHalf(float f) {
   const uint32_t bits = FloatBits(f);

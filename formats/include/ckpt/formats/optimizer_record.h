@@ -15,6 +15,8 @@
 
 namespace ckpt::formats {
 
+// The name of the blob a step keeps its optimizer record under (rank 0's; every rank writes one).
+inline constexpr char kOptimizerRecordBlob[] = "optimizer.layout";
 inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
 inline constexpr int kOptimizerRecordVersion = 1;
 // The optimizer kinds a record may name; a record without "kind" (written before kinds were

@@ -243,7 +243,7 @@ class Checkpointer {
   bool StateIsDerivable() const;
   // weights_ := the masters rounded to the model dtype (what a successful load publishes).
   void WriteWeightsFromMasters();
-  absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs);
+  absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs, uint64_t chunk_bytes);
   absl::Status Vote(const absl::Status& mine);
 
   StagedAdamW* const optimizer_;

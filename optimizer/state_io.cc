@@ -1,0 +1,122 @@
+#include "optimizer/state_io.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/convert.h"
+
+namespace ckpt::optimizer::internal {
+namespace {
+
+using formats::DType;
+
+// Weights rounded per block of a synchronous write; then whole chunks of the store.
+constexpr uint64_t kWeightBlockBytes = uint64_t{16} << 20;
+// Elements converted per batch when a step's moment dtype differs from the slabs'.
+constexpr uint64_t kConvertElems = uint64_t{1} << 20;
+
+// The weights' bytes are the masters' for F32 weights (the one kind the masters equal).
+const std::byte* KindBytes(const StateBytes& from, StateKind kind) {
+  return kind == StateKind::kMaster || kind == StateKind::kWeights ? from.master
+         : kind == StateKind::kExpAvg ? from.exp_avg
+                                      : from.exp_avg_sq;
+}
+
+std::byte* KindBytes(const MutableStateBytes& to, StateKind kind) {
+  return kind == StateKind::kMaster   ? to.master
+         : kind == StateKind::kExpAvg ? to.exp_avg
+                                      : to.exp_avg_sq;
+}
+
+}  // namespace
+
+StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin) {
+  const size_t m = opt.moment_bytes();
+  return {reinterpret_cast<const std::byte*>(opt.master().data()) + 4 * begin,
+          opt.exp_avg_bytes().data() + m * begin, opt.exp_avg_sq_bytes().data() + m * begin};
+}
+
+absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,
+                        uint64_t chunk_bytes) {
+  const DType model = layout.dtype(StateKind::kWeights);
+  const size_t wsize = formats::DTypeSize(model);
+  const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
+  const uint64_t block = chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
+  std::vector<std::byte> weights;
+  for (const StateRun& run : layout.Runs()) {
+    for (StateKind kind : layout.kinds()) {
+      const std::string& name = layout.name(run.param, kind);
+      if (kind != StateKind::kWeights || model == DType::kF32) {
+        const size_t size = formats::DTypeSize(layout.dtype(kind));
+        CKPT_RETURN_IF_ERROR(txn.WritePiece(
+            name, run.tensor_begin, run.count,
+            {KindBytes(slabs, kind) + run.slab_offset * size, run.count * size}));
+        continue;
+      }
+      for (uint64_t done = 0; done < run.count; done += block) {
+        const uint64_t n = std::min(block, run.count - done);
+        weights.resize(n * wsize);
+        formats::Convert(DType::kF32, {slabs.master + 4 * (run.slab_offset + done), 4 * n}, model,
+                         weights);
+        CKPT_RETURN_IF_ERROR(txn.WritePiece(name, run.tensor_begin + done, n, weights));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,
+                                    uint64_t begin, uint64_t count, const StateBytes& from,
+                                    std::span<std::byte> weights) {
+  const DType model = layout.dtype(StateKind::kWeights);
+  const size_t wsize = formats::DTypeSize(model);
+  // F32 weights are the masters themselves.
+  const std::byte* rounded = from.master;
+  if (model != DType::kF32) {
+    formats::Convert(DType::kF32, {from.master, 4 * count}, model, weights.first(count * wsize));
+    rounded = weights.data();
+  }
+  uint64_t ticket = 0;
+  for (const StateRun& run : layout.Runs(begin, count)) {
+    const uint64_t at = run.slab_offset - begin;  // Into `from` and `weights`.
+    for (StateKind kind : layout.kinds()) {
+      const size_t size = formats::DTypeSize(layout.dtype(kind));
+      const std::byte* bytes =
+          kind == StateKind::kWeights ? rounded : KindBytes(from, kind);
+      CKPT_ASSIGN_OR_RETURN(ticket, txn.WritePieceDeferred(layout.name(run.param, kind),
+                                                           run.tensor_begin, run.count,
+                                                           {bytes + at * size, run.count * size}));
+    }
+  }
+  return ticket;
+}
+
+absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout,
+                       const MutableStateBytes& to) {
+  std::vector<std::byte> batch;
+  for (const StateRun& run : layout.Runs()) {
+    for (StateKind kind : layout.kinds()) {
+      if (kind == StateKind::kWeights) continue;  // The masters rounded, written by the caller.
+      const std::string& name = layout.name(run.param, kind);
+      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(name));
+      const DType want = layout.dtype(kind);
+      const size_t size = formats::DTypeSize(want);
+      std::span<std::byte> out(KindBytes(to, kind) + run.slab_offset * size, run.count * size);
+      if (info->dtype == want) {
+        CKPT_RETURN_IF_ERROR(reader.ReadRange(name, run.tensor_begin, run.count, out));
+        continue;
+      }
+      const size_t in_size = formats::DTypeSize(info->dtype);
+      for (uint64_t done = 0; done < run.count; done += kConvertElems) {
+        const uint64_t n = std::min(kConvertElems, run.count - done);
+        batch.resize(n * in_size);
+        CKPT_RETURN_IF_ERROR(reader.ReadRange(name, run.tensor_begin + done, n, batch));
+        formats::Convert(info->dtype, batch, want, out.subspan(done * size, n * size));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt::optimizer::internal

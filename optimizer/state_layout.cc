@@ -1,0 +1,124 @@
+#include "optimizer/state_layout.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "ckpt/formats/optimizer_record.h"
+
+namespace ckpt::optimizer::internal {
+
+using formats::DType;
+
+std::string StateTensorName(StateKind kind, absl::string_view param) {
+  switch (kind) {
+    case StateKind::kWeights:
+      return std::string(param);
+    case StateKind::kMaster:
+      return absl::StrCat("optimizer.master.", param);
+    case StateKind::kExpAvg:
+      return absl::StrCat("optimizer.exp_avg.", param);
+    case StateKind::kExpAvgSq:
+      return absl::StrCat("optimizer.exp_avg_sq.", param);
+  }
+  return std::string(param);  // Unreachable: the switch names every kind.
+}
+
+StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType model,
+                         DType moment)
+    : params_(std::move(params)), pieces_(std::move(pieces)), model_(model), moment_(moment) {
+  piece_offset_.reserve(pieces_.size() + 1);
+  for (const Piece& p : pieces_) {
+    piece_offset_.push_back(size_);
+    size_ += p.count;
+  }
+  piece_offset_.push_back(size_);
+  names_.reserve(params_.size());
+  for (const ParamSpec& p : params_) {
+    std::vector<std::string>& names = names_.emplace_back();
+    for (StateKind kind : kinds()) names.push_back(StateTensorName(kind, p.name));
+  }
+}
+
+StateLayout StateLayout::Of(const StagedAdamW& opt) {
+  return StateLayout(opt.options().params, opt.options().pieces, opt.model_dtype(),
+                     MomentDTypeOf(opt.options().moment_dtype));
+}
+
+DType StateLayout::dtype(StateKind kind) const {
+  switch (kind) {
+    case StateKind::kWeights:
+      return model_;
+    case StateKind::kMaster:
+      return DType::kF32;
+    case StateKind::kExpAvg:
+    case StateKind::kExpAvgSq:
+      return moment_;
+  }
+  return DType::kF32;  // Unreachable.
+}
+
+std::vector<TensorSpec> StateLayout::Declarations() const {
+  std::vector<TensorSpec> out;
+  out.reserve(params_.size() * kinds().size());
+  for (uint32_t p = 0; p < params_.size(); ++p) {
+    for (StateKind kind : kinds()) out.push_back({name(p, kind), dtype(kind), params_[p].shape});
+  }
+  return out;
+}
+
+std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {
+  std::vector<StateRun> out;
+  const uint64_t end = begin + count;
+  // The last piece that starts at or before `begin`.
+  size_t i = static_cast<size_t>(
+      std::upper_bound(piece_offset_.begin(), piece_offset_.end() - 1, begin) -
+      piece_offset_.begin());
+  i = i == 0 ? 0 : i - 1;
+  for (; i < pieces_.size() && piece_offset_[i] < end; ++i) {
+    const uint64_t lo = std::max(begin, piece_offset_[i]);
+    const uint64_t hi = std::min(end, piece_offset_[i + 1]);
+    if (lo >= hi) continue;  // An empty piece, or one that ends at `begin`.
+    out.push_back({pieces_[i].param, pieces_[i].begin + (lo - piece_offset_[i]), lo, hi - lo});
+  }
+  return out;
+}
+
+bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const formats::PieceInfo& p : m.pieces) {
+    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = begin;
+  for (const auto& [lo, hi] : ranges) {
+    if (lo > at) break;
+    at = std::max(at, hi);
+  }
+  return at >= begin + count;
+}
+
+std::string LayoutRecord(const std::vector<ParamSpec>& params,
+                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         int world_size) {
+  formats::OptimizerRecord record;
+  record.kind = formats::kOptimizerKindAdamW;
+  record.moment_dtype = MomentDTypeOf(moments);
+  record.world_size = static_cast<uint32_t>(world_size);
+  for (const ParamSpec& p : params) record.params.push_back({p.name, p.shape, p.dtype, p.group});
+  for (const ParamGroup& g : groups) {
+    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step});
+  }
+  return formats::EncodeOptimizerRecord(record);
+}
+
+std::string ListNames(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 10;
+  std::vector<std::string> shown(names.begin(),
+                                 names.begin() + std::min<size_t>(kShown, names.size()));
+  std::string out = absl::StrJoin(shown, ", ");
+  if (names.size() > shown.size()) absl::StrAppend(&out, " and ", names.size() - kShown, " more");
+  return out;
+}
+
+}  // namespace ckpt::optimizer::internal

@@ -1,0 +1,101 @@
+// StateLayout: the one owner of how an optimizer's state lies in a step (the table at the top
+// of ckpt/optimizer/checkpointer.h). Per parameter a fixed list of state tensors (AdamW: the
+// weights under the parameter's own name, then optimizer.master.<name>, optimizer.exp_avg.<name>
+// and optimizer.exp_avg_sq.<name>; DESIGN.md §12 leaves room for amsgrad's max_exp_avg_sq and
+// Muon's momentum), their dtypes and declarations, and a rank's pieces as runs of slab
+// elements. Save, the async writer, the undo spill, restore, the model-only load, reshard and
+// export all ask it instead of computing names or offsets themselves. Immutable once built;
+// safe for concurrent use.
+#ifndef CKPT_OPTIMIZER_STATE_LAYOUT_H_
+#define CKPT_OPTIMIZER_STATE_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "ckpt/checkpoint_writer.h"
+#include "ckpt/formats/dtype.h"
+#include "ckpt/formats/manifest.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+namespace ckpt::optimizer::internal {
+
+// The trainer's blobs are stored under this prefix (Checkpointer's Blobs keys follow it).
+inline constexpr char kTrainerPrefix[] = "trainer.";
+// Every tensor name that starts so is optimizer state; the other tensors are the model's.
+inline constexpr char kOptimizerPrefix[] = "optimizer.";
+
+// A state tensor of a parameter. The weights are the masters rounded to the model dtype.
+enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq };
+
+// The kinds AdamW keeps per parameter, in the order they are declared and written.
+inline constexpr StateKind kAdamWKinds[] = {StateKind::kWeights, StateKind::kMaster,
+                                            StateKind::kExpAvg, StateKind::kExpAvgSq};
+
+// The name of `param`'s tensor of `kind` in a step: the parameter's own name for the weights,
+// "optimizer.master." + param and so on for the rest.
+std::string StateTensorName(StateKind kind, absl::string_view param);
+
+inline formats::DType MomentDTypeOf(MomentDType m) {
+  return m == MomentDType::kF32 ? formats::DType::kF32 : formats::DType::kBF16;
+}
+
+// Elements [tensor_begin, tensor_begin + count) of parameter `param`, which lie at
+// [slab_offset, slab_offset + count) of the slabs.
+struct StateRun {
+  uint32_t param = 0;
+  uint64_t tensor_begin = 0;
+  uint64_t slab_offset = 0;
+  uint64_t count = 0;
+  friend bool operator==(const StateRun&, const StateRun&) = default;
+};
+
+class StateLayout {
+ public:
+  // AdamW's state of the parameters `params`, of which this rank holds `pieces` back to back
+  // in its slabs. REQUIRES: every piece names a parameter of `params`.
+  StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType model,
+              formats::DType moment);
+  static StateLayout Of(const StagedAdamW& opt);
+
+  const std::vector<ParamSpec>& params() const { return params_; }
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  uint64_t size() const { return size_; }  // Slab elements: the pieces' counts added up.
+  std::span<const StateKind> kinds() const { return kAdamWKinds; }
+  formats::DType dtype(StateKind kind) const;
+  const std::string& name(uint32_t param, StateKind kind) const {
+    return names_[param][static_cast<size_t>(kind)];
+  }
+  // Every state tensor of every parameter: per parameter, its kinds in order.
+  std::vector<TensorSpec> Declarations() const;
+  // The runs of slab elements [begin, begin + count), in slab order: a piece cut at `begin`
+  // and `begin + count`. REQUIRES: begin + count <= size().
+  std::vector<StateRun> Runs(uint64_t begin, uint64_t count) const;
+  std::vector<StateRun> Runs() const { return Runs(0, size_); }
+
+ private:
+  std::vector<ParamSpec> params_;
+  std::vector<Piece> pieces_;
+  std::vector<uint64_t> piece_offset_;  // Slab offset of each piece; then size_.
+  uint64_t size_ = 0;
+  formats::DType model_, moment_;
+  std::vector<std::vector<std::string>> names_;  // By parameter, then kind.
+};
+
+// True when the pieces of tensor `index` in `m` cover [begin, begin + count).
+bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count);
+
+// The optimizer record (formats/optimizer_record.h) of AdamW state saved by `world_size`
+// ranks: the parameters (name, shape, model dtype, group), the groups (hyper-parameters in
+// double and step counters) and the moments' dtype.
+std::string LayoutRecord(const std::vector<ParamSpec>& params,
+                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         int world_size);
+
+// The first 10 names, then how many more: "a, b, c and 12 more".
+std::string ListNames(const std::vector<std::string>& names);
+
+}  // namespace ckpt::optimizer::internal
+
+#endif  // CKPT_OPTIMIZER_STATE_LAYOUT_H_
