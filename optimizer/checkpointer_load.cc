@@ -1,0 +1,322 @@
+// Load of optimizer state as a transaction (DESIGN.md §6); Save is optimizer/checkpointer.cc.
+// 1. Preflight, nothing touched: rank 0 resolves LATEST and broadcasts it (one step for all);
+//    the CUDA engine's last copies are awaited; open the step, check names (missing and extra ones
+//    listed), dtypes, shapes, that its pieces cover every element this rank owns, and the layout
+//    record (groups, valid hyper-parameters, every parameter in the same group as here). Vote.
+// 2. Fix the undo source, the cheapest that holds: (a) the step the state last equalled, if the
+//    optimizer's state_version() has not moved since and it is not the step being loaded (it
+//    costs nothing); (b) the state re-derived (StateIsDerivable: every step 0, both moments
+//    zero, masters the weight buffer widened, as a freshly built or model-loaded optimizer's
+//    are), so a resume in a new process writes nothing before it reads and works on a full disk
+//    or a read-only store; otherwise (c) spill the state into a private store
+//    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
+//    bounded by two chunks; a read-only handle refuses). Vote; a failure removes the spills,
+//    the state untouched.
+// 3. Apply: lifecycle kLoading; read every piece straight into the slabs (moments converted in
+//    bounded batches when the dtypes differ), then the groups. The weight buffer is not touched
+//    here: (b) re-derives the masters from it.
+// 4. Vote. All OK: the weights := the masters rounded to the model dtype (what every save
+//    writes as the weights), lifecycle kClean, the loaded step is the new undo source. Any
+//    failure: every rank restores from its undo source ((a), (c): as step 3; (b): masters from
+//    the weights, moments zero, the groups as they were); a restore that fails poisons the
+//    optimizer (Step, SetGroup and Save refuse until a complete Load).
+// 5. Remove the spill (best effort: recovery removes .undo-* directories at the next Open).
+#include <algorithm>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/optimizer_record.h"
+#include "ckpt/optimizer/checkpointer.h"
+#include "optimizer/engine.h"
+#include "optimizer/state_io.h"
+#include "optimizer/state_layout.h"
+
+namespace ckpt::optimizer {
+namespace {
+
+using formats::DType;
+using formats::kOptimizerRecordBlob;
+using internal::kTrainerPrefix;
+using internal::ListNames;
+using internal::StateKind;
+using internal::StateLayout;
+
+// The step's optimizer record (formats/optimizer_record.h), of an AdamW optimizer.
+absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& reader,
+                                                    absl::string_view where) {
+  CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kOptimizerRecordBlob, 0));
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record,
+                        formats::ParseOptimizerRecord(text, where));
+  if (record.kind != formats::kOptimizerKindAdamW) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " holds the state of a \"", record.kind, "\" optimizer, not AdamW's"));
+  }
+  return record;
+}
+
+// The record's groups, validated, as this optimizer's `expected` groups.
+absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRecord& record,
+                                                     size_t expected, absl::string_view where) {
+  if (record.groups.size() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", record.groups.size(),
+                                                   " param groups, the optimizer has ", expected));
+  }
+  std::vector<ParamGroup> out;
+  for (const formats::OptimizerRecordGroup& g : record.groups) {
+    ParamGroup p{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+    CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
+    out.push_back(p);
+  }
+  return out;
+}
+
+// Refuses a record that puts any of `params` in another group than the optimizer does: each
+// group's hyper-parameters would land on other parameters. The record's parameter order may
+// differ (a checkpoint loads at any parameter order, DESIGN.md §2); names it lacks are the
+// tensor check's to report.
+absl::Status CheckParamGroups(const formats::OptimizerRecord& record,
+                              const std::vector<ParamSpec>& params, absl::string_view where) {
+  std::map<std::string, uint64_t> saved;
+  for (const formats::OptimizerRecordParam& p : record.params) saved[p.name] = p.group;
+  std::vector<std::string> moved;
+  for (const ParamSpec& p : params) {
+    auto it = saved.find(p.name);
+    if (it != saved.end() && it->second != p.group) {
+      moved.push_back(absl::StrCat(p.name, " (group ", it->second, " in the checkpoint, ", p.group,
+                                   " here)"));
+    }
+  }
+  if (moved.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, " puts ", moved.size(), " parameter(s) in other param groups than this optimizer: ",
+      internal::ListNames(moved), "; their hyper-parameters would change, so nothing was loaded"));
+}
+
+}  // namespace
+
+absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
+  const formats::Manifest& m = reader.manifest();
+  const StagedAdamWOptions& o = optimizer_->options();
+  const std::string where = absl::StrCat("step ", m.step);
+  std::map<std::string, uint32_t> index;
+  for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+  std::set<std::string> expected;
+  std::vector<std::string> missing, extra;
+  const StateLayout layout = StateLayout::Of(*optimizer_);
+  for (uint32_t p = 0; p < o.params.size(); ++p) {
+    for (StateKind kind : layout.kinds()) expected.insert(layout.name(p, kind));
+  }
+  for (const std::string& name : expected) {
+    if (!index.count(name)) missing.push_back(name);
+  }
+  for (const auto& [name, i] : index) {
+    if (!expected.count(name)) extra.push_back(name);
+  }
+  if (!missing.empty() || !extra.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " does not hold this optimizer's state",
+        missing.empty() ? "" : absl::StrCat("; missing ", missing.size(), ": ", ListNames(missing)),
+        extra.empty() ? ""
+                      : absl::StrCat("; not in the optimizer ", extra.size(), ": ",
+                                     ListNames(extra))));
+  }
+  // The moments may be stored as F32 or BF16 (a load converts them), both alike.
+  const DType moments = m.tensors[index[layout.name(0, StateKind::kExpAvg)]].dtype;
+  for (uint32_t p = 0; p < o.params.size(); ++p) {
+    for (StateKind kind : layout.kinds()) {
+      const bool moment = kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
+      const DType want = moment ? moments : layout.dtype(kind);
+      const std::string& name = layout.name(p, kind);
+      const formats::TensorInfo& t = m.tensors[index[name]];
+      if (t.shape != o.params[p].shape || t.dtype != want ||
+          (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": tensor \"", name, "\" is ", formats::DTypeName(t.dtype), " [",
+            absl::StrJoin(t.shape, ", "), "], the optimizer needs ", formats::DTypeName(want),
+            " [", absl::StrJoin(o.params[p].shape, ", "), "]"));
+      }
+    }
+  }
+  for (const Piece& piece : o.pieces) {
+    for (StateKind kind : layout.kinds()) {
+      const std::string& name = layout.name(piece.param, kind);
+      if (!internal::Covers(m, index[name], piece.begin, piece.count)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
+                         piece.begin + piece.count, ") of \"", name, "\", which this rank owns"));
+      }
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
+  CKPT_RETURN_IF_ERROR(RecordGroups(record, o.groups.size(), where).status());
+  return CheckParamGroups(record, o.params, where);
+}
+
+absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
+                                 StagedAdamW::LoadScope& scope) {
+  const formats::Manifest& m = reader.manifest();
+  const StagedAdamWOptions& o = optimizer_->options();
+  const std::string where = absl::StrCat("step ", m.step);
+  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
+  CKPT_ASSIGN_OR_RETURN(std::vector<ParamGroup> groups,
+                        RecordGroups(record, o.groups.size(), where));
+  // The weights are not read: they are the masters rounded, written once the load has been
+  // voted (Transact), so that until then the weight buffer still holds what a rollback may
+  // re-derive the masters from.
+  CKPT_RETURN_IF_ERROR(internal::ReadState(
+      reader, StateLayout::Of(*optimizer_),
+      {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),
+       optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data()}));
+  scope.RestoreGroups(groups);
+  if (blobs == nullptr) return absl::OkStatus();
+  // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
+  const uint32_t rank = static_cast<uint32_t>(coordinator_->rank()) < m.world_size
+                            ? static_cast<uint32_t>(coordinator_->rank())
+                            : 0;
+  Blobs out;
+  for (const formats::BlobInfo& b : m.blobs) {
+    if (b.rank != rank || b.name.rfind(kTrainerPrefix, 0) != 0) continue;
+    CKPT_ASSIGN_OR_RETURN(out[b.name.substr(sizeof(kTrainerPrefix) - 1)],
+                          reader.ReadBlob(b.name, rank));
+  }
+  *blobs = std::move(out);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string& root) {
+  std::string named;
+  if (coordinator_->rank() == 0) {
+    absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(env, root);
+    if (latest.ok() && !latest->has_value()) {
+      latest = absl::NotFoundError(absl::StrCat(root, ": no committed step to load"));
+    }
+    named = latest.ok() ? absl::StrCat("ok ", **latest) : EncodeStatus(latest.status());
+  }
+  CKPT_ASSIGN_OR_RETURN(named, coordinator_->Broadcast(named, 0));
+  uint64_t latest = 0;
+  absl::string_view view = named;
+  if (!absl::ConsumePrefix(&view, "ok ") || !absl::SimpleAtoi(view, &latest)) {
+    absl::Status why = DecodeStatus(named);
+    return why.ok() ? absl::InternalError("malformed LATEST from rank 0") : why;
+  }
+  return latest;
+}
+
+absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blobs* blobs) {
+  absl::StatusOr<LoadReport> loaded = LoadStep(step, blobs);
+  if (!absl::IsDataLoss(loaded.status())) return loaded;
+  return Annotate(loaded.status(),
+                  "the state is as before the load. To go on, load the newest older step that "
+                  "loads intact (Checkpointer::LoadNewestIntact; Python: load(fallback=True)), "
+                  "or set the damaged step aside: ckpt-tool quarantine ROOT STEP");
+}
+
+absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  // LATEST as rank 0 reads it; a damaged LATEST (a read-only handle runs no recovery) leaves
+  // every step a candidate.
+  absl::StatusOr<uint64_t> latest = AgreeOnLatest(store_->env(), store_->root());
+  if (!latest.ok() && !absl::IsDataLoss(latest.status())) return latest.status();
+  // The candidates as rank 0 lists them, so that every rank walks the same steps.
+  std::string listed;
+  if (coordinator_->rank() == 0) {
+    absl::StatusOr<std::vector<uint64_t>> steps = RetainableSteps(store_->env(), store_->root());
+    listed = steps.ok() ? absl::StrCat("ok ", absl::StrJoin(*steps, " "))
+                        : EncodeStatus(steps.status());
+  }
+  CKPT_ASSIGN_OR_RETURN(listed, coordinator_->Broadcast(listed, 0));
+  absl::string_view view = listed;
+  if (!absl::ConsumePrefix(&view, "ok")) {
+    absl::Status why = DecodeStatus(listed);
+    return why.ok() ? absl::InternalError("malformed step list from rank 0") : why;
+  }
+  std::vector<uint64_t> candidates;
+  if (latest.ok()) candidates.push_back(*latest);
+  std::vector<uint64_t> older;
+  for (absl::string_view token : absl::StrSplit(view, ' ', absl::SkipEmpty())) {
+    uint64_t s = 0;
+    if (!absl::SimpleAtoi(token, &s)) return absl::InternalError("malformed step list from rank 0");
+    if (!latest.ok() || s < *latest) older.push_back(s);
+  }
+  candidates.insert(candidates.end(), older.rbegin(), older.rend());
+  std::vector<std::string> skipped;
+  std::vector<uint64_t> skipped_steps;
+  for (uint64_t step : candidates) {
+    absl::StatusOr<LoadReport> r = LoadStep(step, blobs);
+    if (r.ok()) {
+      SetAsideSkipped(skipped_steps, skipped);
+      r->skipped = std::move(skipped);
+      return r;
+    }
+    // Only damage passes over a step (a poisoned optimizer, a refusal or an IO error ends it).
+    if (!absl::IsDataLoss(r.status())) return r.status();
+    skipped.push_back(absl::StrCat("step ", step, ": ", r.status().message()));
+    skipped_steps.push_back(step);
+  }
+  return absl::DataLossError(absl::StrCat(store_->root(), ": no step loads intact (",
+                                          absl::StrJoin(skipped, "; "),
+                                          "); the state is as before the call"));
+}
+
+void Checkpointer::SetAsideSkipped(const std::vector<uint64_t>& steps,
+                                   std::vector<std::string>& skipped) {
+  // Rank 0's primary, writable handle moves the damaged steps it passed over into quarantine/
+  // (newest first, so that LATEST falls back onto the step loaded): the next save then need
+  // not be newer than a damaged step, and nothing is deleted. Elsewhere they stay, said so.
+  const bool writable = store_->options().primary && !store_->options().read_only;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (coordinator_->rank() != 0) continue;
+    if (!writable) {
+      absl::StrAppend(&skipped[i], " (left in place: a read-only handle; ckpt-tool quarantine "
+                                   "ROOT STEP sets it aside)");
+      continue;
+    }
+    absl::StatusOr<std::string> moved = store_->QuarantineStep(steps[i]);
+    absl::StrAppend(&skipped[i], moved.ok() ? absl::StrCat(" (moved into ", *moved, ")")
+                                            : absl::StrCat(" (could not be set aside: ",
+                                                           moved.status().message(), ")"));
+  }
+}
+
+absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, Blobs* blobs) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
+  // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
+  if (!step.has_value()) {
+    CKPT_ASSIGN_OR_RETURN(step, AgreeOnLatest(store_->env(), store_->root()));
+  }
+  // The CUDA engine's last copies must have reached the slabs before they are spilled or
+  // overwritten.
+  absl::Status checked = optimizer_->Synchronize();
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = store_->OpenStep(*step);
+  if (checked.ok()) checked = reader.ok() ? Preflight(**reader) : reader.status();
+  CKPT_RETURN_IF_ERROR(Vote(checked));
+  // Steps 2 to 5.
+  LoadReport report;
+  report.step = (*reader)->manifest().step;
+  report.saved_world_size = (*reader)->manifest().world_size;
+  absl::StatusOr<const formats::TensorInfo*> moments =
+      (*reader)->FindTensor(
+          internal::StateTensorName(StateKind::kExpAvg, optimizer_->options().params[0].name));
+  if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
+  Blobs loaded;
+  CKPT_RETURN_IF_ERROR(Transact(
+      *step,
+      [&](StagedAdamW::LoadScope& scope) {
+        return Apply(**reader, blobs != nullptr ? &loaded : nullptr, scope);
+      },
+      absl::StrCat("load of step ", report.step), &report.undo_spilled, &report.undo_derived));
+  clean_step_ = report.step;
+  clean_version_ = optimizer_->state_version();
+  if (blobs != nullptr) *blobs = std::move(loaded);
+  return report;
+}
+
+}  // namespace ckpt::optimizer

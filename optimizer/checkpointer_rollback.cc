@@ -1,0 +1,241 @@
+// A load's undo source and rollback (Load's steps 2, 4 and 5 in optimizer/checkpointer_load.cc,
+// shared by the model-only load, optimizer/load_model.cc): Transact fixes the cheapest undo
+// source that holds, votes, applies under a LoadScope, votes again, and then commits, or
+// restores from the undo source, or poisons the optimizer when the restore fails too.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/formats/convert.h"
+#include "ckpt/optimizer/checkpointer.h"
+#include "optimizer/new_directory.h"
+#include "optimizer/thread_pool.h"
+
+namespace ckpt::optimizer {
+
+using formats::DType;
+
+// Where a failed load rolls back from: a committed step (the store's, or a private spill). It
+// is opened once when fixed (so a load never starts without a readable undo source), closed
+// during the apply, and opened again to restore.
+struct Checkpointer::Undo {
+  std::unique_ptr<CheckpointStore> spill_store;  // Null for a committed step of the store.
+  std::string spill_dir;
+  uint64_t step = 0;  // In the store, or 1 in the spill.
+  // Set when the state is re-derived instead (StateIsDerivable): the groups to put back.
+  std::optional<std::vector<ParamGroup>> derived_groups;
+};
+
+absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
+    std::optional<uint64_t> exclude) {
+  auto undo = std::make_unique<Undo>();
+  // The step being loaded is no undo source for itself: a chunk that fails the apply would fail
+  // the restore too.
+  if (clean_step_.has_value() && clean_step_ != exclude &&
+      clean_version_ == optimizer_->state_version()) {
+    if (store_->OpenStep(*clean_step_).ok()) {
+      undo->step = *clean_step_;
+      return undo;
+    }
+  }
+  // A fresh (or model-loaded) state is re-derived on a rollback: nothing to write.
+  if (StateIsDerivable()) {
+    undo->derived_groups = optimizer_->groups();
+    return undo;
+  }
+  // A private single-rank store below the root: its chunks are checksummed and written from the
+  // slabs as they are, so the spill holds no second copy of the state in memory.
+  if (store_->options().read_only) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(store_->root(),
+                     ": a load whose undo source must be spilled needs a writable store "
+                     "handle (the spill goes below the root)"));
+  }
+  undo->spill_dir =
+      JoinPath(store_->root(), absl::StrFormat(".undo-rank-%05d-%016x", coordinator_->rank(),
+                                               internal::RandomNonce()));
+  StoreOptions options = store_->options();
+  options.primary = true;
+  options.read_only = false;
+  options.retention = RetentionPolicy{};
+  options.logger = nullptr;
+  // Two writer threads still overlap copying with writing, and hold two chunk buffers: the
+  // spill's memory stays within a chunk or two however many threads a save uses.
+  options.write_threads = std::min(options.write_threads, 2);
+  // A spill that fails (ENOSPC, say) must not stay behind, possibly nearly a full copy.
+  absl::Cleanup remove = [&] { RemoveSpill(*undo); };
+  CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, undo->spill_store->BeginSave(1));
+  absl::Status written = SaveInto(*txn, {}, options.chunk_bytes);
+  if (!written.ok()) {
+    // Already failing with `written`; the abort only ends this private transaction.
+    txn->Abort().IgnoreError();
+    return written;
+  }
+  CKPT_RETURN_IF_ERROR(txn->Commit());
+  undo->step = 1;
+  CKPT_RETURN_IF_ERROR(undo->spill_store->OpenStep(undo->step).status());
+  std::move(remove).Cancel();
+  return undo;
+}
+
+void Checkpointer::RemoveSpill(Undo& undo) {
+  if (undo.spill_dir.empty()) return;
+  undo.spill_store.reset();  // Releases its LOCK before the tree goes.
+  // Best effort: recovery removes .undo-* at the next Open of the root.
+  RemoveRecursively(store_->env(), undo.spill_dir).IgnoreError();
+  store_->env()->SyncDir(store_->root()).IgnoreError();
+  undo.spill_dir.clear();
+}
+
+namespace {
+
+// True when every byte of `bytes` is zero; word by word, which the compiler vectorises.
+bool AllZero(std::span<const std::byte> bytes) {
+  const size_t words = bytes.size() / 8;
+  constexpr size_t kBlock = 1 << 12;  // Words per block: an early exit without a branch per word.
+  for (size_t at = 0; at < words; at += kBlock) {
+    uint64_t any = 0;
+    const size_t end = std::min(words, at + kBlock);
+    for (size_t i = at; i < end; ++i) {
+      uint64_t w;
+      std::memcpy(&w, bytes.data() + 8 * i, 8);
+      any |= w;
+    }
+    if (any != 0) return false;
+  }
+  for (size_t i = words * 8; i < bytes.size(); ++i) {
+    if (bytes[i] != std::byte{0}) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool Checkpointer::StateIsDerivable() const {
+  for (const ParamGroup& g : optimizer_->groups()) {
+    if (g.step != 0) return false;
+  }
+  // Blocks of 4 MiB of masters, scanned on the optimizer's threads (a fresh process's load
+  // runs this scan before it reads: one core alone would cost a fifth of the load).
+  constexpr size_t kBlock = size_t{1} << 20;
+  const std::span<const float> master = optimizer_->master();
+  const std::span<const std::byte> exp_avg = optimizer_->exp_avg_bytes();
+  const std::span<const std::byte> exp_avg_sq = optimizer_->exp_avg_sq_bytes();
+  // Moments never written are zero without a read (which would fault in every page of them).
+  const bool check_moments = !optimizer_->moments_untouched();
+  const size_t moment_block = kBlock * optimizer_->moment_bytes();
+  const DType model = optimizer_->model_dtype();
+  const size_t blocks = (master.size() + kBlock - 1) / kBlock;
+  std::atomic<bool> differs{false};
+  const int threads = optimizer_->options().threads > 0
+                          ? optimizer_->options().threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  internal::ThreadPool pool(std::min<int>(threads, static_cast<int>(std::max<size_t>(1, blocks))));
+  pool.ParallelFor(blocks, [&](size_t b) {
+    if (differs.load(std::memory_order_relaxed)) return;
+    const size_t at = b * kBlock;
+    const size_t end = std::min(master.size(), at + kBlock);
+    bool same = true;
+    if (check_moments) {
+      for (std::span<const std::byte> m : {exp_avg, exp_avg_sq}) {
+        const size_t lo = std::min(m.size(), b * moment_block);
+        same = same && AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)));
+      }
+    }
+    // The weights widened, a stack block at a time, against the masters.
+    constexpr size_t kWiden = 2048;
+    const size_t wsize = formats::DTypeSize(model);
+    float widened[kWiden];
+    for (size_t i = at; same && i < end; i += kWiden) {
+      const size_t n = std::min(kWiden, end - i);
+      formats::Convert(model, weights_.subspan(i * wsize, n * wsize), DType::kF32,
+                       std::as_writable_bytes(std::span(widened, n)));
+      same = std::memcmp(widened, master.data() + i, n * 4) == 0;
+    }
+    if (!same) differs.store(true, std::memory_order_relaxed);
+  });
+  return !differs.load();
+}
+
+void Checkpointer::WriteWeightsFromMasters() {
+  formats::Convert(DType::kF32, std::as_bytes(optimizer_->master()), optimizer_->model_dtype(),
+                   weights_);
+}
+
+absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope) {
+  if (undo.derived_groups.has_value()) {
+    // The construction state again, from the weight buffer no load step has touched.
+    formats::Convert(optimizer_->model_dtype(), weights_, DType::kF32,
+                     std::as_writable_bytes(optimizer_->mutable_master()));
+    for (std::span<std::byte> moment :
+         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
+      std::memset(moment.data(), 0, moment.size());
+    }
+    scope.RestoreGroups(*undo.derived_groups);
+    return absl::OkStatus();
+  }
+  CheckpointStore* from = undo.spill_store != nullptr ? undo.spill_store.get() : store_;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, from->OpenStep(undo.step));
+  return Apply(*reader, nullptr, scope);
+}
+
+absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
+                                    const std::function<absl::Status(StagedAdamW::LoadScope&)>& apply,
+                                    absl::string_view what, bool* undo_spilled,
+                                    bool* undo_derived) {
+  // Step 2.
+  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(exclude);
+  absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
+  auto remove_spill = [&] {
+    if (undo.ok()) RemoveSpill(**undo);
+  };
+  absl::Status voted = Vote(fixed);
+  if (!voted.ok()) {
+    remove_spill();
+    return voted;
+  }
+  *undo_spilled = !(*undo)->spill_dir.empty();
+  *undo_derived = (*undo)->derived_groups.has_value();
+  // Step 3.
+  StagedAdamW::LoadScope scope = optimizer_->BeginLoad();
+  absl::Status applied = apply(scope);
+  // Step 4.
+  voted = Vote(applied);
+  if (voted.ok()) {
+    WriteWeightsFromMasters();
+    scope.Commit();
+    remove_spill();
+    return absl::OkStatus();
+  }
+  absl::Status restored = RestoreFrom(**undo, scope);
+  std::string poison_reason;
+  if (restored.ok()) {
+    scope.RolledBack();
+    // The state equals the undo source again.
+    if ((*undo)->spill_dir.empty() && !(*undo)->derived_groups.has_value()) {
+      clean_version_ = optimizer_->state_version();
+    }
+  } else {
+    poison_reason = absl::StrCat(what, " failed (", voted.message(),
+                                 ") and its rollback failed too (", restored.message(), ")");
+    scope.Poison(poison_reason);
+    clean_step_.reset();
+  }
+  // Step 5.
+  remove_spill();
+  if (!restored.ok()) {
+    // Not the apply's code: the state is not as before, and no caller may go on as if it were.
+    return absl::FailedPreconditionError(
+        absl::StrCat("the optimizer is poisoned: ", poison_reason));
+  }
+  return voted;
+}
+
+}  // namespace ckpt::optimizer
