@@ -33,7 +33,7 @@ uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
 }
 
 AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
-                     StagingPool* pool)
+                     StagingPool* pool, ThreadPool* workers)
     : units_(opt.units()),
       master_(reinterpret_cast<const std::byte*>(opt.master().data())),
       exp_avg_(opt.exp_avg_bytes().data()),
@@ -44,6 +44,10 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
       txn_(std::move(txn)),
       state_(opt.units().size(), State::kPending),
       pool_(pool),
+      workers_(workers),
+      copy_threads_(std::max(
+          1, std::min(workers->size(),
+                      static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) - 1))),
       slot_of_(opt.units().size(), -1) {
   if (pool_ != nullptr) {
     for (size_t i = pool_->slots(); i-- > 0;) free_slots_.push_back(i);
@@ -118,20 +122,7 @@ void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
     std::memcpy(to[k] + unit.count * (4 + moment_bytes_),
                 exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
   };
-  // Every core but one: the writer's (it runs while the step copies).
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const size_t threads = std::min<size_t>(copy.size(), cores > 1 ? cores - 1 : 1);
-  if (threads <= 1) {
-    for (size_t k = 0; k < copy.size(); ++k) one(k);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (size_t t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      for (size_t k = t; k < copy.size(); k += threads) one(k);
-    });
-  }
-  for (std::thread& t : pool) t.join();
+  workers_->ParallelFor(copy.size(), one, copy_threads_);
 }
 
 void AsyncSave::WriterMain() {

@@ -30,6 +30,7 @@
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/state_layout.h"
+#include "optimizer/thread_pool.h"
 #include "optimizer/unit_fence.h"
 
 namespace ckpt::optimizer::internal {
@@ -72,9 +73,10 @@ class AsyncSave : public UnitFence {
   // rounded from the masters, which is what every step writes), then `blobs`. Until Wait()
   // returns, `opt` may change only through Step with this object installed as its fence, and
   // `pool` (null: steps never copy, they wait) is this save's. Its slots must hold any unit
-  // (UnitStateBytes).
+  // (UnitStateBytes). A step's copies run on `workers` (the optimizer's threads), leaving one
+  // core to the writer.
   AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
-            StagingPool* pool);
+            StagingPool* pool, ThreadPool* workers);
   // The bytes of a unit's master and moments; the largest is a pool's slot size.
   static uint64_t UnitStateBytes(const StagedAdamW& opt, const Unit& unit);
   ~AsyncSave() override;  // Joins the writer.
@@ -95,7 +97,7 @@ class AsyncSave : public UnitFence {
   enum class State { kPending, kWriting, kWritten, kCopying, kCopied };
   // What one Acquire copies at most before it lets the step go on.
   static constexpr uint64_t kCopyBatchBytes = uint64_t{256} << 20;
-  // Copies units `copy` into their slots, on up to one thread per core.
+  // Copies units `copy` into their slots on `workers_`.
   void CopyUnits(const std::vector<size_t>& copy, const std::vector<std::byte*>& to) const;
   void WriterMain();
   absl::Status WriteAll();
@@ -123,6 +125,8 @@ class AsyncSave : public UnitFence {
   std::condition_variable changed_;
   std::vector<State> state_;                           // Guarded by mu_.
   StagingPool* const pool_;                            // Null: no copies.
+  ThreadPool* const workers_;
+  const int copy_threads_;  // Of workers_: every core but the writer's, within its size.
   std::vector<int64_t> slot_of_;                       // Per unit, -1 for none; guarded by mu_.
   std::vector<size_t> free_slots_;                     // Guarded by mu_.
   bool abandoned_ = false;                             // Guarded by mu_.

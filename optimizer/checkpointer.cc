@@ -184,7 +184,7 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   flight->step = step;
   flight->version_at_call = optimizer_->state_version();
   flight->save = std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn),
-                                                       std::move(plan_blobs), staging_.get());
+                                                       std::move(plan_blobs), staging_.get(), &Pool());
   flight->fence.emplace(optimizer_->InstallFence(flight->save.get()));
   in_flight_ = std::move(flight);
   return std::unique_ptr<PendingSave>(new PendingSave(this, step));

@@ -118,7 +118,18 @@ bool AllZero(std::span<const std::byte> bytes) {
 
 }  // namespace
 
-bool Checkpointer::StateIsDerivable() const {
+internal::ThreadPool& Checkpointer::Pool() {
+  if (pool_ == nullptr) {
+    const int threads =
+        optimizer_->options().threads > 0
+            ? optimizer_->options().threads
+            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    pool_ = std::make_unique<internal::ThreadPool>(threads);
+  }
+  return *pool_;
+}
+
+bool Checkpointer::StateIsDerivable() {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return false;
   }
@@ -134,11 +145,7 @@ bool Checkpointer::StateIsDerivable() const {
   const DType model = optimizer_->model_dtype();
   const size_t blocks = (master.size() + kBlock - 1) / kBlock;
   std::atomic<bool> differs{false};
-  const int threads = optimizer_->options().threads > 0
-                          ? optimizer_->options().threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  internal::ThreadPool pool(std::min<int>(threads, static_cast<int>(std::max<size_t>(1, blocks))));
-  pool.ParallelFor(blocks, [&](size_t b) {
+  Pool().ParallelFor(blocks, [&](size_t b) {
     if (differs.load(std::memory_order_relaxed)) return;
     const size_t at = b * kBlock;
     const size_t end = std::min(master.size(), at + kBlock);

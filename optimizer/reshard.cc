@@ -25,7 +25,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 
@@ -35,6 +34,7 @@
 #include "ckpt/coordinator.h"
 #include "ckpt/formats/optimizer_record.h"
 #include "optimizer/state_layout.h"
+#include "optimizer/thread_pool.h"
 #include "optimizer/new_directory.h"
 
 namespace ckpt::optimizer {
@@ -157,8 +157,8 @@ class RankWriter {
       out->push_back({&t, begin + at, std::min(batch, count - at)});
     }
   }
-  // Reads batch i + 1 on a helper thread while batch i is written: the time is close to the
-  // longer of the two streams rather than their sum. Two buffers in all.
+  // Reads batch i + 1 while batch i is written, the two on `pair_`'s two threads: the time is
+  // close to the longer of the two streams rather than their sum. Two buffers in all.
   absl::Status Stream(const std::vector<Batch>& batches) {
     std::vector<std::byte> buffers[2];
     auto read = [&](size_t i) {
@@ -171,12 +171,15 @@ class RankWriter {
     absl::Status next = read(0);
     for (size_t i = 0; i < batches.size(); ++i) {
       CKPT_RETURN_IF_ERROR(next);
-      absl::Status prefetched;
-      std::thread prefetch;
-      if (i + 1 < batches.size()) prefetch = std::thread([&, i] { prefetched = read(i + 1); });
+      absl::Status prefetched, written;
       const Batch& b = batches[i];
-      absl::Status written = txn_.WritePiece(b.tensor->name, b.begin, b.count, buffers[i % 2]);
-      if (prefetch.joinable()) prefetch.join();
+      pair_.ParallelFor(i + 1 < batches.size() ? 2 : 1, [&](size_t task) {
+        if (task == 1) {
+          prefetched = read(i + 1);
+        } else {
+          written = txn_.WritePiece(b.tensor->name, b.begin, b.count, buffers[i % 2]);
+        }
+      });
       CKPT_RETURN_IF_ERROR(written);
       next = prefetched;
       const uint64_t bytes = b.count * formats::DTypeSize(b.tensor->dtype);
@@ -192,6 +195,7 @@ class RankWriter {
   SaveTransaction& txn_;
   std::atomic<uint64_t>& done_;
   const uint64_t total_;
+  internal::ThreadPool pair_{2};  // The write of a batch and the read of the next.
 };
 
 absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& plan,
@@ -267,7 +271,9 @@ absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& 
                           CheckpointStore::Open(dst_root, so));
     stores.push_back(std::move(store));
   }
-  // Steps R3 to R5, a thread per rank.
+  // Steps R3 to R5, a thread per rank: ranks.ParallelFor hands each of its dp threads one rank
+  // (each blocks in its rank's collective commit until every rank has arrived, so no thread
+  // takes a second rank before every rank has a thread).
   ThreadGroup group(options.dp);
   std::mutex mu;
   std::condition_variable cv;
@@ -275,36 +281,34 @@ absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& 
   bool failed = false;    // A rank before `turn` failed (guarded by mu).
   std::atomic<uint64_t> done{0};
   std::vector<absl::Status> results(options.dp);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < options.dp; ++r) {
-    threads.emplace_back([&, r] {
-      absl::StatusOr<std::unique_ptr<SaveTransaction>> txn =
-          stores[r]->BeginSave(m.step, group.member(r));
-      absl::Status mine = txn.status();
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return turn == r; });
-        if (failed && mine.ok()) mine = absl::AbortedError("an earlier rank failed");
-      }
-      if (mine.ok()) {
-        RankWriter writer(source, plan, options, **txn, done, total);
-        mine = Annotate(writer.Write(r), absl::StrCat("reshard rank ", r));
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        failed |= !mine.ok();
-        ++turn;
-      }
-      cv.notify_all();
-      if (!txn.ok()) {
-        results[r] = txn.status();  // BeginSave failed on every rank: nothing to commit.
-        return;
-      }
-      if (!mine.ok()) (*txn)->MarkFailed(mine);
-      results[r] = (*txn)->Commit();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  internal::ThreadPool ranks(options.dp);
+  ranks.ParallelFor(static_cast<size_t>(options.dp), [&](size_t index) {
+    const int r = static_cast<int>(index);
+    absl::StatusOr<std::unique_ptr<SaveTransaction>> txn =
+        stores[r]->BeginSave(m.step, group.member(r));
+    absl::Status mine = txn.status();
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return turn == r; });
+      if (failed && mine.ok()) mine = absl::AbortedError("an earlier rank failed");
+    }
+    if (mine.ok()) {
+      RankWriter writer(source, plan, options, **txn, done, total);
+      mine = Annotate(writer.Write(r), absl::StrCat("reshard rank ", r));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      failed |= !mine.ok();
+      ++turn;
+    }
+    cv.notify_all();
+    if (!txn.ok()) {
+      results[r] = txn.status();  // BeginSave failed on every rank: nothing to commit.
+      return;
+    }
+    if (!mine.ok()) (*txn)->MarkFailed(mine);
+    results[r] = (*txn)->Commit();
+  });
   for (const absl::Status& s : results) {
     if (!s.ok()) return s;
   }

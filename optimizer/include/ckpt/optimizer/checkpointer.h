@@ -23,6 +23,7 @@
 namespace ckpt::optimizer {
 namespace internal {
 class StagingPool;  // optimizer/async_save.h.
+class ThreadPool;   // optimizer/thread_pool.h.
 }  // namespace internal
 
 // Opaque trainer records (scheduler, RNG, data position) saved beside the state, per rank,
@@ -240,7 +241,9 @@ class Checkpointer {
   absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
   // True when the state is what a rollback can re-derive without disk: every group's step 0,
   // both moments zero, and every master the widened weight of weights_ (bit for bit).
-  bool StateIsDerivable() const;
+  bool StateIsDerivable();
+  // The Checkpointer's workers: the optimizer's `threads` (0: every core), made at first use.
+  internal::ThreadPool& Pool();
   // weights_ := the masters rounded to the model dtype (what a successful load publishes).
   void WriteWeightsFromMasters();
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs, uint64_t chunk_bytes);
@@ -254,6 +257,10 @@ class Checkpointer {
   std::unique_ptr<InFlight> in_flight_;  // The async save being written, if any.
   // Made by the first SaveAsync, kept for the next ones (async_staging_bytes at most).
   std::unique_ptr<internal::StagingPool> staging_;
+  // What the async save's copies and the derivability scan run on (Pool()). Destroyed before
+  // in_flight_, which is harmless: ~Checkpointer ends the save first, and only a Step (never
+  // running then) copies on it.
+  std::unique_ptr<internal::ThreadPool> pool_;
   // The step the state last equalled (saved or loaded), and the optimizer's state_version()
   // right then: while they still match, that step is a free undo source.
   std::optional<uint64_t> clean_step_;
