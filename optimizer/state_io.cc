@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/convert.h"
 
@@ -11,8 +12,9 @@ namespace {
 
 using formats::DType;
 
-// Weights rounded per block of a synchronous write; then whole chunks of the store.
-constexpr uint64_t kWeightBlockBytes = uint64_t{16} << 20;
+// Weights rounded per block of a synchronous write (two blocks in memory: one rounded while the
+// other is written), then whole chunks of the store: the spill must stay within a chunk + 16 MiB.
+constexpr uint64_t kWeightBlockBytes = uint64_t{4} << 20;
 // Elements converted per batch when a step's moment dtype differs from the slabs'.
 constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 
@@ -43,27 +45,48 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
   const size_t wsize = formats::DTypeSize(model);
   const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
   const uint64_t block = chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
-  std::vector<std::byte> weights;
+  // Everything is queued (the slabs do not change during the call): the writer threads copy one
+  // block of weights while this thread rounds the next into the other buffer.
+  std::vector<std::byte> weights[2];
+  uint64_t written_before[2] = {0, 0};  // The ticket each buffer's last block was queued as.
+  bool in_use[2] = {false, false};
+  size_t next = 0;
+  uint64_t ticket = 0;
+  bool queued = false;
+  // Whatever way this returns, no writer thread reads `weights` or the slabs afterwards.
+  // Dropped: the error that ends the call early is already being returned.
+  absl::Cleanup drain = [&] {
+    if (queued) txn.WaitForPieces(ticket).IgnoreError();
+  };
   for (const StateRun& run : layout.Runs()) {
     for (StateKind kind : layout.kinds()) {
       const std::string& name = layout.name(run.param, kind);
       if (kind != StateKind::kWeights || model == DType::kF32) {
         const size_t size = formats::DTypeSize(layout.dtype(kind));
-        CKPT_RETURN_IF_ERROR(txn.WritePiece(
-            name, run.tensor_begin, run.count,
-            {KindBytes(slabs, kind) + run.slab_offset * size, run.count * size}));
+        CKPT_ASSIGN_OR_RETURN(
+            ticket, txn.WritePieceDeferred(
+                        name, run.tensor_begin, run.count,
+                        {KindBytes(slabs, kind) + run.slab_offset * size, run.count * size}));
+        queued = true;
         continue;
       }
       for (uint64_t done = 0; done < run.count; done += block) {
         const uint64_t n = std::min(block, run.count - done);
-        weights.resize(n * wsize);
+        std::vector<std::byte>& buffer = weights[next];
+        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.WaitForPieces(written_before[next]));
+        buffer.resize(n * wsize);
         formats::Convert(DType::kF32, {slabs.master + 4 * (run.slab_offset + done), 4 * n}, model,
-                         weights);
-        CKPT_RETURN_IF_ERROR(txn.WritePiece(name, run.tensor_begin + done, n, weights));
+                         buffer);
+        CKPT_ASSIGN_OR_RETURN(ticket,
+                              txn.WritePieceDeferred(name, run.tensor_begin + done, n, buffer));
+        written_before[next] = ticket;
+        in_use[next] = queued = true;
+        next ^= 1;
       }
     }
   }
-  return absl::OkStatus();
+  std::move(drain).Cancel();
+  return queued ? txn.WaitForPieces(ticket) : absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,

@@ -146,6 +146,8 @@ class Checkpointer {
 
   // Collective. Saves the state as it is now as `step`: one transaction, committed on every
   // rank or on none. Never changes the state. CUDA engine: waits for the last step's copies.
+  // The weights saved are the masters rounded to the model dtype, as SaveAsync's are: the
+  // weight buffer is not read.
   // kFailedPrecondition when the optimizer is poisoned or `step` is not newer than LATEST;
   // IO errors as the store reports them (the previous checkpoint is untouched).
   absl::Status Save(uint64_t step, const Blobs& blobs = {});
