@@ -211,7 +211,7 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
       // Claimed in the same critical section as the check: two BeginSave calls cannot both pass.
       save_in_flight_ = s.ok();
     }
-    message = s.ok() ? absl::StrCat("ok ", staging) : absl::StrCat("err ", EncodeStatus(s));
+    message = EncodeResult(s.ok() ? absl::StatusOr<std::string>(staging) : s);
   }
   absl::StatusOr<std::string> broadcast = coordinator->Broadcast(message, 0);
   if (!broadcast.ok()) {
@@ -222,18 +222,9 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     }
     return broadcast.status();
   }
-  const std::string outcome = *std::move(broadcast);
-  absl::string_view view = outcome;
-  if (!absl::ConsumePrefix(&view, "ok ")) {
-    absl::Status refused =
-        absl::ConsumePrefix(&view, "err ") ? DecodeStatus(view) : absl::OkStatus();
-    if (refused.ok()) {
-      return absl::InternalError(absl::StrCat("malformed begin message from rank 0: ", outcome));
-    }
-    return refused;
-  }
+  CKPT_ASSIGN_OR_RETURN(std::string staging_dir, DecodeResult(*broadcast));
   std::unique_ptr<SaveTransaction> txn(
-      new SaveTransaction(this, coordinator, step, std::string(view), absl::OkStatus()));
+      new SaveTransaction(this, coordinator, step, std::move(staging_dir), absl::OkStatus()));
   txn->own_coordinator_ = std::move(own);
   return txn;
 }

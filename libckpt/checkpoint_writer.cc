@@ -15,7 +15,8 @@
 //    vote), then Sync and Close its data file (its bytes must be durable before any
 //    manifest points at them); write rank-r.part (its tensors, pieces, blobs, chunk checksums
 //    and file size); Sync; Close.
-// 4. Vote (AllGather): "ok <XXH3 of the part>" or "no <code> <message>". Any "no" aborts.
+// 4. Vote (AllGather, EncodeResult): "ok <XXH3 of the part>" or "no <code> <message>". Any
+//    "no" aborts.
 // 5. Rank 0, all votes ok: read every part, check it against its digest, merge the parts into
 //    one manifest and validate it (declarations agree; pieces do not overlap across ranks).
 // 6. Rank 0: write MANIFEST; Sync; Close; remove the parts; SyncDir(staging), so the data
@@ -326,7 +327,7 @@ absl::Status SaveTransaction::FinishLocal(std::string* vote) {
   if (s.ok()) s = out->Sync();
   s.Update(out->Close());
   CKPT_RETURN_IF_ERROR(s);
-  *vote = absl::StrFormat("ok %016x", Checksum(AsBytes(part)));
+  *vote = EncodeResult(absl::StrFormat("%016x", Checksum(AsBytes(part))));
   return absl::OkStatus();
 }
 
@@ -373,7 +374,7 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
   if (!local.ok()) {
     // Already failing; the file is garbage (a prepared transaction closed it).
     if (file_ != nullptr && !prepared_) file_->Close().IgnoreError();
-    vote = absl::StrCat("no ", EncodeStatus(local));
+    vote = EncodeResult(local);
   }
   absl::StatusOr<std::vector<std::string>> votes = coordinator_->AllGather(vote);
   absl::Status outcome;
@@ -419,19 +420,17 @@ absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes
   merged.world_size = static_cast<uint32_t>(votes.size());
   std::map<std::string, uint32_t> tensor_index;
   for (size_t r = 0; r < votes.size(); ++r) {
-    absl::string_view vote = votes[r];
-    if (!absl::ConsumePrefix(&vote, "ok ")) {
-      absl::ConsumePrefix(&vote, "no ");
-      absl::Status why = DecodeStatus(vote);
-      if (why.ok()) why = absl::InternalError("a \"no\" vote carried an OK status");
-      return absl::Status(why.code(), absl::StrCat("rank ", r, " voted no: ", why.message()));
+    absl::StatusOr<std::string> vote = DecodeResult(votes[r]);
+    if (!vote.ok()) {
+      return absl::Status(vote.status().code(),
+                          absl::StrCat("rank ", r, " voted no: ", vote.status().message()));
     }
     const std::string path =
         JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
     CKPT_ASSIGN_OR_RETURN(std::string bytes,
                           ReadFileToString(env_, path, formats::kMaxManifestBytes,
                                            FileOptions{.follow_symlinks = false}));
-    if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != vote) {
+    if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != *vote) {
       return absl::DataLossError(
           absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
     }

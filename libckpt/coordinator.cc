@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "ckpt/base/status_macros.h"
 
 namespace ckpt {
@@ -27,15 +28,46 @@ std::string EncodeStatus(const absl::Status& status) {
   return absl::StrCat(static_cast<int>(status.code()), " ", status.message());
 }
 
-absl::Status DecodeStatus(absl::string_view text) {
-  if (text == "0") return absl::OkStatus();
+namespace {
+
+// "<code> <message>" with a code that is not OK into `out`; false for anything else.
+bool ParseError(absl::string_view text, absl::Status* out) {
   std::pair<absl::string_view, absl::string_view> parts =
       absl::StrSplit(text, absl::MaxSplits(' ', 1));
   int code = 0;
-  if (!absl::SimpleAtoi(parts.first, &code) || code <= 0 || code > 16) {
-    return absl::InternalError(absl::StrCat("malformed status from another rank: ", text));
-  }
-  return absl::Status(static_cast<absl::StatusCode>(code), parts.second);
+  if (!absl::SimpleAtoi(parts.first, &code) || code <= 0 || code > 16) return false;
+  *out = absl::Status(static_cast<absl::StatusCode>(code), parts.second);
+  return true;
+}
+
+}  // namespace
+
+absl::Status DecodeStatus(absl::string_view text) {
+  if (text == "0") return absl::OkStatus();
+  absl::Status out;
+  if (ParseError(text, &out)) return out;
+  return absl::InternalError(absl::StrCat("malformed status from another rank: ", text));
+}
+
+std::string EncodeResult(const absl::StatusOr<std::string>& result) {
+  if (result.ok()) return absl::StrCat("ok ", *result);
+  return absl::StrCat("no ", EncodeStatus(result.status()));
+}
+
+absl::StatusOr<std::string> DecodeResult(absl::string_view text) {
+  absl::string_view rest = text;
+  if (absl::ConsumePrefix(&rest, "ok ")) return std::string(rest);
+  absl::Status why;
+  if (absl::ConsumePrefix(&rest, "no ") && ParseError(rest, &why)) return why;
+  return absl::InternalError(absl::StrCat("malformed result from another rank: ", text));
+}
+
+absl::StatusOr<std::string> BroadcastResult(Coordinator& coordinator,
+                                            const absl::StatusOr<std::string>& mine, int root) {
+  CKPT_ASSIGN_OR_RETURN(std::string text,
+                        coordinator.Broadcast(coordinator.rank() == root ? EncodeResult(mine) : "",
+                                              root));
+  return DecodeResult(text);
 }
 
 // Round r of AllGather: ranks deposit into `slots`; the last to arrive publishes the round's

@@ -191,20 +191,18 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
 }
 
 absl::StatusOr<uint64_t> Checkpointer::AgreeOnLatest(Env* env, const std::string& root) {
-  std::string named;
+  absl::StatusOr<std::string> named = std::string();
   if (coordinator_->rank() == 0) {
     absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(env, root);
     if (latest.ok() && !latest->has_value()) {
       latest = absl::NotFoundError(absl::StrCat(root, ": no committed step to load"));
     }
-    named = latest.ok() ? absl::StrCat("ok ", **latest) : EncodeStatus(latest.status());
+    named = latest.ok() ? absl::StatusOr<std::string>(absl::StrCat(**latest)) : latest.status();
   }
-  CKPT_ASSIGN_OR_RETURN(named, coordinator_->Broadcast(named, 0));
+  CKPT_ASSIGN_OR_RETURN(named, BroadcastResult(*coordinator_, named, 0));
   uint64_t latest = 0;
-  absl::string_view view = named;
-  if (!absl::ConsumePrefix(&view, "ok ") || !absl::SimpleAtoi(view, &latest)) {
-    absl::Status why = DecodeStatus(named);
-    return why.ok() ? absl::InternalError("malformed LATEST from rank 0") : why;
+  if (!absl::SimpleAtoi(*named, &latest)) {
+    return absl::InternalError(absl::StrCat("malformed LATEST from rank 0: ", *named));
   }
   return latest;
 }
@@ -225,18 +223,13 @@ absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
   absl::StatusOr<uint64_t> latest = AgreeOnLatest(store_->env(), store_->root());
   if (!latest.ok() && !absl::IsDataLoss(latest.status())) return latest.status();
   // The candidates as rank 0 lists them, so that every rank walks the same steps.
-  std::string listed;
+  absl::StatusOr<std::string> listed = std::string();
   if (coordinator_->rank() == 0) {
     absl::StatusOr<std::vector<uint64_t>> steps = RetainableSteps(store_->env(), store_->root());
-    listed = steps.ok() ? absl::StrCat("ok ", absl::StrJoin(*steps, " "))
-                        : EncodeStatus(steps.status());
+    listed = steps.ok() ? absl::StatusOr<std::string>(absl::StrJoin(*steps, " ")) : steps.status();
   }
-  CKPT_ASSIGN_OR_RETURN(listed, coordinator_->Broadcast(listed, 0));
-  absl::string_view view = listed;
-  if (!absl::ConsumePrefix(&view, "ok")) {
-    absl::Status why = DecodeStatus(listed);
-    return why.ok() ? absl::InternalError("malformed step list from rank 0") : why;
-  }
+  CKPT_ASSIGN_OR_RETURN(listed, BroadcastResult(*coordinator_, listed, 0));
+  absl::string_view view = *listed;
   std::vector<uint64_t> candidates;
   if (latest.ok()) candidates.push_back(*latest);
   std::vector<uint64_t> older;

@@ -30,11 +30,21 @@ class Coordinator {
   virtual absl::Status Barrier();
 };
 
-// A Status as ranks exchange it through a Coordinator: "<code> <message>" ("0" for OK). The
-// one encoding of every vote and outcome, so all ranks return the same code and message.
+// The one codec of what ranks exchange through a Coordinator, so that all ranks return the same
+// code and message.
+// A Status (a vote, an outcome): "<code> <message>" ("0" for OK).
 std::string EncodeStatus(const absl::Status& status);
 // The inverse; text that no EncodeStatus produced becomes kInternal naming it.
 absl::Status DecodeStatus(absl::string_view text);
+// A value, or the error that stands in its place (a vote with its digest, the step rank 0
+// resolved, the staging directory it made): "ok <value>" or "no " + EncodeStatus(error).
+std::string EncodeResult(const absl::StatusOr<std::string>& result);
+// The inverse; text that no EncodeResult produced becomes kInternal naming it.
+absl::StatusOr<std::string> DecodeResult(absl::string_view text);
+// Collective: rank `root`'s `mine` on every rank (the others' is ignored); the coordinator's
+// own error when the broadcast fails.
+absl::StatusOr<std::string> BroadcastResult(Coordinator& coordinator,
+                                            const absl::StatusOr<std::string>& mine, int root);
 
 // A job of one rank.
 class SingleProcessCoordinator : public Coordinator {
