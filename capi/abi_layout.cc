@@ -98,6 +98,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_lifecycle);
   CKPT_FUNC(ckpt_store_open);
   CKPT_FUNC(ckpt_store_open_with);
+  CKPT_FUNC(ckpt_store_open_on_ranks);
   CKPT_FUNC(ckpt_store_close);
   CKPT_FUNC(ckpt_store_latest);
   CKPT_FUNC(ckpt_checkpointer_create);

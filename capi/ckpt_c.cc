@@ -19,10 +19,7 @@
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
-
-struct ckpt_store {
-  std::unique_ptr<ckpt::CheckpointStore> store;
-};
+#include "capi/capi_internal.h"
 
 struct ckpt_optimizer {
   std::unique_ptr<ckpt::optimizer::StagedAdamW> opt;
@@ -30,34 +27,13 @@ struct ckpt_optimizer {
 
 namespace {
 
+using ckpt::capi::CallbackCoordinator;
+using ckpt::capi::Done;
+using ckpt::capi::Fail;
+using ckpt::capi::Guard;
+using ckpt::capi::Invalid;
 using ckpt::formats::DType;
 namespace opt = ckpt::optimizer;
-
-thread_local std::string last_error;
-
-int Fail(const absl::Status& status) {
-  last_error = std::string(status.message());
-  return status.ok() ? CKPT_UNKNOWN : static_cast<int>(status.code());
-}
-int Invalid(const std::string& message) { return Fail(absl::InvalidArgumentError(message)); }
-int Done(const absl::Status& status) {
-  if (status.ok()) return CKPT_OK;
-  return Fail(status);
-}
-
-// Runs `body`, turning an escaping C++ exception into a code.
-template <typename Body>
-int Guard(const char* what, Body body) {
-  try {
-    return body();
-  } catch (const std::bad_alloc&) {
-    return Fail(absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory")));
-  } catch (const std::exception& e) {
-    return Fail(absl::InternalError(absl::StrCat(what, ": ", e.what())));
-  } catch (...) {
-    return Fail(absl::InternalError(absl::StrCat(what, ": unknown C++ exception")));
-  }
-}
 
 absl::StatusOr<DType> ModelDType(int d) {
   switch (d) {
@@ -92,42 +68,6 @@ absl::StatusOr<std::vector<opt::ParamSpec>> Params(const ckpt_param* params, siz
 opt::ParamGroup Group(const ckpt_group& g) {
   return {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
 }
-
-// A Coordinator over the caller's callbacks.
-class CallbackCoordinator : public ckpt::Coordinator {
- public:
-  explicit CallbackCoordinator(const ckpt_coordinator& c) : c_(c) {}
-  int rank() const override { return c_.rank; }
-  int size() const override { return c_.size; }
-  absl::StatusOr<std::vector<std::string>> AllGather(absl::string_view mine) override {
-    void* out = nullptr;
-    std::vector<size_t> lens(static_cast<size_t>(c_.size), 0);
-    const int rc = c_.all_gather(c_.user, mine.data(), mine.size(), &out, lens.data());
-    std::unique_ptr<void, decltype(&std::free)> owned(out, &std::free);
-    if (rc != 0) {
-      return absl::UnavailableError(absl::StrCat("rank ", c_.rank, ": the coordinator's all_gather failed (", rc, ")"));
-    }
-    std::vector<std::string> parts;
-    size_t at = 0;
-    for (size_t r = 0; r < lens.size(); ++r) {
-      if (lens[r] > 0 && out == nullptr) return absl::InternalError("all_gather returned no buffer");
-      parts.emplace_back(static_cast<const char*>(out) + at, lens[r]);
-      at += lens[r];
-    }
-    return parts;
-  }
-  absl::Status Barrier() override {
-    if (c_.barrier == nullptr) return Coordinator::Barrier();
-    const int rc = c_.barrier(c_.user);
-    if (rc != 0) {
-      return absl::UnavailableError(absl::StrCat("rank ", c_.rank, ": the coordinator's barrier failed (", rc, ")"));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  const ckpt_coordinator c_;
-};
 
 opt::Blobs MakeBlobs(const char* const* keys, const void* const* values, const size_t* lens,
                      size_t n, absl::Status* status) {
@@ -166,7 +106,7 @@ extern "C" {
 
 int ckpt_abi_version(void) { return CKPT_ABI_VERSION; }
 
-const char* ckpt_last_error(void) { return last_error.c_str(); }
+const char* ckpt_last_error(void) { return ckpt::capi::last_error.c_str(); }
 
 void* ckpt_alloc(size_t bytes) { return std::malloc(bytes == 0 ? 1 : bytes); }
 
@@ -316,50 +256,6 @@ int ckpt_optimizer_lifecycle(const ckpt_optimizer* o, int* lifecycle) {
   return CKPT_OK;
 }
 
-int ckpt_store_open(const char* root, int primary, int read_only, ckpt_store** out) {
-  ckpt_store_options o{};
-  o.struct_size = sizeof(o);
-  o.primary = primary;
-  o.read_only = read_only;
-  return ckpt_store_open_with(root, &o, out);
-}
-
-int ckpt_store_open_with(const char* root, const ckpt_store_options* options, ckpt_store** out) {
-  return Guard("ckpt_store_open_with", [&]() -> int {
-    if (root == nullptr || options == nullptr || out == nullptr) {
-      return Invalid("root, options or out is NULL");
-    }
-    *out = nullptr;
-    if (options->struct_size < sizeof(ckpt_store_options)) {
-      return Invalid(absl::StrCat("ckpt_store_options.struct_size is ", options->struct_size,
-                                  ", expected at least ", sizeof(ckpt_store_options)));
-    }
-    if (options->write_threads < 0 || options->write_threads > 64) {
-      return Invalid(absl::StrCat("write_threads ", options->write_threads,
-                                  " is outside 0 (the default) to 64"));
-    }
-    ckpt::StoreOptions o;
-    o.primary = options->primary != 0;
-    o.read_only = options->read_only != 0;
-    o.retention = {options->keep_last, options->keep_every};
-    if (options->write_threads > 0) o.write_threads = options->write_threads;
-    absl::StatusOr<std::unique_ptr<ckpt::CheckpointStore>> s = ckpt::CheckpointStore::Open(root, o);
-    if (!s.ok()) return Fail(s.status());
-    *out = new ckpt_store{*std::move(s)};
-    return CKPT_OK;
-  });
-}
-
-void ckpt_store_close(ckpt_store* store) { delete store; }
-
-int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step) {
-  if (store == nullptr || has_latest == nullptr || step == nullptr) return Invalid("NULL argument");
-  const std::optional<uint64_t> latest = store->store->latest_step();
-  *has_latest = latest.has_value() ? 1 : 0;
-  *step = latest.value_or(0);
-  return CKPT_OK;
-}
-
 int ckpt_checkpointer_create(ckpt_optimizer* o, void* weights, size_t weight_bytes,
                              ckpt_store* store, const ckpt_coordinator* coordinator,
                              uint64_t async_staging_bytes, ckpt_checkpointer** out) {
@@ -370,11 +266,8 @@ int ckpt_checkpointer_create(ckpt_optimizer* o, void* weights, size_t weight_byt
     auto c = std::make_unique<ckpt_checkpointer>();
     ckpt::Coordinator* coord = nullptr;
     if (coordinator != nullptr) {
-      if (coordinator->all_gather == nullptr || coordinator->size < 1 || coordinator->rank < 0 ||
-          coordinator->rank >= coordinator->size) {
-        return Invalid(absl::StrCat("coordinator: rank ", coordinator->rank, " of ", coordinator->size,
-                                    coordinator->all_gather == nullptr ? ", no all_gather" : ""));
-      }
+      const absl::Status usable = ckpt::capi::CheckCoordinator(*coordinator);
+      if (!usable.ok()) return Fail(usable);
       c->callbacks = std::make_unique<CallbackCoordinator>(*coordinator);
       coord = c->callbacks.get();
     } else {

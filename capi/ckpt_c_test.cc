@@ -55,7 +55,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 31);
+  EXPECT_EQ(functions, 32);
   EXPECT_EQ(constants, 29);
   EXPECT_EQ(structs, 6);
 }
@@ -84,6 +84,14 @@ TEST(CkptCTest, NullAndBadArgumentsAreCodesWithMessages) {
   so.write_threads = 0;
   so.read_only = 1;
   EXPECT_EQ(ckpt_store_open_with("/nonexistent/ckpt-root", &so, &store), CKPT_NOT_FOUND);
+  EXPECT_EQ(store, nullptr);
+  // Opening on the ranks of a job needs a coordinator that can run.
+  EXPECT_EQ(ckpt_store_open_on_ranks("/nonexistent/ckpt-root", &so, nullptr, &store),
+            CKPT_INVALID_ARGUMENT);
+  ckpt_coordinator no_gather = {nullptr, 0, 2, nullptr, nullptr};
+  EXPECT_EQ(ckpt_store_open_on_ranks("/nonexistent/ckpt-root", &so, &no_gather, &store),
+            CKPT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ckpt_last_error()).find("no all_gather"), std::string::npos);
   EXPECT_EQ(store, nullptr);
   // A parameter with a dtype that does not exist, and one without a name.
   const uint64_t shape[1] = {4};

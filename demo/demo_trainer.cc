@@ -204,19 +204,17 @@ absl::Status ProbeEngine(const Flags& f) {
   return NewDeviceStep(1).status();
 }
 
-// Every rank's store handle on `root`; rank 0's is the primary, which recovers the root first.
+// Every rank's store handle on `root`, each opened on its rank's thread (OpenStoreOnRanks: rank
+// 0's is the primary, which recovers the root before the others open theirs).
 absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStores(const std::string& root,
-                                                                         int ranks) {
-  std::vector<std::unique_ptr<CheckpointStore>> stores;
-  for (int r = 0; r < ranks; ++r) {
-    StoreOptions o;
-    o.primary = r == 0;
-    CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, o));
-    if (r == 0) {
-      for (const std::string& removed : store->recovery().removed)
-        std::printf("recovery removed %s\n", removed.c_str());
-    }
-    stores.push_back(std::move(store));
+                                                                         ThreadGroup& group) {
+  std::vector<std::unique_ptr<CheckpointStore>> stores(static_cast<size_t>(group.size()));
+  CKPT_RETURN_IF_ERROR(OnEveryRank(group.size(), [&](int r) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(stores[r], OpenStoreOnRanks(root, StoreOptions{}, group.member(r)));
+    return absl::OkStatus();
+  }));
+  for (const std::string& removed : stores[0]->recovery().removed) {
+    std::printf("recovery removed %s\n", removed.c_str());
   }
   return stores;
 }
@@ -234,7 +232,7 @@ absl::StatusOr<Job> NewJob(const std::string& init_model, const Flags& f, bool r
   job.schedule.warmup = std::max(1, f.steps / 6);
   job.group = std::make_unique<ThreadGroup>(ranks);
   if (!root.empty()) {
-    CKPT_ASSIGN_OR_RETURN(job.stores, OpenStores(root, ranks));
+    CKPT_ASSIGN_OR_RETURN(job.stores, OpenStores(root, *job.group));
   }
   for (int r = 0; r < ranks; ++r) {
     job.coordinators.push_back(std::make_unique<DemoCoordinator>(job.group->member(r)));

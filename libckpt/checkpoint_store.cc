@@ -413,4 +413,26 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPol
   return doomed;
 }
 
+absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenStoreOnRanks(const std::string& root,
+                                                                  StoreOptions options,
+                                                                  Coordinator* coordinator) {
+  const int rank = coordinator->rank();
+  options.primary = rank == 0;
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> store =
+      absl::FailedPreconditionError("not opened");
+  if (rank == 0) store = CheckpointStore::Open(root, options);
+  // The primary's outcome first: the others open only a root it has recovered.
+  CKPT_RETURN_IF_ERROR(
+      BroadcastResult(*coordinator,
+                      store.ok() ? absl::StatusOr<std::string>("") : store.status(), 0)
+          .status());
+  if (rank != 0) store = CheckpointStore::Open(root, options);
+  absl::Status mine = store.ok() ? absl::OkStatus()
+                                 : Annotate(store.status(), absl::StrCat("rank ", rank));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> votes,
+                        coordinator->AllGather(EncodeStatus(mine)));
+  for (const std::string& vote : votes) CKPT_RETURN_IF_ERROR(DecodeStatus(vote));
+  return store;
+}
+
 }  // namespace ckpt

@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/env.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt {
@@ -62,6 +64,34 @@ TEST(CoordinatorCodecTest, BroadcastResultGivesEveryRankTheRootsValueOrError) {
         ASSERT_TRUE(got[r].ok()) << got[r].status();
         EXPECT_EQ(*got[r], "rank 1") << "rank " << r;
       }
+    }
+  }
+}
+
+// OpenStoreOnRanks: every rank gets a handle (rank 0's the primary that recovered the root,
+// the others not), or every rank fails with rank 0's error and holds none.
+TEST(OpenStoreOnRanksTest, EveryRankOpensAfterThePrimaryOrEveryRankFails) {
+  std::unique_ptr<Env> env = NewMemEnv();
+  StoreOptions options;
+  options.env = env.get();
+  for (bool lock_held : {false, true}) {
+    // A second primary handle holds the LOCK: rank 0's open is refused.
+    std::unique_ptr<CheckpointStore> holder;
+    if (lock_held) holder = CheckpointStore::Open("/root", options).value();
+    ThreadGroup group(3);
+    std::vector<absl::StatusOr<std::unique_ptr<CheckpointStore>>> got(3);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 3; ++r) {
+      ranks.emplace_back([&, r] { got[r] = OpenStoreOnRanks("/root", options, group.member(r)); });
+    }
+    for (std::thread& t : ranks) t.join();
+    for (int r = 0; r < 3; ++r) {
+      if (lock_held) {
+        EXPECT_THAT(got[r], StatusIs(absl::StatusCode::kFailedPrecondition)) << "rank " << r;
+        continue;
+      }
+      ASSERT_TRUE(got[r].ok()) << "rank " << r << ": " << got[r].status();
+      EXPECT_EQ((*got[r])->options().primary, r == 0) << "rank " << r;
     }
   }
 }

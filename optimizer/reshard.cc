@@ -4,9 +4,10 @@
 //     (or every tensor as a parameter), each parameter's tensors (weights, masters, moments),
 //     Megatron buckets for `dp` ranks and each rank's pieces (layout.h), each output rank's
 //     blobs (the source rank's, or rank 0's), the optimizer record with world size `dp`.
-// R2. Open the output root: the primary handle for rank 0 (which creates the root and recovers
-//     it, removing any staging a crashed reshard left), then one handle per other rank.
-// R3. Every rank, a thread over one ThreadGroup, begins the step's save transaction (the
+// R2. Every rank, a thread over one ThreadGroup, opens its handle on the output root
+//     (OpenStoreOnRanks: rank 0's primary creates the root and recovers it, removing any staging
+//     a crashed reshard left, before the others open theirs).
+// R3. Every rank begins the step's save transaction (the
 //     store's commit protocol, libckpt/checkpoint_writer.cc: a staging directory, published
 //     only by the commit).
 // R4. The ranks write one after the other (the disk sees one sequential stream and memory
@@ -260,18 +261,10 @@ absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& 
   const formats::Manifest& m = source.manifest();
   uint64_t total = 0;
   for (const formats::TensorInfo& t : m.tensors) total += t.numel() * formats::DTypeSize(t.dtype);
-  // Step R2.
   StoreOptions so = options.store;
   so.env = env;
   so.read_only = false;
-  std::vector<std::unique_ptr<CheckpointStore>> stores;
-  for (int r = 0; r < options.dp; ++r) {
-    so.primary = r == 0;
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store,
-                          CheckpointStore::Open(dst_root, so));
-    stores.push_back(std::move(store));
-  }
-  // Steps R3 to R5, a thread per rank: ranks.ParallelFor hands each of its dp threads one rank
+  // Steps R2 to R5, a thread per rank: ranks.ParallelFor hands each of its dp threads one rank
   // (each blocks in its rank's collective commit until every rank has arrived, so no thread
   // takes a second rank before every rank has a thread).
   ThreadGroup group(options.dp);
@@ -284,8 +277,14 @@ absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& 
   internal::ThreadPool ranks(options.dp);
   ranks.ParallelFor(static_cast<size_t>(options.dp), [&](size_t index) {
     const int r = static_cast<int>(index);
+    absl::StatusOr<std::unique_ptr<CheckpointStore>> store =
+        OpenStoreOnRanks(dst_root, so, group.member(r));
+    if (!store.ok()) {
+      results[r] = store.status();  // Every rank failed to open: nothing began.
+      return;
+    }
     absl::StatusOr<std::unique_ptr<SaveTransaction>> txn =
-        stores[r]->BeginSave(m.step, group.member(r));
+        (*store)->BeginSave(m.step, group.member(r));
     absl::Status mine = txn.status();
     {
       std::unique_lock<std::mutex> lock(mu);

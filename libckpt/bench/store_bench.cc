@@ -239,13 +239,9 @@ absl::StatusOr<IoFigures> RunIoBench(const IoBenchOptions& options) {
     store_options.codec = formats::Codec::kZstd;
     store_options.zstd_level = *options.zstd_level;
   }
-  std::vector<std::unique_ptr<CheckpointStore>> stores;
-  for (int r = 0; r < options.ranks; ++r) {
-    StoreOptions o = store_options;
-    o.primary = r == 0;
-    CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(fig.root, o));
-    stores.push_back(std::move(store));
-  }
+  ThreadGroup opening(options.ranks);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<CheckpointStore>> stores,
+                        OpenStoresOnThreads(fig.root, store_options, opening));
   fig.step = stores[0]->latest_step().value_or(0) + 1;
   CKPT_ASSIGN_OR_RETURN(fig.save_gbps, Save(options, stores, fig.step, state));
   CKPT_ASSIGN_OR_RETURN(AlignedBuffer loaded_buf, SlabLike(options.bytes));
@@ -321,6 +317,23 @@ absl::Status RawReadOnGrid(const RandomAccessFile& file, uint64_t lo, uint64_t h
   for (auto& t : pool_threads) t.join();
   for (const auto& st : results) CKPT_RETURN_IF_ERROR(st);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStoresOnThreads(
+    const std::string& root, const StoreOptions& options, ThreadGroup& group) {
+  const int n = group.size();
+  std::vector<absl::StatusOr<std::unique_ptr<CheckpointStore>>> opened(static_cast<size_t>(n));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] { opened[r] = OpenStoreOnRanks(root, options, group.member(r)); });
+  }
+  for (std::thread& t : ranks) t.join();
+  std::vector<std::unique_ptr<CheckpointStore>> stores;
+  for (auto& s : opened) {
+    CKPT_RETURN_IF_ERROR(s.status());
+    stores.push_back(*std::move(s));
+  }
+  return stores;
 }
 
 }  // namespace ckpt::bench

@@ -68,17 +68,10 @@ absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, T
     rank.weights.assign(hi - lo, formats::FloatToBf16(0.5f));
     rank.grads.assign(hi - lo, 0.25f);
     CKPT_ASSIGN_OR_RETURN(rank.opt, StagedAdamW::Create(o, std::as_bytes(std::span(rank.weights))));
-    StoreOptions so;
-    so.primary = r == 0;
-    if (r == 0) {
-      CKPT_ASSIGN_OR_RETURN(rank.store, CheckpointStore::Open(root, so));
-    }
   }
-  for (int r = 1; r < n; ++r) {  // After the primary created the root.
-    StoreOptions so;
-    so.primary = false;
-    CKPT_ASSIGN_OR_RETURN(job[static_cast<size_t>(r)].store, CheckpointStore::Open(root, so));
-  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<CheckpointStore>> stores,
+                        OpenStoresOnThreads(root, StoreOptions{}, group));
+  for (int r = 0; r < n; ++r) job[static_cast<size_t>(r)].store = std::move(stores[r]);
   for (int r = 0; r < n; ++r) {
     Rank& rank = job[static_cast<size_t>(r)];
     auto ckpt = optimizer::Checkpointer::Create(rank.opt.get(),

@@ -62,13 +62,9 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
       specs, {optimizer::ParamGroup{}}, optimizer::MomentDType::kF32, ranks);
   StoreOptions so;
   so.env = env;
-  std::vector<std::unique_ptr<CheckpointStore>> stores;
-  for (int r = 0; r < ranks; ++r) {
-    so.primary = r == 0;
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointStore> store, CheckpointStore::Open(root, so));
-    stores.push_back(std::move(store));
-  }
   ThreadGroup group(ranks);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<CheckpointStore>> stores,
+                        OpenStoresOnThreads(root, so, group));
   std::vector<absl::Status> status(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {

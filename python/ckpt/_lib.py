@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 OK = 0
 CODE_NAMES = {
@@ -123,6 +123,9 @@ _sig = {
                         ctypes.c_int),
     "ckpt_store_open_with": ([ctypes.c_char_p, ctypes.POINTER(StoreOptions), ctypes.POINTER(_p)],
                              ctypes.c_int),
+    "ckpt_store_open_on_ranks": ([ctypes.c_char_p, ctypes.POINTER(StoreOptions),
+                                  ctypes.POINTER(Coordinator), ctypes.POINTER(_p)],
+                                 ctypes.c_int),
     "ckpt_store_close": ([_p], None),
     "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
                           ctypes.c_int),

@@ -144,23 +144,19 @@ class Checkpointer:
                              "shards its state over")
         distributed = process_group is not None
         if distributed:
-            import torch.distributed as dist
             coordinator, self._callback = _torch_coordinator(process_group)
             rank = coordinator.rank
         store = ctypes.c_void_p()
-
-        def open_store(primary):
-            options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), primary,
-                                        1 if read_only else 0, keep_last, keep_every, 0)
+        options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), 1 if rank == 0 else 0,
+                                    1 if read_only else 0, keep_last, keep_every, 0)
+        if distributed:
+            # Collective: rank 0's primary creates and recovers the root before the others open
+            # it, and every rank gets its handle or every rank raises.
+            check(lib.ckpt_store_open_on_ranks(root_bytes, ctypes.byref(options),
+                                               ctypes.byref(coordinator), ctypes.byref(store)))
+        else:
             check(lib.ckpt_store_open_with(root_bytes, ctypes.byref(options),
                                            ctypes.byref(store)))
-
-        if rank == 0:
-            open_store(1)
-        if distributed:  # The primary creates and recovers the root before the others open it.
-            dist.barrier(group=process_group)
-        if rank != 0:
-            open_store(0)
         self._store = store
         handle = ctypes.c_void_p()
         try:

@@ -26,8 +26,9 @@ extern "C" {
 #endif
 
 /* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
- * ckpt_abi_layout): a library serves callers of its version or an older one. */
-#define CKPT_ABI_VERSION 4
+ * ckpt_abi_layout; 5: ckpt_store_open_on_ranks): a library serves callers of its version or an
+ * older one. */
+#define CKPT_ABI_VERSION 5
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -177,6 +178,12 @@ typedef struct {
    * all_gather of nothing then serves. */
   int (*barrier)(void* user);
 } ckpt_coordinator;
+/* Collective: this rank's handle on `root`, opened in the one safe order (options->primary is
+ * ignored): rank 0 opens the primary handle, which creates and recovers the root, and only
+ * then do the other ranks open theirs; every rank gets a handle, or every rank fails with the
+ * first failure and gets none. `coordinator` is used during the call only. */
+CKPT_C_EXPORT int ckpt_store_open_on_ranks(const char* root, const ckpt_store_options* options,
+                                           const ckpt_coordinator* coordinator, ckpt_store** out);
 
 /* ---- Checkpointer ---- */
 /* `weights`: this rank's model-dtype weight buffer, host memory, in slab order (what every

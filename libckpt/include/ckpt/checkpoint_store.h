@@ -178,6 +178,17 @@ class CheckpointStore {
   std::thread remover_;  // Started by the first background removal; joined by the destructor.
 };
 
+// Collective: this rank's handle on `root` for a job of `coordinator->size()` ranks, opened in
+// the one safe order. Rank 0 opens the primary handle (options.primary is set for it and
+// cleared for the others), which creates and recovers the root; only once it has (its
+// outcome broadcast) do the others open theirs, so none reads a root that recovery is still
+// changing. Then the ranks vote: every rank returns a handle, or every rank fails with the
+// first failure (a rank's own error names its rank) and holds none. Errors as
+// CheckpointStore::Open, and the coordinator's.
+absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenStoreOnRanks(const std::string& root,
+                                                                  StoreOptions options,
+                                                                  Coordinator* coordinator);
+
 }  // namespace ckpt
 
 #endif  // CKPT_CHECKPOINT_STORE_H_

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -15,6 +16,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "ckpt/checkpoint_store.h"
+#include "ckpt/coordinator.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/options.h"
@@ -125,6 +128,12 @@ absl::StatusOr<SafetensorsFigures> RunSafetensorsBench(const SafetensorsBenchOpt
 // would compare memory blocks, not readers). Returns the first read error, or
 // kResourceExhausted when no bounce buffer can be had. REQUIRES: lo <= hi <= file.size().
 absl::Status RawReadOnGrid(const RandomAccessFile& file, uint64_t lo, uint64_t hi, int threads);
+
+// The handles of a job of `group.size()` ranks on `root`, indexed by rank, each opened on a
+// thread of its own with OpenStoreOnRanks (rank 0's is the primary), as a job's ranks open
+// theirs. Errors as OpenStoreOnRanks.
+absl::StatusOr<std::vector<std::unique_ptr<CheckpointStore>>> OpenStoresOnThreads(
+    const std::string& root, const StoreOptions& options, ThreadGroup& group);
 
 }  // namespace ckpt::bench
 
