@@ -24,6 +24,7 @@
 #include "ckpt/formats/convert.h"
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
+#include "ckpt/tensor_source.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
@@ -33,117 +34,7 @@ namespace {
 
 constexpr uint64_t kBatchElems = uint64_t{1} << 22;  // 16 MiB of FP32 per side.
 
-struct SourceTensor {
-  std::string dtype;  // Its name: "F32", "BF16", "I64", ...
-  std::vector<uint64_t> shape;
-  uint64_t numel = 0;
-  size_t element_bytes = 0;  // 0 for sub-byte dtypes (compared whole, byte for byte).
-  uint64_t byte_size = 0;
-  bool floating = false;     // F32, BF16 or F16: compared as FP32 values.
-};
-
-// One side of the comparison.
-class Source {
- public:
-  virtual ~Source() = default;
-  virtual std::string Describe() const = 0;
-  virtual const std::map<std::string, SourceTensor>& tensors() const = 0;
-  virtual absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
-                               std::span<float> out) const = 0;
-  virtual absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
-                                 std::span<std::byte> out) const = 0;
-};
-
-class HfSource : public Source {
- public:
-  static absl::StatusOr<std::unique_ptr<Source>> Open(const std::string& path) {
-    auto s = std::make_unique<HfSource>();
-    CKPT_ASSIGN_OR_RETURN(s->reader_, HfCheckpointReader::Open(path));
-    for (const HfTensor& t : s->reader_->tensors()) {
-      SourceTensor& out = s->tensors_[t.name];
-      out.dtype = std::string(formats::StDTypeName(t.dtype));
-      out.shape = t.shape;
-      out.numel = t.numel;
-      out.byte_size = t.byte_size;
-      out.element_bytes = t.numel == 0 ? 0 : t.byte_size / t.numel;
-      if (out.element_bytes * t.numel != t.byte_size) out.element_bytes = 0;
-      out.floating = t.dtype == formats::StDType::kF32 || t.dtype == formats::StDType::kBF16 ||
-                     t.dtype == formats::StDType::kF16;
-    }
-    return std::unique_ptr<Source>(std::move(s));
-  }
-  std::string Describe() const override { return absl::StrCat("HF ", reader_->path()); }
-  const std::map<std::string, SourceTensor>& tensors() const override { return tensors_; }
-  absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
-                       std::span<float> out) const override {
-    return reader_->ReadAsF32(name, begin, count, out);
-  }
-  absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
-                         std::span<std::byte> out) const override {
-    return reader_->ReadBytes(name, begin, count, out);
-  }
-
- private:
-  std::unique_ptr<HfCheckpointReader> reader_;
-  std::map<std::string, SourceTensor> tensors_;
-};
-
-class CkptSource : public Source {
- public:
-  static absl::StatusOr<std::unique_ptr<Source>> Open(const std::string& root,
-                                                      std::optional<uint64_t> step) {
-    auto s = std::make_unique<CkptSource>();
-    StoreOptions o;
-    o.read_only = true;
-    CKPT_ASSIGN_OR_RETURN(s->store_, CheckpointStore::Open(root, o));
-    if (step.has_value()) {
-      CKPT_ASSIGN_OR_RETURN(s->reader_, s->store_->OpenStep(*step));
-    } else {
-      CKPT_ASSIGN_OR_RETURN(s->reader_, s->store_->OpenLatest());
-    }
-    s->root_ = root;
-    for (const formats::TensorInfo& t : s->reader_->manifest().tensors) {
-      SourceTensor& out = s->tensors_[t.name];
-      out.dtype = std::string(formats::DTypeName(t.dtype));
-      out.shape = t.shape;
-      out.numel = t.numel();
-      out.element_bytes = formats::DTypeSize(t.dtype);
-      out.byte_size = out.numel * out.element_bytes;
-      out.floating = formats::IsFloatDType(t.dtype);
-      s->dtypes_[t.name] = t.dtype;
-    }
-    return std::unique_ptr<Source>(std::move(s));
-  }
-  std::string Describe() const override {
-    return absl::StrCat("ckpt ", root_, " step ", reader_->manifest().step);
-  }
-  const std::map<std::string, SourceTensor>& tensors() const override { return tensors_; }
-  absl::Status ReadF32(const std::string& name, uint64_t begin, uint64_t count,
-                       std::span<float> out) const override {
-    const formats::DType d = dtypes_.at(name);
-    if (d == formats::DType::kF32) {
-      return reader_->ReadRange(name, begin, count, std::as_writable_bytes(out));
-    }
-    std::vector<uint16_t> half(count);
-    const std::span<std::byte> bytes = std::as_writable_bytes(std::span(half));
-    CKPT_RETURN_IF_ERROR(reader_->ReadRange(name, begin, count, bytes));
-    formats::Convert(d, bytes, formats::DType::kF32, std::as_writable_bytes(out));
-    return absl::OkStatus();
-  }
-  absl::Status ReadBytes(const std::string& name, uint64_t begin, uint64_t count,
-                         std::span<std::byte> out) const override {
-    return reader_->ReadRange(name, begin, count, out);
-  }
-
- private:
-  std::string root_;
-  std::unique_ptr<CheckpointStore> store_;
-  std::unique_ptr<CheckpointReader> reader_;
-  std::map<std::string, SourceTensor> tensors_;
-  std::map<std::string, formats::DType> dtypes_;
-};
-
-absl::StatusOr<std::unique_ptr<Source>> OpenSource(const std::string& path,
+absl::StatusOr<std::unique_ptr<TensorSource>> OpenSource(const std::string& path,
                                                    std::optional<uint64_t> step,
                                                    const char* step_flag) {
   CKPT_ASSIGN_OR_RETURN(bool hf, TreatAsHf(path, "diff"));
@@ -152,9 +43,9 @@ absl::StatusOr<std::unique_ptr<Source>> OpenSource(const std::string& path,
       return absl::InvalidArgumentError(
           absl::StrCat(path, " is a HuggingFace checkpoint: it has no steps (", step_flag, ")"));
     }
-    return HfSource::Open(path);
+    return TensorSource::OpenHf(path, Env::Default());
   }
-  return CkptSource::Open(path, step);
+  return TensorSource::OpenRoot(path, step, StoreOptions{});
 }
 
 // How one tensor present on both sides compares.
@@ -194,30 +85,31 @@ void CompareValues(double x, double y, double atol, TensorDiff& d) {
   if (!(abs_diff <= atol)) ++d.differing;
 }
 
-absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::string& name,
+absl::StatusOr<TensorDiff> Compare(const TensorSource& a, const TensorSource& b, const std::string& name,
                                    double atol) {
   const SourceTensor& ta = a.tensors().at(name);
   const SourceTensor& tb = b.tensors().at(name);
   TensorDiff d;
   d.name = name;
   d.numel = ta.numel;
-  d.dtype_a = ta.dtype;
-  d.dtype_b = tb.dtype;
+  d.dtype_a = ta.dtype_name;
+  d.dtype_b = tb.dtype_name;
   if (ta.shape != tb.shape) {
     d.status = "shape";
     d.detail = absl::StrCat("[", absl::StrJoin(ta.shape, ", "), "] vs [",
                             absl::StrJoin(tb.shape, ", "), "]");
     return d;
   }
-  if (ta.floating && tb.floating) {
+  if (ta.floating() && tb.floating()) {
     // As FP32 values, whatever the two dtypes (a BF16 export against its FP32 source).
     std::vector<float> xa, xb;
     for (uint64_t at = 0; at < ta.numel; at += kBatchElems) {
       const uint64_t n = std::min(kBatchElems, ta.numel - at);
       xa.resize(n);
       xb.resize(n);
-      CKPT_RETURN_IF_ERROR(ReadBoth([&] { return a.ReadF32(name, at, n, xa); },
-                                    [&] { return b.ReadF32(name, at, n, xb); }));
+      const TensorSource::F32Request ra{name, at, n, xa}, rb{name, at, n, xb};
+      CKPT_RETURN_IF_ERROR(ReadBoth([&] { return a.ReadF32({&ra, 1}); },
+                                    [&] { return b.ReadF32({&rb, 1}); }));
       // Identical bits fold to nothing (equal values, or the same NaN): one memcmp for the
       // common case of equal batches.
       if (std::memcmp(xa.data(), xb.data(), n * sizeof(float)) == 0) continue;
@@ -226,9 +118,9 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
     d.status = d.differing == 0 ? "equal" : "differs";
     return d;
   }
-  if (ta.dtype != tb.dtype) {
+  if (ta.dtype_name != tb.dtype_name) {
     d.status = "dtype";
-    d.detail = absl::StrCat(ta.dtype, " vs ", tb.dtype);
+    d.detail = absl::StrCat(ta.dtype_name, " vs ", tb.dtype_name);
     return d;
   }
   if (ta.element_bytes == 0) {
@@ -244,7 +136,7 @@ absl::StatusOr<TensorDiff> Compare(const Source& a, const Source& b, const std::
     return d;
   }
   // Same dtype: F64 as values (with --atol), every other dtype byte for byte.
-  const bool f64 = ta.dtype == "F64";
+  const bool f64 = ta.dtype_name == "F64";
   d.by_value = f64;
   const uint64_t esize = ta.element_bytes;
   const uint64_t batch = std::max<uint64_t>(1, (kBatchElems * 4) / esize);
@@ -281,9 +173,9 @@ int RunDiff(const DiffArgs& args) {
   if (!(args.atol >= 0) || !std::isfinite(args.atol)) {
     return ReportError("diff", absl::InvalidArgumentError("--atol must be a finite number >= 0"));
   }
-  absl::StatusOr<std::unique_ptr<Source>> a = OpenSource(args.a, args.step, "--step");
+  absl::StatusOr<std::unique_ptr<TensorSource>> a = OpenSource(args.a, args.step, "--step");
   if (!a.ok()) return ReportError(absl::StrCat("diff ", Printable(args.a)), a.status());
-  absl::StatusOr<std::unique_ptr<Source>> b = OpenSource(args.b, args.step_b, "--step-b");
+  absl::StatusOr<std::unique_ptr<TensorSource>> b = OpenSource(args.b, args.step_b, "--step-b");
   if (!b.ok()) return ReportError(absl::StrCat("diff ", Printable(args.b)), b.status());
   std::vector<std::string> only_a, only_b, both;
   for (const auto& [name, t] : (*a)->tensors()) {

@@ -124,6 +124,23 @@ absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
   return absl::NotFoundError(absl::StrCat(dir_, ": no tensor \"", name, "\""));
 }
 
+bool CheckpointReader::Covers(absl::string_view tensor, uint64_t begin, uint64_t count) const {
+  uint32_t index = 0;
+  while (index < manifest_.tensors.size() && manifest_.tensors[index].name != tensor) ++index;
+  if (index == manifest_.tensors.size()) return false;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const formats::PieceInfo& p : manifest_.pieces) {
+    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = begin;
+  for (const auto& [lo, hi] : ranges) {
+    if (lo > at) break;
+    at = std::max(at, hi);
+  }
+  return at >= begin + count;
+}
+
 absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
                                             std::span<const std::byte> bytes) const {
   const formats::DataFileInfo& f = manifest_.files[read.file];

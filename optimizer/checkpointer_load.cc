@@ -147,7 +147,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   for (const Piece& piece : o.pieces) {
     for (StateKind kind : layout.kinds()) {
       const std::string& name = layout.name(piece.param, kind);
-      if (!internal::Covers(m, index[name], piece.begin, piece.count)) {
+      if (!reader.Covers(name, piece.begin, piece.count)) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
                          piece.begin + piece.count, ") of \"", name, "\", which this rank owns"));

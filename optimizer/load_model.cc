@@ -29,8 +29,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/formats/convert.h"
 #include "ckpt/hf_checkpoint.h"
+#include "ckpt/tensor_source.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "optimizer/state_layout.h"
 
@@ -38,120 +38,7 @@ namespace ckpt::optimizer {
 namespace {
 
 using formats::DType;
-using internal::kOptimizerPrefix;
 using internal::ListNames;
-
-// Elements widened per read when a ckpt step stores a parameter in 16 bits.
-constexpr uint64_t kWidenElems = uint64_t{1} << 20;
-
-enum class Float { kF32, kBF16, kF16, kOther };
-
-struct SourceTensor {
-  Float dtype = Float::kOther;
-  std::string dtype_name;
-  std::vector<uint64_t> shape;
-};
-
-// Where the tensors come from: an HF checkpoint, or a committed step of a ckpt root.
-class ModelSource {
- public:
-  virtual ~ModelSource() = default;
-  // The source's tensors by their names in the source.
-  const std::map<std::string, SourceTensor>& tensors() const { return tensors_; }
-  virtual std::string Describe() const = 0;
-  // kInvalidArgument when the source does not hold elements [begin, begin + count) of `name`.
-  virtual absl::Status CheckCovers(const std::string& name, uint64_t begin,
-                                   uint64_t count) const = 0;
-  virtual absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const = 0;
-
- protected:
-  std::map<std::string, SourceTensor> tensors_;
-};
-
-class HfSource : public ModelSource {
- public:
-  static absl::StatusOr<std::unique_ptr<HfSource>> Open(const std::string& path, Env* env) {
-    auto source = std::unique_ptr<HfSource>(new HfSource);
-    CKPT_ASSIGN_OR_RETURN(source->reader_, HfCheckpointReader::Open(path, {.env = env}));
-    for (const HfTensor& t : source->reader_->tensors()) {
-      const Float f = t.dtype == formats::StDType::kF32    ? Float::kF32
-                      : t.dtype == formats::StDType::kBF16 ? Float::kBF16
-                      : t.dtype == formats::StDType::kF16  ? Float::kF16
-                                                           : Float::kOther;
-      source->tensors_[t.name] = {f, std::string(formats::StDTypeName(t.dtype)), t.shape};
-    }
-    return source;
-  }
-  std::string Describe() const override { return reader_->path(); }
-  absl::Status CheckCovers(const std::string&, uint64_t, uint64_t) const override {
-    return absl::OkStatus();  // An HF tensor is whole.
-  }
-  absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const override {
-    return reader_->ReadManyAsF32(requests);
-  }
-
- private:
-  std::unique_ptr<HfCheckpointReader> reader_;
-};
-
-class StepSource : public ModelSource {
- public:
-  // The model tensors (every name outside optimizer.*) of a committed step of `store`.
-  static absl::StatusOr<std::unique_ptr<StepSource>> Open(const CheckpointStore& store,
-                                                          uint64_t step) {
-    auto source = std::unique_ptr<StepSource>(new StepSource);
-    source->root_ = store.root();
-    CKPT_ASSIGN_OR_RETURN(source->reader_, store.OpenStep(step));
-    for (const formats::TensorInfo& t : source->reader_->manifest().tensors) {
-      if (t.name.rfind(kOptimizerPrefix, 0) == 0) continue;
-      const Float f = t.dtype == DType::kF32    ? Float::kF32
-                      : t.dtype == DType::kBF16 ? Float::kBF16
-                      : t.dtype == DType::kF16  ? Float::kF16
-                                                : Float::kOther;
-      source->tensors_[t.name] = {f, std::string(formats::DTypeName(t.dtype)), t.shape};
-    }
-    return source;
-  }
-  std::string Describe() const override {
-    return absl::StrCat("step ", reader_->step(), " of ", root_);
-  }
-  absl::Status CheckCovers(const std::string& name, uint64_t begin,
-                           uint64_t count) const override {
-    const formats::Manifest& m = reader_->manifest();
-    for (uint32_t i = 0; i < m.tensors.size(); ++i) {
-      if (m.tensors[i].name != name) continue;
-      if (internal::Covers(m, i, begin, count)) return absl::OkStatus();
-      break;
-    }
-    return absl::InvalidArgumentError(absl::StrCat(Describe(), " does not cover elements [", begin,
-                                                   ", ", begin + count, ") of \"", name,
-                                                   "\", which this rank owns"));
-  }
-  absl::Status ReadF32(std::span<const HfCheckpointReader::F32Request> requests) const override {
-    std::vector<uint16_t> narrow;
-    for (const HfCheckpointReader::F32Request& r : requests) {
-      CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* t, reader_->FindTensor(r.name));
-      if (t->dtype == DType::kF32) {
-        CKPT_RETURN_IF_ERROR(
-            reader_->ReadRange(r.name, r.begin, r.count, std::as_writable_bytes(r.out)));
-        continue;
-      }
-      for (uint64_t done = 0; done < r.count; done += kWidenElems) {
-        const uint64_t n = std::min(kWidenElems, r.count - done);
-        narrow.resize(n);
-        const std::span<std::byte> bytes = std::as_writable_bytes(std::span(narrow));
-        CKPT_RETURN_IF_ERROR(reader_->ReadRange(r.name, r.begin + done, n, bytes));
-        formats::Convert(t->dtype, bytes, DType::kF32,
-                         std::as_writable_bytes(r.out.subspan(done, n)));
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  std::string root_;
-  std::unique_ptr<CheckpointReader> reader_;
-};
 
 // What the path names: an HF checkpoint (a file, or a directory with model.safetensors or its
 // index) or a ckpt root (a directory with LATEST).
@@ -177,7 +64,7 @@ struct Mapping {
   uint64_t ignored = 0;
 };
 
-absl::StatusOr<Mapping> MapNames(const ModelSource& source, const std::vector<ParamSpec>& params,
+absl::StatusOr<Mapping> MapNames(const TensorSource& source, const std::vector<ParamSpec>& params,
                                  const ModelLoadOptions& options) {
   const std::string where = absl::StrCat("model load from ", source.Describe());
   std::vector<std::unique_ptr<RE2>> rules;
@@ -242,7 +129,7 @@ absl::StatusOr<Mapping> MapNames(const ModelSource& source, const std::vector<Pa
   out.ignored = unexpected.size();
   for (size_t p = 0; p < params.size(); ++p) {
     const SourceTensor& t = source.tensors().at(out.source_of[p]);
-    if (t.shape != params[p].shape || t.dtype == Float::kOther) {
+    if (t.shape != params[p].shape || !t.floating()) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": tensor \"", out.source_of[p], "\" is ", t.dtype_name, " [",
           absl::StrJoin(t.shape, ", "), "]; parameter \"", params[p].name, "\" needs [",
@@ -293,19 +180,15 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     CKPT_ASSIGN_OR_RETURN(step, AgreeOnLatest(env, store->root()));
   }
   absl::Status checked = optimizer_->Synchronize();
-  std::unique_ptr<ModelSource> from;
+  std::unique_ptr<TensorSource> from;
   if (checked.ok()) {
     report.hf = *hf;
-    if (*hf) {
-      absl::StatusOr<std::unique_ptr<HfSource>> opened = HfSource::Open(source, env);
-      if (opened.ok()) from = *std::move(opened);
-      checked = opened.status();
-    } else {
-      report.step = *step;
-      absl::StatusOr<std::unique_ptr<StepSource>> opened = StepSource::Open(*store, *step);
-      if (opened.ok()) from = *std::move(opened);
-      checked = opened.status();
-    }
+    if (!*hf) report.step = *step;
+    absl::StatusOr<std::unique_ptr<TensorSource>> opened =
+        *hf ? TensorSource::OpenHf(source, env)
+            : TensorSource::OpenStep(*store, *step, /*model_only=*/true);
+    if (opened.ok()) from = *std::move(opened);
+    checked = opened.status();
   }
   const StagedAdamWOptions& o = optimizer_->options();
   Mapping mapping;
@@ -325,7 +208,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   // Steps M2 to M4.
   auto apply = [&](StagedAdamW::LoadScope& scope) -> absl::Status {
     const std::span<float> master = optimizer_->mutable_master();
-    std::vector<HfCheckpointReader::F32Request> requests;
+    std::vector<TensorSource::F32Request> requests;
     for (const internal::StateRun& run : internal::StateLayout::Of(*optimizer_).Runs()) {
       requests.push_back({mapping.source_of[run.param], run.tensor_begin, run.count,
                           master.subspan(run.slab_offset, run.count)});

@@ -84,20 +84,6 @@ std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {
   return out;
 }
 
-bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count) {
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const formats::PieceInfo& p : m.pieces) {
-    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
-  }
-  std::sort(ranges.begin(), ranges.end());
-  uint64_t at = begin;
-  for (const auto& [lo, hi] : ranges) {
-    if (lo > at) break;
-    at = std::max(at, hi);
-  }
-  return at >= begin + count;
-}
-
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          const std::vector<ParamGroup>& groups, MomentDType moments,
                          int world_size) {

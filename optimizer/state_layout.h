@@ -16,7 +16,6 @@
 #include "absl/strings/string_view.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/formats/dtype.h"
-#include "ckpt/formats/manifest.h"
 #include "ckpt/optimizer/staged_adamw.h"
 
 namespace ckpt::optimizer::internal {
@@ -82,9 +81,6 @@ class StateLayout {
   formats::DType model_, moment_;
   std::vector<std::vector<std::string>> names_;  // By parameter, then kind.
 };
-
-// True when the pieces of tensor `index` in `m` cover [begin, begin + count).
-bool Covers(const formats::Manifest& m, uint32_t index, uint64_t begin, uint64_t count);
 
 // The optimizer record (formats/optimizer_record.h) of AdamW state saved by `world_size`
 // ranks: the parameters (name, shape, model dtype, group), the groups (hyper-parameters in

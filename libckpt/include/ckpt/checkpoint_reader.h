@@ -37,6 +37,9 @@ class CheckpointReader {
   const std::string& dir() const { return dir_; }
   // kNotFound for an unknown name.
   absl::StatusOr<const formats::TensorInfo*> FindTensor(absl::string_view name) const;
+  // True when the step's pieces of `tensor` (any ranks') cover elements [begin, begin + count);
+  // false for an unknown tensor.
+  bool Covers(absl::string_view tensor, uint64_t begin, uint64_t count) const;
 
   // Reads elements [begin, begin + count) of `tensor` into `out` (count elements of its
   // dtype), from whichever ranks' pieces hold them. kNotFound for an unknown tensor or when no
