@@ -424,4 +424,35 @@ std::string EncodeHfIndex(const HfIndex& index) {
   return root.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
 }
 
+absl::Status CheckHfIndexAgainstShards(
+    const HfIndex& index, const std::vector<std::pair<std::string, std::string>>& stored,
+    absl::string_view index_file) {
+  const std::map<std::string, std::string> expected(index.weight_map.begin(),
+                                                    index.weight_map.end());
+  std::set<std::string> seen;
+  for (const auto& [tensor, shard] : stored) {
+    auto it = expected.find(tensor);
+    if (it == expected.end()) {
+      return absl::DataLossError(absl::StrCat(index_file, ": UnlistedTensor: tensor \"", tensor,
+                                              "\" in shard ", shard, " is not in weight_map"));
+    }
+    if (!seen.insert(tensor).second) {
+      return absl::DataLossError(absl::StrCat(index_file, ": DuplicateTensor: tensor \"", tensor,
+                                              "\" is stored in more than one shard"));
+    }
+    if (it->second != shard) {
+      return absl::DataLossError(absl::StrCat(index_file, ": WrongShard: tensor \"", tensor,
+                                              "\" is in ", shard, " but weight_map says ",
+                                              it->second));
+    }
+  }
+  for (const auto& [tensor, shard] : expected) {
+    if (!seen.count(tensor)) {
+      return absl::DataLossError(absl::StrCat(index_file, ": MissingTensor: tensor \"", tensor,
+                                              "\" is not in shard ", shard));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace ckpt::formats

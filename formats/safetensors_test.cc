@@ -1,6 +1,8 @@
 #include "ckpt/formats/safetensors.h"
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -351,6 +353,27 @@ TEST(HfIndexTest, EncodeRoundTrips) {
   EXPECT_EQ(parsed->total_size, std::optional<uint64_t>(42));
   EXPECT_EQ(parsed->weight_map.size(), 2u);
   EXPECT_EQ(parsed->shards().size(), 2u);
+}
+
+TEST(HfIndexShardsTest, EachRuleOfIndexAgainstShardsIsDamageNamingIt) {
+  HfIndex index;
+  index.weight_map = {{"a", "s1.safetensors"}, {"b", "s2.safetensors"}};
+  using Stored = std::vector<std::pair<std::string, std::string>>;
+  EXPECT_THAT(CheckHfIndexAgainstShards(index, Stored{{"b", "s2.safetensors"}, {"a", "s1.safetensors"}},
+                                        "idx"),
+              IsOk());
+  const std::pair<Stored, const char*> cases[] = {
+      {{{"a", "s1.safetensors"}, {"b", "s2.safetensors"}, {"c", "s2.safetensors"}}, "UnlistedTensor"},
+      {{{"a", "s1.safetensors"}, {"a", "s1.safetensors"}, {"b", "s2.safetensors"}}, "DuplicateTensor"},
+      {{{"a", "s2.safetensors"}, {"b", "s2.safetensors"}}, "WrongShard"},
+      {{{"a", "s1.safetensors"}}, "MissingTensor"},
+  };
+  for (const auto& [stored, rule] : cases) {
+    const absl::Status s = CheckHfIndexAgainstShards(index, stored, "idx");
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss)) << rule;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(rule));
+    EXPECT_THAT(std::string(s.message()), HasSubstr("idx"));
+  }
 }
 
 }  // namespace

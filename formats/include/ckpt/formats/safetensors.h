@@ -103,6 +103,14 @@ std::string EncodeHfIndex(const HfIndex& index);
 // True if `path` may name a shard inside a model directory (see ParseHfIndex).
 bool IsSafeRelativePath(absl::string_view path);
 
+// Checks an index against what its shards hold: `stored` lists every tensor of every shard as
+// (tensor, shard), in any order. kDataLoss naming `index_file` and the rule: UnlistedTensor (a
+// stored tensor weight_map lacks), DuplicateTensor (stored in two shards), WrongShard (stored
+// in another shard than weight_map says), MissingTensor (in weight_map, stored nowhere).
+absl::Status CheckHfIndexAgainstShards(
+    const HfIndex& index, const std::vector<std::pair<std::string, std::string>>& stored,
+    absl::string_view index_file);
+
 }  // namespace ckpt::formats
 
 #endif  // CKPT_FORMATS_SAFETENSORS_H_
