@@ -1,5 +1,5 @@
 // Opening, saving through and retention of a checkpoint root. The save protocol is in
-// checkpoint_writer.cc, recovery in recovery.cc.
+// checkpoint_writer.cc and checkpoint_commit.cc, recovery in recovery.cc.
 //
 // Retention: every doomed step is renamed to .deleting-step-N-<nonce>, then the root is synced
 // once, then the renamed trees are removed. A step is never half there: it is renamed whole, and

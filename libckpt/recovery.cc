@@ -1,5 +1,6 @@
 // Recovery of a checkpoint root at Open (primary, writable handle). The save protocol it undoes
-// is in checkpoint_writer.cc; docs/design/recovery.md has the table of every case.
+// is in checkpoint_writer.cc and checkpoint_commit.cc; docs/design/recovery.md has the table of
+// every case.
 //
 // The rule: recovery deletes only what ckpt created and can show it created. It removes its own
 // staging, deleting and undo directories and LATEST.tmp, recognised by name AND by holding only

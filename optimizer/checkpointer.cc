@@ -6,7 +6,7 @@
 // 2. BeginSave; every rank writes its pieces of every tensor straight from the slabs (no copy
 //    of the state; the weights are the masters rounded, a block at a time: state_io.h), its
 //    optimizer record and the trainer's blobs; Commit votes and publishes
-//    (libckpt/checkpoint_writer.cc). The state is never changed.
+//    (libckpt/checkpoint_commit.cc). The state is never changed.
 // 3. On success the step becomes the free undo source while the state stays unchanged.
 //
 // SaveAsync (collective) and Finalize (collective):

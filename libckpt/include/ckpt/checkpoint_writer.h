@@ -1,5 +1,6 @@
-// SaveTransaction: one rank's side of writing one checkpoint step. See checkpoint_writer.cc for
-// the commit protocol.
+// SaveTransaction: one rank's side of writing one checkpoint step. The save protocol's steps are
+// at the top of libckpt/checkpoint_writer.cc (begin, write) and libckpt/checkpoint_commit.cc
+// (the commit).
 #ifndef CKPT_CHECKPOINT_WRITER_H_
 #define CKPT_CHECKPOINT_WRITER_H_
 

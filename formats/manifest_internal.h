@@ -1,0 +1,24 @@
+// What a manifest's parser (formats/manifest.cc) and validator (formats/manifest_validate.cc)
+// share: the bounds a manifest is held to and the form of its errors. Private to formats.
+#ifndef CKPT_FORMATS_MANIFEST_INTERNAL_H_
+#define CKPT_FORMATS_MANIFEST_INTERNAL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace ckpt::formats::internal {
+
+inline constexpr uint64_t kMaxWorldSize = uint64_t{1} << 20;
+inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;
+
+// Damage of manifest `file`: kDataLoss "<file>: <what>".
+inline absl::Status Invalid(absl::string_view file, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat(file, ": ", what));
+}
+
+}  // namespace ckpt::formats::internal
+
+#endif  // CKPT_FORMATS_MANIFEST_INTERNAL_H_
