@@ -422,10 +422,11 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenStoreOnRanks(const std::str
       absl::FailedPreconditionError("not opened");
   if (rank == 0) store = CheckpointStore::Open(root, options);
   // The primary's outcome first: the others open only a root it has recovered.
-  CKPT_RETURN_IF_ERROR(
-      BroadcastResult(*coordinator,
-                      store.ok() ? absl::StatusOr<std::string>("") : store.status(), 0)
-          .status());
+  CKPT_RETURN_IF_ERROR(BroadcastResult(*coordinator,
+                                       store.ok() ? absl::StatusOr<std::string>("")
+                                                  : Annotate(store.status(), "rank 0"),
+                                       0)
+                           .status());
   if (rank != 0) store = CheckpointStore::Open(root, options);
   absl::Status mine = store.ok() ? absl::OkStatus()
                                  : Annotate(store.status(), absl::StrCat("rank ", rank));

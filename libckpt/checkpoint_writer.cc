@@ -165,6 +165,10 @@ absl::Status SaveTransaction::WaitForPieces(uint64_t ticket) {
   return WaitFor(ticket, /*written=*/true);
 }
 
+absl::Status SaveTransaction::WaitForPiecesCopied(uint64_t ticket) {
+  return WaitFor(ticket, /*written=*/false);
+}
+
 absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view tensor,
                                                              uint64_t begin, uint64_t count,
                                                              std::span<const std::byte> data) {

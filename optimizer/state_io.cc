@@ -48,7 +48,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
   // Everything is queued (the slabs do not change during the call): the writer threads copy one
   // block of weights while this thread rounds the next into the other buffer.
   std::vector<std::byte> weights[2];
-  uint64_t written_before[2] = {0, 0};  // The ticket each buffer's last block was queued as.
+  uint64_t queued_as[2] = {0, 0};  // The ticket each buffer's last block was queued as.
   bool in_use[2] = {false, false};
   size_t next = 0;
   uint64_t ticket = 0;
@@ -56,7 +56,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
   // Whatever way this returns, no writer thread reads `weights` or the slabs afterwards.
   // Dropped: the error that ends the call early is already being returned.
   absl::Cleanup drain = [&] {
-    if (queued) txn.WaitForPieces(ticket).IgnoreError();
+    if (queued) txn.WaitForPiecesCopied(ticket).IgnoreError();
   };
   for (const StateRun& run : layout.Runs()) {
     for (StateKind kind : layout.kinds()) {
@@ -73,20 +73,21 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
       for (uint64_t done = 0; done < run.count; done += block) {
         const uint64_t n = std::min(block, run.count - done);
         std::vector<std::byte>& buffer = weights[next];
-        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.WaitForPieces(written_before[next]));
+        // Reusable once the writer threads copied it out (not yet written: the disk overlaps).
+        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.WaitForPiecesCopied(queued_as[next]));
         buffer.resize(n * wsize);
         formats::Convert(DType::kF32, {slabs.master + 4 * (run.slab_offset + done), 4 * n}, model,
                          buffer);
         CKPT_ASSIGN_OR_RETURN(ticket,
                               txn.WritePieceDeferred(name, run.tensor_begin + done, n, buffer));
-        written_before[next] = ticket;
+        queued_as[next] = ticket;
         in_use[next] = queued = true;
         next ^= 1;
       }
     }
   }
   std::move(drain).Cancel();
-  return queued ? txn.WaitForPieces(ticket) : absl::OkStatus();
+  return queued ? txn.WaitForPiecesCopied(ticket) : absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,

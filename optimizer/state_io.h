@@ -32,7 +32,7 @@ StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin = 0);
 // masters one block at a time (a whole number of the store's chunks of `chunk_bytes`, so that
 // the blocks of a piece extend one piece of the manifest), then the master and moments as they
 // are. Every piece is queued (WritePieceDeferred): the slabs must not change until it returns,
-// which is once every piece is written. Memory: two blocks of weights, the one being rounded
+// which is once the writer threads have copied every piece (the commit waits for the writes). Memory: two blocks of weights, the one being rounded
 // and the one being written. Errors are the transaction's; after one, the transaction must be
 // aborted or fail its vote (its writer threads read no caller memory after an IO error).
 absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,

@@ -181,7 +181,9 @@ typedef struct {
 /* Collective: this rank's handle on `root`, opened in the one safe order (options->primary is
  * ignored): rank 0 opens the primary handle, which creates and recovers the root, and only
  * then do the other ranks open theirs; every rank gets a handle, or every rank fails with the
- * first failure and gets none. `coordinator` is used during the call only. */
+ * first failure and gets none. `coordinator` is used during the call only. Every rank must pass
+ * the same root and options: a rank whose arguments are refused before the collective returns
+ * at once and leaves the others waiting in it. */
 CKPT_C_EXPORT int ckpt_store_open_on_ranks(const char* root, const ckpt_store_options* options,
                                            const ckpt_coordinator* coordinator, ckpt_store** out);
 

@@ -183,8 +183,9 @@ class CheckpointStore {
 // cleared for the others), which creates and recovers the root; only once it has (its
 // outcome broadcast) do the others open theirs, so none reads a root that recovery is still
 // changing. Then the ranks vote: every rank returns a handle, or every rank fails with the
-// first failure (a rank's own error names its rank) and holds none. Errors as
-// CheckpointStore::Open, and the coordinator's.
+// first failure (naming the rank it happened on) and holds none. Errors as
+// CheckpointStore::Open, and the coordinator's. REQUIRES: every rank calls it, with the same
+// root and options.
 absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenStoreOnRanks(const std::string& root,
                                                                   StoreOptions options,
                                                                   Coordinator* coordinator);

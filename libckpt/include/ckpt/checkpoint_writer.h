@@ -55,8 +55,8 @@ class SaveTransaction {
   absl::Status WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
                           std::span<const std::byte> data);
   // As WritePiece, but returns once the piece is queued: the transaction's writer threads go on
-  // reading `data` until WaitForPieces(t) returns for the returned ticket t or a later one, so
-  // `data` must stay alive and unchanged until then. Lets a caller that owns its memory keep
+  // reading `data` until WaitForPiecesCopied(t) (or WaitForPieces(t)) returns for the returned
+  // ticket t or a later one, so `data` must stay alive and unchanged until then. Lets a caller that owns its memory keep
   // the writers busy across pieces. After an IO error (one that makes the transaction vote no)
   // no piece's data is read any more; a refused piece (kInvalidArgument) leaves the pieces
   // queued before it queued.
@@ -65,6 +65,9 @@ class SaveTransaction {
   // Waits until every piece up to `ticket` is written to the data file (not yet durable: that
   // is Prepare's or Commit's). Returns the transaction's first IO error.
   absl::Status WaitForPieces(uint64_t ticket);
+  // Waits until the writer threads have copied every piece up to `ticket` out of its memory
+  // (written or not): that memory may then change. Returns the transaction's first IO error.
+  absl::Status WaitForPiecesCopied(uint64_t ticket);
   // Stores opaque bytes under `name` (unique per rank). Errors as WritePiece.
   absl::Status WriteBlob(absl::string_view name, std::span<const std::byte> data);
 
