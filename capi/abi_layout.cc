@@ -91,6 +91,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_destroy);
   CKPT_FUNC(ckpt_optimizer_size);
   CKPT_FUNC(ckpt_optimizer_step);
+  CKPT_FUNC(ckpt_optimizer_write_weights);
   CKPT_FUNC(ckpt_optimizer_num_groups);
   CKPT_FUNC(ckpt_optimizer_get_group);
   CKPT_FUNC(ckpt_optimizer_set_group);
@@ -101,6 +102,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_store_open_on_ranks);
   CKPT_FUNC(ckpt_store_close);
   CKPT_FUNC(ckpt_store_latest);
+  CKPT_FUNC(ckpt_checkpointer_open);
   CKPT_FUNC(ckpt_checkpointer_create);
   CKPT_FUNC(ckpt_checkpointer_destroy);
   CKPT_FUNC(ckpt_checkpointer_save);

@@ -92,6 +92,11 @@ struct ckpt_checkpointer {
   std::unique_ptr<CallbackCoordinator> callbacks;
   std::unique_ptr<ckpt::SingleProcessCoordinator> single;
   std::unique_ptr<opt::Checkpointer> ckpt;
+  opt::StagedAdamW* opt = nullptr;
+  // ckpt_checkpointer_create (ABI 1 to 5): the weight buffer every successful load rewrites
+  // from the masters, as those versions promise. Null for ckpt_checkpointer_open (ABI 6), whose
+  // caller writes its weights with ckpt_optimizer_write_weights.
+  void* weights = nullptr;
 };
 
 struct ckpt_pending_save {
@@ -101,6 +106,41 @@ struct ckpt_pending_save {
 struct ckpt_blobs {
   std::vector<std::pair<std::string, std::string>> items;
 };
+
+namespace {
+
+// ckpt_checkpointer_create and _open, once their own arguments are checked.
+int OpenCheckpointer(ckpt_optimizer* o, ckpt_store* store, const ckpt_coordinator* coordinator,
+                     uint64_t async_staging_bytes, ckpt_checkpointer** out) {
+  auto c = std::make_unique<ckpt_checkpointer>();
+  ckpt::Coordinator* coord = nullptr;
+  if (coordinator != nullptr) {
+    const absl::Status usable = ckpt::capi::CheckCoordinator(*coordinator);
+    if (!usable.ok()) return Fail(usable);
+    c->callbacks = std::make_unique<CallbackCoordinator>(*coordinator);
+    coord = c->callbacks.get();
+  } else {
+    c->single = std::make_unique<ckpt::SingleProcessCoordinator>();
+    coord = c->single.get();
+  }
+  opt::CheckpointerOptions co;
+  if (async_staging_bytes > 0) co.async_staging_bytes = async_staging_bytes;
+  absl::StatusOr<std::unique_ptr<opt::Checkpointer>> made =
+      opt::Checkpointer::Create(o->opt.get(), store->store.get(), coord, co);
+  if (!made.ok()) return Fail(made.status());
+  c->ckpt = *std::move(made);
+  c->opt = o->opt.get();
+  *out = c.release();
+  return CKPT_OK;
+}
+
+// After a successful load through a checkpointer of ABI 1 to 5: its weight buffer follows.
+absl::Status AfterLoad(ckpt_checkpointer* c) {
+  if (c->weights == nullptr) return absl::OkStatus();
+  return c->opt->WriteModelWeights(c->weights);
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -201,6 +241,19 @@ int ckpt_optimizer_step(ckpt_optimizer* o, const void* grads, int grad_dtype, fl
   });
 }
 
+int ckpt_optimizer_write_weights(ckpt_optimizer* o, void* dest, int on_device, void* stream) {
+  return Guard("ckpt_optimizer_write_weights", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    std::optional<opt::CudaStreamView> view;
+    if (on_device != 0) {
+      // NULL is torch's stream 0, the legacy default stream, as in ckpt_optimizer_step.
+      view = stream == nullptr ? opt::CudaStreamView::Legacy()
+                               : *opt::CudaStreamView::Of(static_cast<CUstream_st*>(stream));
+    }
+    return Done(o->opt->WriteModelWeights(dest, view));
+  });
+}
+
 int ckpt_optimizer_num_groups(const ckpt_optimizer* o, size_t* count) {
   if (o == nullptr || count == nullptr) return Invalid("optimizer or count is NULL");
   *count = o->opt->groups().size();
@@ -263,26 +316,24 @@ int ckpt_checkpointer_create(ckpt_optimizer* o, void* weights, size_t weight_byt
     if (o == nullptr || store == nullptr || out == nullptr) return Invalid("optimizer, store or out is NULL");
     *out = nullptr;
     if (weight_bytes > 0 && weights == nullptr) return Invalid("weights is NULL");
-    auto c = std::make_unique<ckpt_checkpointer>();
-    ckpt::Coordinator* coord = nullptr;
-    if (coordinator != nullptr) {
-      const absl::Status usable = ckpt::capi::CheckCoordinator(*coordinator);
-      if (!usable.ok()) return Fail(usable);
-      c->callbacks = std::make_unique<CallbackCoordinator>(*coordinator);
-      coord = c->callbacks.get();
-    } else {
-      c->single = std::make_unique<ckpt::SingleProcessCoordinator>();
-      coord = c->single.get();
+    const uint64_t want = o->opt->size() * ckpt::formats::DTypeSize(o->opt->model_dtype());
+    if (weight_bytes != want) {
+      return Invalid(absl::StrCat("weight buffer has ", weight_bytes,
+                                  " bytes, the optimizer's elements need ", want));
     }
-    opt::CheckpointerOptions co;
-    if (async_staging_bytes > 0) co.async_staging_bytes = async_staging_bytes;
-    absl::StatusOr<std::unique_ptr<opt::Checkpointer>> made = opt::Checkpointer::Create(
-        o->opt.get(), std::span<std::byte>(static_cast<std::byte*>(weights), weight_bytes),
-        store->store.get(), coord, co);
-    if (!made.ok()) return Fail(made.status());
-    c->ckpt = *std::move(made);
-    *out = c.release();
-    return CKPT_OK;
+    const int made = OpenCheckpointer(o, store, coordinator, async_staging_bytes, out);
+    if (made == CKPT_OK && want > 0) (*out)->weights = weights;
+    return made;
+  });
+}
+
+int ckpt_checkpointer_open(ckpt_optimizer* o, ckpt_store* store,
+                           const ckpt_coordinator* coordinator, uint64_t async_staging_bytes,
+                           ckpt_checkpointer** out) {
+  return Guard("ckpt_checkpointer_open", [&]() -> int {
+    if (o == nullptr || store == nullptr || out == nullptr) return Invalid("optimizer, store or out is NULL");
+    *out = nullptr;
+    return OpenCheckpointer(o, store, coordinator, async_staging_bytes, out);
   });
 }
 
@@ -337,6 +388,7 @@ int ckpt_checkpointer_load(ckpt_checkpointer* c, int has_step, uint64_t step, ck
     absl::StatusOr<opt::LoadReport> r =
         c->ckpt->Load(has_step ? std::optional<uint64_t>(step) : std::nullopt, &got);
     if (!r.ok()) return Fail(r.status());
+    if (absl::Status w = AfterLoad(c); !w.ok()) return Fail(w);
     if (loaded_step != nullptr) *loaded_step = r->step;
     if (blobs != nullptr) {
       auto b = std::make_unique<ckpt_blobs>();
@@ -355,6 +407,7 @@ int ckpt_checkpointer_load_newest_intact(ckpt_checkpointer* c, ckpt_blobs** blob
     opt::Blobs got;
     absl::StatusOr<opt::LoadReport> r = c->ckpt->LoadNewestIntact(&got);
     if (!r.ok()) return Fail(r.status());
+    if (absl::Status w = AfterLoad(c); !w.ok()) return Fail(w);
     if (loaded_step != nullptr) *loaded_step = r->step;
     if (skipped != nullptr) *skipped = r->skipped.size();
     if (blobs != nullptr) {
@@ -378,7 +431,9 @@ int ckpt_checkpointer_load_model(ckpt_checkpointer* c, const char* source,
       o.rename.push_back({patterns[i], replacements[i]});
     }
     o.ignore_unexpected = ignore_unexpected != 0;
-    return Done(c->ckpt->LoadModel(source, o).status());
+    absl::Status loaded = c->ckpt->LoadModel(source, o).status();
+    if (loaded.ok()) loaded = AfterLoad(c);
+    return Done(loaded);
   });
 }
 

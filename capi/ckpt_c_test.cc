@@ -55,7 +55,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 32);
+  EXPECT_EQ(functions, 34);
   EXPECT_EQ(constants, 29);
   EXPECT_EQ(structs, 6);
 }
@@ -174,6 +174,53 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ASSERT_EQ(ckpt_optimizer_read_state(opt, CKPT_MASTER, master.data(), 6), CKPT_OK);
   EXPECT_EQ(master, saved);
   EXPECT_EQ(ckpt_optimizer_read_state(opt, CKPT_MASTER, master.data(), 5), CKPT_INVALID_ARGUMENT);
+  ckpt_checkpointer_destroy(ck);
+  ckpt_store_close(store);
+  ckpt_optimizer_destroy(opt);
+}
+
+// ABI 6: a checkpointer opened without a weight buffer changes the optimizer's state only; the
+// caller writes its weights with ckpt_optimizer_write_weights. ABI 1 to 5's create (above)
+// still rewrites its buffer on every load.
+TEST(CkptCTest, OpenedCheckpointersLeaveTheWeightsToWriteWeights) {
+  ckpt::testing::ScopedTempDir tmp;
+  const uint64_t shape[1] = {5};
+  ckpt_param param = {"w", shape, 1, CKPT_BF16, 0};
+  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0};
+  ckpt_piece piece = {0, 0, 5};
+  // 1.0, 2.0, -0.5, 0.25, 3.0 in BF16.
+  std::vector<uint16_t> w = {0x3f80, 0x4000, 0xbf00, 0x3e80, 0x4040};
+  std::vector<float> g(5, 0.5f);
+  ckpt_optimizer* opt = nullptr;
+  ASSERT_EQ(ckpt_optimizer_create(&param, 1, &group, 1, &piece, 1, nullptr, w.data(), 10, &opt),
+            CKPT_OK)
+      << ckpt_last_error();
+  ckpt_store* store = nullptr;
+  ASSERT_EQ(ckpt_store_open((tmp.path() + "/root").c_str(), 1, 0, &store), CKPT_OK);
+  ckpt_checkpointer* ck = nullptr;
+  EXPECT_EQ(ckpt_checkpointer_create(opt, w.data(), 8, store, nullptr, 0, &ck),
+            CKPT_INVALID_ARGUMENT);
+  EXPECT_EQ(ck, nullptr);
+  ASSERT_EQ(ckpt_checkpointer_open(opt, store, nullptr, 0, &ck), CKPT_OK) << ckpt_last_error();
+  ASSERT_EQ(ckpt_optimizer_step(opt, g.data(), CKPT_F32, 1.0f, w.data(), 0, nullptr, nullptr),
+            CKPT_OK);
+  ASSERT_EQ(ckpt_checkpointer_save(ck, 1, nullptr, nullptr, nullptr, 0), CKPT_OK);
+  const std::vector<uint16_t> saved = w;
+  ASSERT_EQ(ckpt_optimizer_step(opt, g.data(), CKPT_F32, 1.0f, w.data(), 0, nullptr, nullptr),
+            CKPT_OK);
+  const std::vector<uint16_t> stepped = w;
+  ASSERT_NE(stepped, saved);
+  ASSERT_EQ(ckpt_checkpointer_load(ck, 1, 1, nullptr, nullptr), CKPT_OK) << ckpt_last_error();
+  EXPECT_EQ(w, stepped) << "the load wrote the caller's weights";
+  std::vector<uint16_t> out(5, 0);
+  ASSERT_EQ(ckpt_optimizer_write_weights(opt, out.data(), 0, nullptr), CKPT_OK)
+      << ckpt_last_error();
+  EXPECT_EQ(out, saved);
+  EXPECT_EQ(ckpt_optimizer_write_weights(opt, nullptr, 0, nullptr), CKPT_INVALID_ARGUMENT);
+  // The CPU engine has no device to write to.
+  EXPECT_EQ(ckpt_optimizer_write_weights(opt, out.data(), 1, nullptr), CKPT_INVALID_ARGUMENT);
+  EXPECT_EQ(ckpt_optimizer_write_weights(nullptr, out.data(), 0, nullptr), CKPT_INVALID_ARGUMENT);
+  EXPECT_EQ(ckpt_checkpointer_open(nullptr, store, nullptr, 0, &ck), CKPT_INVALID_ARGUMENT);
   ckpt_checkpointer_destroy(ck);
   ckpt_store_close(store);
   ckpt_optimizer_destroy(opt);

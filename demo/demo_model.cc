@@ -162,9 +162,7 @@ absl::StatusOr<std::unique_ptr<DemoRank>> DemoRank::Create(const DemoModel& mode
                         optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(r->weights_))));
   if (store != nullptr) {
     CKPT_ASSIGN_OR_RETURN(r->ckpt_,
-                          optimizer::Checkpointer::Create(
-                              r->opt_.get(), std::as_writable_bytes(std::span(r->weights_)),
-                              store, coordinator));
+                          optimizer::Checkpointer::Create(r->opt_.get(), store, coordinator));
   }
   if (model.engine() == optimizer::EngineKind::kCuda && !r->weights_.empty()) {
     CKPT_ASSIGN_OR_RETURN(r->device_, NewDeviceStep(r->weights_.size()));
@@ -216,7 +214,9 @@ absl::StatusOr<std::unique_ptr<optimizer::PendingSave>> DemoRank::SaveAsync(
 
 absl::StatusOr<optimizer::LoadReport> DemoRank::Load(optimizer::Blobs* blobs) {
   if (ckpt_ == nullptr) return absl::FailedPreconditionError("this rank has no store to load from");
-  return ckpt_->Load(std::nullopt, blobs);
+  CKPT_ASSIGN_OR_RETURN(optimizer::LoadReport report, ckpt_->Load(std::nullopt, blobs));
+  CKPT_RETURN_IF_ERROR(opt_->WriteModelWeights(weights_.data()));
+  return report;
 }
 
 void DemoRank::AppendState(std::string* out) const {

@@ -204,7 +204,10 @@ TEST_P(AsyncSaveTest, CheckpointEqualsTheStateAtTheCallWhileStepsRun) {
     Job loaded(&gate_, dp, 500, ToyModel(), c.moments);
     std::vector<Blobs> blobs(dp);
     ExpectAllOk(loaded.OnEveryRank(
-        [&](int r) { return loaded.rank(r).ckpt->Load(2, &blobs[r]).status(); }));
+        [&](int r) -> absl::Status {
+          CKPT_RETURN_IF_ERROR(loaded.rank(r).ckpt->Load(2, &blobs[r]).status());
+          return loaded.WriteWeights(r);
+        }));
     EXPECT_EQ(loaded.Gather(), at_call) << "loaded at DP " << dp;
     EXPECT_EQ(blobs[0].at("sched"), "at 2");
   }

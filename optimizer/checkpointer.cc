@@ -49,11 +49,9 @@ struct Checkpointer::InFlight {
   std::optional<StagedAdamW::FenceScope> fence;  // Over `save` until its writer is done.
 };
 
-Checkpointer::Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights,
-                           CheckpointStore* store, Coordinator* coordinator,
-                           CheckpointerOptions options)
+Checkpointer::Checkpointer(StagedAdamW* optimizer, CheckpointStore* store,
+                           Coordinator* coordinator, CheckpointerOptions options)
     : optimizer_(optimizer),
-      weights_(weights),
       store_(store),
       coordinator_(coordinator),
       options_(options) {}
@@ -87,20 +85,13 @@ AsyncSaveReport PendingSave::report() const {
 }
 
 absl::StatusOr<std::unique_ptr<Checkpointer>> Checkpointer::Create(StagedAdamW* optimizer,
-                                                                   std::span<std::byte> weights,
                                                                    CheckpointStore* store,
                                                                    Coordinator* coordinator,
                                                                    CheckpointerOptions options) {
   if (optimizer == nullptr || store == nullptr || coordinator == nullptr) {
     return absl::InvalidArgumentError("Checkpointer needs an optimizer, a store and a coordinator");
   }
-  const uint64_t want = optimizer->size() * formats::DTypeSize(optimizer->model_dtype());
-  if (weights.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat("weight buffer has ", weights.size(),
-                                                   " bytes, the optimizer's elements need ", want));
-  }
-  return std::unique_ptr<Checkpointer>(
-      new Checkpointer(optimizer, weights, store, coordinator, options));
+  return std::unique_ptr<Checkpointer>(new Checkpointer(optimizer, store, coordinator, options));
 }
 
 absl::Status Checkpointer::Vote(const absl::Status& mine) {

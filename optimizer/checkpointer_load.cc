@@ -5,20 +5,21 @@
 //    record (groups, valid hyper-parameters, every parameter in the same group as here). Vote.
 // 2. Fix the undo source, the cheapest that holds: (a) the step the state last equalled, if the
 //    optimizer's state_version() has not moved since and it is not the step being loaded (it
-//    costs nothing); (b) the state re-derived (StateIsDerivable: every step 0, both moments
-//    zero, masters the weight buffer widened, as a freshly built or model-loaded optimizer's
-//    are), so a resume in a new process writes nothing before it reads and works on a full disk
-//    or a read-only store; otherwise (c) spill the state into a private store
+//    costs nothing); (b) the state re-derived (CopyIfDerivable: every step 0, both moments
+//    zero, each master exactly a model-dtype value, as a freshly built or model-loaded
+//    optimizer's are; the masters are kept in memory in the model dtype), so a resume in a new
+//    process writes nothing before it reads and works on a full disk or a read-only store;
+//    otherwise (c) spill the state into a private store
 //    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
 //    bounded by two chunks; a read-only handle refuses). Vote; a failure removes the spills,
 //    the state untouched.
 // 3. Apply: lifecycle kLoading; read every piece straight into the slabs (moments converted in
-//    bounded batches when the dtypes differ), then the groups. The weight buffer is not touched
-//    here: (b) re-derives the masters from it.
-// 4. Vote. All OK: the weights := the masters rounded to the model dtype (what every save
-//    writes as the weights), lifecycle kClean, the loaded step is the new undo source. Any
-//    failure: every rank restores from its undo source ((a), (c): as step 3; (b): masters from
-//    the weights, moments zero, the groups as they were); a restore that fails poisons the
+//    bounded batches when the dtypes differ), then the groups. The model weights are not the
+//    Checkpointer's: the trainer writes them from the masters once the load returned
+//    (StagedAdamW::WriteModelWeights).
+// 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source. Any failure:
+//    every rank restores from its undo source ((a), (c): as step 3; (b): masters widened from
+//    their copy, moments zero, the groups as they were); a restore that fails poisons the
 //    optimizer (Step, SetGroup and Save refuse until a complete Load).
 // 5. Remove the spill (best effort: recovery removes .undo-* directories at the next Open).
 #include <algorithm>
@@ -167,9 +168,7 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
   CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
   CKPT_ASSIGN_OR_RETURN(std::vector<ParamGroup> groups,
                         RecordGroups(record, o.groups.size(), where));
-  // The weights are not read: they are the masters rounded, written once the load has been
-  // voted (Transact), so that until then the weight buffer still holds what a rollback may
-  // re-derive the masters from.
+  // The weights are not read: they are the masters rounded (StagedAdamW::WriteModelWeights).
   CKPT_RETURN_IF_ERROR(internal::ReadState(
       reader, StateLayout::Of(*optimizer_),
       {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),

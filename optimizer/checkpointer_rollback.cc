@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -28,8 +29,10 @@ struct Checkpointer::Undo {
   std::unique_ptr<CheckpointStore> spill_store;  // Null for a committed step of the store.
   std::string spill_dir;
   uint64_t step = 0;  // In the store, or 1 in the spill.
-  // Set when the state is re-derived instead (StateIsDerivable): the groups to put back.
+  // Set when the state is re-derived instead (CopyIfDerivable): the groups to put back, and
+  // the masters in the model dtype (exact: each master is a model-dtype value).
   std::optional<std::vector<ParamGroup>> derived_groups;
+  std::unique_ptr<std::byte[]> derived_masters;
 };
 
 absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
@@ -44,9 +47,11 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
       return undo;
     }
   }
-  // A fresh (or model-loaded) state is re-derived on a rollback: nothing to write.
-  if (StateIsDerivable()) {
+  // A fresh (or model-loaded) state is re-derived on a rollback from the masters in the model
+  // dtype, kept in memory: nothing to write.
+  if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(); copy != nullptr) {
     undo->derived_groups = optimizer_->groups();
+    undo->derived_masters = std::move(copy);
     return undo;
   }
   // A private single-rank store below the root: its chunks are checksummed and written from the
@@ -129,20 +134,24 @@ internal::ThreadPool& Checkpointer::Pool() {
   return *pool_;
 }
 
-bool Checkpointer::StateIsDerivable() {
+std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable() {
   for (const ParamGroup& g : optimizer_->groups()) {
-    if (g.step != 0) return false;
+    if (g.step != 0) return nullptr;
   }
+  const DType model = optimizer_->model_dtype();
+  const size_t wsize = formats::DTypeSize(model);
+  const std::span<const float> master = optimizer_->master();
+  // Not being able to hold the copy is not an error: the caller spills instead.
+  std::unique_ptr<std::byte[]> copy(new (std::nothrow) std::byte[master.size() * wsize + 1]);
+  if (copy == nullptr) return nullptr;
   // Blocks of 4 MiB of masters, scanned on the optimizer's threads (a fresh process's load
   // runs this scan before it reads: one core alone would cost a fifth of the load).
   constexpr size_t kBlock = size_t{1} << 20;
-  const std::span<const float> master = optimizer_->master();
   const std::span<const std::byte> exp_avg = optimizer_->exp_avg_bytes();
   const std::span<const std::byte> exp_avg_sq = optimizer_->exp_avg_sq_bytes();
   // Moments never written are zero without a read (which would fault in every page of them).
   const bool check_moments = !optimizer_->moments_untouched();
   const size_t moment_block = kBlock * optimizer_->moment_bytes();
-  const DType model = optimizer_->model_dtype();
   const size_t blocks = (master.size() + kBlock - 1) / kBlock;
   std::atomic<bool> differs{false};
   Pool().ParallelFor(blocks, [&](size_t b) {
@@ -156,31 +165,33 @@ bool Checkpointer::StateIsDerivable() {
         same = same && AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)));
       }
     }
-    // The weights widened, a stack block at a time, against the masters.
+    // The masters rounded into the copy, then widened back a stack block at a time: equal
+    // when each master is exactly a model-dtype value.
     constexpr size_t kWiden = 2048;
-    const size_t wsize = formats::DTypeSize(model);
     float widened[kWiden];
     for (size_t i = at; same && i < end; i += kWiden) {
       const size_t n = std::min(kWiden, end - i);
-      formats::Convert(model, weights_.subspan(i * wsize, n * wsize), DType::kF32,
-                       std::as_writable_bytes(std::span(widened, n)));
+      const std::span<std::byte> rounded(copy.get() + i * wsize, n * wsize);
+      formats::Convert(DType::kF32, std::as_bytes(master.subspan(i, n)), model, rounded);
+      if (model == DType::kF32) continue;
+      formats::Convert(model, rounded, DType::kF32, std::as_writable_bytes(std::span(widened, n)));
       same = std::memcmp(widened, master.data() + i, n * 4) == 0;
     }
     if (!same) differs.store(true, std::memory_order_relaxed);
   });
-  return !differs.load();
-}
-
-void Checkpointer::WriteWeightsFromMasters() {
-  formats::Convert(DType::kF32, std::as_bytes(optimizer_->master()), optimizer_->model_dtype(),
-                   weights_);
+  if (differs.load()) return nullptr;
+  return copy;
 }
 
 absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope) {
   if (undo.derived_groups.has_value()) {
-    // The construction state again, from the weight buffer no load step has touched.
-    formats::Convert(optimizer_->model_dtype(), weights_, DType::kF32,
-                     std::as_writable_bytes(optimizer_->mutable_master()));
+    // The state again: the masters from their exact model-dtype copy, the moments zero.
+    const std::span<float> master = optimizer_->mutable_master();
+    formats::Convert(optimizer_->model_dtype(),
+                     std::span<const std::byte>(undo.derived_masters.get(),
+                                                master.size() *
+                                                    formats::DTypeSize(optimizer_->model_dtype())),
+                     DType::kF32, std::as_writable_bytes(master));
     for (std::span<std::byte> moment :
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
@@ -216,7 +227,6 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
   // Step 4.
   voted = Vote(applied);
   if (voted.ok()) {
-    WriteWeightsFromMasters();
     scope.Commit();
     remove_spill();
     return absl::OkStatus();

@@ -149,7 +149,7 @@ TEST_F(CheckpointerTest, AFreshOptimizerResumesWithoutWritingAnythingEvenOnAFull
   std::vector<LoadReport> reports(2);
   ExpectAllOk(fresh.OnEveryRank([&](int r) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(reports[r], fresh.rank(r).ckpt->Load(std::nullopt));
-    return absl::OkStatus();
+    return fresh.WriteWeights(r);
   }));
   env_.Disarm();
   EXPECT_EQ(env_.mutating_calls(), calls) << "the resume wrote to disk";
@@ -177,6 +177,71 @@ TEST_F(CheckpointerTest, AFailedLoadIntoAFreshOptimizerRestoresItsConstructionSt
   fresh.Step(0);
   reference.Step(0);
   EXPECT_TRUE(fresh.Gather() == reference.Gather());
+}
+
+// The model weights are not the Checkpointer's: a load changes the masters only, and
+// WriteModelWeights then makes the trainer's weights the loaded step's.
+TEST_F(CheckpointerTest, ALoadChangesTheMastersOnlyAndWriteModelWeightsPublishesThem) {
+  Job job(&env_, 2, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));
+  const std::string saved = job.Gather();
+  job.Step(1);
+  std::vector<std::vector<uint16_t>> stepped;
+  for (int r = 0; r < job.size(); ++r) stepped.push_back(job.rank(r).weights);
+  ExpectAllOk(job.OnEveryRank([&](int r) { return job.rank(r).ckpt->Load(1).status(); }));
+  for (int r = 0; r < job.size(); ++r) {
+    EXPECT_EQ(job.rank(r).weights, stepped[r]) << "the load wrote rank " << r << "'s weights";
+  }
+  ExpectAllOk(job.OnEveryRank([&](int r) { return job.WriteWeights(r); }));
+  EXPECT_TRUE(job.Gather() == saved);
+}
+
+// The rollback of a fresh state keeps its own copy of the masters: the trainer may have
+// overwritten its weight buffer (a CUDA trainer keeps no host copy at all).
+TEST_F(CheckpointerTest, AFailedLoadIntoAFreshOptimizerRestoresItWithoutTheTrainersWeights) {
+  {
+    Job job(&env_, 2, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  DamageChunk(1, 1);
+  Job fresh(&env_, 2, 500);
+  const auto before = fresh.StateAsFloats();
+  for (int r = 0; r < fresh.size(); ++r) {
+    std::fill(fresh.rank(r).weights.begin(), fresh.rank(r).weights.end(), uint16_t{0x7fc0});
+  }
+  const uint64_t calls = env_.mutating_calls();
+  ExpectAll(fresh.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(env_.mutating_calls(), calls) << "the undo was written to disk";
+  const auto after = fresh.StateAsFloats();
+  ASSERT_EQ(after.size(), before.size());
+  size_t differ = 0;
+  for (const auto& [key, value] : before) {
+    differ += std::memcmp(after.at(key).data(), value.data(), sizeof(value)) != 0;
+  }
+  EXPECT_EQ(differ, 0u) << "elements whose masters or moments did not come back";
+}
+
+// Masters that are not model-dtype values (set directly, as a trainer may) are no fresh
+// state: the undo is spilled (written), and the rollback restores them bit for bit.
+TEST_F(CheckpointerTest, MastersThatAreNotModelDTypeValuesAreSpilledNotDerived) {
+  {
+    Job job(&env_, 1, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+  }
+  DamageChunk(1, 0);
+  Job job(&env_, 1, 500);
+  std::span<float> master = job.rank(0).opt->mutable_master();
+  master[master.size() / 2] = 1.0f + 0x1p-20f;  // Not a BF16 value.
+  const std::vector<float> before(master.begin(), master.end());
+  const uint64_t calls = env_.mutating_calls();
+  ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_GT(env_.mutating_calls(), calls) << "no spill was written";
+  const std::span<const float> after = job.rank(0).opt->master();
+  ASSERT_EQ(after.size(), before.size());
+  EXPECT_EQ(std::memcmp(after.data(), before.data(), 4 * before.size()), 0);
 }
 
 TEST_F(CheckpointerTest, ALoadThatPutsParametersInOtherGroupsIsRefusedNamingThem) {
@@ -220,7 +285,7 @@ TEST_F(CheckpointerTest, ADamagedLatestSaysHowToGoOnAndLoadNewestIntactFallsBack
   std::vector<LoadReport> reports(2);
   ExpectAllOk(fresh.OnEveryRank([&](int r) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(reports[r], fresh.rank(r).ckpt->LoadNewestIntact());
-    return absl::OkStatus();
+    return fresh.WriteWeights(r);
   }));
   EXPECT_EQ(reports[0].step, 1u);
   ASSERT_EQ(reports[0].skipped.size(), 1u);
@@ -365,8 +430,9 @@ TEST_F(CheckpointerTest, MomentsConvertBetweenF32AndBf16OnLoad) {
     std::vector<LoadReport> reports(3);
     ExpectAllOk(job.OnEveryRank([&](int r) {
       absl::StatusOr<LoadReport> report = job.rank(r).ckpt->Load(3);
-      if (report.ok()) reports[r] = *report;
-      return report.status();
+      if (!report.ok()) return report.status();
+      reports[r] = *report;
+      return job.WriteWeights(r);
     }));
     EXPECT_EQ(reports[0].saved_moment_dtype, DType::kF32);
     bf16_state = job.StateAsFloats();
@@ -389,10 +455,9 @@ TEST_F(CheckpointerTest, MomentsConvertBetweenF32AndBf16OnLoad) {
   Job job(&env_, 1, 5000);
   std::vector<absl::Status> st = job.OnEveryRank([&](int r) {
     absl::StatusOr<LoadReport> report = job.rank(r).ckpt->Load(4);
-    if (report.ok()) {
-      EXPECT_EQ(report->saved_moment_dtype, DType::kBF16);
-    }
-    return report.status();
+    if (!report.ok()) return report.status();
+    EXPECT_EQ(report->saved_moment_dtype, DType::kBF16);
+    return job.WriteWeights(r);
   });
   ExpectAllOk(st);
   EXPECT_TRUE(job.StateAsFloats() == bf16_state) << "BF16 moments did not widen exactly";

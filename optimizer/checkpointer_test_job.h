@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/layout.h"
@@ -87,8 +88,7 @@ class Job {
       EXPECT_THAT(opt, IsOk());
       rank.opt = *std::move(opt);
       auto ck =
-          Checkpointer::Create(rank.opt.get(), std::as_writable_bytes(std::span(rank.weights)),
-                               stores_[r].get(), group_.member(r), options);
+          Checkpointer::Create(rank.opt.get(), stores_[r].get(), group_.member(r), options);
       EXPECT_THAT(ck, IsOk());
       rank.ckpt = *std::move(ck);
       ranks_.push_back(std::move(rank));
@@ -142,9 +142,15 @@ class Job {
   std::vector<absl::Status> Finalize(std::vector<std::unique_ptr<PendingSave>>& handles) {
     return OnEveryRank([&](int r) { return handles[r]->Finalize(); });
   }
+  // Load on every rank; each rank whose load succeeded then writes its weights from the masters,
+  // as a trainer does (StagedAdamW::WriteModelWeights).
   std::vector<absl::Status> Load(std::optional<uint64_t> step) {
-    return OnEveryRank([&](int r) { return ranks_[r].ckpt->Load(step).status(); });
+    return OnEveryRank([&](int r) {
+      CKPT_RETURN_IF_ERROR(ranks_[r].ckpt->Load(step).status());
+      return WriteWeights(r);
+    });
   }
+  absl::Status WriteWeights(int r) { return ranks_[r].opt->WriteModelWeights(ranks_[r].weights.data()); }
 
   // Every element's (master, exp_avg, exp_avg_sq) as floats, by (param, flat index), whatever
   // the layout and the moments' slab dtype.

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/formats/convert.h"
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/thread_pool.h"
@@ -78,6 +79,24 @@ class CpuEngine : public internal::Engine {
     CheckFinite(args, tasks.size(), [&](size_t i) { return tasks[i]; }, &report);
     report.skipped = report.nonfinite > 0;
     return report;
+  }
+
+  absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
+                            formats::DType model_dtype, void* dest,
+                            const std::optional<CudaStreamView>& stream) override {
+    (void)stream;  // Host memory only.
+    uint64_t elements = 0;
+    for (const Unit& u : units) elements += u.count;
+    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
+    const uint64_t tasks = (elements + task_elems - 1) / task_elems;
+    const size_t psize = ElementBytes(model_dtype);
+    pool_.ParallelFor(tasks, [&](size_t i) {
+      const uint64_t at = i * task_elems, n = std::min(task_elems, elements - at);
+      formats::Convert(formats::DType::kF32, std::as_bytes(std::span(master + at, n)),
+                       model_dtype,
+                       std::span(static_cast<std::byte*>(dest) + at * psize, n * psize));
+    }, Participants());
+    return absl::OkStatus();
   }
 
   void SetSpareCores(int cores) override { spare_ = cores; }

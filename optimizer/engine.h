@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,14 @@ class Engine {
     (void)args;
     return absl::OkStatus();
   }
+  // Writes `elements` masters rounded to `model_dtype` (nearest even) into `dest`, in slab
+  // order (StagedAdamW::WriteModelWeights; REQUIRES: arguments validated). `stream` unset:
+  // `dest` is host memory, written once the last Step's copies have landed. Set (CUDA engine):
+  // `dest` is device memory, written after the work queued on the stream so far, and what is
+  // queued on it next runs after the writes.
+  virtual absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
+                                    formats::DType model_dtype, void* dest,
+                                    const std::optional<CudaStreamView>& stream) = 0;
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }

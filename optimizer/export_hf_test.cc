@@ -45,7 +45,10 @@ class ExportHfTest : public ::testing::Test {
   }
   std::vector<absl::Status> LoadModel(Job& job, const std::string& source) {
     return job.OnEveryRank(
-        [&](int r) { return job.rank(r).ckpt->LoadModel(source).status(); });
+        [&](int r) -> absl::Status {
+          CKPT_RETURN_IF_ERROR(job.rank(r).ckpt->LoadModel(source).status());
+          return job.WriteWeights(r);
+        });
   }
 
   std::unique_ptr<Env> env_;

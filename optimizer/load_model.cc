@@ -11,12 +11,13 @@
 // M2. Fix the undo source (Load's step 2). A model load from a step of this very store never
 //     takes that step as its undo source: a chunk that fails the apply would fail the restore.
 // M3. Apply under kLoading: read this rank's elements of every parameter as FP32 straight into
-//     the master slab (exact widening from BF16 and F16); zero both moment slabs; write the
-//     weights as the masters rounded to the model dtype; every group's step becomes 0, its
-//     hyper-parameters stay.
+//     the master slab (exact widening from BF16 and F16); zero both moment slabs; every group's
+//     step becomes 0, its hyper-parameters stay. The trainer then writes the model weights
+//     from the masters (StagedAdamW::WriteModelWeights).
 // M4. Vote; on failure every rank restores from its undo source or is poisoned (Load's step 4);
 //     remove the spill (step 5).
-// M5. The state now equals no committed step, so the next load fixes a spill as its undo.
+// M5. The state now equals no committed step, so the next load re-derives it (masters that are
+//     model-dtype values) or spills it as its undo.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -218,7 +219,6 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
     }
-    // The weights follow once the load is voted (Transact writes the masters rounded).
     std::vector<ParamGroup> groups = optimizer_->groups();
     for (ParamGroup& g : groups) g.step = 0;
     scope.RestoreGroups(groups);

@@ -49,8 +49,7 @@ TEST(SpillMemoryTest, UndoSpillOfOneGibibyteCostsAtMostOneChunkPlus16MiB) {
   auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   ASSERT_THAT(opt, IsOk());
   SingleProcessCoordinator solo;
-  auto ckpt = Checkpointer::Create(opt->get(), std::as_writable_bytes(std::span(weights)),
-                                   store->get(), &solo);
+  auto ckpt = Checkpointer::Create(opt->get(), store->get(), &solo);
   ASSERT_THAT(ckpt, IsOk());
   std::vector<float> grads(kParams, 0.25f);
   auto step = [&] {

@@ -249,6 +249,20 @@ StagedAdamW::FenceScope::~FenceScope() {
   if (optimizer_ != nullptr) optimizer_->fence_ = nullptr;
 }
 
+absl::Status StagedAdamW::WriteModelWeights(void* dest, std::optional<CudaStreamView> stream) {
+  CKPT_RETURN_IF_ERROR(CheckClean("write the model weights"));
+  if (size_ == 0) return absl::OkStatus();
+  if (dest == nullptr || !Aligned(dest, formats::DTypeSize(model_dtype_))) {
+    return absl::InvalidArgumentError("model weights destination is null or misaligned");
+  }
+  if (stream.has_value() && options_.engine == EngineKind::kCpu) {
+    return absl::InvalidArgumentError(
+        "the CPU engine writes host memory: WriteModelWeights takes no stream there");
+  }
+  return engine_->WriteWeights(reinterpret_cast<const float*>(slabs_->master.data()), units_,
+                               model_dtype_, dest, stream);
+}
+
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   CKPT_RETURN_IF_ERROR(CheckClean("step"));
   ++state_version_;

@@ -540,6 +540,55 @@ TEST_F(BadInputTest, NullMisalignedAndUnsupportedBuffersAreRefusedWithStateUntou
   EXPECT_EQ(opt_->groups()[0].step, 0u);
 }
 
+// The model weights are the masters rounded: WriteModelWeights writes what the last Step wrote,
+// in every model dtype, and after a direct write of the masters, the new masters rounded.
+TEST(WriteModelWeightsTest, WritesTheMastersRoundedAsAStepWritesThem) {
+  for (DType model : {DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(formats::DTypeName(model));
+    const StagedAdamWOptions o = TestOptions(model, CpuIsa::kAuto);
+    const uint64_t n = Size(o);
+    const size_t psize = formats::DTypeSize(model);
+    auto opt = StagedAdamW::Create(o, InitialWeights(o));
+    ASSERT_THAT(opt, IsOk());
+    std::vector<std::byte> stepped(n * psize), written(n * psize, std::byte{0x5a});
+    for (int s = 0; s < 2; ++s) {
+      const std::vector<std::byte> g = StepGradients(n, s, DType::kF32);
+      ASSERT_THAT((*opt)->Step({g.data(), DType::kF32, 1.0f, stepped.data()}), IsOk());
+    }
+    ASSERT_THAT((*opt)->WriteModelWeights(written.data()), IsOk());
+    EXPECT_EQ(written, stepped);
+    // Masters written directly (as a load does): the weights follow only when written.
+    std::span<float> master = (*opt)->mutable_master();
+    for (size_t i = 0; i < master.size(); ++i) master[i] = 0.1f * static_cast<float>(i % 97) - 3.3f;
+    ASSERT_THAT((*opt)->WriteModelWeights(written.data()), IsOk());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(Decode(written.data(), model, i),
+                Decode(Encode({master[i]}, model).data(), model, 0))
+          << "element " << i;
+    }
+  }
+}
+
+TEST_F(BadInputTest, WriteModelWeightsRefusesBadDestinationsAndAnUncleanOptimizer) {
+  EXPECT_THAT(opt_->WriteModelWeights(nullptr), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->WriteModelWeights(params_.data() + 1),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // The CPU engine writes host memory: a stream means the caller expected the CUDA engine.
+  EXPECT_THAT(opt_->WriteModelWeights(params_.data(), CudaStreamView::Legacy()),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<std::byte> before = params_;
+  {
+    StagedAdamW::LoadScope scope = opt_->BeginLoad();
+    EXPECT_THAT(opt_->WriteModelWeights(params_.data()),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    scope.Poison("test: a failed load");
+  }
+  const absl::Status poisoned = opt_->WriteModelWeights(params_.data());
+  EXPECT_THAT(poisoned, StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(std::string(poisoned.message()), ::testing::HasSubstr("test: a failed load"));
+  EXPECT_EQ(params_, before) << "a refused write changed the destination";
+}
+
 TEST_F(BadInputTest, BadLayoutsAreRefused) {
   auto expect_invalid = [&](StagedAdamWOptions o, std::span<const std::byte> w) {
     EXPECT_THAT(StagedAdamW::Create(std::move(o), w), StatusIs(absl::StatusCode::kInvalidArgument));

@@ -99,8 +99,7 @@ absl::StatusOr<AsyncSaveFigures> RunAsyncSaveBench(const AsyncSaveBenchOptions& 
   optimizer::CheckpointerOptions co;
   co.async_staging_bytes = options.staging_bytes;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::Checkpointer> ckpt,
-                        optimizer::Checkpointer::Create(
-                            opt.get(), std::as_writable_bytes(std::span(weights)), store.get(),
+                        optimizer::Checkpointer::Create(opt.get(), store.get(),
                             &solo, co));
 
   CKPT_RETURN_IF_ERROR(step().status());  // Warm: slabs touched, moments non-zero.

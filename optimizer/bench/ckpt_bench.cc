@@ -74,9 +74,7 @@ absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, T
   for (int r = 0; r < n; ++r) job[static_cast<size_t>(r)].store = std::move(stores[r]);
   for (int r = 0; r < n; ++r) {
     Rank& rank = job[static_cast<size_t>(r)];
-    auto ckpt = optimizer::Checkpointer::Create(rank.opt.get(),
-                                                std::as_writable_bytes(std::span(rank.weights)),
-                                                rank.store.get(), group.member(r));
+    auto ckpt = optimizer::Checkpointer::Create(rank.opt.get(), rank.store.get(), group.member(r));
     CKPT_RETURN_IF_ERROR(ckpt.status());
     rank.ckpt = *std::move(ckpt);
   }

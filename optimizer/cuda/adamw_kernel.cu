@@ -89,6 +89,14 @@ __global__ void CountNonFiniteKernel(const void* grads, uint64_t n, float scale,
   if (local > 0) atomicAdd(count, local);
 }
 
+template <DType P>
+__global__ void RoundMastersKernel(const float* master, void* params, uint64_t n) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    StoreParam<P>(params, i, master[i]);
+  }
+}
+
 constexpr int kThreads = 256;
 
 unsigned Blocks(uint64_t n) {
@@ -148,6 +156,24 @@ cudaError_t LaunchCountNonFinite(const void* grads, DType grad, uint64_t n, floa
       break;
     case DType::kF16:
       CountNonFiniteKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(grads, n, scale, count);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRoundMasters(const float* master, void* params, DType param, uint64_t n,
+                               cudaStream_t stream) {
+  switch (param) {
+    case DType::kF32:
+      RoundMastersKernel<DType::kF32><<<Blocks(n), kThreads, 0, stream>>>(master, params, n);
+      break;
+    case DType::kBF16:
+      RoundMastersKernel<DType::kBF16><<<Blocks(n), kThreads, 0, stream>>>(master, params, n);
+      break;
+    case DType::kF16:
+      RoundMastersKernel<DType::kF16><<<Blocks(n), kThreads, 0, stream>>>(master, params, n);
       break;
     default:
       return cudaErrorInvalidValue;

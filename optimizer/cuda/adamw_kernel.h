@@ -39,6 +39,10 @@ cudaError_t LaunchAdamwUnit(const DeviceUnitArgs& args, KernelType grad, KernelT
 cudaError_t LaunchCountNonFinite(const void* grads, KernelType grad, uint64_t n, float scale,
                                  unsigned long long* count, cudaStream_t stream);
 
+// Writes `n` FP32 values of `master` (device) rounded to `param` (nearest even) into `params`.
+cudaError_t LaunchRoundMasters(const float* master, void* params, KernelType param, uint64_t n,
+                               cudaStream_t stream);
+
 }  // namespace ckpt::optimizer::internal
 
 #endif  // CKPT_OPTIMIZER_CUDA_ADAMW_KERNEL_H_

@@ -29,6 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
+#include "ckpt/formats/convert.h"
 #include "optimizer/cuda/adamw_kernel.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
@@ -198,6 +199,54 @@ class CudaEngine : public internal::Engine {
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
     report.done = reinterpret_cast<CUevent_st*>(done_.get());
     return report;
+  }
+
+  // WriteWeights to device memory runs steps 0 to 2 of a Step with the rounding kernel in place
+  // of the update, and only the masters copied in: the caller's stream then waits for `done`.
+  absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
+                            formats::DType model_dtype, void* dest,
+                            const std::optional<CudaStreamView>& stream) override {
+    const size_t psize = formats::DTypeSize(model_dtype);
+    if (!stream.has_value()) {
+      CKPT_RETURN_IF_ERROR(Synchronize());  // The last step's masters have landed.
+      uint64_t elements = 0;
+      for (const Unit& u : units) elements += u.count;
+      formats::Convert(formats::DType::kF32, std::as_bytes(std::span(master, elements)),
+                       model_dtype, std::span(static_cast<std::byte*>(dest), elements * psize));
+      return absl::OkStatus();
+    }
+    if (slots_.empty()) {
+      return absl::FailedPreconditionError(
+          "device released: call RestoreDevice() before WriteModelWeights");
+    }
+    cudaStream_t caller = ToCudaStream(*stream);
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
+    for (Slot& s : slots_) {
+      for (Slot& previous : slots_) {
+        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
+      }
+    }
+    for (size_t k = 0; k < units.size(); ++k) {
+      const Unit& u = units[k];
+      Slot& s = slots_[k % slots_.size()];
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master + u.offset,
+                                                u.count * 4, cudaMemcpyHostToDevice, s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
+      if (k < slots_.size())
+        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
+      CKPT_CUDA_RETURN_IF_ERROR(LaunchRoundMasters(
+          static_cast<const float*>(s.master_in.data()),
+          static_cast<std::byte*>(dest) + u.offset * psize, ToKernelType(model_dtype), u.count,
+          s.compute.get()));
+      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
+    }
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
+    return absl::OkStatus();
   }
 
   absl::Status OrderCallerAfterStep(const StepArgs& args) override {

@@ -147,8 +147,7 @@ State RunCudaUnderAsyncSave(const StagedAdamWOptions& o, int steps, uint64_t poo
   SingleProcessCoordinator solo;
   State s;
   s.params.assign(n * 2, std::byte{0});
-  auto ckpt = Checkpointer::Create(opt->get(), std::as_writable_bytes(std::span(s.params)),
-                                   store->get(), &solo, {.async_staging_bytes = pool});
+  auto ckpt = Checkpointer::Create(opt->get(), store->get(), &solo, {.async_staging_bytes = pool});
   EXPECT_THAT(ckpt, IsOk());
   void* dgrads = nullptr;
   void* dparams = nullptr;
@@ -323,6 +322,55 @@ TEST(CudaEngineTest, GradientWrittenLateOnTheCallersStreamIsSeen) {
   EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
   cudaFree(dgrads);
   cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
+// WriteModelWeights on the CUDA engine: to device memory through the slots, ordered on the
+// caller's stream after its earlier work (a late memset of the destination is overwritten, not
+// overwriting), and to host memory after the last step's copies: both what Step wrote.
+TEST(CudaEngineTest, WriteModelWeightsToDeviceAndHostEqualsWhatTheStepWrote) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  const uint64_t n = Size(o);
+  State expected = RunEngine(o, DType::kF32, 2);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  void* dout = nullptr;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaMalloc(&dgrads, n * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dparams, n * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dout, n * 2), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  for (int s = 0; s < 2; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    ASSERT_EQ(cudaMemcpy(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    StepArgs args{dgrads, DType::kF32, 1.0f, dparams};
+    args.stream = view;
+    CKPT_ASSERT_OK((*opt)->Step(args));
+  }
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); },
+                nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(dout, 0x7f, n * 2, stream), cudaSuccess);
+  CKPT_ASSERT_OK((*opt)->WriteModelWeights(dout, view));
+  std::vector<std::byte> on_device(n * 2), on_host(n * 2, std::byte{0});
+  ASSERT_EQ(cudaMemcpyAsync(on_device.data(), dout, n * 2, cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(on_device, expected.params);
+  CKPT_ASSERT_OK((*opt)->WriteModelWeights(on_host.data()));
+  EXPECT_EQ(on_host, expected.params);
+  // The next step is unchanged by the write's use of the slots.
+  CKPT_ASSERT_OK((*opt)->Synchronize());
+  EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
+  cudaFree(dgrads);
+  cudaFree(dparams);
+  cudaFree(dout);
   cudaStreamDestroy(stream);
 }
 

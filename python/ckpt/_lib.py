@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 OK = 0
 CODE_NAMES = {
@@ -114,6 +114,7 @@ _sig = {
     "ckpt_optimizer_size": ([_p, ctypes.POINTER(ctypes.c_uint64)], ctypes.c_int),
     "ckpt_optimizer_step": ([_p, _p, ctypes.c_int, ctypes.c_float, _p, ctypes.c_int, _p,
                              ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_optimizer_write_weights": ([_p, _p, ctypes.c_int, _p], ctypes.c_int),
     "ckpt_optimizer_num_groups": ([_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_optimizer_get_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
     "ckpt_optimizer_set_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
@@ -129,6 +130,8 @@ _sig = {
     "ckpt_store_close": ([_p], None),
     "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
                           ctypes.c_int),
+    "ckpt_checkpointer_open": ([_p, _p, ctypes.POINTER(Coordinator), ctypes.c_uint64,
+                                ctypes.POINTER(_p)], ctypes.c_int),
     "ckpt_checkpointer_create": ([_p, _p, ctypes.c_size_t, _p, ctypes.POINTER(Coordinator),
                                   ctypes.c_uint64, ctypes.POINTER(_p)], ctypes.c_int),
     "ckpt_checkpointer_destroy": ([_p], None),

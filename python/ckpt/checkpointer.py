@@ -161,10 +161,8 @@ class Checkpointer:
         handle = ctypes.c_void_p()
         try:
             opt = optimizer._live()
-            host = optimizer._host
-            check(lib.ckpt_checkpointer_create(
-                opt, host.data_ptr(), host.numel() * host.element_size(), store,
-                ctypes.byref(coordinator) if coordinator is not None else None,
+            check(lib.ckpt_checkpointer_open(
+                opt, store, ctypes.byref(coordinator) if coordinator is not None else None,
                 int(async_staging_bytes), ctypes.byref(handle)))
         except BaseException:
             self.close()  # Lets go of the root's LOCK.
@@ -213,9 +211,9 @@ class Checkpointer:
         return (handle, step) + blob
 
     def _hand_over(self):
-        """The hyper-parameters and weights handed to ckpt, first thing in a save's section."""
+        """The hyper-parameters handed to ckpt, first thing in a save's section (the weights
+        saved are ckpt's masters rounded, which every step writes into the parameters)."""
         self._optimizer._push_groups()
-        self._optimizer._to_host()
 
     def save(self, step, extra=None):
         """Collective. Saves the state as it is now as `step` (newer than LATEST). Raises
@@ -282,7 +280,7 @@ class Checkpointer:
             try:
                 # The state is loaded: the parameters and param_groups follow it before
                 # anything else can fail.
-                self._optimizer._from_host()
+                self._optimizer._publish_weights()
                 self._optimizer._pull_groups()
                 self.loaded_step, self.loaded_extra = loaded.value, None
                 raw = self._extra_blob(blobs)
@@ -332,7 +330,7 @@ class Checkpointer:
             check(lib.ckpt_checkpointer_load_model(handle, source_bytes, patterns,
                                                    replacements, len(rules),
                                                    1 if ignore_unexpected else 0))
-            self._optimizer._from_host()
+            self._optimizer._publish_weights()
 
     @property
     def latest(self):

@@ -329,13 +329,16 @@ class StagedAdamW(torch.optim.Optimizer):
             g["lr"], g["betas"], g["eps"], g["weight_decay"] = (
                 c.lr, (c.beta1, c.beta2), c.eps, c.weight_decay)
 
-    def _to_host(self):
-        if self._host is not self._flat:
-            self._gather(self._flat, self._host)
-
-    def _from_host(self):
-        """After a load into this rank's host weights: the parameters follow (data-parallel:
-        collective, the ranks exchange their pieces)."""
+    def _publish_weights(self):
+        """After a load (which changes ckpt's masters only): the parameters become the masters
+        rounded to their dtype (data-parallel: collective, the ranks exchange their pieces)."""
+        handle = self._live()
+        if self._owned is None and self._device.type == "cuda":
+            # Straight into the parameters on the device, ordered on the current stream.
+            stream = torch.cuda.current_stream(self._device).cuda_stream
+            check(lib.ckpt_optimizer_write_weights(handle, self._flat.data_ptr(), 1, stream))
+            return
+        check(lib.ckpt_optimizer_write_weights(handle, self._host.data_ptr(), 0, None))
         if self._owned is not None:
             self._exchange(self._host.to(self._device))
             self._local_params.copy_(self._host)

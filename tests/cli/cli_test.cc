@@ -184,8 +184,7 @@ TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
   auto store = CheckpointStore::Open(Root(), StoreOptions{});
   ASSERT_THAT(store, testing::IsOk());
   SingleProcessCoordinator single;
-  auto ckpt = optimizer::Checkpointer::Create(
-      opt->get(), std::as_writable_bytes(std::span(weights)), store->get(), &single);
+  auto ckpt = optimizer::Checkpointer::Create(opt->get(), store->get(), &single);
   ASSERT_THAT(ckpt, testing::IsOk());
   ASSERT_THAT((*ckpt)->Save(7), testing::IsOk());
   Result r = RunTool("inspect " + Root() + " --json");
@@ -392,8 +391,7 @@ void SaveLoadedModel(const std::string& hf_path, const std::string& root, int ra
         CKPT_ASSIGN_OR_RETURN(auto store, CheckpointStore::Open(root, so));
         if (r == 0) CKPT_RETURN_IF_ERROR(group.member(r)->Barrier());
         CKPT_ASSIGN_OR_RETURN(
-            auto ckpt, optimizer::Checkpointer::Create(
-                           opt.get(), std::as_writable_bytes(std::span(weights)), store.get(),
+            auto ckpt, optimizer::Checkpointer::Create(opt.get(), store.get(),
                            group.member(r)));
         CKPT_RETURN_IF_ERROR(ckpt->LoadModel(hf_path).status());
         return ckpt->Save(1, {{"rank", std::to_string(r)}});

@@ -118,12 +118,12 @@ int Run(int argc, char** argv) {
       weights.push_back(formats::FloatToBf16(testing::ToyInitialValue(p.param, p.begin + i)));
   auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   if (!opt.ok()) return Fail(opt.status(), rank);
-  auto ckpt = optimizer::Checkpointer::Create(
-      opt->get(), std::as_writable_bytes(std::span(weights)), store->get(), &coord);
+  auto ckpt = optimizer::Checkpointer::Create(opt->get(), store->get(), &coord);
   if (!ckpt.ok()) return Fail(ckpt.status(), rank);
   if (load) {
     auto loaded = (*ckpt)->Load(std::nullopt);
     if (!loaded.ok()) return Fail(loaded.status(), rank);
+    if (auto st = (*opt)->WriteModelWeights(weights.data()); !st.ok()) return Fail(st, rank);
     if (rank == 0)
       std::printf("loaded step %llu saved by %u ranks into %d\n",
                   static_cast<unsigned long long>(loaded->step), loaded->saved_world_size, dp);

@@ -26,9 +26,9 @@ extern "C" {
 #endif
 
 /* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
- * ckpt_abi_layout; 5: ckpt_store_open_on_ranks): a library serves callers of its version or an
- * older one. */
-#define CKPT_ABI_VERSION 5
+ * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
+ * ckpt_checkpointer_open): a library serves callers of its version or an older one. */
+#define CKPT_ABI_VERSION 6
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -131,6 +131,14 @@ CKPT_C_EXPORT int ckpt_optimizer_size(const ckpt_optimizer* opt, uint64_t* eleme
  * *skipped (may be NULL) is 1 when check_finite found NaN/Inf and nothing changed. */
 CKPT_C_EXPORT int ckpt_optimizer_step(ckpt_optimizer* opt, const void* grads, int grad_dtype, float grad_scale,
                         void* params, int check_finite, void* stream, int* skipped);
+/* (ABI 6) The model weights, which are the masters rounded to the model dtype (nearest even),
+ * into `dest` (this rank's elements in slab order): what a trainer calls after a load through
+ * ckpt_checkpointer_open's handle. on_device 0: `dest` is host memory (`stream` ignored; the
+ * CUDA engine first waits for the last step). on_device 1 (CUDA engine): `dest` is device
+ * memory, written after the work queued on `stream` (cudaStream_t; NULL is the legacy default
+ * stream), which is made to wait for the writes. */
+CKPT_C_EXPORT int ckpt_optimizer_write_weights(ckpt_optimizer* opt, void* dest, int on_device,
+                                               void* stream);
 CKPT_C_EXPORT int ckpt_optimizer_num_groups(const ckpt_optimizer* opt, size_t* count);
 CKPT_C_EXPORT int ckpt_optimizer_get_group(const ckpt_optimizer* opt, size_t index, ckpt_group* out);
 /* Replaces group `index`'s hyper-parameters from the next step on (its step counter kept). */
@@ -188,9 +196,16 @@ CKPT_C_EXPORT int ckpt_store_open_on_ranks(const char* root, const ckpt_store_op
                                            const ckpt_coordinator* coordinator, ckpt_store** out);
 
 /* ---- Checkpointer ---- */
-/* `weights`: this rank's model-dtype weight buffer, host memory, in slab order (what every
- * step writes as `params`; loads write into it). async_staging_bytes 0: the default (1 GiB).
- * `coordinator` is copied; its callbacks must stay callable while the checkpointer lives. */
+/* (ABI 6) async_staging_bytes 0: the default (1 GiB). `coordinator` is copied; its callbacks
+ * must stay callable while the checkpointer lives. Loads change the optimizer's state only:
+ * the caller then writes its weights with ckpt_optimizer_write_weights. */
+CKPT_C_EXPORT int ckpt_checkpointer_open(ckpt_optimizer* opt, ckpt_store* store,
+                                         const ckpt_coordinator* coordinator,
+                                         uint64_t async_staging_bytes, ckpt_checkpointer** out);
+/* ckpt_checkpointer_open, for callers of ABI 1 to 5: `weights` is this rank's model-dtype
+ * weight buffer, host memory, in slab order, `weight_bytes` exactly its size; every successful
+ * load (ckpt_checkpointer_load, _load_newest_intact, _load_model) writes the masters rounded
+ * into it before it returns. */
 CKPT_C_EXPORT int ckpt_checkpointer_create(ckpt_optimizer* opt, void* weights, size_t weight_bytes,
                              ckpt_store* store, const ckpt_coordinator* coordinator,
                              uint64_t async_staging_bytes, ckpt_checkpointer** out);

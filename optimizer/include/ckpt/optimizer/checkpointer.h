@@ -35,9 +35,10 @@ struct LoadReport {
   uint64_t step = 0;              // The step loaded.
   uint32_t saved_world_size = 0;  // Ranks that saved it (any number loads into any other).
   bool undo_spilled = false;      // The undo source was a spill of the state (not a checkpoint).
-  // The state was its construction state (moments zero, every step 0, masters the model
-  // weights widened), which a rollback re-derives from the weight buffer: nothing was written
-  // to disk for the undo.
+  // The state was its construction state (moments zero, every step 0, each master exactly a
+  // model-dtype value, as a freshly built or model-loaded optimizer's), which a rollback
+  // re-derives from a copy of the masters in the model dtype kept in memory during the load
+  // (size() x 2 bytes for a BF16 model): nothing was written to disk for the undo.
   bool undo_derived = false;
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
@@ -132,22 +133,20 @@ class PendingSave {
 //   blob optimizer.layout           JSON: parameters, groups (hyper-parameters in double and
 //                                   step counters), moment dtype, world size (every rank)
 //   blob trainer.<key>              the trainer's blobs
-// Not thread-safe; the optimizer, the weight buffer, the store and the coordinator must
-// outlive it, and nothing else may step or change the optimizer during Save or Load.
+// Not thread-safe; the optimizer, the store and the coordinator must outlive it, and nothing else may step or change the optimizer during Save or Load.
 class Checkpointer {
  public:
-  // `weights` is this rank's model-dtype weight buffer (the StepArgs::params of every Step), in
-  // slab order: optimizer->size() elements. kInvalidArgument when its size does not match.
+  // The model weights are not the Checkpointer's: a save writes the masters rounded (what
+  // every Step writes), a load changes the masters only, and the trainer then writes its
+  // weights with StagedAdamW::WriteModelWeights.
   static absl::StatusOr<std::unique_ptr<Checkpointer>> Create(StagedAdamW* optimizer,
-                                                              std::span<std::byte> weights,
                                                               CheckpointStore* store,
                                                               Coordinator* coordinator,
                                                               CheckpointerOptions options = {});
 
   // Collective. Saves the state as it is now as `step`: one transaction, committed on every
   // rank or on none. Never changes the state. CUDA engine: waits for the last step's copies.
-  // The weights saved are the masters rounded to the model dtype, as SaveAsync's are: the
-  // weight buffer is not read.
+  // The weights saved are the masters rounded to the model dtype, as SaveAsync's are.
   // kFailedPrecondition when the optimizer is poisoned or `step` is not newer than LATEST;
   // IO errors as the store reports them (the previous checkpoint is untouched).
   absl::Status Save(uint64_t step, const Blobs& blobs = {});
@@ -159,16 +158,17 @@ class Checkpointer {
   // state, hyper-parameters, step counters and blobs at this call. SetGroup may run too (the
   // groups are taken at the call); Save, SaveAsync and Load refuse with kFailedPrecondition
   // until Finalize(). The weights saved are the masters rounded to the model dtype (what every
-  // step writes), so the weight buffer is not read: the trainer may overwrite it at will.
+  // step writes): the trainer's weights are not read.
   // Errors as Save, on every rank.
   absl::StatusOr<std::unique_ptr<PendingSave>> SaveAsync(uint64_t step, const Blobs& blobs = {});
 
-  // Collective. Loads `step` (LATEST when nullopt) into the optimizer and the weights, at any
+  // Collective. Loads `step` (LATEST when nullopt) into the optimizer, at any
   // data-parallel layout: pieces are flat index ranges, so another DP size, bucket size or
   // number of saving ranks reads the same. FP32 moments load into BF16 mode rounded (nearest
-  // even); BF16 moments widen exactly.
+  // even); BF16 moments widen exactly. The model weights are the masters rounded: on success,
+  // write them with StagedAdamW::WriteModelWeights (a load does not touch them).
   // On failure every rank returns the same error and the state is exactly as before the call
-  // (masters, moments, weights, hyper-parameters, step counters), or, when the rollback failed
+  // (masters, moments, hyper-parameters, step counters), or, when the rollback failed
   // too, the optimizer is poisoned (lifecycle() kPoisoned). Preflight failures (missing or extra
   // names, listed; shapes, dtypes, coverage, hyper-parameters, damaged manifest) touch nothing
   // and write nothing. `blobs` receives this rank's trainer blobs (or rank 0's when the
@@ -193,8 +193,8 @@ class Checkpointer {
   // store), whose step (options.step, LATEST by default) gives its model tensors (not the
   // optimizer.* ones). Sources are read through the store's Env.
   // Every parameter's masters become the source tensor's values (FP32: bit for bit; BF16 and
-  // F16: widened exactly), the weights those masters rounded to the model dtype (nearest
-  // even), both moments zero and every group's step 0. Hyper-parameters stay, and so do the
+  // F16: widened exactly), both moments zero and every group's step 0; then write the model
+  // weights with StagedAdamW::WriteModelWeights (the masters rounded to the model dtype). Hyper-parameters stay, and so do the
   // trainer's blobs, which this call neither reads nor writes (the scheduler goes on).
   // A transaction like Load: a preflight touches nothing and lists what is wrong (missing and
   // unexpected names, the first 10 of each and their counts; shapes; dtypes other than F32,
@@ -216,8 +216,8 @@ class Checkpointer {
   struct Undo;
   struct InFlight;
   friend class PendingSave;
-  Checkpointer(StagedAdamW* optimizer, std::span<std::byte> weights, CheckpointStore* store,
-               Coordinator* coordinator, CheckpointerOptions options);
+  Checkpointer(StagedAdamW* optimizer, CheckpointStore* store, Coordinator* coordinator,
+               CheckpointerOptions options);
   absl::Status NoSaveInFlight(absl::string_view what) const;
   // Save's steps 1 and 2 (SaveAsync's A1): refusals voted on, then the store's transaction.
   absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(uint64_t step,
@@ -241,18 +241,17 @@ class Checkpointer {
   absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
-  // True when the state is what a rollback can re-derive without disk: every group's step 0,
-  // both moments zero, and every master the widened weight of weights_ (bit for bit).
-  bool StateIsDerivable();
+  // When the state is what a rollback can re-derive without disk (every group's step 0, both
+  // moments zero, every master exactly a model-dtype value, as a freshly built or model-loaded
+  // optimizer's are): the masters in the model dtype, size() elements. Null otherwise, or when
+  // that copy cannot be allocated.
+  std::unique_ptr<std::byte[]> CopyIfDerivable();
   // The Checkpointer's workers: the optimizer's `threads` (0: every core), made at first use.
   internal::ThreadPool& Pool();
-  // weights_ := the masters rounded to the model dtype (what a successful load publishes).
-  void WriteWeightsFromMasters();
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs, uint64_t chunk_bytes);
   absl::Status Vote(const absl::Status& mine);
 
   StagedAdamW* const optimizer_;
-  const std::span<std::byte> weights_;
   CheckpointStore* const store_;
   Coordinator* const coordinator_;
   const CheckpointerOptions options_;

@@ -130,6 +130,18 @@ class StagedAdamW {
   // Increments every group's step.
   absl::StatusOr<StepReport> Step(const StepArgs& args);
 
+  // Writes the model weights, which are always the masters rounded to the model dtype (nearest
+  // even): size() elements in slab order, as Step writes StepArgs::params. What a trainer calls
+  // after a Checkpointer's Load or LoadModel (which change the masters and not the model) and
+  // whenever it wants the weights afresh. `stream` unset: `dest` is host memory (the CUDA
+  // engine first waits for the last step's copies). Set (CUDA engine only): `dest` is device
+  // memory, written by the engine's slots after the work queued on `stream` so far; what is
+  // queued on it next runs after the writes (the host does not wait). kInvalidArgument for a
+  // null or misaligned `dest` or a stream given to the CPU engine; kFailedPrecondition when
+  // the optimizer is not kClean (its masters are a load's or a failed load's) or the device is
+  // released.
+  absl::Status WriteModelWeights(void* dest, std::optional<CudaStreamView> stream = std::nullopt);
+
   // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
   // weight-decay schedules), keeping its step counter (`group.step` is ignored).
   // kInvalidArgument naming the group and the value for an index that does not exist or a
