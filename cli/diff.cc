@@ -60,14 +60,14 @@ struct TensorDiff {
   uint64_t differing = 0, numel = 0;  // Elements (bytes for sub-byte dtypes) that differ.
 };
 
-// Runs read_a here and read_b on a second thread: the two sides of a batch decode (zstd,
-// BF16 widening) on two cores at once.
+// Runs read_a here and read_b on a second thread (Env::StartThread): the two sides of a batch
+// decode (zstd, BF16 widening) on two cores at once.
 absl::Status ReadBoth(const std::function<absl::Status()>& read_a,
                       const std::function<absl::Status()>& read_b) {
   absl::Status b;
-  std::thread other([&] { b = read_b(); });
+  std::unique_ptr<EnvThread> other = Env::Default()->StartThread([&] { b = read_b(); });
   absl::Status a = read_a();
-  other.join();
+  other->Join();
   CKPT_RETURN_IF_ERROR(a);
   return b;
 }

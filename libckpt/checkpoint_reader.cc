@@ -190,7 +190,7 @@ absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) c
     ranges.push_back({files_[r.file].get(), c.offset, formats::ChunkExtentBytes(c.stored_bytes)});
   }
   return internal::RunReadPipeline(
-      ranges, options_.read_threads,
+      env_, ranges, options_.read_threads,
       [&](size_t i, std::span<const std::byte> bytes) { return DeliverChunk(reads[i], bytes); });
 }
 

@@ -17,6 +17,7 @@
 #include "ckpt/verify.h"
 #include "libckpt/filename.h"
 #include "tests/support/fault_injection_env.h"
+#include "tests/support/thread_counting_env.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/synthetic_state.h"
 #include "tests/support/tensor_gen.h"
@@ -85,6 +86,38 @@ TEST_F(StoreTest, RangeReadsCrossRankBoundariesAndChunks) {
     CKPT_ASSERT_OK((*reader)->ReadRange("w", begin, count, std::as_writable_bytes(std::span(out))));
     EXPECT_TRUE(std::equal(out.begin(), out.end(), w.begin() + begin)) << begin << "+" << count;
   }
+}
+
+// Every thread of a save, a read and retention starts through the store's Env, and each part
+// starts no more than its option says: write_threads writers per save, read_threads I/O
+// threads and at most as many workers per read, one remover per store.
+TEST_F(StoreTest, EachPartStartsTheThreadsItsOptionSaysThroughTheEnv) {
+  testing::ThreadCountingEnv counting(env_.get());
+  options_.env = &counting;
+  options_.write_threads = 3;
+  options_.read_threads = 2;
+  options_.retention.keep_last = 1;
+  std::vector<float> w(20000, 0.5f);  // 80 chunks of 1000 bytes.
+  auto store = Open();
+  for (uint64_t step : {1, 2}) {
+    counting.Reset();
+    auto txn = store->BeginSave(step);
+    CKPT_ASSERT_OK(txn);
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {20000}}));
+    CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 20000, testing::Bytes(w)));
+    CKPT_ASSERT_OK((*txn)->Commit());
+    store->WaitForRemovals();
+    // The second commit retires step 1: the remover is started then, once.
+    EXPECT_EQ(counting.started(), step == 1 ? 3 : 4) << "step " << step;
+  }
+  counting.Reset();
+  auto reader = store->OpenLatest();
+  CKPT_ASSERT_OK(reader);
+  std::vector<float> out(20000);
+  CKPT_ASSERT_OK((*reader)->ReadRange("w", 0, 20000, std::as_writable_bytes(std::span(out))));
+  EXPECT_EQ(out, w);
+  const int workers = std::min(2, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  EXPECT_EQ(counting.started(), 2 + workers - 1);
 }
 
 TEST_F(StoreTest, ZstdChunksRoundTripAndStaySmaller) {

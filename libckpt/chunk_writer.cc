@@ -15,8 +15,8 @@ constexpr size_t kSliceBytes = 256 << 10;
 
 }  // namespace
 
-ChunkWriter::ChunkWriter(WritableFile* file, int threads)
-    : file_(file), threads_(std::clamp(threads, 1, 64)) {}
+ChunkWriter::ChunkWriter(Env* env, WritableFile* file, int threads)
+    : env_(env), file_(file), threads_(std::clamp(threads, 1, 64)) {}
 
 ChunkWriter::~ChunkWriter() {
   {
@@ -24,13 +24,13 @@ ChunkWriter::~ChunkWriter() {
     stopping_ = true;
   }
   work_.notify_all();
-  for (std::thread& t : workers_) t.join();
+  for (std::unique_ptr<EnvThread>& t : workers_) t->Join();
 }
 
 absl::StatusOr<uint64_t> ChunkWriter::Submit(Job job) {
   std::unique_lock<std::mutex> lock(mu_);
   if (workers_.empty()) {
-    for (int i = 0; i < threads_; ++i) workers_.emplace_back([this] { WorkerMain(); });
+    for (int i = 0; i < threads_; ++i) workers_.push_back(env_->StartThread([this] { WorkerMain(); }));
   }
   const size_t max_queued = 2 * static_cast<size_t>(threads_);
   changed_.wait(lock, [&] { return !error_.ok() || queue_.size() < max_queued; });

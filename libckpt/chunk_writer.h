@@ -1,5 +1,5 @@
 // ChunkWriter: the threads that build and write the blocks of one data file (a SaveTransaction's
-// step 2, libckpt/checkpoint_writer.cc).
+// step 2, libckpt/store/transaction.cc).
 //
 // A job is one extent of the file: a prefix (a chunk header, or the file header) and a body,
 // zero-padded to whole blocks, at an offset its caller reserved. A worker copies the job's
@@ -44,9 +44,9 @@ class ChunkWriter {
     std::string what;       // What the job writes, for its error (e.g. "save step 3 tensor w").
   };
 
-  // `threads` workers (1 to 64), started by the first Submit. Not owned: `file`, which
-  // outlives this writer.
-  ChunkWriter(WritableFile* file, int threads);
+  // `threads` workers (1 to 64), started through `env` by the first Submit. Not owned: `env`
+  // and `file`, which outlive this writer.
+  ChunkWriter(Env* env, WritableFile* file, int threads);
   // Skips the jobs still queued, waits for those running, joins the workers.
   ~ChunkWriter();
   ChunkWriter(const ChunkWriter&) = delete;  // Owns threads that point into it.
@@ -77,6 +77,7 @@ class ChunkWriter {
   absl::Status WaitFor(uint64_t n, const uint64_t* watermark);
   bool QuietLocked() const { return running_ == 0 && queue_.empty(); }  // REQUIRES: mu_ held.
 
+  Env* const env_;
   WritableFile* const file_;
   const int threads_;
   mutable std::mutex mu_;
@@ -91,7 +92,8 @@ class ChunkWriter {
   int running_ = 0;                   // Jobs a worker has taken and not finished.
   bool stopping_ = false;
   absl::Status error_;
-  std::vector<std::thread> workers_;  // Started by the first Submit; joined by the destructor.
+  // Started by the first Submit; joined by the destructor.
+  std::vector<std::unique_ptr<EnvThread>> workers_;
 };
 
 }  // namespace ckpt::internal

@@ -128,7 +128,7 @@ std::vector<std::string> Bodies(int count) {
 TEST(ChunkWriterTest, ManyThreadsLayOutTheFileAndChecksumsAsOneWriterWould) {
   for (int threads : {1, 3, 8}) {
     TestFile file;
-    ChunkWriter writer(&file, threads);
+    ChunkWriter writer(Env::Default(), &file, threads);
     const std::vector<std::string> bodies = Bodies(40);
     const Expected e = QueueJobs(writer, bodies);
     ASSERT_TRUE(writer.Drain().ok());
@@ -143,7 +143,7 @@ TEST(ChunkWriterTest, ManyThreadsLayOutTheFileAndChecksumsAsOneWriterWould) {
 
 TEST(ChunkWriterTest, ConsumedComesBeforeWrittenAndFreesTheCallersMemory) {
   TestFile file;
-  ChunkWriter writer(&file, 2);
+  ChunkWriter writer(Env::Default(), &file, 2);
   file.SetOpen(false);  // Every write is held.
   std::string body(10000, 'q');
   ChunkWriter::Job job;
@@ -168,7 +168,7 @@ TEST(ChunkWriterTest, ConsumedComesBeforeWrittenAndFreesTheCallersMemory) {
 
 TEST(ChunkWriterTest, AFailedWriteIsEveryWaitsErrorAndTheQueuedJobsAreNeverRead) {
   TestFile file;
-  ChunkWriter writer(&file, 1);
+  ChunkWriter writer(Env::Default(), &file, 1);
   file.SetOpen(false);
   const std::vector<std::string> bodies = Bodies(3);  // One held by the worker, two queued.
   const Expected e = QueueJobs(writer, bodies);
@@ -188,7 +188,7 @@ TEST(ChunkWriterTest, AFailedWriteIsEveryWaitsErrorAndTheQueuedJobsAreNeverRead)
 
 TEST(ChunkWriterTest, CancelSkipsTheQueueAndReturnsOnlyOnceNothingRuns) {
   TestFile file;
-  ChunkWriter writer(&file, 1);
+  ChunkWriter writer(Env::Default(), &file, 1);
   file.SetOpen(false);
   const std::vector<std::string> bodies = Bodies(3);  // One held by the worker, two queued.
   QueueJobs(writer, bodies);
@@ -209,7 +209,7 @@ TEST(ChunkWriterTest, CancelSkipsTheQueueAndReturnsOnlyOnceNothingRuns) {
 
 TEST(ChunkWriterTest, DestructionSkipsQueuedJobsAndWaitsForRunningOnes) {
   TestFile file;
-  auto writer = std::make_unique<ChunkWriter>(&file, 1);
+  auto writer = std::make_unique<ChunkWriter>(Env::Default(), &file, 1);
   file.SetOpen(false);
   const std::vector<std::string> bodies = Bodies(2);  // One held by the worker, one queued.
   const Expected e = QueueJobs(*writer, bodies);

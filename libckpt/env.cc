@@ -1,5 +1,7 @@
 #include "ckpt/env.h"
 
+#include <thread>
+
 #include <mutex>
 #include <string>
 
@@ -34,6 +36,26 @@ DefaultEnvState& DefaultState() {
 }  // namespace
 
 Env* Env::Default() { return DefaultState().env.get(); }
+
+namespace {
+
+class StdEnvThread : public EnvThread {
+ public:
+  explicit StdEnvThread(std::function<void()> fn) : thread_(std::move(fn)) {}
+  ~StdEnvThread() override { Join(); }
+  void Join() override {
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<EnvThread> Env::StartThread(std::function<void()> fn) {
+  return std::make_unique<StdEnvThread>(std::move(fn));
+}
 
 std::string DefaultEnvFallbackReason() { return DefaultState().fallback_reason; }
 

@@ -14,7 +14,7 @@
 namespace ckpt::internal {
 
 absl::Status RunReadPipeline(
-    std::span<const PipelinedRead> reads, int io_threads,
+    Env* env, std::span<const PipelinedRead> reads, int io_threads,
     const std::function<absl::Status(size_t, std::span<const std::byte>)>& consume) {
   if (reads.empty()) return absl::OkStatus();
   // Why split reading from consuming: a thread that read and then converted left its next
@@ -97,11 +97,13 @@ absl::Status RunReadPipeline(
     }
   };
 
-  std::vector<std::thread> threads;
-  for (size_t t = 0; t < io; ++t) threads.emplace_back(reader, t);
-  for (size_t w = 1; w < workers; ++w) threads.emplace_back(worker);
+  // Readers and workers wait on each other, so all of them run at once: each on a thread of
+  // its own (the caller is the last worker), started through the Env.
+  std::vector<std::unique_ptr<EnvThread>> threads;
+  for (size_t t = 0; t < io; ++t) threads.push_back(env->StartThread([&reader, t] { reader(t); }));
+  for (size_t w = 1; w < workers; ++w) threads.push_back(env->StartThread(worker));
   worker();
-  for (std::thread& t : threads) t.join();
+  for (std::unique_ptr<EnvThread>& t : threads) t->Join();
   return status;
 }
 

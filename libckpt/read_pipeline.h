@@ -21,12 +21,13 @@ struct PipelinedRead {
 };
 
 // Reads every range and calls consume(index, bytes) once per range, from up to
-// min(io_threads, cores) worker threads, in no particular order. I/O thread t reads a contiguous
+// min(io_threads, cores) worker threads (the caller and threads started through `env`, as the
+// I/O threads), in no particular order. I/O thread t reads a contiguous
 // run of `reads` in order (a sequential stream per thread). At most io_threads + workers buffers
 // are out at once; ranges longer than a pool buffer get a buffer of their own. Returns the
 // first error of a read or of a consume(); after one, no further consume() starts.
 absl::Status RunReadPipeline(
-    std::span<const PipelinedRead> reads, int io_threads,
+    Env* env, std::span<const PipelinedRead> reads, int io_threads,
     const std::function<absl::Status(size_t, std::span<const std::byte>)>& consume);
 
 }  // namespace ckpt::internal

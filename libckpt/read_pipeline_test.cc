@@ -5,6 +5,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "libckpt/bounce_pool.h"
 #include "tests/support/status_matchers.h"
+#include "tests/support/thread_counting_env.h"
 
 namespace ckpt::internal {
 namespace {
@@ -55,7 +57,7 @@ TEST_P(ReadPipelineTest, EveryRangeIsConsumedOnceWithItsOwnBytes) {
   std::mutex mu;
   std::multiset<size_t> seen;
   std::atomic<int> bad{0};
-  CKPT_ASSERT_OK(RunReadPipeline(reads, GetParam(), [&](size_t i, std::span<const std::byte> b) {
+  CKPT_ASSERT_OK(RunReadPipeline(Env::Default(), reads, GetParam(), [&](size_t i, std::span<const std::byte> b) {
     if (b.size() != reads[i].length) ++bad;
     for (size_t k = 0; k < b.size(); k += 997) {
       if (b[k] != PatternFile::At(reads[i].offset + k)) ++bad;
@@ -73,7 +75,7 @@ TEST_P(ReadPipelineTest, ReadErrorIsReturnedAndStopsTheRest) {
   PatternFile f(200 * 4096, /*fail_at=*/17 * 4096);
   std::atomic<int> consumed{0};
   absl::Status s =
-      RunReadPipeline(Ranges(&f, 200, 4096), GetParam(), [&](size_t, std::span<const std::byte>) {
+      RunReadPipeline(Env::Default(), Ranges(&f, 200, 4096), GetParam(), [&](size_t, std::span<const std::byte>) {
         ++consumed;
         return absl::OkStatus();
       });
@@ -85,7 +87,7 @@ TEST_P(ReadPipelineTest, ReadErrorIsReturnedAndStopsTheRest) {
 TEST_P(ReadPipelineTest, ConsumeErrorIsReturnedAndTheRestIsDrained) {
   PatternFile f(300 * 4096);
   std::atomic<int> consumed{0};
-  absl::Status s = RunReadPipeline(Ranges(&f, 300, 4096), GetParam(),
+  absl::Status s = RunReadPipeline(Env::Default(), Ranges(&f, 300, 4096), GetParam(),
                                    [&](size_t i, std::span<const std::byte>) -> absl::Status {
                                      ++consumed;
                                      if (i == 42) return absl::DataLossError("chunk 42 is bad");
@@ -101,6 +103,24 @@ TEST_P(ReadPipelineTest, ConsumeErrorIsReturnedAndTheRestIsDrained) {
   if (GetParam() <= 8) {
     EXPECT_LT(consumed.load(), 300);
   }
+}
+
+// The pipeline's threads are its I/O threads and the workers beyond the caller, every one
+// started through the Env: min(io_threads, reads) readers and min(readers, cores) workers.
+TEST_P(ReadPipelineTest, StartsItsIoThreadsAndWorkersThroughTheEnvAndNoMore) {
+  testing::ThreadCountingEnv env(Env::Default());
+  PatternFile f(100 * 4096);
+  CKPT_ASSERT_OK(RunReadPipeline(&env, Ranges(&f, 100, 4096), GetParam(),
+                                 [](size_t, std::span<const std::byte>) { return absl::OkStatus(); }));
+  const int io = std::min(GetParam(), 100);
+  const int workers = std::min<int>(io, std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(env.started(), io + workers - 1);
+  EXPECT_LE(env.peak(), io + workers - 1);
+  // Fewer ranges than threads: one reader per range.
+  env.Reset();
+  CKPT_ASSERT_OK(RunReadPipeline(&env, Ranges(&f, 1, 4096), GetParam(),
+                                 [](size_t, std::span<const std::byte>) { return absl::OkStatus(); }));
+  EXPECT_EQ(env.started(), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(IoThreads, ReadPipelineTest, ::testing::Values(1, 2, 8, 64));

@@ -33,7 +33,7 @@ uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
 }
 
 AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
-                     StagingPool* pool, ThreadPool* workers)
+                     StagingPool* pool, ThreadPool* workers, Env* env)
     : units_(opt.units()),
       master_(reinterpret_cast<const std::byte*>(opt.master().data())),
       exp_avg_(opt.exp_avg_bytes().data()),
@@ -53,11 +53,11 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
     for (size_t i = pool_->slots(); i-- > 0;) free_slots_.push_back(i);
   }
   stats_.units = units_.size();
-  writer_ = std::thread([this] { WriterMain(); });
+  writer_ = env->StartThread([this] { WriterMain(); });
 }
 
 AsyncSave::~AsyncSave() {
-  if (writer_.joinable()) writer_.join();
+  writer_->Join();
 }
 
 uint64_t AsyncSave::UnitBytes(size_t u) const {
@@ -128,9 +128,9 @@ void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
 void AsyncSave::WriterMain() {
   absl::Status s = WriteAll();
   if (s.ok()) {
-    s = txn_->Prepare();
+    s = txn_->stream().Prepare();
   } else {
-    txn_->MarkFailed(s);  // Returns once no writer thread reads a unit any more.
+    txn_->stream().MarkFailed(s);  // Returns once no writer thread reads a unit any more.
   }
   std::lock_guard<std::mutex> lock(mu_);
   status_ = s;
@@ -153,7 +153,7 @@ absl::Status AsyncSave::WriteAll() {
   };
   std::optional<Queued> previous;
   auto release = [&](const Queued& q) {
-    absl::Status s = txn_->WaitForPieces(q.ticket);
+    absl::Status s = txn_->stream().WaitWritten(q.ticket);
     std::lock_guard<std::mutex> lock(mu_);
     if (q.copied) {
       free_slots_.push_back(static_cast<size_t>(slot_of_[q.unit]));
@@ -216,7 +216,7 @@ bool AsyncSave::writer_done() const {
 }
 
 absl::Status AsyncSave::Wait() {
-  if (writer_.joinable()) writer_.join();
+  writer_->Join();
   return status_;
 }
 

@@ -8,7 +8,7 @@
 //   kPending  --writer takes it-->  kWriting --written--> kWritten   (the step may change it)
 //   kPending  --step copies it-->   kCopying --copied-->  kCopied    (the step may change it;
 //             the writer writes it from the copy later, then frees the copy: kWritten)
-// "Written" means on the file: the writer queues unit u (SaveTransaction::WritePieceDeferred,
+// "Written" means on the file: the writer queues unit u (PieceStream::Queue,
 // whose writer threads copy and checksum it) while unit u - 1 is being written, and releases
 // u - 1 once the store reports it written, so two units are kWriting at once.
 // The step copies from the highest pending unit down, the writer writes from the lowest up, so
@@ -28,6 +28,7 @@
 
 #include "absl/status/status.h"
 #include "ckpt/checkpoint_writer.h"
+#include "ckpt/env.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/state_layout.h"
 #include "optimizer/thread_pool.h"
@@ -74,9 +75,9 @@ class AsyncSave : public UnitFence {
   // returns, `opt` may change only through Step with this object installed as its fence, and
   // `pool` (null: steps never copy, they wait) is this save's. Its slots must hold any unit
   // (UnitStateBytes). A step's copies run on `workers` (the optimizer's threads), leaving one
-  // core to the writer.
+  // core to the writer, which `env` starts (the store's Env).
   AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
-            StagingPool* pool, ThreadPool* workers);
+            StagingPool* pool, ThreadPool* workers, Env* env);
   // The bytes of a unit's master and moments; the largest is a pool's slot size.
   static uint64_t UnitStateBytes(const StagedAdamW& opt, const Unit& unit);
   ~AsyncSave() override;  // Joins the writer.
@@ -102,7 +103,7 @@ class AsyncSave : public UnitFence {
   void WriterMain();
   absl::Status WriteAll();
   // Queues unit `u` from its master and moment bytes (the slabs' or its copy's), which must
-  // stay unchanged until the returned ticket is written (SaveTransaction::WaitForPieces).
+  // stay unchanged until the returned ticket is written (PieceStream::WaitWritten).
   absl::StatusOr<uint64_t> QueueUnit(size_t u, const std::byte* master, const std::byte* m,
                                      const std::byte* v);
   uint64_t UnitBytes(size_t u) const;
@@ -133,7 +134,7 @@ class AsyncSave : public UnitFence {
   bool writer_done_ = false;                           // Guarded by mu_.
   AsyncSaveStats stats_;                               // Guarded by mu_.
   absl::Status status_;  // The writer's; read after the join.
-  std::thread writer_;   // Last: starts once everything above exists.
+  std::unique_ptr<EnvThread> writer_;  // Last: starts once everything above exists.
 };
 
 }  // namespace ckpt::optimizer::internal

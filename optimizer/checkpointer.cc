@@ -6,7 +6,7 @@
 // 2. BeginSave; every rank writes its pieces of every tensor straight from the slabs (no copy
 //    of the state; the weights are the masters rounded, a block at a time: state_io.h), its
 //    optimizer record and the trainer's blobs; Commit votes and publishes
-//    (libckpt/checkpoint_commit.cc). The state is never changed.
+//    (libckpt/store/commit.cc). The state is never changed.
 // 3. On success the step becomes the free undo source while the state stays unchanged.
 //
 // SaveAsync (collective) and Finalize (collective):
@@ -175,7 +175,8 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   flight->step = step;
   flight->version_at_call = optimizer_->state_version();
   flight->save = std::make_unique<internal::AsyncSave>(*optimizer_, std::move(txn),
-                                                       std::move(plan_blobs), staging_.get(), &Pool());
+                                                       std::move(plan_blobs), staging_.get(), &Pool(),
+                                                       store_->env());
   flight->fence.emplace(optimizer_->InstallFence(flight->save.get()));
   in_flight_ = std::move(flight);
   return std::unique_ptr<PendingSave>(new PendingSave(this, step));

@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "ckpt/base/cpu_features.h"
 
 namespace ckpt::optimizer::internal {
 namespace {
@@ -425,37 +424,6 @@ constexpr KernelTable kAvx512Shaped = CKPT_KERNEL_TABLES(Avx512ShapedKernel);
 
 }  // namespace
 
-bool CpuSupports(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::kAuto:
-    case CpuIsa::kScalar:
-      return true;
-    case CpuIsa::kAvx2:
-      return CpuHasAvx2F16c();
-    case CpuIsa::kAvx512:
-      return CpuHasAvx512();
-  }
-  return false;
-}
-
-CpuIsa ResolveIsa(CpuIsa isa) {
-  if (isa != CpuIsa::kAuto) return isa;
-  if (CpuSupports(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
-  if (CpuSupports(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
-  return CpuIsa::kScalar;
-}
-
-const char* IsaName(CpuIsa isa) {
-  switch (ResolveIsa(isa)) {
-    case CpuIsa::kAvx512:
-      return "avx512";
-    case CpuIsa::kAvx2:
-      return "avx2";
-    default:
-      return "scalar";
-  }
-}
-
 namespace {
 
 KernelFn Select(const KernelTable& scalar, const KernelTable& avx2, const KernelTable& avx512,
@@ -500,12 +468,6 @@ NonFiniteFn SelectNonFiniteKernel(CpuIsa isa, DType grad) {
     default:
       return kScalarCheck[g];
   }
-}
-
-uint64_t TaskElems(uint64_t total, int threads) {
-  constexpr uint64_t kMin = 1 << 12, kMax = 1 << 18;
-  const uint64_t per = total / (8 * static_cast<uint64_t>(std::max(threads, 1)));
-  return std::clamp(per / 64 * 64, kMin, kMax);
 }
 
 }  // namespace ckpt::optimizer::internal

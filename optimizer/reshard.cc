@@ -8,7 +8,7 @@
 //     (OpenStoreOnRanks: rank 0's primary creates the root and recovers it, removing any staging
 //     a crashed reshard left, before the others open theirs).
 // R3. Every rank begins the step's save transaction (the
-//     store's commit protocol, libckpt/checkpoint_writer.cc: a staging directory, published
+//     store's commit protocol, libckpt/store/transaction.cc: a staging directory, published
 //     only by the commit).
 // R4. The ranks write one after the other (the disk sees one sequential stream and memory
 //     holds one buffer): each declares every tensor, then for each of its pieces streams each
@@ -137,7 +137,7 @@ class RankWriter {
       CKPT_ASSIGN_OR_RETURN(std::string bytes, source_.ReadBlob(b.name, from));
       CKPT_RETURN_IF_ERROR(txn_.WriteBlob(b.name, std::as_bytes(std::span(bytes))));
     }
-    return txn_.Prepare();
+    return txn_.stream().Prepare();
   }
 
  private:
@@ -305,7 +305,7 @@ absl::StatusOr<ReshardReport> Write(const CheckpointReader& source, const Plan& 
       results[r] = txn.status();  // BeginSave failed on every rank: nothing to commit.
       return;
     }
-    if (!mine.ok()) (*txn)->MarkFailed(mine);
+    if (!mine.ok()) (*txn)->stream().MarkFailed(mine);
     results[r] = (*txn)->Commit();
   });
   for (const absl::Status& s : results) {

@@ -56,7 +56,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
   // Whatever way this returns, no writer thread reads `weights` or the slabs afterwards.
   // Dropped: the error that ends the call early is already being returned.
   absl::Cleanup drain = [&] {
-    if (queued) txn.WaitForPiecesCopied(ticket).IgnoreError();
+    if (queued) txn.stream().WaitCopied(ticket).IgnoreError();
   };
   for (const StateRun& run : layout.Runs()) {
     for (StateKind kind : layout.kinds()) {
@@ -64,7 +64,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
       if (kind != StateKind::kWeights || model == DType::kF32) {
         const size_t size = formats::DTypeSize(layout.dtype(kind));
         CKPT_ASSIGN_OR_RETURN(
-            ticket, txn.WritePieceDeferred(
+            ticket, txn.stream().Queue(
                         name, run.tensor_begin, run.count,
                         {KindBytes(slabs, kind) + run.slab_offset * size, run.count * size}));
         queued = true;
@@ -74,12 +74,12 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
         const uint64_t n = std::min(block, run.count - done);
         std::vector<std::byte>& buffer = weights[next];
         // Reusable once the writer threads copied it out (not yet written: the disk overlaps).
-        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.WaitForPiecesCopied(queued_as[next]));
+        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.stream().WaitCopied(queued_as[next]));
         buffer.resize(n * wsize);
         formats::Convert(DType::kF32, {slabs.master + 4 * (run.slab_offset + done), 4 * n}, model,
                          buffer);
         CKPT_ASSIGN_OR_RETURN(ticket,
-                              txn.WritePieceDeferred(name, run.tensor_begin + done, n, buffer));
+                              txn.stream().Queue(name, run.tensor_begin + done, n, buffer));
         queued_as[next] = ticket;
         in_use[next] = queued = true;
         next ^= 1;
@@ -87,7 +87,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
     }
   }
   std::move(drain).Cancel();
-  return queued ? txn.WaitForPiecesCopied(ticket) : absl::OkStatus();
+  return queued ? txn.stream().WaitCopied(ticket) : absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,
@@ -108,7 +108,7 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
       const size_t size = formats::DTypeSize(layout.dtype(kind));
       const std::byte* bytes =
           kind == StateKind::kWeights ? rounded : KindBytes(from, kind);
-      CKPT_ASSIGN_OR_RETURN(ticket, txn.WritePieceDeferred(layout.name(run.param, kind),
+      CKPT_ASSIGN_OR_RETURN(ticket, txn.stream().Queue(layout.name(run.param, kind),
                                                            run.tensor_begin, run.count,
                                                            {bytes + at * size, run.count * size}));
     }

@@ -31,7 +31,7 @@ StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin = 0);
 // piece by piece, each piece's tensors in the layout's order: the weights rounded from the
 // masters one block at a time (a whole number of the store's chunks of `chunk_bytes`, so that
 // the blocks of a piece extend one piece of the manifest), then the master and moments as they
-// are. Every piece is queued (WritePieceDeferred): the slabs must not change until it returns,
+// are. Every piece is queued (PieceStream::Queue): the slabs must not change until it returns,
 // which is once the writer threads have copied every piece (the commit waits for the writes). Memory: two blocks of weights, the one being rounded
 // and the one being written. Errors are the transaction's; after one, the transaction must be
 // aborted or fail its vote (its writer threads read no caller memory after an IO error).
@@ -39,9 +39,9 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
                         uint64_t chunk_bytes);
 
 // Queues slab elements [begin, begin + count) of every state tensor from `from` with
-// SaveTransaction::WritePieceDeferred: the weights rounded from the masters into `weights`
+// PieceStream::Queue: the weights rounded from the masters into `weights`
 // (count elements of the model dtype). `from` and `weights` must stay unchanged until
-// WaitForPieces returns for the returned ticket, the last one queued.
+// WaitWritten returns for the returned ticket, the last one queued.
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,
                                     uint64_t begin, uint64_t count, const StateBytes& from,
                                     std::span<std::byte> weights);

@@ -149,10 +149,10 @@ TEST_F(StateIoTest, WrittenWholeOrUnitByUnitTheStepHoldsTheSameStateAndReadsBack
                                From().exp_avg_sq + 4 * at};
       auto queued = QueueState(*txn, layout, at, n, from, weights[u % 2]);
       ASSERT_THAT(queued, IsOk());
-      ASSERT_THAT(txn->WaitForPieces(*queued), IsOk());  // Before the buffer is used again.
+      ASSERT_THAT(txn->stream().WaitWritten(*queued), IsOk());  // Before the buffer is used again.
       ticket = *queued;
     }
-    ASSERT_THAT(txn->WaitForPieces(ticket), IsOk());
+    ASSERT_THAT(txn->stream().WaitWritten(ticket), IsOk());
     ASSERT_THAT(txn->Commit(), IsOk());
   }
   for (uint64_t step : {1, 2}) {

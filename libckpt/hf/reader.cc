@@ -147,7 +147,7 @@ absl::Status HfCheckpointReader::ReadJobs(const std::vector<Job>& jobs) const {
     reads.push_back({file, lo, hi - lo});
   }
   return internal::RunReadPipeline(
-      reads, options_.read_threads, [&](size_t i, std::span<const std::byte> bytes) {
+      env_, reads, options_.read_threads, [&](size_t i, std::span<const std::byte> bytes) {
         const internal::ReadPlan::Slice& slice = plan.slices[i];
         for (size_t k = slice.first; k < slice.last; ++k) {
           const Job& job = jobs[plan.order[k]];

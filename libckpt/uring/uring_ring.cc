@@ -37,4 +37,22 @@ UringRing& UringRing::operator=(UringRing&& o) noexcept {
   return *this;
 }
 
+
+absl::StatusOr<io_uring_cqe*> WaitCqe(io_uring* ring, const std::string& path) {
+  io_uring_cqe* cqe = nullptr;
+  for (;;) {
+    int ret = io_uring_wait_cqe(ring, &cqe);
+    if (ret == 0) return cqe;
+    if (ret != -EINTR && ret != -EAGAIN) return IoError(-ret, absl::StrCat("wait on ", path));
+  }
+}
+
+absl::Status SubmitAll(io_uring* ring, const std::string& path) {
+  for (;;) {
+    int ret = io_uring_submit(ring);
+    if (ret >= 0) return absl::OkStatus();
+    if (ret != -EINTR && ret != -EAGAIN) return IoError(-ret, absl::StrCat("submit for ", path));
+  }
+}
+
 }  // namespace ckpt::internal

@@ -5,6 +5,7 @@
 #include <liburing.h>
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 
@@ -34,6 +35,12 @@ class UringRing {
   std::unique_ptr<io_uring> ring_;
   unsigned depth_ = 0;
 };
+
+// Waits for one completion of `ring`, retrying when the wait itself is interrupted; errors name
+// `path`.
+absl::StatusOr<io_uring_cqe*> WaitCqe(io_uring* ring, const std::string& path);
+// Submits every queued request of `ring`, retrying on EINTR and EAGAIN; errors name `path`.
+absl::Status SubmitAll(io_uring* ring, const std::string& path);
 
 }  // namespace ckpt::internal
 

@@ -111,7 +111,7 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
         return (*txn)->WriteBlob(formats::kOptimizerRecordBlob,
                                  std::as_bytes(std::span(record)));
       }();
-      if (!s.ok()) (*txn)->MarkFailed(s);
+      if (!s.ok()) (*txn)->stream().MarkFailed(s);
       status[r] = (*txn)->Commit();
     });
   }

@@ -136,15 +136,7 @@ class CudaEngine : public internal::Engine {
     const size_t gsize = formats::DTypeSize(args.grad_dtype),
                  psize = formats::DTypeSize(model_dtype);
     const size_t mbytes = MomentBytes(moments_);
-    // A unit's copy-in must see the previous step's copy-out of the same unit. That ran in the
-    // same slot when every step passes every unit in order, but a step an async save fences
-    // (StagedAdamW::StepUnits) passes its units in batches, so a unit may change slots between
-    // calls: every slot's copy-in waits for every slot's last copy-out, once per call.
-    for (Slot& s : slots_) {
-      for (Slot& previous : slots_) {
-        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
-      }
-    }
+    CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = units[k];
       Slot& s = slots_[k % slots_.size()];
@@ -194,9 +186,7 @@ class CudaEngine : public internal::Engine {
     }
     // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
     // has (Synchronize waits for those).
-    for (Slot& s : slots_)
-      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
-    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
     report.done = reinterpret_cast<CUevent_st*>(done_.get());
     return report;
   }
@@ -221,11 +211,7 @@ class CudaEngine : public internal::Engine {
     }
     cudaStream_t caller = ToCudaStream(*stream);
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
-    for (Slot& s : slots_) {
-      for (Slot& previous : slots_) {
-        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
-      }
-    }
+    CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = units[k];
       Slot& s = slots_[k % slots_.size()];
@@ -242,9 +228,7 @@ class CudaEngine : public internal::Engine {
           s.compute.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
     }
-    for (Slot& s : slots_)
-      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
-    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
     return absl::OkStatus();
   }
@@ -279,6 +263,27 @@ class CudaEngine : public internal::Engine {
   }
 
  private:
+  // A unit's copy-in must see the previous call's copy-out of the same unit. That ran in the
+  // same slot when every step passes every unit in order, but a step an async save fences
+  // (StagedAdamW::StepUnits) passes its units in batches, so a unit may change slots between
+  // calls: every slot's copy-in waits for every slot's last copy-out, once per call.
+  absl::Status OrderCopyInsAfterCopyOuts() {
+    for (Slot& s : slots_) {
+      for (Slot& previous : slots_) {
+        CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // `done` once every slot's last kernel has run (its writes of the parameters).
+  absl::Status RecordDoneAfterKernels() {
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(join_.get(), s.kernel_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_.get(), join_.get()));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, uint64_t elements) {
     cudaStream_t s = join_.get();
     auto* count = static_cast<unsigned long long*>(counter_.data());

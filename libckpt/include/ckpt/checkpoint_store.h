@@ -1,4 +1,6 @@
-// CheckpointStore: a directory of transactional checkpoints (DESIGN.md §3).
+// CheckpointStore: a directory of transactional checkpoints (DESIGN.md §3). An interface, as
+// LevelDB's DB: the implementation (store, transaction, commit, retention, recovery) is in
+// libckpt/store/, behind Open.
 #ifndef CKPT_CHECKPOINT_STORE_H_
 #define CKPT_CHECKPOINT_STORE_H_
 
@@ -7,11 +9,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <condition_variable>
-#include <deque>
-#include <mutex>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "ckpt/checkpoint_reader.h"
@@ -65,7 +62,7 @@ class CheckpointStore {
  public:
   // Opens `root`, creating it if absent (a writable primary only). A root given as a symbolic
   // link to a directory is resolved once; root() is the resolved path. The primary recovers,
-  // by the rules written at the top of libckpt/recovery.cc: only ckpt's own garbage is
+  // by the rules written at the top of libckpt/store/recovery.cc: only ckpt's own garbage is
   // removed, what is damaged or foreign is set aside in quarantine/, intact unpublished steps
   // and mount points stay in place and are reported, and what cannot be read (permission, IO
   // error, a newer format version, a link or FIFO where the store keeps a file) is left in
@@ -76,18 +73,19 @@ class CheckpointStore {
   // come.
   static absl::StatusOr<std::unique_ptr<CheckpointStore>> Open(const std::string& root,
                                                                const StoreOptions& options);
-  ~CheckpointStore();
+  // Waits for the removals retention started (WaitForRemovals), then releases the LOCK.
+  virtual ~CheckpointStore() = default;
 
-  const std::string& root() const { return root_; }
-  Env* env() const { return env_; }
-  const StoreOptions& options() const { return options_; }
-  const RecoveryReport& recovery() const { return recovery_; }
+  virtual const std::string& root() const = 0;
+  virtual Env* env() const = 0;
+  virtual const StoreOptions& options() const = 0;
+  virtual const RecoveryReport& recovery() const = 0;
   // The step LATEST named at Open or after the last commit through this handle.
-  std::optional<uint64_t> latest_step() const;
+  virtual std::optional<uint64_t> latest_step() const = 0;
   // Steps with a directory in the root, ascending (manifests not verified).
-  absl::StatusOr<std::vector<uint64_t>> ListSteps() const;
+  virtual absl::StatusOr<std::vector<uint64_t>> ListSteps() const = 0;
   // Names of the entries of quarantine/ (empty when there is none).
-  absl::StatusOr<std::vector<std::string>> ListQuarantine() const;
+  virtual absl::StatusOr<std::vector<std::string>> ListQuarantine() const = 0;
 
   // Begins saving `step` on this rank. Collective over `coordinator` (null: a single process).
   // Rank 0 must call it on the primary handle. An entry already named like `step` (an
@@ -95,87 +93,50 @@ class CheckpointStore {
   // is not newer than LATEST, another save is in flight or the handle is read-only; IO errors
   // of creating the staging directory on every rank. Local errors after that are reported by
   // Commit().
-  absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(uint64_t step,
-                                                             Coordinator* coordinator = nullptr);
+  virtual absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(
+      uint64_t step, Coordinator* coordinator = nullptr) = 0;
 
   // Opens a committed step for reading. kNotFound if there is none; kDataLoss if its MANIFEST
   // or a data file header is damaged, or its MANIFEST names another step.
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStep(uint64_t step) const;
+  virtual absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStep(uint64_t step) const = 0;
   // kNotFound when nothing has been committed.
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest() const;
+  virtual absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest() const = 0;
 
   // Deletes the committed steps `policy` does not keep (never the one LATEST names); each
   // deletion is an atomic rename followed by removal, so a crash leaves every remaining step
   // whole. With dry_run nothing changes. Returns the steps deleted (or that would be).
   // kFailedPrecondition on a non-primary or read-only handle (a dry run works on any).
-  absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
-                                                       bool dry_run = false);
+  virtual absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
+                                                               bool dry_run = false) = 0;
   // Waits until the steps that retention retired after a commit are removed. A commit renames
   // the steps it retires away (one SyncDir) and leaves removing their files to a background
   // thread, so that a commit (and an async save's Finalize) does not wait for the file system
   // to free gigabytes. The destructor waits too.
-  void WaitForRemovals();
+  virtual void WaitForRemovals() = 0;
   // Deletes everything in quarantine/ (rename-then-remove, as retention does). Returns the
   // names deleted (or that would be, with dry_run). Primary, writable handle only.
-  absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run = false);
+  virtual absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run = false) = 0;
 
   // Makes LATEST name `step` (ckpt-tool adopt): an intact step recovery kept above LATEST, or
   // an older one to go back to. Every chunk is verified first. kNotFound when there is no such
   // step, kDataLoss naming the chunk when it does not verify, kFailedPrecondition on a
   // non-primary or read-only handle or while a save is in flight. On failure LATEST is
   // unchanged.
-  absl::Status Adopt(uint64_t step);
+  virtual absl::Status Adopt(uint64_t step) = 0;
   // Moves `step` whole into quarantine/ (ckpt-tool quarantine). When LATEST named it, LATEST
   // then names the newest older step that opens intact; with none, LATEST stays and the next
   // Open refuses (no intact step). Returns the entry's name in quarantine/. kNotFound when
   // there is no such step; kFailedPrecondition as Adopt.
-  absl::StatusOr<std::string> QuarantineStep(uint64_t step);
+  virtual absl::StatusOr<std::string> QuarantineStep(uint64_t step) = 0;
   // Moves every step and LATEST into quarantine/: the root then opens as a new, empty store
   // (how an operator starts afresh in a root whose steps are all damaged). Returns the names
   // moved, in quarantine/.
-  absl::StatusOr<std::vector<std::string>> QuarantineAll();
+  virtual absl::StatusOr<std::vector<std::string>> QuarantineAll() = 0;
 
- private:
-  friend class SaveTransaction;
-  CheckpointStore(std::string root, const StoreOptions& options, Env* env);
-  // Recovery (libckpt/recovery.cc).
-  absl::Status Recover();
-  // Renames each entry of the root named in `names` into quarantine/<name>-<nonce>, then
-  // syncs quarantine/ and the root. Returns the new names ("quarantine/<name>-<nonce>").
-  absl::StatusOr<std::vector<std::string>> QuarantineEntries(const std::vector<std::string>& names);
-  absl::Status CheckWritableIdle(absl::string_view what);
-  // BeginSave, rank 0: moves an entry named like `step` (above LATEST) into quarantine/.
-  absl::Status SetAsideUnpublished(uint64_t step);
-  void Log(absl::string_view message) const;
-  // ApplyRetention; with `background`, the renamed steps are removed by the remover thread.
-  absl::StatusOr<std::vector<uint64_t>> Retire(const RetentionPolicy& policy, bool dry_run,
-                                               bool background);
-  void RemoverMain();
-  // Called by rank 0's transaction once LATEST durably names `step`.
-  void OnCommitted(uint64_t step);
-  void OnSaveEnded();
-  // A commit wrote LATEST naming `step` but could neither make it durable nor put the previous
-  // one back: what LATEST names is unknown until recovery, so further saves are refused.
-  void OnLatestUncertain(uint64_t step);
-
-  const std::string root_;
-  const StoreOptions options_;
-  Env* const env_;
-  std::unique_ptr<FileLock> lock_;
-  RecoveryReport recovery_;
-  // latest_ is written by the committing thread and read by any: guarded.
-  mutable std::mutex mu_;
-  std::optional<uint64_t> latest_;
-  bool save_in_flight_ = false;
-  std::optional<uint64_t> latest_uncertain_;  // See OnLatestUncertain.
-  // Retired step directories (renamed to .deleting-*) the remover thread has yet to remove;
-  // recovery removes any a crash leaves.
-  std::mutex remove_mu_;
-  std::condition_variable remove_cv_;
-  std::deque<std::string> to_remove_;  // Guarded by remove_mu_, as the two flags.
-  bool removing_ = false;
-  bool remover_stop_ = false;
-  std::thread remover_;  // Started by the first background removal; joined by the destructor.
+ protected:
+  CheckpointStore() = default;
+  CheckpointStore(const CheckpointStore&) = delete;  // Owns a root's LOCK.
+  CheckpointStore& operator=(const CheckpointStore&) = delete;
 };
 
 // Collective: this rank's handle on `root` for a job of `coordinator->size()` ranks, opened in

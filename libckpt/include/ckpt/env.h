@@ -15,6 +15,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 #include "absl/strings/string_view.h"
 
@@ -102,6 +103,14 @@ class FileLock {
 // MemEnv, FaultInjectionEnv) is safe for concurrent use, calls included; the objects it returns
 // are not shared unless their class says so (a WritableFile has one writer, a RandomAccessFile
 // is safe for concurrent reads). An Env outlives every file and lock it handed out.
+// A thread an Env started (Env::StartThread). Join() waits until its function has returned;
+// the destructor joins a thread not joined yet.
+class EnvThread {
+ public:
+  virtual ~EnvThread() = default;
+  virtual void Join() = 0;
+};
+
 class Env {
  public:
   virtual ~Env() = default;
@@ -151,6 +160,10 @@ class Env {
   // The absolute path of `path` with every symbolic link resolved, so that a root given as a
   // link to a directory is resolved once and worked below. kNotFound if it does not exist.
   virtual absl::StatusOr<std::string> RealPath(const std::string& path) = 0;
+  // Runs `fn` on a new thread: the one way libckpt starts a thread (a save's writer threads,
+  // a read's I/O and worker threads, the remover of retired steps), so that an Env can count,
+  // bound or name them (LevelDB's Env::StartThread). The default is a std::thread.
+  virtual std::unique_ptr<EnvThread> StartThread(std::function<void()> fn);
 };
 
 // Forwards every call to a target Env; test Envs override only what they change.
@@ -190,6 +203,9 @@ class EnvWrapper : public Env {
   }
   absl::StatusOr<std::string> RealPath(const std::string& path) override {
     return target_->RealPath(path);
+  }
+  std::unique_ptr<EnvThread> StartThread(std::function<void()> fn) override {
+    return target_->StartThread(std::move(fn));
   }
 
  private:

@@ -1,4 +1,4 @@
-// What recovery decides about a checkpoint root, and what it did (libckpt/recovery.cc has the
+// What recovery decides about a checkpoint root, and what it did (libckpt/store/recovery.cc has the
 // rules as numbered steps; docs/design/recovery.md has the table of every case).
 #ifndef CKPT_RECOVERY_H_
 #define CKPT_RECOVERY_H_
@@ -39,7 +39,7 @@ struct RecoveryPlan {
   std::string latest_problem;      // Why LATEST is rewritten, when it is.
 };
 
-// Judges `root` by the rules of libckpt/recovery.cc and returns what recovery would do,
+// Judges `root` by the rules of libckpt/store/recovery.cc and returns what recovery would do,
 // changing nothing (this is `ckpt-tool gc --dry-run`). kFailedPrecondition when recovery cannot
 // tell whether LATEST, the step it names or a step that could replace it is intact (a
 // permission or IO error, a newer format, a link where a step belongs): recovery then refuses

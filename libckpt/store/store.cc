@@ -1,14 +1,7 @@
-// Opening, saving through and retention of a checkpoint root. The save protocol is in
-// checkpoint_writer.cc and checkpoint_commit.cc, recovery in recovery.cc.
-//
-// Retention: every doomed step is renamed to .deleting-step-N-<nonce>, then the root is synced
-// once, then the renamed trees are removed. A step is never half there: it is renamed whole, and
-// a crash before the sync brings it back whole while one after it leaves garbage that step 2 of
-// recovery removes. (On a real file system the kernel may persist some of the renames before
-// the sync; each step is still whole, but a crash may then delete a subset of the doomed steps.)
-// After a commit the removal runs on the store's remover thread (the commit waits for the
-// renames and the sync only); WaitForRemovals and the destructor wait for it.
-#include "ckpt/checkpoint_store.h"
+// Opening and saving through a checkpoint root: StoreImpl, the CheckpointStore of
+// libckpt/store/store_impl.h. The save protocol is in transaction.cc and commit.cc, recovery in
+// recovery.cc, retention in retention.cc.
+#include "libckpt/store/store_impl.h"
 
 #include <algorithm>
 #include <set>
@@ -69,77 +62,24 @@ absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
   return false;
 }
 
-absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::string& root) {
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
-  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env->Stat(root));
-  std::vector<uint64_t> own;
-  for (uint64_t step : steps) {
-    CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(JoinPath(root, StepDirName(step))));
-    if (info.type == FileInfo::Type::kDirectory && info.SameMountAs(root_info)) own.push_back(step);
-  }
-  return own;
-}
-
-std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& all, std::optional<uint64_t> latest,
-                                   const RetentionPolicy& policy) {
-  if (policy.keep_last == 0 || !latest.has_value()) return {};
-  // Entries above LATEST are not committed steps (recovery owns them): they neither count
-  // toward keep_last nor are deleted here.
-  std::vector<uint64_t> steps(all.begin(), std::upper_bound(all.begin(), all.end(), *latest));
-  std::set<uint64_t> keep;
-  for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
-    keep.insert(steps[steps.size() - 1 - i]);
-  keep.insert(*latest);
-  std::vector<uint64_t> doomed;
-  for (uint64_t step : steps) {
-    bool every = policy.keep_every > 0 && step % policy.keep_every == 0;
-    if (!keep.count(step) && !every) doomed.push_back(step);
-  }
-  return doomed;
-}
-
-CheckpointStore::CheckpointStore(std::string root, const StoreOptions& options, Env* env)
+internal::StoreImpl::StoreImpl(std::string root, const StoreOptions& options, Env* env)
     : root_(std::move(root)), options_(options), env_(env) {}
 
-CheckpointStore::~CheckpointStore() {
+internal::StoreImpl::~StoreImpl() {
   WaitForRemovals();  // While the LOCK is still held.
   {
     std::lock_guard<std::mutex> lock(remove_mu_);
     remover_stop_ = true;
   }
   remove_cv_.notify_all();
-  if (remover_.joinable()) remover_.join();
+  if (remover_ != nullptr) remover_->Join();
 }
 
-void CheckpointStore::WaitForRemovals() {
-  std::unique_lock<std::mutex> lock(remove_mu_);
-  remove_cv_.wait(lock, [&] { return to_remove_.empty() && !removing_; });
-}
-
-void CheckpointStore::RemoverMain() {
-  std::unique_lock<std::mutex> lock(remove_mu_);
-  for (;;) {
-    remove_cv_.wait(lock, [&] { return remover_stop_ || !to_remove_.empty(); });
-    if (to_remove_.empty()) return;  // Stopping.
-    const std::string dir = std::move(to_remove_.front());
-    to_remove_.pop_front();
-    removing_ = true;
-    lock.unlock();
-    absl::Status s = RemoveRecursively(env_, dir);
-    if (s.ok()) s = env_->SyncDir(root_);
-    // A failure leaves a .deleting-* directory, which no reader opens; recovery removes it.
-    if (!s.ok()) Log(absl::StrCat("retention: removing ", dir, ": ", s.message()));
-    lock.lock();
-    removing_ = false;
-    remove_cv_.notify_all();
-  }
-}
-
-void CheckpointStore::Log(absl::string_view message) const {
+void internal::StoreImpl::Log(absl::string_view message) const {
   if (options_.logger) options_.logger(message);
 }
 
-std::optional<uint64_t> CheckpointStore::latest_step() const {
+std::optional<uint64_t> internal::StoreImpl::latest_step() const {
   std::lock_guard<std::mutex> lock(mu_);
   return latest_;
 }
@@ -157,7 +97,7 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
   CKPT_RETURN_IF_ERROR(real.status());
   CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(*real));
   if (!is_dir) return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
-  std::unique_ptr<CheckpointStore> store(new CheckpointStore(*real, options, env));
+  std::unique_ptr<internal::StoreImpl> store(new internal::StoreImpl(*real, options, env));
   if (writable) {
     CKPT_ASSIGN_OR_RETURN(store->lock_, env->LockFile(JoinPath(*real, internal::kLockName)));
     if (!options.skip_recovery) {
@@ -175,11 +115,11 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
   return store;
 }
 
-absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps() const {
+absl::StatusOr<std::vector<uint64_t>> internal::StoreImpl::ListSteps() const {
   return ListStepDirs(env_, root_);
 }
 
-absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
+absl::StatusOr<std::unique_ptr<SaveTransaction>> internal::StoreImpl::BeginSave(
     uint64_t step, Coordinator* coordinator) {
   std::unique_ptr<Coordinator> own;
   if (coordinator == nullptr) {
@@ -223,13 +163,13 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> CheckpointStore::BeginSave(
     return broadcast.status();
   }
   CKPT_ASSIGN_OR_RETURN(std::string staging_dir, DecodeResult(*broadcast));
-  std::unique_ptr<SaveTransaction> txn(
-      new SaveTransaction(this, coordinator, step, std::move(staging_dir), absl::OkStatus()));
-  txn->own_coordinator_ = std::move(own);
+  auto txn = std::make_unique<Transaction>(this, coordinator, step, std::move(staging_dir),
+                                           absl::OkStatus());
+  txn->Own(std::move(own));
   return txn;
 }
 
-absl::Status CheckpointStore::SetAsideUnpublished(uint64_t step) {
+absl::Status internal::StoreImpl::SetAsideUnpublished(uint64_t step) {
   const std::string name = StepDirName(step);
   absl::StatusOr<FileInfo> info = env_->Stat(JoinPath(root_, name));
   if (absl::IsNotFound(info.status())) return absl::OkStatus();
@@ -246,7 +186,7 @@ absl::Status CheckpointStore::SetAsideUnpublished(uint64_t step) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::CheckWritableIdle(absl::string_view what) {
+absl::Status internal::StoreImpl::CheckWritableIdle(absl::string_view what) {
   if (!options_.primary || options_.read_only) {
     return absl::FailedPreconditionError(
         absl::StrCat(root_, ": ", what, " needs the primary, writable store handle"));
@@ -258,7 +198,7 @@ absl::Status CheckpointStore::CheckWritableIdle(absl::string_view what) {
   return absl::OkStatus();
 }
 
-absl::Status CheckpointStore::Adopt(uint64_t step) {
+absl::Status internal::StoreImpl::Adopt(uint64_t step) {
   CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("adopting step ", step)));
   CKPT_RETURN_IF_ERROR(OpenStep(step).status());
   CKPT_ASSIGN_OR_RETURN(StepVerifyReport report,
@@ -278,7 +218,7 @@ absl::Status CheckpointStore::Adopt(uint64_t step) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> CheckpointStore::QuarantineStep(uint64_t step) {
+absl::StatusOr<std::string> internal::StoreImpl::QuarantineStep(uint64_t step) {
   CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("quarantining step ", step)));
   const std::string name = StepDirName(step);
   CKPT_RETURN_IF_ERROR(env_->Stat(JoinPath(root_, name)).status());
@@ -307,7 +247,7 @@ absl::StatusOr<std::string> CheckpointStore::QuarantineStep(uint64_t step) {
   return moved[0];
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineAll() {
+absl::StatusOr<std::vector<std::string>> internal::StoreImpl::QuarantineAll() {
   CKPT_RETURN_IF_ERROR(CheckWritableIdle("quarantining every step"));
   CKPT_ASSIGN_OR_RETURN(std::vector<std::uint64_t> steps, ListSteps());
   std::vector<std::string> names;
@@ -324,17 +264,17 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineAll() {
   return moved;
 }
 
-void CheckpointStore::OnCommitted(uint64_t step) {
+void internal::StoreImpl::OnCommitted(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!latest_.has_value() || *latest_ < step) latest_ = step;
 }
 
-void CheckpointStore::OnLatestUncertain(uint64_t step) {
+void internal::StoreImpl::OnLatestUncertain(uint64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   latest_uncertain_ = step;
 }
 
-void CheckpointStore::OnSaveEnded() {
+void internal::StoreImpl::OnSaveEnded() {
   std::lock_guard<std::mutex> lock(mu_);
   save_in_flight_ = false;
 }
@@ -359,58 +299,16 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStepOf(const std::string& 
   return CheckpointReader::Open(dir, options);
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenStep(uint64_t step) const {
+absl::StatusOr<std::unique_ptr<CheckpointReader>> internal::StoreImpl::OpenStep(uint64_t step) const {
   StoreOptions options = options_;
   options.env = env_;
   return OpenStepOf(root_, step, options);
 }
 
-absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest() const {
+absl::StatusOr<std::unique_ptr<CheckpointReader>> internal::StoreImpl::OpenLatest() const {
   std::optional<uint64_t> latest = latest_step();
   if (!latest.has_value()) return absl::NotFoundError(absl::StrCat(root_, ": no committed step"));
   return OpenStep(*latest);
-}
-
-absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ApplyRetention(const RetentionPolicy& policy,
-                                                                      bool dry_run) {
-  return Retire(policy, dry_run, /*background=*/false);
-}
-
-absl::StatusOr<std::vector<uint64_t>> CheckpointStore::Retire(const RetentionPolicy& policy,
-                                                              bool dry_run, bool background) {
-  if (!dry_run && (!options_.primary || options_.read_only || options_.skip_recovery)) {
-    return absl::FailedPreconditionError(
-        "retention needs the primary, writable store handle (that recovered)");
-  }
-  std::optional<uint64_t> latest;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (save_in_flight_) {
-      return absl::FailedPreconditionError(absl::StrCat(root_, ": a save is in flight"));
-    }
-    latest = latest_;
-  }
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> own, RetainableSteps(env_, root_));
-  std::vector<uint64_t> doomed = RetiredSteps(own, latest, policy);
-  if (dry_run) return doomed;
-  if (doomed.empty()) return doomed;
-  // All renames first and one SyncDir: the deletion is decided at once, then carried out.
-  std::vector<std::string> trash;
-  for (uint64_t step : doomed) {
-    trash.push_back(JoinPath(root_, internal::DeletingDirName(step, internal::NewNonce())));
-    CKPT_RETURN_IF_ERROR(env_->RenameFile(JoinPath(root_, StepDirName(step)), trash.back()));
-  }
-  CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  if (background) {
-    std::lock_guard<std::mutex> lock(remove_mu_);
-    for (std::string& dir : trash) to_remove_.push_back(std::move(dir));
-    if (!remover_.joinable()) remover_ = std::thread([this] { RemoverMain(); });
-    remove_cv_.notify_all();
-    return doomed;
-  }
-  for (const std::string& dir : trash) CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, dir));
-  CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  return doomed;
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenStoreOnRanks(const std::string& root,

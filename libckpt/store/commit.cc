@@ -1,5 +1,5 @@
 // Save protocol, steps 3 to 10: the commit (steps 1 and 2, beginning and writing, are at the top
-// of libckpt/checkpoint_writer.cc). R ranks; rank 0 runs on the primary store handle.
+// of libckpt/store/transaction.cc). R ranks; rank 0 runs on the primary store handle.
 // 3. Commit, each rank: wait for the writer threads (an error of theirs is this rank's no
 //    vote), then Sync and Close its data file (its bytes must be durable before any
 //    manifest points at them); write rank-r.part (its tensors, pieces, blobs, chunk checksums
@@ -36,7 +36,7 @@
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/checkpoint_store.h"
+#include "libckpt/store/store_impl.h"
 #include "libckpt/chunk_writer.h"
 #include "libckpt/filename.h"
 
@@ -53,7 +53,7 @@ bool SameDeclaration(const formats::TensorInfo& a, const formats::TensorInfo& b)
 }  // namespace
 
 // Step 3: make this rank's data durable and describe it in its part.
-absl::Status SaveTransaction::FinishLocal(std::string* vote) {
+absl::Status internal::Transaction::FinishLocal(std::string* vote) {
   if (!error_.ok()) {
     writer_.reset();  // Skips what is queued, waits for what runs: the file is then the caller's.
     return error_;
@@ -82,7 +82,7 @@ absl::Status SaveTransaction::FinishLocal(std::string* vote) {
   return absl::OkStatus();
 }
 
-absl::Status SaveTransaction::Prepare() {
+absl::Status internal::Transaction::Prepare() {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   prepared_ = true;
@@ -91,7 +91,7 @@ absl::Status SaveTransaction::Prepare() {
   return prepare_status_;
 }
 
-void SaveTransaction::MarkFailed(absl::Status why) {
+void internal::Transaction::MarkFailed(absl::Status why) {
   if (why.ok()) return;
   error_.Update(why);
   if (writer_ != nullptr) writer_->Cancel(why);
@@ -99,16 +99,16 @@ void SaveTransaction::MarkFailed(absl::Status why) {
   if (prepared_) prepare_status_.Update(why);
 }
 
-absl::Status SaveTransaction::Commit() { return Finish(/*vote_yes=*/true); }
+absl::Status internal::Transaction::Commit() { return Finish(/*vote_yes=*/true); }
 
-absl::Status SaveTransaction::Abort() {
+absl::Status internal::Transaction::Abort() {
   absl::Status outcome = Finish(/*vote_yes=*/false);
   // The step was abandoned as asked; only a broken group is worth reporting.
   if (outcome.code() == absl::StatusCode::kAborted || outcome.ok()) return absl::OkStatus();
   return outcome;
 }
 
-absl::Status SaveTransaction::Finish(bool vote_yes) {
+absl::Status internal::Transaction::Finish(bool vote_yes) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   ended_ = true;
   const int rank = coordinator_->rank();
@@ -165,7 +165,7 @@ absl::Status SaveTransaction::Finish(bool vote_yes) {
 }
 
 // Steps 5-8, on rank 0.
-absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes) {
+absl::Status internal::Transaction::CommitAsRoot(const std::vector<std::string>& votes) {
   Manifest merged;
   merged.step = step_;
   merged.world_size = static_cast<uint32_t>(votes.size());
@@ -216,7 +216,7 @@ absl::Status SaveTransaction::CommitAsRoot(const std::vector<std::string>& votes
   return Publish(merged);
 }
 
-absl::Status SaveTransaction::Publish(const Manifest& manifest) {
+absl::Status internal::Transaction::Publish(const Manifest& manifest) {
   // Step 6.
   const std::string encoded = formats::EncodeManifest(manifest);
   {

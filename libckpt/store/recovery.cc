@@ -1,5 +1,5 @@
 // Recovery of a checkpoint root at Open (primary, writable handle). The save protocol it undoes
-// is in checkpoint_writer.cc and checkpoint_commit.cc; docs/design/recovery.md has the table of
+// is in transaction.cc and commit.cc; docs/design/recovery.md has the table of
 // every case.
 //
 // The rule: recovery deletes only what ckpt created and can show it created. It removes its own
@@ -64,7 +64,7 @@
 #include "absl/strings/str_join.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
-#include "ckpt/checkpoint_store.h"
+#include "libckpt/store/store_impl.h"
 #include "ckpt/formats/manifest.h"
 #include "libckpt/filename.h"
 
@@ -367,7 +367,7 @@ absl::StatusOr<RecoveryPlan> PlanRecovery(Env* env, const std::string& root) {
   return plan;
 }
 
-absl::Status CheckpointStore::Recover() {
+absl::Status internal::StoreImpl::Recover() {
   CKPT_ASSIGN_OR_RETURN(RecoveryPlan plan, PlanRecovery(env_, root_));
   // Step 5, in the plan's order of kinds: removals, quarantines, LATEST.
   bool removed = false;
@@ -398,7 +398,7 @@ absl::Status CheckpointStore::Recover() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineEntries(
+absl::StatusOr<std::vector<std::string>> internal::StoreImpl::QuarantineEntries(
     const std::vector<std::string>& names) {
   std::vector<std::string> moved_to;
   if (names.empty()) return moved_to;
@@ -426,7 +426,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::QuarantineEntries(
   return moved_to;
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointStore::ListQuarantine() const {
+absl::StatusOr<std::vector<std::string>> internal::StoreImpl::ListQuarantine() const {
   const std::string dir = JoinPath(root_, kQuarantineDirName);
   absl::StatusOr<std::vector<std::string>> names = env_->GetChildren(dir);
   if (absl::IsNotFound(names.status())) return std::vector<std::string>{};
@@ -435,7 +435,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::ListQuarantine() const
   return names;
 }
 
-absl::StatusOr<std::vector<std::string>> CheckpointStore::PurgeQuarantine(bool dry_run) {
+absl::StatusOr<std::vector<std::string>> internal::StoreImpl::PurgeQuarantine(bool dry_run) {
   if (!dry_run && (!options_.primary || options_.read_only)) {
     return absl::FailedPreconditionError(
         absl::StrCat(root_, ": purging quarantine/ needs the primary, writable store handle"));

@@ -9,10 +9,10 @@
 //    reserves in order. A few writer threads (libckpt/chunk_writer.h) build and write the
 //    extents, several at once, computing each chunk's XXH3-64 as they copy it: the bytes are
 //    checksummed once, on their way out, never re-read. WritePiece returns once its bytes are
-//    copied; WritePieceDeferred sooner, for a caller that keeps its memory unchanged until
-//    WaitForPieces.
-// 3-10. Commit: libckpt/checkpoint_commit.cc, where those steps are written.
-#include "ckpt/checkpoint_writer.h"
+//    copied; the piece stream's Queue sooner, for a caller that keeps its memory unchanged
+//    until WaitWritten or WaitCopied.
+// 3-10. Commit: libckpt/store/commit.cc, where those steps are written.
+#include "libckpt/store/store_impl.h"
 
 #include <algorithm>
 #include <cstring>
@@ -37,7 +37,7 @@ using formats::ChunkInfo;
 
 }  // namespace
 
-SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinator, uint64_t step,
+internal::Transaction::Transaction(StoreImpl* store, Coordinator* coordinator, uint64_t step,
                                  std::string staging_dir, absl::Status begin_error)
     : store_(store),
       env_(store->env()),
@@ -62,11 +62,11 @@ SaveTransaction::SaveTransaction(CheckpointStore* store, Coordinator* coordinato
   file_ = std::move(file).value();
 }
 
-absl::Status SaveTransaction::WriteHeaderOnce() {
+absl::Status internal::Transaction::WriteHeaderOnce() {
   if (header_written_) return absl::OkStatus();
   header_written_ = true;
   if (writer_ == nullptr) {
-    writer_ = std::make_unique<internal::ChunkWriter>(file_.get(),
+    writer_ = std::make_unique<internal::ChunkWriter>(env_, file_.get(),
                                                       store_->options().write_threads);
   }
   formats::DataFileHeader header{step_, part_.files[0].rank, part_.world_size};
@@ -79,7 +79,7 @@ absl::Status SaveTransaction::WriteHeaderOnce() {
   return absl::OkStatus();
 }
 
-absl::Status SaveTransaction::WaitFor(uint64_t jobs, bool written) {
+absl::Status internal::Transaction::WaitFor(uint64_t jobs, bool written) {
   if (writer_ == nullptr) return error_;  // Nothing queued, or every job done (FinishLocal).
   jobs = std::min(jobs, jobs_);            // A ticket never handed out waits for them all.
   absl::Status s = written ? writer_->WaitWritten(jobs) : writer_->WaitConsumed(jobs);
@@ -87,19 +87,19 @@ absl::Status SaveTransaction::WaitFor(uint64_t jobs, bool written) {
   return absl::OkStatus();
 }
 
-SaveTransaction::~SaveTransaction() {
+internal::Transaction::~Transaction() {
   // Destruction without Commit is an abort; the others are waiting for this rank's vote.
   if (!ended_) Abort().IgnoreError();  // Destructors never report.
 }
 
-absl::Status SaveTransaction::Fail(absl::Status s) {
+absl::Status internal::Transaction::Fail(absl::Status s) {
   error_.Update(s);
   // A poisoned transaction writes nothing more; once this returns, no caller memory is read.
   if (writer_ != nullptr && !s.ok()) writer_->Cancel(s);
   return s;
 }
 
-absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
+absl::Status internal::Transaction::DeclareTensor(const TensorSpec& spec) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   if (!formats::IsValidName(spec.name)) {
@@ -117,7 +117,7 @@ absl::Status SaveTransaction::DeclareTensor(const TensorSpec& spec) {
   return absl::OkStatus();
 }
 
-absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info,
+absl::Status internal::Transaction::AppendChunk(std::span<const std::byte> raw, ChunkInfo* info,
                                           std::string what) {
   CKPT_RETURN_IF_ERROR(WriteHeaderOnce());
   const StoreOptions& options = store_->options();
@@ -155,21 +155,21 @@ absl::Status SaveTransaction::AppendChunk(std::span<const std::byte> raw, ChunkI
   return absl::OkStatus();
 }
 
-absl::Status SaveTransaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
+absl::Status internal::Transaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
                                          std::span<const std::byte> data) {
-  CKPT_ASSIGN_OR_RETURN(const uint64_t ticket, WritePieceDeferred(tensor, begin, count, data));
+  CKPT_ASSIGN_OR_RETURN(const uint64_t ticket, Queue(tensor, begin, count, data));
   return WaitFor(ticket, /*written=*/false);  // The caller may then reuse `data`.
 }
 
-absl::Status SaveTransaction::WaitForPieces(uint64_t ticket) {
+absl::Status internal::Transaction::WaitWritten(uint64_t ticket) {
   return WaitFor(ticket, /*written=*/true);
 }
 
-absl::Status SaveTransaction::WaitForPiecesCopied(uint64_t ticket) {
+absl::Status internal::Transaction::WaitCopied(uint64_t ticket) {
   return WaitFor(ticket, /*written=*/false);
 }
 
-absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view tensor,
+absl::StatusOr<uint64_t> internal::Transaction::Queue(absl::string_view tensor,
                                                              uint64_t begin, uint64_t count,
                                                              std::span<const std::byte> data) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
@@ -246,7 +246,7 @@ absl::StatusOr<uint64_t> SaveTransaction::WritePieceDeferred(absl::string_view t
   return jobs_;
 }
 
-absl::Status SaveTransaction::WriteBlob(absl::string_view name, std::span<const std::byte> data) {
+absl::Status internal::Transaction::WriteBlob(absl::string_view name, std::span<const std::byte> data) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);

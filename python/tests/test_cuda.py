@@ -1,0 +1,57 @@
+"""ckpt.torch.StagedAdamW on the CUDA engine (CUDA parameters): skipped without a device.
+
+A load changes ckpt's masters only; the package then writes the parameters from them on the
+device, on the current stream (ckpt_optimizer_write_weights), with no host round trip."""
+import pytest
+import torch
+
+import ckpt
+import ckpt.torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def model_and_optimizer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).to("cuda", torch.bfloat16)
+    opt = ckpt.torch.StagedAdamW(list(model.named_parameters()), lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def train(model, opt, steps, first=0):
+    for s in range(first, first + steps):
+        g = torch.Generator(device="cuda").manual_seed(100 + s)
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+
+
+def test_a_load_writes_the_cuda_parameters_from_the_masters(tmp_path):
+    model, opt = model_and_optimizer(0)
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    train(model, opt, 2)
+    ck.save(2)
+    saved = [p.detach().clone() for p in model.parameters()]
+    masters = [opt.master(p) for p in model.parameters()]
+    train(model, opt, 2, first=2)
+    assert not all(torch.equal(a, b) for a, b in zip(saved, model.parameters()))
+    ck.load(2)
+    for a, p, m in zip(saved, model.parameters(), masters):
+        assert p.device.type == "cuda"
+        assert torch.equal(p.detach(), a)
+        assert torch.equal(p.detach().cpu(), m.to(torch.bfloat16).view(p.shape))
+    ck.close()
+    # A new optimizer over another initialisation, as a new process makes it, loads the same.
+    model2, opt2 = model_and_optimizer(7)
+    ck2 = ckpt.Checkpointer(tmp_path / "root", opt2)
+    ck2.load()
+    for a, p in zip(saved, model2.parameters()):
+        assert torch.equal(p.detach(), a)
+    # And steps on as the first optimizer does.
+    train(model, opt, 1, first=2)
+    train(model2, opt2, 1, first=2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    ck2.close()
