@@ -20,6 +20,7 @@ import pickle
 
 from . import _lib, _signals
 from ._lib import CkptError, check, lib
+from ._native import Native
 
 _EXTRA = "python.extra"
 
@@ -63,35 +64,36 @@ def _torch_coordinator(group):
 class PendingSave:
     """An async save in flight: finalize() (collective) commits it or raises."""
 
-    def __init__(self, checkpointer, handle, step):
-        self._checkpointer, self._handle, self.step = checkpointer, handle, step
+    def __init__(self, checkpointer, native, step):
+        self._checkpointer, self._native, self.step = checkpointer, native, step
+        self._finalized = False
 
     @property
     def writer_done(self):
-        if self._handle is None or self._checkpointer._handle is None:
+        if self._native.closed:
             return True
         done = ctypes.c_int()
-        check(lib.ckpt_pending_save_writer_done(self._handle, ctypes.byref(done)))
+        check(lib.ckpt_pending_save_writer_done(self._native.handle, ctypes.byref(done)))
         return bool(done.value)
 
     def finalize(self):
         """Collective. Waits for the writer and commits on every rank or on none; raises
         CkptError otherwise. Either way the native handle is released exactly once: a Ctrl-C
-        comes either before the handle was taken (finalize can be called again) or after it
-        was finalized and released."""
-        if self._checkpointer._handle is None:
+        comes either before the call began (finalize can be called again) or after it was
+        finalized and released."""
+        if self._finalized:
+            raise CkptError(9, f"the async save of step {self.step} is already finalized")
+        if self._native.closed:
             raise CkptError(9, f"the async save of step {self.step}: its checkpointer is closed "
                                "(the save was abandoned)")
-        if self._handle is None:
-            raise CkptError(9, f"the async save of step {self.step} is already finalized")
         with _signals.deferred():
-            handle, self._handle = self._handle, None
+            self._finalized = True
             if self._checkpointer._pending is self:
                 self._checkpointer._pending = None
             try:
-                check(lib.ckpt_pending_save_finalize(handle))
+                check(lib.ckpt_pending_save_finalize(self._native.handle))
             finally:
-                lib.ckpt_pending_save_destroy(handle)
+                self._native.close()
 
 
 class Checkpointer:
@@ -126,9 +128,8 @@ class Checkpointer:
                              "with read_only=True removes nothing")
         root_bytes = _lib.encode_path(root, "root")
         self._optimizer = optimizer
-        self._store = None
-        self._handle = None
-        self._callback = None
+        self._store = None  # Natives (ckpt/_native.py): the store, then the checkpointer.
+        self._native = None
         self._pending = None
         self._root, self.read_only = root, read_only
         self.loaded_step = self.loaded_extra = None
@@ -143,8 +144,9 @@ class Checkpointer:
             raise ValueError("the Checkpointer's process_group must be the one its StagedAdamW "
                              "shards its state over")
         distributed = process_group is not None
+        callbacks = ()
         if distributed:
-            coordinator, self._callback = _torch_coordinator(process_group)
+            coordinator, callbacks = _torch_coordinator(process_group)
             rank = coordinator.rank
         store = ctypes.c_void_p()
         options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), 1 if rank == 0 else 0,
@@ -157,7 +159,7 @@ class Checkpointer:
         else:
             check(lib.ckpt_store_open_with(root_bytes, ctypes.byref(options),
                                            ctypes.byref(store)))
-        self._store = store
+        self._store = Native(store, lib.ckpt_store_close, "checkpointer", collective=distributed)
         handle = ctypes.c_void_p()
         try:
             opt = optimizer._live()
@@ -167,16 +169,18 @@ class Checkpointer:
         except BaseException:
             self.close()  # Lets go of the root's LOCK.
             raise
-        self._coordinator = coordinator
-        self._handle = handle
-        import weakref
-        optimizer._checkpointers.append(weakref.ref(self))
+        # Closed before the optimizer's slabs and the store (its parents), with the callbacks
+        # it calls kept alive as long as it is; closing it (or the optimizer) closes the store.
+        self._native = Native(handle, lib.ckpt_checkpointer_destroy, "checkpointer",
+                              parents=(optimizer._native, self._store), keep=callbacks,
+                              collective=distributed, then_close=(self._store,))
 
     def _live(self):
-        if self._handle is None:
+        if self._native is None:
             raise CkptError(9, "the checkpointer is closed")
+        handle = self._native.handle
         self._optimizer._live()
-        return self._handle
+        return handle
 
     @staticmethod
     def _step(step):
@@ -236,7 +240,9 @@ class Checkpointer:
             native = ctypes.c_void_p()
             check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 1,
                                                    ctypes.byref(native)))
-            pending = self._pending = PendingSave(self, native, step)
+            owner = Native(native, lib.ckpt_pending_save_destroy, "async save",
+                           parents=(self._native,), collective=self._native.collective)
+            pending = self._pending = PendingSave(self, owner, step)
         del keep
         return pending
 
@@ -338,27 +344,15 @@ class Checkpointer:
         if self._store is None:
             raise CkptError(9, "the checkpointer is closed")
         has, step = ctypes.c_int(), ctypes.c_uint64()
-        check(lib.ckpt_store_latest(self._store, ctypes.byref(has), ctypes.byref(step)))
+        check(lib.ckpt_store_latest(self._store.handle, ctypes.byref(has), ctypes.byref(step)))
         return step.value if has.value else None
 
     def close(self):
-        """Closes the checkpointer (an async save in flight is abandoned: nothing published)."""
+        """Closes the checkpointer and its store (an async save in flight is abandoned: nothing
+        published). Closing twice is harmless; without close(), both are closed when the last
+        reference goes."""
         with _signals.deferred():
-            self._release()
-
-    def _release(self):
-        # Each handle is taken from its owner before it is freed: an interrupt in between
-        # leaks it at worst, and never frees it twice.
-        pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None and pending._handle is not None:
-            native, pending._handle = pending._handle, None
-            lib.ckpt_pending_save_destroy(native)
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            lib.ckpt_checkpointer_destroy(handle)
-        store, self._store = getattr(self, "_store", None), None
-        if store is not None:
-            lib.ckpt_store_close(store)
-
-    def __del__(self):
-        self._release()  # Not close(): a finalizer must not swap signal handlers.
+            self._pending = None
+            for native in (self._native, self._store):
+                if native is not None:
+                    native.close()

@@ -14,6 +14,7 @@ import torch
 
 from . import _lib, _signals
 from ._lib import CkptError, check, lib
+from ._native import Native
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
 _MOMENTS = {"f32": _lib.MOMENTS_F32, "bf16": _lib.MOMENTS_BF16}
@@ -85,8 +86,7 @@ class StagedAdamW(torch.optim.Optimizer):
         params, names = _named(params)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        self._handle = None
-        self._checkpointers = []  # Attached ckpt.Checkpointers (weak): closed before the slabs.
+        self._native = None
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
             raise ValueError("StagedAdamW got no parameters")
@@ -186,7 +186,9 @@ class StagedAdamW(torch.optim.Optimizer):
                                         self._host.data_ptr(), self._host.numel() * self._host.element_size(),
                                         ctypes.byref(handle)))
         self._host_ptr = self._host.data_ptr()
-        self._handle = handle
+        # The one owner of the handle (ckpt/_native.py): wrappers that copy this object's
+        # __dict__ share it, and it is freed when the last of them goes, or by close().
+        self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
 
     @staticmethod
     def _group(g):
@@ -195,16 +197,17 @@ class StagedAdamW(torch.optim.Optimizer):
                           float(g["weight_decay"]), 0)
 
     def _live(self):
-        if self._handle is None:
+        if self._native is None:
             raise CkptError(9, "the optimizer is closed")
+        handle = self._native.handle
         if self._host.data_ptr() != self._host_ptr:
             raise CkptError(9, "the parameters' buffer moved (model.share_memory(), .to(), ...): "
                                "ckpt still points at the old one; build the optimizer after "
                                "moving the model")
-        return self._handle
+        return handle
 
     def add_param_group(self, param_group):
-        if getattr(self, "_handle", None) is not None:
+        if getattr(self, "_native", None) is not None:
             raise NotImplementedError("StagedAdamW's parameters are fixed at construction: "
                                       "build it with every group")
         super().add_param_group(param_group)
@@ -347,23 +350,20 @@ class StagedAdamW(torch.optim.Optimizer):
 
     def close(self):
         """Frees ckpt's slabs (closing its checkpointers first: an async save in flight is
-        abandoned); the optimizer refuses every call afterwards."""
+        abandoned); the optimizer refuses every call afterwards. Closing twice is harmless.
+        Without close(), the slabs are freed when the last reference to the optimizer (or to
+        a wrapper sharing its attributes) goes."""
         with _signals.deferred():
-            self._release()
+            if self._native is not None:
+                self._native.close()
 
-    def _release(self):
-        refs, self._checkpointers = getattr(self, "_checkpointers", []), []
-        for ref in refs:
-            ck = ref()
-            if ck is not None:
-                ck._release()
-        # Taken before it is freed: an interrupt in between leaks it, never frees it twice.
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            lib.ckpt_optimizer_destroy(handle)
+    def __deepcopy__(self, memo):
+        raise TypeError("ckpt.torch.StagedAdamW keeps its state in native memory and cannot be "
+                        "deep-copied; save it with ckpt.Checkpointer or state_dict()")
 
-    def __del__(self):
-        self._release()  # Not close(): a finalizer must not swap signal handlers.
+    def __reduce_ex__(self, protocol):
+        raise TypeError("ckpt.torch.StagedAdamW keeps its state in native memory and cannot be "
+                        "pickled; pickle its state_dict() instead")
 
     def state_dict(self):
         raise NotImplementedError("StagedAdamW's state lives in ckpt: save it with "

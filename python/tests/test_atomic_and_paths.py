@@ -292,7 +292,7 @@ def async_outcome(ck, params, opt, reader, root, calls, it, created):
         return "before"
     created.extend(made)
     pending = result if interrupt is None else ck.pending
-    if pending is None or pending._handle is None or pending._handle.value != made[0]:
+    if pending is None or pending._native._handle is None or pending._native._handle.value != made[0]:
         return "leaked"
     assert ck.pending is pending
     pending.finalize()  # After an interrupt too: the save is there to commit.
@@ -368,13 +368,13 @@ def test_sigint_at_every_line_of_finalize_finalizes_once_or_not_at_all(tmp_path,
         destroyed = [h for h, _ in calls.log["ckpt_pending_save_destroy"] if h == handle]
         if not finalized:
             assert interrupt is not None and not destroyed
-            assert pending._handle.value == handle and ck.pending is pending
+            assert pending._native._handle.value == handle and ck.pending is pending
             assert ck.latest == old == latest_on_disk(root, reader)
             pending.finalize()  # Still there to commit.
             seen["before"] += 1
         else:
             assert len(finalized) == len(destroyed) == 1
-            assert pending._handle is None and ck.pending is None
+            assert pending._native._handle is None and ck.pending is None
             seen["after" if interrupt is not None else "done"] += 1
         assert ck.latest == step == latest_on_disk(root, reader)
         with pytest.raises(ckpt.CkptError, match="already finalized"):
