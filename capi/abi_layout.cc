@@ -96,6 +96,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_get_group);
   CKPT_FUNC(ckpt_optimizer_set_group);
   CKPT_FUNC(ckpt_optimizer_read_state);
+  CKPT_FUNC(ckpt_optimizer_set_state);
   CKPT_FUNC(ckpt_optimizer_lifecycle);
   CKPT_FUNC(ckpt_store_open);
   CKPT_FUNC(ckpt_store_open_with);

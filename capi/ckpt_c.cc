@@ -293,6 +293,22 @@ int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t
   });
 }
 
+int ckpt_optimizer_set_state(ckpt_optimizer* o, const float* master, const float* exp_avg,
+                             const float* exp_avg_sq, uint64_t count, const uint64_t* steps,
+                             size_t nsteps) {
+  return Guard("ckpt_optimizer_set_state", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    if (count > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr)) {
+      return Invalid("exp_avg or exp_avg_sq is NULL");
+    }
+    if (nsteps > 0 && steps == nullptr) return Invalid("steps is NULL");
+    return Done(o->opt->SetState(
+        master == nullptr ? std::span<const float>() : std::span<const float>(master, count),
+        std::span<const float>(exp_avg, count), std::span<const float>(exp_avg_sq, count),
+        std::span<const uint64_t>(steps, nsteps)));
+  });
+}
+
 int ckpt_optimizer_lifecycle(const ckpt_optimizer* o, int* lifecycle) {
   if (o == nullptr || lifecycle == nullptr) return Invalid("optimizer or lifecycle is NULL");
   switch (o->opt->lifecycle()) {

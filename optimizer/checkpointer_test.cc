@@ -197,6 +197,21 @@ TEST_F(CheckpointerTest, ALoadChangesTheMastersOnlyAndWriteModelWeightsPublishes
   EXPECT_TRUE(job.Gather() == saved);
 }
 
+// SetState while an async save is in flight would change what its writer reads: refused.
+TEST_F(CheckpointerTest, SetStateIsRefusedWhileAnAsyncSaveIsInFlight) {
+  Job job(&env_, 1, 500);
+  job.Step(0);
+  auto handles = job.SaveAsync(1);
+  ASSERT_NE(handles[0], nullptr);
+  StagedAdamW& opt = *job.rank(0).opt;
+  const std::vector<float> zeros(opt.size(), 0.0f);
+  const std::vector<uint64_t> steps(opt.groups().size(), 0);
+  EXPECT_THAT(opt.SetState({}, zeros, zeros, steps),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  ExpectAllOk(job.Finalize(handles));
+  EXPECT_THAT(opt.SetState({}, zeros, zeros, steps), IsOk());
+}
+
 // The rollback of a fresh state keeps its own copy of the masters: the trainer may have
 // overwritten its weight buffer (a CUDA trainer keeps no host copy at all).
 TEST_F(CheckpointerTest, AFailedLoadIntoAFreshOptimizerRestoresItWithoutTheTrainersWeights) {

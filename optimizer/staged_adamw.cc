@@ -379,6 +379,49 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
   formats::Convert(DType::kBF16, bytes, DType::kF32, std::as_writable_bytes(out));
   return absl::OkStatus();
 }
+absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<const float> exp_avg,
+                                   std::span<const float> exp_avg_sq,
+                                   std::span<const uint64_t> steps) {
+  CKPT_RETURN_IF_ERROR(CheckClean("set the state"));
+  if (fence_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "set the state: an async save is in flight (its writer reads the slabs); finalize it "
+        "first");
+  }
+  if ((!master.empty() && master.size() != size_) || exp_avg.size() != size_ ||
+      exp_avg_sq.size() != size_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "set the state: the optimizer has ", size_, " elements; given master ", master.size(),
+        ", exp_avg ", exp_avg.size(), ", exp_avg_sq ", exp_avg_sq.size()));
+  }
+  if (steps.size() != options_.groups.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("set the state: ", steps.size(),
+                                                   " step counters for ",
+                                                   options_.groups.size(), " param groups"));
+  }
+  const std::pair<const char*, std::span<const float>> named[] = {
+      {"master", master}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}};
+  for (const auto& [name, values] : named) {
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i])) {
+        return absl::InvalidArgumentError(absl::StrCat("set the state: ", name, " element ", i,
+                                                       " is ", values[i]));
+      }
+    }
+  }
+  CKPT_RETURN_IF_ERROR(Synchronize());
+  if (!master.empty()) std::memcpy(mutable_master().data(), master.data(), size_ * 4);
+  const std::pair<std::span<const float>, std::span<std::byte>> moments[] = {
+      {exp_avg, mutable_exp_avg_bytes()}, {exp_avg_sq, mutable_exp_avg_sq_bytes()}};
+  for (const auto& [from, to] : moments) {
+    formats::Convert(DType::kF32, std::as_bytes(from),
+                     moment_bytes() == 4 ? DType::kF32 : DType::kBF16, to);
+  }
+  for (size_t g = 0; g < steps.size(); ++g) options_.groups[g].step = steps[g];
+  ++state_version_;
+  return absl::OkStatus();
+}
+
 uint64_t StagedAdamW::device_bytes() const { return engine_->device_bytes(); }
 std::string StagedAdamW::engine_name() const { return engine_->name(); }
 

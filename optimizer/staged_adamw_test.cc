@@ -589,6 +589,65 @@ TEST_F(BadInputTest, WriteModelWeightsRefusesBadDestinationsAndAnUncleanOptimize
   EXPECT_EQ(params_, before) << "a refused write changed the destination";
 }
 
+// SetState replaces masters, moments and step counters at once (torch's load_state_dict), and
+// the next step continues from them exactly as from the same state reached by stepping.
+TEST(SetStateTest, TheNextStepContinuesFromTheStateSetAsFromTheStateStepped) {
+  for (MomentDType moments : {MomentDType::kF32, MomentDType::kBF16}) {
+    StagedAdamWOptions o = TestOptions(DType::kF32, CpuIsa::kAuto);
+    o.moment_dtype = moments;
+    const uint64_t n = Size(o);
+    auto stepped = StagedAdamW::Create(o, InitialWeights(o));
+    auto set = StagedAdamW::Create(o, InitialWeights(o));
+    ASSERT_THAT(stepped, IsOk());
+    ASSERT_THAT(set, IsOk());
+    std::vector<std::byte> params(n * 4), params_set(n * 4);
+    for (int s = 0; s < 3; ++s) {
+      const std::vector<std::byte> g = StepGradients(n, s, DType::kF32);
+      ASSERT_THAT((*stepped)->Step({g.data(), DType::kF32, 1.0f, params.data()}), IsOk());
+    }
+    std::vector<float> master(n), m(n), v(n);
+    using T = StagedAdamW::StateTensor;
+    ASSERT_THAT((*stepped)->CopyStateAsF32(T::kMaster, master), IsOk());
+    ASSERT_THAT((*stepped)->CopyStateAsF32(T::kExpAvg, m), IsOk());
+    ASSERT_THAT((*stepped)->CopyStateAsF32(T::kExpAvgSq, v), IsOk());
+    const std::vector<uint64_t> steps = {3, 3};
+    ASSERT_THAT((*set)->SetState(master, m, v, steps), IsOk());
+    EXPECT_EQ((*set)->groups()[0].step, 3u);
+    const std::vector<std::byte> g = StepGradients(n, 3, DType::kF32);
+    ASSERT_THAT((*stepped)->Step({g.data(), DType::kF32, 1.0f, params.data()}), IsOk());
+    ASSERT_THAT((*set)->Step({g.data(), DType::kF32, 1.0f, params_set.data()}), IsOk());
+    EXPECT_EQ(params_set, params);
+    EXPECT_EQ(std::memcmp((*set)->master().data(), (*stepped)->master().data(), 4 * n), 0);
+    EXPECT_TRUE(std::equal((*set)->exp_avg_bytes().begin(), (*set)->exp_avg_bytes().end(),
+                           (*stepped)->exp_avg_bytes().begin()));
+  }
+}
+
+TEST_F(BadInputTest, SetStateIsAllOrNothing) {
+  const std::vector<float> before = Snapshot();
+  std::vector<float> ok(n_, 0.25f), short_by_one(n_ - 1, 0.25f), bad(n_, 0.25f);
+  bad[n_ / 2] = std::nanf("");
+  const std::vector<uint64_t> steps = {4, 5}, one_step = {4};
+  EXPECT_THAT(opt_->SetState(ok, short_by_one, ok, steps),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(opt_->SetState(ok, ok, ok, one_step), StatusIs(absl::StatusCode::kInvalidArgument));
+  const absl::Status nan = opt_->SetState(ok, ok, bad, steps);
+  EXPECT_THAT(nan, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(nan.message()), ::testing::HasSubstr("exp_avg_sq element"));
+  {
+    StagedAdamW::LoadScope scope = opt_->BeginLoad();
+    EXPECT_THAT(opt_->SetState(ok, ok, ok, steps), StatusIs(absl::StatusCode::kFailedPrecondition));
+    scope.RolledBack();
+  }
+  EXPECT_EQ(Snapshot(), before);
+  EXPECT_EQ(opt_->groups()[0].step, 0u);
+  // Empty masters keep them; the moments and steps change.
+  ASSERT_THAT(opt_->SetState({}, ok, ok, steps), IsOk());
+  EXPECT_TRUE(std::equal(opt_->master().begin(), opt_->master().end(), before.begin()));
+  EXPECT_EQ(opt_->exp_avg()[7], 0.25f);
+  EXPECT_EQ(opt_->groups()[1].step, 5u);
+}
+
 TEST_F(BadInputTest, BadLayoutsAreRefused) {
   auto expect_invalid = [&](StagedAdamWOptions o, std::span<const std::byte> w) {
     EXPECT_THAT(StagedAdamW::Create(std::move(o), w), StatusIs(absl::StatusCode::kInvalidArgument));

@@ -119,6 +119,8 @@ _sig = {
     "ckpt_optimizer_get_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
     "ckpt_optimizer_set_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
     "ckpt_optimizer_read_state": ([_p, ctypes.c_int, _p, ctypes.c_uint64], ctypes.c_int),
+    "ckpt_optimizer_set_state": ([_p, _p, _p, _p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
+                                  ctypes.c_size_t], ctypes.c_int),
     "ckpt_optimizer_lifecycle": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "ckpt_store_open": ([ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_p)],
                         ctypes.c_int),

@@ -9,6 +9,7 @@ torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters a
 step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
 """
 import ctypes
+import weakref
 
 import torch
 
@@ -18,6 +19,32 @@ from ._native import Native
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
 _MOMENTS = {"f32": _lib.MOMENTS_F32, "bf16": _lib.MOMENTS_BF16}
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
+
+
+def _torch_adamw_defaults():
+    """The keyword arguments of this torch's AdamW with their defaults, as its param_groups and
+    state dicts carry them (they differ between torch versions)."""
+    keys = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+    return {k: v for k, v in keys.items() if k not in ("lr", "betas", "eps", "weight_decay")}
+
+
+def _is_number(value):
+    """An int or float (not a bool), or a one-element tensor (torch accepts a tensor lr)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_implementation_choices(options):
+    """torch AdamW's keyword arguments: those that only choose torch's implementation are
+    accepted at any value; amsgrad and differentiable only at their defaults for now."""
+    if options.get("amsgrad"):
+        raise NotImplementedError("StagedAdamW does not implement amsgrad=True yet")
+    if options.get("differentiable"):
+        raise NotImplementedError("StagedAdamW's step is not differentiable (differentiable=True)")
+    if options.get("decoupled_weight_decay") is False:
+        raise ValueError("StagedAdamW is AdamW: decoupled_weight_decay must be True")
 
 
 def _named(params):
@@ -52,6 +79,54 @@ def _named(params):
     return strip(params), names
 
 
+class _StateView:
+    """`optimizer.state` as torch's AdamW has it: for each parameter that has been stepped, a
+    dict of "step", "exp_avg", "exp_avg_sq" (and "master", ckpt's FP32 master weights), CPU
+    copies in the parameter's shape. Read-only; with a process group, reading it is collective
+    (every rank must), as state_dict() is."""
+
+    def __init__(self, optimizer):
+        self._optimizer = weakref.ref(optimizer)
+
+    def _state(self):
+        return self._optimizer()._torch_state()
+
+    def __getitem__(self, param):
+        opt = self._optimizer()
+        if not any(param is p for p in opt._params):
+            raise KeyError("not a parameter of this optimizer")
+        return self._state().get(id(param), {})
+
+    def __contains__(self, param):
+        return id(param) in self._state()
+
+    def __iter__(self):
+        by_id = self._state()
+        return iter([p for p in self._optimizer()._params if id(p) in by_id])
+
+    def __len__(self):
+        return len(self._state())
+
+    def __bool__(self):
+        return len(self) > 0
+
+    def keys(self):
+        return list(iter(self))
+
+    def values(self):
+        return [self[p] for p in self]
+
+    def items(self):
+        return [(p, self[p]) for p in self]
+
+    def get(self, param, default=None):
+        return self[param] if param in self else default
+
+    def __setitem__(self, param, value):
+        raise TypeError("StagedAdamW's state lives in ckpt's slabs: change it with "
+                        "load_state_dict() or ckpt.Checkpointer.load()")
+
+
 class StagedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, as torch.optim.AdamW) with ckpt's staged state.
 
@@ -65,15 +140,31 @@ class StagedAdamW(torch.optim.Optimizer):
       `bucket_elems` elements (0: 40M) give it, steps only those, and the ranks then exchange
       the updated parameters; with reduce_grads the gradients are first averaged over the
       group in FP32 (leave it off when DDP already averaged them).
-    A parameter whose .grad is None is stepped with a zero gradient (its weight decay applies).
+    torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
+    (they choose torch's implementation), maximize (every group alike), amsgrad and
+    differentiable at their default (False); lr may be a tensor. A step in which no parameter
+    has a gradient changes nothing; otherwise a parameter whose .grad is None is stepped with a
+    zero gradient (docs/python.md lists this and the other differences from torch AdamW).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 moments="f32", threads=0, unit_bytes=0, process_group=None, bucket_elems=0,
-                 reduce_grads=True):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, moments="f32", threads=0, unit_bytes=0,
+                 process_group=None, bucket_elems=0, reduce_grads=True, **torch_options):
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            if not _is_number(value) or float(value) < 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        torch_defaults = _torch_adamw_defaults()
+        unknown = sorted(set(torch_options) - set(torch_defaults))
+        if unknown:
+            raise TypeError(f"StagedAdamW got unexpected keyword arguments {unknown}")
+        implementation = dict(torch_defaults)
+        implementation.update(amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                              capturable=capturable, differentiable=differentiable, fused=fused)
+        implementation.update(torch_options)
+        # The keys this torch's AdamW has, so that state dicts are interchangeable with it.
+        implementation = {k: v for k, v in implementation.items() if k in torch_defaults}
+        _check_implementation_choices(implementation)
         if (not isinstance(betas, (tuple, list)) or len(betas) != 2 or
                 not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
@@ -85,8 +176,12 @@ class StagedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"{key} must be an int >= 0, got {value!r}")
         params, names = _named(params)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay))
+                                      weight_decay=weight_decay, **implementation))
         self._native = None
+        # The state as torch shapes it, made on demand and dropped by anything that changes it
+        # (a step, a load); shared by objects that copy this one's __dict__.
+        self._cache = {}
+        self.state = _StateView(self)
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
             raise ValueError("StagedAdamW got no parameters")
@@ -96,11 +191,7 @@ class StagedAdamW(torch.optim.Optimizer):
         if len({id(p) for p in plist}) != len(plist):
             raise ValueError("a parameter appears twice")
         for g in self.param_groups:
-            for key in ("lr", "eps", "weight_decay"):
-                v = g[key]
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0 or \
-                        v == float("inf"):
-                    raise ValueError(f"{key} must be a finite number >= 0, got {v!r}")
+            self._check_group(g)
         dtype, device = plist[0].dtype, plist[0].device
         if dtype not in _DTYPES:
             raise TypeError(f"parameters must be float32, bfloat16 or float16, got {dtype}")
@@ -191,6 +282,29 @@ class StagedAdamW(torch.optim.Optimizer):
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
 
     @staticmethod
+    def _check_group(g):
+        """A param group's hyper-parameters, as torch AdamW accepts them (ValueError naming the
+        key), and its implementation choices (ckpt's limits)."""
+        for key in ("lr", "eps", "weight_decay"):
+            v = g[key]
+            if not _is_number(v) or not float(v) >= 0 or float(v) == float("inf"):
+                raise ValueError(f"{key} must be a finite number >= 0, got {v!r}")
+        if not float(g["eps"]) > 0:
+            raise ValueError(f"eps must be > 0 (ckpt's rule; torch also takes 0), got {g['eps']!r}")
+        b = g["betas"]
+        if (not isinstance(b, (tuple, list)) or len(b) != 2 or
+                not all(_is_number(x) and 0 <= float(x) < 1 for x in b)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {b!r}")
+        _check_implementation_choices(g)
+
+    def _grad_scale(self):
+        """maximize: the gradients negated, as torch does; every group alike for now."""
+        signs = {bool(g.get("maximize", False)) for g in self.param_groups}
+        if len(signs) > 1:
+            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
+        return -1.0 if signs.pop() else 1.0
+
+    @staticmethod
     def _group(g):
         b1, b2 = g["betas"]
         return _lib.Group(float(g["lr"]), float(b1), float(b2), float(g["eps"]),
@@ -218,10 +332,15 @@ class StagedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # A step in which no parameter has a gradient changes nothing, as in torch.
+        if all(p.grad is None for p in self._params):
+            return loss
         handle = self._push_groups()
+        scale = self._grad_scale()
+        self._cache.clear()
         for p, (o, n) in zip(self._params, self._slices):
             if p.data_ptr() != self._flat[o:o + n].data_ptr():
-                raise CkptError(9, f"parameter {self._names[self._params.index(p)]} no longer "
+                raise CkptError(9, f"parameter {self._name_of(p)} no longer "
                                    "views the optimizer's buffer (was .data replaced?)")
             if p.grad is None:
                 self._grads[o:o + n].zero_()
@@ -239,7 +358,7 @@ class StagedAdamW(torch.optim.Optimizer):
         skipped = ctypes.c_int(0)
         check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(),
                                       _DTYPES[self._local_grads.dtype],
-                                      1.0, self._local_params.data_ptr(), 0, stream,
+                                      scale, self._local_params.data_ptr(), 0, stream,
                                       ctypes.byref(skipped)))
         if self._owned is not None:
             self._exchange(self._local_params)
@@ -273,6 +392,7 @@ class StagedAdamW(torch.optim.Optimizer):
         the checkpoint holds what the next step will use, e.g. after a scheduler's step)."""
         handle = self._live()
         for gi, g in enumerate(self.param_groups):
+            self._check_group(g)
             check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
         return handle
 
@@ -365,9 +485,130 @@ class StagedAdamW(torch.optim.Optimizer):
         raise TypeError("ckpt.torch.StagedAdamW keeps its state in native memory and cannot be "
                         "pickled; pickle its state_dict() instead")
 
+    def _torch_state(self):
+        """{id(param): {"step", "exp_avg", "exp_avg_sq", "master"}} for the parameters whose
+        group has stepped (torch keeps no state before a parameter's first step). Cached until
+        the state changes."""
+        if "torch_state" not in self._cache:
+            steps = self.group_steps()
+            master, m, v = (self._state(w) for w in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
+            group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+            out = {}
+            for p, (o, n) in zip(self._params, self._slices):
+                step = steps[group_of[id(p)]]
+                if step == 0:
+                    continue
+                out[id(p)] = {"step": torch.tensor(float(step)),
+                              "exp_avg": m[o:o + n].view(p.shape).clone(),
+                              "exp_avg_sq": v[o:o + n].view(p.shape).clone(),
+                              "master": master[o:o + n].view(p.shape).clone()}
+            self._cache["torch_state"] = out
+        return self._cache["torch_state"]
+
     def state_dict(self):
-        raise NotImplementedError("StagedAdamW's state lives in ckpt: save it with "
-                                  "ckpt.Checkpointer(root, optimizer).save(step)")
+        """torch.optim.AdamW's format: {"state": {index: {"step", "exp_avg", "exp_avg_sq",
+        "master"}}, "param_groups": [{hyper-parameters, "params": [indices]}]}, CPU tensors in
+        each parameter's shape (FP32; "master" is ckpt's FP32 master weights, which torch AdamW
+        ignores). Parameters are numbered in group order, as torch numbers them; one that has
+        not been stepped has no entry. torch.optim.AdamW.load_state_dict takes it. With a
+        process group it is collective and every rank gets the whole (consolidated) state."""
+        self._push_groups()
+        by_id = self._torch_state()
+        state, groups, index = {}, [], 0
+        for g in self.param_groups:
+            indices = []
+            for p in g["params"]:
+                if id(p) in by_id:
+                    state[index] = {k: t.clone() for k, t in by_id[id(p)].items()}
+                indices.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": indices})
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("load StagedAdamW's state with ckpt.Checkpointer.load()")
+        """Loads a state dict of StagedAdamW's or torch.optim.AdamW's format, all or nothing:
+        the hyper-parameters, the moments and step counters, and the masters ("master" when the
+        dict has it, else the parameters' values widened to FP32); the parameters then become
+        the masters rounded. A parameter without an entry starts fresh (moments zero, step 0).
+        Raises ValueError naming what does not fit (groups, sizes, a non-finite value, step
+        counts that differ within a group, which ckpt keeps per group) with nothing changed.
+        With a process group it is collective: every rank passes the whole dict."""
+        handle = self._live()
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, (list, tuple)) or not isinstance(state, dict):
+            raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        total = self._flat.numel()
+        master = torch.empty(total, dtype=torch.float32)
+        m = torch.zeros(total, dtype=torch.float32)
+        v = torch.zeros(total, dtype=torch.float32)
+        slice_of = {id(p): s for p, s in zip(self._params, self._slices)}
+        new_groups, steps = [], []
+        for gi, (ours, theirs) in enumerate(zip(self.param_groups, groups)):
+            if len(theirs.get("params", ())) != len(ours["params"]):
+                raise ValueError(f"param group {gi} has {len(theirs.get('params', ()))} "
+                                 f"parameters in the state dict, {len(ours['params'])} here")
+            group = {**ours, **{k: val for k, val in theirs.items() if k != "params"}}
+            self._check_group(group)
+            new_groups.append(group)
+            group_steps = set()
+            # As torch: the dict's state is keyed by the ids its param_groups list.
+            for p, saved_id in zip(ours["params"], theirs["params"]):
+                name = self._name_of(p)
+                o, n = slice_of[id(p)]
+                with torch.no_grad():
+                    master[o:o + n].copy_(p.detach().reshape(-1).float().cpu())
+                entry = state.get(saved_id)
+                if not entry:
+                    group_steps.add(0)
+                    continue
+                for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
+                    if key not in entry:
+                        if key == "master":
+                            continue
+                        raise ValueError(f"the state of parameter {name} has no {key}")
+                    t = torch.as_tensor(entry[key]).detach()
+                    if t.numel() != n:
+                        raise ValueError(f"{key} of parameter {name} has {t.numel()} elements, "
+                                         f"the parameter {n}")
+                    dest[o:o + n].copy_(t.reshape(-1).float().cpu())
+                step = entry.get("step", 0)
+                group_steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+            if len(group_steps) > 1:
+                raise ValueError(f"param group {gi}: its parameters' step counts differ "
+                                 f"({sorted(group_steps)}); StagedAdamW keeps one per group")
+            steps.append(group_steps.pop() if group_steps else 0)
+        for name, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"the state dict's {name} holds a non-finite value")
+        local = [self._local_of(t) for t in (master, m, v)]
+        step_array = (ctypes.c_uint64 * len(steps))(*steps)
+        with _signals.deferred():
+            # The state first: it is what can still be refused (an async save in flight); the
+            # groups, validated above, then cannot be.
+            check(lib.ckpt_optimizer_set_state(handle, local[0].data_ptr(), local[1].data_ptr(),
+                                               local[2].data_ptr(), local[0].numel(),
+                                               step_array, len(steps)))
+            self._cache.clear()
+            for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
+                ours.update({k: val for k, val in group.items() if k != "params"})
+                check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(ours))))
+            self._publish_weights()
+
+    def _name_of(self, param):
+        for p, name in zip(self._params, self._names):
+            if p is param:
+                return name
+        raise KeyError("not a parameter of this optimizer")
+
+    def _local_of(self, full):
+        """This rank's elements of a full flat FP32 CPU tensor, in slab order."""
+        if self._owned is None:
+            return full.contiguous()
+        local = torch.empty(self._host.numel(), dtype=torch.float32)
+        for flat_at, local_at, n in self._owned:
+            local[local_at:local_at + n].copy_(full[flat_at:flat_at + n])
+        return local

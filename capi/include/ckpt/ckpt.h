@@ -27,7 +27,8 @@ extern "C" {
 
 /* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
  * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
- * ckpt_checkpointer_open): a library serves callers of its version or an older one. */
+ * ckpt_checkpointer_open, ckpt_optimizer_set_state): a library serves callers of its version or
+ * an older one. */
 #define CKPT_ABI_VERSION 6
 
 /* The library exports these functions (and nothing of its C++ internals). */
@@ -146,6 +147,14 @@ CKPT_C_EXPORT int ckpt_optimizer_set_group(ckpt_optimizer* opt, size_t index, co
 /* Copies one state tensor (CKPT_MASTER, CKPT_EXP_AVG, CKPT_EXP_AVG_SQ) as FP32 into `out`
  * (`count` = the optimizer's size). */
 CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, float* out, uint64_t count);
+/* (ABI 6) Replaces the whole state at once (StagedAdamW::SetState): `master` (NULL: the masters
+ * stay), `exp_avg` and `exp_avg_sq` as FP32, `count` (the optimizer's size) elements each, and
+ * every group's step counter (`nsteps` = the number of groups). All or nothing: a size or
+ * count that does not match, a non-finite value, a load in progress or an async save in flight
+ * is an error and changes nothing. */
+CKPT_C_EXPORT int ckpt_optimizer_set_state(ckpt_optimizer* opt, const float* master,
+                                           const float* exp_avg, const float* exp_avg_sq,
+                                           uint64_t count, const uint64_t* steps, size_t nsteps);
 /* CKPT_LIFECYCLE_*; a poisoned optimizer refuses to step until a complete load. */
 CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifecycle);
 

@@ -231,6 +231,16 @@ class StagedAdamW {
   // kInvalidArgument when `out` holds another count.
   enum class StateTensor { kMaster, kExpAvg, kExpAvgSq };
   absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
+  // Replaces the whole state at once, as a load does (torch's load_state_dict): `master` (or
+  // the masters as they are, when empty), both moments as FP32 (rounded to BF16, nearest even,
+  // in MomentDType::kBF16), size() elements each in slab order, and every group's step counter
+  // (`steps`, one per group). All or nothing: kInvalidArgument for a size or count that does not
+  // match, or a non-finite value (naming the tensor and the slab index), and
+  // kFailedPrecondition when the optimizer is not kClean or an async save is in flight (its
+  // writer reads the slabs), each with the state untouched. CUDA engine: waits for the last
+  // step first.
+  absl::Status SetState(std::span<const float> master, std::span<const float> exp_avg,
+                        std::span<const float> exp_avg_sq, std::span<const uint64_t> steps);
   // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
   size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
   // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step

@@ -1,0 +1,252 @@
+"""The torch.optim contract: the same generic training code run with torch.optim.AdamW and with
+ckpt.torch.StagedAdamW, compared (within 2e-6 normwise per parameter: the two update kernels
+order their float operations differently). Runs under every torch the project tests with.
+
+What generic code does to an optimizer: closures, zero_grad both ways, steps without gradients,
+torch's own keyword arguments, a tensor lr, every common LR scheduler (OneCycleLR cycling the
+betas too), gradient clipping, `optimizer.state[p]`, and state dicts in both directions,
+through torch.save and torch.load."""
+import inspect
+import io
+
+import pytest
+import torch
+
+import ckpt
+import ckpt.torch
+
+TOL = 2e-6
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        self.fc2 = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.norm(self.fc1(x))))
+
+
+def pair(seed=0):
+    torch.manual_seed(seed)
+    a = Net()
+    b = Net()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def param_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    plain = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
+
+
+def make(kind, model, **kw):
+    if kind == "torch":
+        return torch.optim.AdamW(param_groups(model), foreach=False, **kw)
+    return ckpt.torch.StagedAdamW(param_groups(model), **kw)
+
+
+def loss(model, step):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(8, 12, generator=g)
+    y = torch.randn(8, 5, generator=g)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def relative(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / max(b.norm().item(), 1e-30)).item()
+
+
+def assert_close(ours, ref, what=""):
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert relative(a, b) <= TOL, f"{what}{name} off by {relative(a, b):.2e}"
+
+
+def train(model, opt, steps, first=0, sched=None, clip=None, closure=False, set_to_none=True):
+    for s in range(first, first + steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        if closure:
+            def closure_fn(s=s):
+                opt.zero_grad()
+                value = loss(model, s)
+                value.backward()
+                return value
+            opt.step(closure_fn)
+        else:
+            value = loss(model, s)
+            value.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        if sched is not None:
+            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched.step(float(s % 3))  # A plateau every few steps.
+            else:
+                sched.step()
+
+
+def run_both(steps=12, sched=None, **train_kw):
+    """The same code with both optimizers; returns (ours, ref) models and optimizers."""
+    out = {}
+    models = pair()
+    for kind, model in zip(("ckpt", "torch"), models):
+        opt = make(kind, model, lr=3e-3, betas=(0.9, 0.95))
+        s = sched(opt) if sched is not None else None
+        train(model, opt, steps, sched=s, **train_kw)
+        out[kind] = (model, opt)
+    return out["ckpt"], out["torch"]
+
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(
+        o, max_lr=1e-2, total_steps=20, cycle_momentum=True, base_momentum=0.85,
+        max_momentum=0.95),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)], milestones=[3]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_lr_schedulers_drive_both_alike(name):
+    (ours, opt), (ref, ropt) = run_both(sched=SCHEDULERS[name])
+    assert_close(ours, ref, f"{name}: ")
+    for g, rg in zip(opt.param_groups, ropt.param_groups):
+        assert float(g["lr"]) == float(rg["lr"])
+        assert tuple(map(float, g["betas"])) == tuple(map(float, rg["betas"]))
+
+
+def test_closure_and_zero_grad_both_ways_and_clipping():
+    for kw in ({"closure": True}, {"set_to_none": False}, {"clip": 0.05}):
+        (ours, _), (ref, _) = run_both(**kw)
+        assert_close(ours, ref, f"{kw}: ")
+
+
+def test_a_step_without_any_gradient_changes_nothing():
+    (ours, opt), (ref, ropt) = run_both(steps=3)
+    before = [p.detach().clone() for p in ours.parameters()]
+    steps = opt.group_steps()
+    for o in (opt, ropt):
+        o.zero_grad(set_to_none=True)
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+    assert opt.group_steps() == steps
+    train(ours, opt, 2, first=3)
+    train(ref, ropt, 2, first=3)
+    assert_close(ours, ref)
+
+
+def test_torch_keyword_arguments_and_a_tensor_lr():
+    # Each at its default, as far as this torch's AdamW has it (1.13 lacks a few).
+    defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                    differentiable=False, fused=None)
+    known = inspect.signature(torch.optim.AdamW).parameters
+    torch_kw = {k: v for k, v in defaults.items() if k in known}
+    ours, ref = pair()
+    opt = ckpt.torch.StagedAdamW(param_groups(ours), lr=torch.tensor(3e-3), **torch_kw)
+    ropt = torch.optim.AdamW(param_groups(ref), lr=torch.tensor(3e-3), **torch_kw)
+    train(ours, opt, 5)
+    train(ref, ropt, 5)
+    assert_close(ours, ref)
+    # Every key of torch's param groups is there, so the two state dicts carry the same keys.
+    assert set(opt.param_groups[0]) == set(ropt.param_groups[0])
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        ckpt.torch.StagedAdamW(param_groups(ours), amsgrad=True)
+    with pytest.raises(TypeError, match="unexpected"):
+        ckpt.torch.StagedAdamW(param_groups(ours), no_such_option=1)
+
+
+def test_maximize_ascends_as_torch_does():
+    ours, ref = pair()
+    opt = make("ckpt", ours, lr=1e-3, maximize=True)
+    ropt = make("torch", ref, lr=1e-3, maximize=True)
+    train(ours, opt, 6)
+    train(ref, ropt, 6)
+    assert_close(ours, ref)
+
+
+def test_optimizer_state_reads_as_torchs():
+    (ours, opt), (ref, ropt) = run_both(steps=4)
+    assert len(opt.state) == len(ropt.state) == len(list(ours.parameters()))
+    for p, rp in zip(ours.parameters(), ref.parameters()):
+        mine, theirs = opt.state[p], ropt.state[rp]
+        assert float(mine["step"]) == float(theirs["step"]) == 4.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert mine[key].shape == theirs[key].shape
+            assert relative(mine[key], theirs[key]) <= 1e-5, key
+        assert torch.equal(mine["master"], p.detach())  # FP32 parameters: the master itself.
+    fresh = ckpt.torch.StagedAdamW(Net().parameters())
+    assert not fresh.state and len(fresh.state) == 0  # No state before the first step.
+    with pytest.raises(TypeError, match="load_state_dict"):
+        opt.state[next(ours.parameters())] = {}
+
+
+def round_trip(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def test_state_dicts_load_in_both_directions_through_torch_save():
+    # StagedAdamW -> torch AdamW: both then go on alike.
+    (ours, opt), (ref, ropt) = run_both(steps=5)
+    ropt.load_state_dict(round_trip(opt.state_dict()))
+    train(ours, opt, 4, first=5)
+    train(ref, ropt, 4, first=5)
+    assert_close(ours, ref, "ckpt -> torch: ")
+    # torch AdamW -> a fresh StagedAdamW over the torch model's weights.
+    (_, _), (ref2, ropt2) = run_both(steps=5)
+    ours2 = Net()
+    ours2.load_state_dict(ref2.state_dict())
+    opt2 = make("ckpt", ours2, lr=1e-4)
+    opt2.load_state_dict(round_trip(ropt2.state_dict()))
+    assert opt2.group_steps() == [5, 5]
+    assert opt2.param_groups[0]["lr"] == ropt2.param_groups[0]["lr"]
+    train(ours2, opt2, 4, first=5)
+    train(ref2, ropt2, 4, first=5)
+    assert_close(ours2, ref2, "torch -> ckpt: ")
+
+
+def test_state_dict_has_torchs_shape():
+    (ours, opt), (ref, ropt) = run_both(steps=2)
+    mine, theirs = opt.state_dict(), ropt.state_dict()
+    assert sorted(mine["state"]) == sorted(theirs["state"])
+    assert [g["params"] for g in mine["param_groups"]] == \
+        [g["params"] for g in theirs["param_groups"]]
+    for i in theirs["state"]:
+        assert set(theirs["state"][i]) <= set(mine["state"][i])
+        assert mine["state"][i]["exp_avg"].device.type == "cpu"
+
+
+def test_a_bad_state_dict_changes_nothing():
+    (ours, opt), _ = run_both(steps=3)
+    good = opt.state_dict()
+    before = [p.detach().clone() for p in ours.parameters()]
+    snapshot = {k: v.clone() for k, v in opt.state[next(ours.parameters())].items()}
+    bad_size = round_trip(good)
+    first = bad_size["state"][0]
+    first["exp_avg"] = torch.zeros(first["exp_avg"].numel() + 1)
+    bad_value = round_trip(good)
+    bad_value["state"][1]["exp_avg_sq"].view(-1)[0] = float("nan")
+    bad_steps = round_trip(good)
+    bad_steps["state"][0]["step"] = torch.tensor(7.0)
+    bad_groups = round_trip(good)
+    bad_groups["param_groups"].pop()
+    for bad, match in ((bad_size, "elements"), (bad_value, "non-finite"),
+                       (bad_steps, "step counts differ"), (bad_groups, "param groups")):
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+    after = opt.state[next(ours.parameters())]
+    assert all(torch.equal(after[k], snapshot[k]) for k in snapshot)
+    assert opt.group_steps() == [3, 3]
+    opt.load_state_dict(good)  # The good one still loads.
