@@ -91,6 +91,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_destroy);
   CKPT_FUNC(ckpt_optimizer_size);
   CKPT_FUNC(ckpt_optimizer_step);
+  CKPT_FUNC(ckpt_optimizer_step_pieces);
   CKPT_FUNC(ckpt_optimizer_write_weights);
   CKPT_FUNC(ckpt_optimizer_num_groups);
   CKPT_FUNC(ckpt_optimizer_get_group);

@@ -254,6 +254,34 @@ int ckpt_optimizer_write_weights(ckpt_optimizer* o, void* dest, int on_device, v
   });
 }
 
+int ckpt_optimizer_step_pieces(ckpt_optimizer* o, const void* const* grads, void* const* params,
+                               size_t npieces, int grad_dtype, float grad_scale,
+                               int check_finite, void* stream, int* skipped) {
+  return Guard("ckpt_optimizer_step_pieces", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    if (npieces > 0 && (grads == nullptr || params == nullptr)) {
+      return Invalid("grads or params is NULL");
+    }
+    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+    if (!gd.ok()) return Fail(gd.status());
+    std::vector<opt::PieceBuffers> buffers(npieces);
+    for (size_t k = 0; k < npieces; ++k) buffers[k] = {grads[k], params[k]};
+    opt::StepArgs args;
+    args.grad_dtype = *gd;
+    args.grad_scale = grad_scale;
+    args.check_finite = check_finite != 0;
+    args.pieces = buffers;
+    if (npieces == 0 && o->opt->size() > 0) return Invalid("no piece buffers");
+    // NULL is torch's stream 0, the legacy default stream, as in ckpt_optimizer_step.
+    args.stream = stream == nullptr ? opt::CudaStreamView::Legacy()
+                                    : *opt::CudaStreamView::Of(static_cast<CUstream_st*>(stream));
+    absl::StatusOr<opt::StepReport> r = o->opt->Step(args);
+    if (!r.ok()) return Fail(r.status());
+    if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
+    return CKPT_OK;
+  });
+}
+
 int ckpt_optimizer_num_groups(const ckpt_optimizer* o, size_t* count) {
   if (o == nullptr || count == nullptr) return Invalid("optimizer or count is NULL");
   *count = o->opt->groups().size();

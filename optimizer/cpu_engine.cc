@@ -30,35 +30,25 @@ class CpuEngine : public internal::Engine {
     internal::KernelFn kernel =
         internal::SelectKernel(isa_, args.grad_dtype, model_dtype, slabs.moment_dtype);
     if (kernel == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
-    struct Task {
-      uint64_t offset, count;
-      uint32_t group;
-    };
-    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
-    std::vector<Task> tasks;
-    for (const Unit& u : units) {
-      for (uint64_t d = 0; d < u.count; d += task_elems)
-        tasks.push_back({u.offset + d, std::min(task_elems, u.count - d), u.group});
-    }
+    const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
+    const std::vector<Task> tasks =
+        Tasks(args, units, slabs, internal::TaskElems(elements, pool_.size()), gsize, psize);
     StepReport report;
     if (args.check_finite) {
-      CheckFinite(
-          args, tasks.size(), [&](size_t i) { return std::pair(tasks[i].offset, tasks[i].count); },
-          &report);
+      CheckFinite(args, tasks, &report);
       if (report.nonfinite > 0) {
         report.skipped = true;
         return report;
       }
     }
-    const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
     const size_t msize = MomentBytes(slabs.moment_dtype);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
       KernelArgs a{slabs.master + t.offset,
                    slabs.exp_avg + t.offset * msize,
                    slabs.exp_avg_sq + t.offset * msize,
-                   static_cast<const std::byte*>(args.grads) + t.offset * gsize,
-                   static_cast<std::byte*>(args.params) + t.offset * psize,
+                   t.grads,
+                   t.params,
                    t.count,
                    args.grad_scale,
                    constants[t.group]};
@@ -68,15 +58,12 @@ class CpuEngine : public internal::Engine {
   }
 
   absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
-                                         uint64_t elements) override {
-    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
-    std::vector<std::pair<uint64_t, uint64_t>> tasks;
-    for (const Unit& u : units) {
-      for (uint64_t d = 0; d < u.count; d += task_elems)
-        tasks.emplace_back(u.offset + d, std::min(task_elems, u.count - d));
-    }
+                                         const SlabView& slabs, uint64_t elements) override {
+    const std::vector<Task> tasks =
+        Tasks(args, units, slabs, internal::TaskElems(elements, pool_.size()),
+              ElementBytes(args.grad_dtype), 0);
     StepReport report;
-    CheckFinite(args, tasks.size(), [&](size_t i) { return tasks[i]; }, &report);
+    CheckFinite(args, tasks, &report);
     report.skipped = report.nonfinite > 0;
     return report;
   }
@@ -106,15 +93,38 @@ class CpuEngine : public internal::Engine {
   }
 
  private:
-  template <typename Range>
-  void CheckFinite(const StepArgs& args, size_t tasks, Range range, StepReport* report) {
+  // A run of at most TaskElems elements of one unit that reads its gradients and writes its
+  // weights contiguously (a unit cut at the pieces' boundaries, with StepArgs::pieces).
+  struct Task {
+    uint64_t offset, count;
+    uint32_t group;
+    const std::byte* grads;
+    std::byte* params;
+  };
+
+  static std::vector<Task> Tasks(const StepArgs& args, const std::vector<Unit>& units,
+                                 const SlabView& slabs, uint64_t task_elems, size_t gsize,
+                                 size_t psize) {
+    std::vector<Task> tasks;
+    for (const Unit& u : units) {
+      ForEachSegment(
+          args, slabs.piece_starts, u.offset, u.count, gsize, psize,
+          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params) {
+            for (uint64_t d = 0; d < count; d += task_elems) {
+              tasks.push_back({offset + d, std::min(task_elems, count - d), u.group,
+                               grads + d * gsize, params + d * psize});
+            }
+          });
+    }
+    return tasks;
+  }
+
+  void CheckFinite(const StepArgs& args, const std::vector<Task>& tasks, StepReport* report) {
     internal::NonFiniteFn check = internal::SelectNonFiniteKernel(isa_, args.grad_dtype);
-    const size_t gsize = ElementBytes(args.grad_dtype);
     std::mutex mu;
-    pool_.ParallelFor(tasks, [&](size_t i) {
-      auto [offset, count] = range(i);
-      const internal::NonFinite bad =
-          check(static_cast<const std::byte*>(args.grads) + offset * gsize, count, args.grad_scale);
+    pool_.ParallelFor(tasks.size(), [&](size_t i) {
+      const uint64_t offset = tasks[i].offset, count = tasks[i].count;
+      const internal::NonFinite bad = check(tasks[i].grads, count, args.grad_scale);
       if (bad.count > 0) {
         std::lock_guard<std::mutex> lock(mu);
         report->first_nonfinite = report->nonfinite == 0

@@ -2,6 +2,7 @@
 #ifndef CKPT_OPTIMIZER_ENGINE_H_
 #define CKPT_OPTIMIZER_ENGINE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -33,7 +34,34 @@ struct SlabView {
   std::byte* exp_avg;  // FP32 or BF16 elements, per moment_dtype.
   std::byte* exp_avg_sq;
   MomentDType moment_dtype;
+  // Slab offset of each piece's first element, then the slab size: where StepArgs::pieces'
+  // buffers begin and end.
+  std::span<const uint64_t> piece_starts;
 };
+
+// Calls fn(offset, count, grads, params) for each run of slab elements [offset, offset + count)
+// that reads its gradients and writes its weights contiguously: the whole range at the flat
+// buffers, or, with StepArgs::pieces, the range cut at the pieces' boundaries. `gsize` and
+// `psize` are the gradient and model element sizes.
+template <typename Fn>
+void ForEachSegment(const StepArgs& args, std::span<const uint64_t> piece_starts, uint64_t offset,
+                    uint64_t count, size_t gsize, size_t psize, Fn fn) {
+  if (args.pieces.empty()) {
+    fn(offset, count, static_cast<const std::byte*>(args.grads) + offset * gsize,
+       static_cast<std::byte*>(args.params) + offset * psize);
+    return;
+  }
+  size_t k = static_cast<size_t>(
+      std::upper_bound(piece_starts.begin(), piece_starts.end(), offset) - piece_starts.begin()) -
+             1;
+  for (uint64_t at = offset, end = offset + count; at < end; ++k) {
+    const uint64_t n = std::min(end, piece_starts[k + 1]) - at;
+    const uint64_t within = at - piece_starts[k];
+    fn(at, n, static_cast<const std::byte*>(args.pieces[k].grads) + within * gsize,
+       static_cast<std::byte*>(args.pieces[k].params) + within * psize);
+    at += n;
+  }
+}
 
 // An update engine: the seam that tests and backends swap (CPU SIMD, CUDA streamed). Owned by
 // one StagedAdamW; not thread-safe (one Step at a time, as the optimizer).
@@ -50,7 +78,7 @@ class Engine {
   // calls (an async save's fence, optimizer/async_save.h) runs once before the first.
   virtual absl::StatusOr<StepReport> CheckFinite(const StepArgs& args,
                                                  const std::vector<Unit>& units,
-                                                 uint64_t elements) = 0;
+                                                 const SlabView& slabs, uint64_t elements) = 0;
   // Orders what the caller queues next on args.stream after the writes of the last Step call
   // (once per StagedAdamW::Step, however many calls it took); no-op for the CPU engine.
   virtual absl::Status OrderCallerAfterStep(const StepArgs& args) {

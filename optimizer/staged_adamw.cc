@@ -172,6 +172,12 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   opt->model_dtype_ = dtype;
   opt->size_ = size;
   opt->units_ = BuildUnits(opt->options_);
+  uint64_t start = 0;
+  for (const Piece& p : opt->options_.pieces) {
+    opt->piece_starts_.push_back(start);
+    start += p.count;
+  }
+  opt->piece_starts_.push_back(start);
   if (opt->options_.engine == EngineKind::kCpu) {
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCpuEngine(opt->options_.threads, opt->options_.isa));
   } else {
@@ -271,7 +277,27 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
   }
-  if (size_ > 0) {
+  if (!args.pieces.empty()) {
+    if (args.pieces.size() != options_.pieces.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("step: ", args.pieces.size(),
+                                                     " piece buffers for ",
+                                                     options_.pieces.size(), " pieces"));
+    }
+    for (size_t k = 0; k < args.pieces.size(); ++k) {
+      const PieceBuffers& b = args.pieces[k];
+      const std::string& name = options_.params[options_.pieces[k].param].name;
+      if (b.grads == nullptr || b.params == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("step: null gradient or parameter buffer of piece ", k, " (", name, ")"));
+      }
+      if (!Aligned(b.grads, formats::DTypeSize(args.grad_dtype)) ||
+          !Aligned(b.params, formats::DTypeSize(model_dtype_))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "step: gradient or parameter buffer of piece ", k, " (", name,
+            ") is misaligned for its dtype"));
+      }
+    }
+  } else if (size_ > 0) {
     if (args.grads == nullptr || args.params == nullptr)
       return absl::InvalidArgumentError("null gradient or parameter buffer");
     if (!Aligned(args.grads, formats::DTypeSize(args.grad_dtype)) ||
@@ -294,7 +320,8 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
 absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
                                                   const std::vector<StepConstants>& constants) {
   SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
-                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype};
+                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype,
+                piece_starts_};
   if (fence_ == nullptr || units_.empty()) {
     CKPT_ASSIGN_OR_RETURN(StepReport report,
                           engine_->Step(args, units_, constants, view, model_dtype_, size_));
@@ -305,7 +332,7 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
   // nothing), then the units go through the engine in batches, each once the fence lets it go.
   StepReport report;
   if (args.check_finite) {
-    CKPT_ASSIGN_OR_RETURN(report, engine_->CheckFinite(args, units_, size_));
+    CKPT_ASSIGN_OR_RETURN(report, engine_->CheckFinite(args, units_, view, size_));
     if (report.skipped) return report;
   }
   StepArgs unchecked = args;

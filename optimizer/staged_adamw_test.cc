@@ -589,6 +589,79 @@ TEST_F(BadInputTest, WriteModelWeightsRefusesBadDestinationsAndAnUncleanOptimize
   EXPECT_EQ(params_, before) << "a refused write changed the destination";
 }
 
+// A step on each piece's own buffers (StepArgs::pieces: a parameter's storage, no flat copy)
+// is the step on flat buffers, on every instruction set and dtype, check_finite included.
+TEST(PieceBuffersTest, AStepOnEachPiecesOwnBuffersEqualsTheStepOnFlatBuffers) {
+  for (DType model : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAuto}) {
+      SCOPED_TRACE(formats::DTypeName(model));
+      const StagedAdamWOptions o = TestOptions(model, isa);
+      const uint64_t n = Size(o);
+      const size_t psize = formats::DTypeSize(model);
+      auto flat = StagedAdamW::Create(o, InitialWeights(o));
+      auto own = StagedAdamW::Create(o, InitialWeights(o));
+      ASSERT_THAT(flat, IsOk());
+      ASSERT_THAT(own, IsOk());
+      std::vector<std::byte> params(n * psize);
+      // Each piece's gradients and weights in an allocation of its own.
+      std::vector<std::vector<float>> piece_grads;
+      std::vector<std::vector<std::byte>> piece_params;
+      for (const Piece& p : o.pieces) {
+        piece_grads.emplace_back(p.count);
+        piece_params.emplace_back(p.count * psize);
+      }
+      std::vector<PieceBuffers> buffers;
+      for (size_t k = 0; k < o.pieces.size(); ++k) {
+        buffers.push_back({piece_grads[k].data(), piece_params[k].data()});
+      }
+      for (int s = 0; s < 3; ++s) {
+        std::vector<float> g = Random(n, 100 + s, 0.5f);
+        if (s == 2) g[n - 3] = std::nanf("");  // In the last piece: the step is skipped.
+        uint64_t at = 0;
+        for (size_t k = 0; k < o.pieces.size(); ++k) {
+          std::copy(g.begin() + at, g.begin() + at + o.pieces[k].count, piece_grads[k].begin());
+          at += o.pieces[k].count;
+        }
+        StepArgs flat_args{g.data(), DType::kF32, 0.5f, params.data()};
+        flat_args.check_finite = true;
+        StepArgs own_args;
+        own_args.grad_dtype = DType::kF32;
+        own_args.grad_scale = 0.5f;
+        own_args.check_finite = true;
+        own_args.pieces = buffers;
+        auto a = (*flat)->Step(flat_args);
+        auto b = (*own)->Step(own_args);
+        ASSERT_THAT(a, IsOk());
+        ASSERT_THAT(b, IsOk());
+        EXPECT_EQ(a->skipped, s == 2);
+        EXPECT_EQ(b->skipped, a->skipped);
+        EXPECT_EQ(b->first_nonfinite, a->first_nonfinite);
+      }
+      uint64_t at = 0;
+      for (size_t k = 0; k < o.pieces.size(); ++k) {
+        EXPECT_TRUE(std::equal(piece_params[k].begin(), piece_params[k].end(),
+                               params.begin() + at * psize))
+            << "piece " << k;
+        at += o.pieces[k].count;
+      }
+      EXPECT_EQ(std::memcmp((*own)->master().data(), (*flat)->master().data(), 4 * n), 0);
+    }
+  }
+}
+
+TEST_F(BadInputTest, PieceBuffersOfTheWrongCountOrNullAreRefusedNamingThePiece) {
+  std::vector<PieceBuffers> buffers(o_.pieces.size(), {grads_.data(), params_.data()});
+  StepArgs args;
+  args.pieces = std::span(buffers).first(buffers.size() - 1);
+  EXPECT_THAT(opt_->Step(args), StatusIs(absl::StatusCode::kInvalidArgument));
+  buffers[1].grads = nullptr;
+  args.pieces = buffers;
+  const absl::StatusOr<StepReport> null = opt_->Step(args);
+  EXPECT_THAT(null, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(null.status().message()), ::testing::HasSubstr("piece 1 (b)"));
+  EXPECT_EQ(opt_->groups()[0].step, 0u);
+}
+
 // SetState replaces masters, moments and step counters at once (torch's load_state_dict), and
 // the next step continues from them exactly as from the same state reached by stepping.
 TEST(SetStateTest, TheNextStepContinuesFromTheStateSetAsFromTheStateStepped) {

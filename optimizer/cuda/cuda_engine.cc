@@ -126,7 +126,7 @@ class CudaEngine : public internal::Engine {
     StepReport report;
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
     if (args.check_finite && elements > 0) {
-      CKPT_ASSIGN_OR_RETURN(uint64_t bad, CountNonFinite(args, elements));
+      CKPT_ASSIGN_OR_RETURN(uint64_t bad, CountNonFinite(args, slabs, elements));
       if (bad > 0) {
         report.skipped = true;
         report.nonfinite = bad;
@@ -158,21 +158,32 @@ class CudaEngine : public internal::Engine {
       if (k < slots_.size())
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
       const StepConstants& c = constants[u.group];
-      DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()),
-                       s.m_in.data(),
-                       s.v_in.data(),
-                       static_cast<float*>(s.master_out.data()),
-                       s.m_out.data(),
-                       s.v_out.data(),
-                       static_cast<const std::byte*>(args.grads) + u.offset * gsize,
-                       static_cast<std::byte*>(args.params) + u.offset * psize,
-                       u.count,
-                       args.grad_scale,
-                       KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2,
-                                       c.step_size, c.bc2_sqrt}};
-      CKPT_CUDA_RETURN_IF_ERROR(LaunchAdamwUnit(
-          a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
-          moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16, s.compute.get()));
+      // One kernel per run of the unit whose gradients and weights are contiguous: the whole
+      // unit at flat buffers, or each piece's part of it (StepArgs::pieces).
+      cudaError_t launched = cudaSuccess;
+      ForEachSegment(
+          args, slabs.piece_starts, u.offset, u.count, gsize, psize,
+          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params) {
+            if (launched != cudaSuccess) return;
+            const uint64_t at = offset - u.offset;
+            DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()) + at,
+                             static_cast<const std::byte*>(s.m_in.data()) + at * mbytes,
+                             static_cast<const std::byte*>(s.v_in.data()) + at * mbytes,
+                             static_cast<float*>(s.master_out.data()) + at,
+                             static_cast<std::byte*>(s.m_out.data()) + at * mbytes,
+                             static_cast<std::byte*>(s.v_out.data()) + at * mbytes,
+                             grads,
+                             params,
+                             count,
+                             args.grad_scale,
+                             KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2,
+                                             c.step_size, c.bc2_sqrt}};
+            launched = LaunchAdamwUnit(
+                a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
+                moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
+                s.compute.get());
+          });
+      CKPT_CUDA_RETURN_IF_ERROR(launched);
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
       // 3. Copy-out.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
@@ -240,7 +251,7 @@ class CudaEngine : public internal::Engine {
   }
 
   absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
-                                         uint64_t elements) override {
+                                         const SlabView& slabs, uint64_t elements) override {
     (void)units;  // The count runs over every element at once.
     if (slots_.empty())
       return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
@@ -251,7 +262,7 @@ class CudaEngine : public internal::Engine {
     StepReport report;
     if (elements == 0) return report;
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), ToCudaStream(*args.stream)));
-    CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, elements));
+    CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, slabs, elements));
     report.skipped = report.nonfinite > 0;
     return report;
   }
@@ -284,13 +295,21 @@ class CudaEngine : public internal::Engine {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, uint64_t elements) {
+  absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, const SlabView& slabs,
+                                          uint64_t elements) {
     cudaStream_t s = join_.get();
     auto* count = static_cast<unsigned long long*>(counter_.data());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, grads_ready_.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(count, 0, sizeof(*count), s));
-    CKPT_CUDA_RETURN_IF_ERROR(LaunchCountNonFinite(args.grads, ToKernelType(args.grad_dtype),
-                                                   elements, args.grad_scale, count, s));
+    cudaError_t launched = cudaSuccess;
+    ForEachSegment(args, slabs.piece_starts, 0, elements, formats::DTypeSize(args.grad_dtype), 0,
+                   [&](uint64_t, uint64_t n, const std::byte* grads, std::byte*) {
+                     if (launched == cudaSuccess) {
+                       launched = LaunchCountNonFinite(grads, ToKernelType(args.grad_dtype), n,
+                                                       args.grad_scale, count, s);
+                     }
+                   });
+    CKPT_CUDA_RETURN_IF_ERROR(launched);
     unsigned long long host = 0;
     CKPT_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s));

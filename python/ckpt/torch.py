@@ -208,24 +208,22 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError("parameter names repeat")
         encoded = [_lib.encode_text(n, "parameter name") for n in self._names]
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        # One contiguous buffer in ckpt's order; each parameter becomes a view of its slice.
-        total = sum(p.numel() for p in plist)
+        # Each parameter keeps its own storage: ckpt reads its gradient and writes it in place
+        # (one piece per parameter). _slices: where each lies in ckpt's flat order.
+        total = 0
         self._slices = []
-        flat = torch.empty(total, dtype=dtype, device=device)
-        at = 0
-        with torch.no_grad():
-            for p in plist:
-                n = p.numel()
-                flat[at:at + n].copy_(p.detach().reshape(-1))
-                self._slices.append((at, n))
-                at += n
-            for p, (o, n) in zip(plist, self._slices):
-                p.data = flat[o:o + n].view(p.shape)
-        self._flat = flat
+        for p, name in zip(plist, self._names):
+            if not p.is_contiguous():
+                raise TypeError(f"parameter {name} is not contiguous: StagedAdamW reads and "
+                                "writes parameters in place")
+            self._slices.append((total, p.numel()))
+            total += p.numel()
+        self._total = total
         # Data-parallel gradients are averaged in FP32 (gloo cannot all-reduce BF16, and a sum
         # in F16 overflows where the mean would not); ckpt's step takes FP32 gradients too.
         grad_dtype = torch.float32 if process_group is not None else dtype
-        self._grads = torch.zeros(total, dtype=grad_dtype, device=device)
+        self._grad_dtype = grad_dtype
+        self._scratch = {}  # Buffers made once and reused (the zero gradient); shared.
         shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
         specs = (_lib.Param * len(plist))(*[
             _lib.Param(encoded[i], shapes[i], plist[i].dim(), _DTYPES[dtype],
@@ -243,7 +241,7 @@ class StagedAdamW(torch.optim.Optimizer):
             check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, pieces,
                                        count.value, ctypes.byref(count)))
             npieces = count.value
-            # (offset in the flat parameters, offset in this rank's slabs, count) per piece.
+            # (offset in the flat order, offset in this rank's slabs, count) per piece.
             self._owned = []
             at = 0
             for i in range(npieces):
@@ -251,32 +249,32 @@ class StagedAdamW(torch.optim.Optimizer):
                 self._owned.append((self._slices[q.param][0] + q.begin, at, q.count))
                 at += q.count
             local = at
+            # Private buffers, not the parameters' storage: the averaged gradients, this rank's
+            # pieces of them and of the weights, and the weights as the ranks exchange them.
+            self._grads = torch.zeros(total, dtype=grad_dtype, device=device)
+            self._local_grads = torch.empty(local, dtype=grad_dtype, device=device)
+            self._local_params = torch.empty(local, dtype=dtype, device=device)
+            self._flat = torch.empty(total, dtype=dtype, device=device)
         else:
             pieces = (_lib.Piece * len(plist))(*[_lib.Piece(i, 0, n) for i, (_, n) in
                                                  enumerate(self._slices)])
             npieces = len(plist)
             self._owned = None
             local = total
-        # This rank's elements in slab order: the weights ckpt steps and its checkpointer reads
-        # and loads into (the parameters themselves for one CPU process), and their gradients.
-        if self._owned is None and device.type == "cpu":
-            self._host = flat
-        else:
-            self._host = torch.empty(local, dtype=dtype, pin_memory=device.type == "cuda")
-            self._gather(flat, self._host)
-        self._local_grads = self._grads if self._owned is None else torch.empty(
-            local, dtype=grad_dtype, device=device)
-        self._local_params = flat if self._owned is None else torch.empty(
-            local, dtype=dtype, device=device)
+        self._local_count = local
+        # This rank's weights in slab order, in host memory: the masters start from them.
+        with torch.no_grad():
+            full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
+        host = self._local_of(full, dtype)
         options = _lib.OptimizerOptions(
             _lib.ENGINE_CUDA if device.type == "cuda" else _lib.ENGINE_CPU, unit_bytes, threads, 0,
             _MOMENTS[moments])
         handle = ctypes.c_void_p()
         check(lib.ckpt_optimizer_create(specs, len(plist), groups, len(self.param_groups), pieces,
-                                        npieces, ctypes.byref(options),
-                                        self._host.data_ptr(), self._host.numel() * self._host.element_size(),
+                                        npieces, ctypes.byref(options), host.data_ptr(),
+                                        host.numel() * host.element_size(),
                                         ctypes.byref(handle)))
-        self._host_ptr = self._host.data_ptr()
+        del full, host
         # The one owner of the handle (ckpt/_native.py): wrappers that copy this object's
         # __dict__ share it, and it is freed when the last of them goes, or by close().
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
@@ -313,12 +311,7 @@ class StagedAdamW(torch.optim.Optimizer):
     def _live(self):
         if self._native is None:
             raise CkptError(9, "the optimizer is closed")
-        handle = self._native.handle
-        if self._host.data_ptr() != self._host_ptr:
-            raise CkptError(9, "the parameters' buffer moved (model.share_memory(), .to(), ...): "
-                               "ckpt still points at the old one; build the optimizer after "
-                               "moving the model")
-        return handle
+        return self._native.handle
 
     def add_param_group(self, param_group):
         if getattr(self, "_native", None) is not None:
@@ -338,31 +331,72 @@ class StagedAdamW(torch.optim.Optimizer):
         handle = self._push_groups()
         scale = self._grad_scale()
         self._cache.clear()
-        for p, (o, n) in zip(self._params, self._slices):
-            if p.data_ptr() != self._flat[o:o + n].data_ptr():
-                raise CkptError(9, f"parameter {self._name_of(p)} no longer "
-                                   "views the optimizer's buffer (was .data replaced?)")
-            if p.grad is None:
-                self._grads[o:o + n].zero_()
-            else:
-                self._grads[o:o + n].copy_(p.grad.reshape(-1))
-        if self._owned is not None:
-            import torch.distributed as dist
-            if self._reduce_grads:
-                dist.all_reduce(self._grads, group=self._group_handle)
-                self._grads.div_(dist.get_world_size(self._group_handle))
-            self._gather(self._grads, self._local_grads)
+        self._check_parameters()
         stream = None
         if self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device).cuda_stream
         skipped = ctypes.c_int(0)
+        if self._owned is None:
+            # Every gradient read and every parameter written in place, in one call.
+            keep = []  # Gradients converted for ckpt, alive until the call returns.
+            grads = []
+            for p in self._params:
+                g = p.grad
+                if g is None:
+                    grads.append(self._zero_grad().data_ptr())
+                    continue
+                if g.dtype != self._grad_dtype or g.device != self._device or \
+                        not g.is_contiguous():
+                    g = g.to(device=self._device, dtype=self._grad_dtype).contiguous()
+                    keep.append(g)
+                grads.append(g.data_ptr())
+            n = len(self._params)
+            check(lib.ckpt_optimizer_step_pieces(
+                handle, (ctypes.c_void_p * n)(*grads),
+                (ctypes.c_void_p * n)(*[p.data_ptr() for p in self._params]), n,
+                _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
+            del keep
+            return loss
+        import torch.distributed as dist
+        for p, (o, n) in zip(self._params, self._slices):
+            if p.grad is None:
+                self._grads[o:o + n].zero_()
+            else:
+                self._grads[o:o + n].copy_(p.grad.reshape(-1))
+        if self._reduce_grads:
+            dist.all_reduce(self._grads, group=self._group_handle)
+            self._grads.div_(dist.get_world_size(self._group_handle))
+        self._gather(self._grads, self._local_grads)
         check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(),
                                       _DTYPES[self._local_grads.dtype],
                                       scale, self._local_params.data_ptr(), 0, stream,
                                       ctypes.byref(skipped)))
-        if self._owned is not None:
-            self._exchange(self._local_params)
+        self._exchange(self._local_params)
+        self._scatter(self._flat)
         return loss
+
+    def _check_parameters(self):
+        """Each parameter still where ckpt reads and writes it: its dtype, device, size and a
+        contiguous layout (CkptError naming the first that is not)."""
+        for p, (_, n), name in zip(self._params, self._slices, self._names):
+            if p.dtype != self._dtype or p.device != self._device or p.numel() != n or \
+                    not p.is_contiguous():
+                raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, "
+                                   f"{p.numel()} elements{'' if p.is_contiguous() else ', not contiguous'}"
+                                   f" (built with {self._dtype} on {self._device}, {n})")
+
+    def _zero_grad(self):
+        """A zero gradient as long as the largest parameter, made once."""
+        if "zero_grad" not in self._scratch:
+            self._scratch["zero_grad"] = torch.zeros(max(n for _, n in self._slices),
+                                                     dtype=self._grad_dtype, device=self._device)
+        return self._scratch["zero_grad"]
+
+    def _scatter(self, flat):
+        """A flat buffer in ckpt's order into the parameters, in place."""
+        with torch.no_grad():
+            for p, (o, n) in zip(self._params, self._slices):
+                p.detach().copy_(flat[o:o + n].view(p.shape))
 
     def _gather(self, full, local):
         """This rank's pieces of a full flat buffer, into `local` (slab order)."""
@@ -380,7 +414,10 @@ class StagedAdamW(torch.optim.Optimizer):
         nbytes = self._flat.numel() * self._flat.element_size()
         # Summed as int32 words: each bit comes from one rank at most, so the sum is the OR of
         # the ranks' bits, with no carry (2-byte elements of two owners may share a word).
-        words = torch.zeros((nbytes + 3) // 4, dtype=torch.int32, device=self._flat.device)
+        # Kept (reused) after the call: a tensor whose last reference gloo's worker thread drops
+        # crashes a process that exits right after (pytorch/pytorch#179291); see _reduced.
+        words = self._reduced("exchange", (nbytes + 3) // 4, torch.int32)
+        words.zero_()
         full = words.view(torch.uint8)[:nbytes].view(self._flat.dtype)
         for flat_at, local_at, n in self._owned:
             full[flat_at:flat_at + n].copy_(local[local_at:local_at + n])
@@ -400,17 +437,31 @@ class StagedAdamW(torch.optim.Optimizer):
         """One state tensor over every parameter (data-parallel: gathered from the ranks, so
         every rank must call it)."""
         handle = self._live()
-        local = torch.empty(self._host.numel(), dtype=torch.float32)
+        local = torch.empty(self._local_count, dtype=torch.float32)
         check(lib.ckpt_optimizer_read_state(handle, which, local.data_ptr(), local.numel()))
         if self._owned is None:
             return local
         import torch.distributed as dist
         # On the parameters' device: NCCL reduces device tensors only.
-        full = torch.zeros(self._flat.numel(), dtype=torch.float32, device=self._flat.device)
+        full = self._reduced("state", self._total, torch.float32)
+        full.zero_()
         for flat_at, local_at, n in self._owned:
             full[flat_at:flat_at + n].copy_(local[local_at:local_at + n])
-        dist.all_reduce(full.view(torch.int32), group=self._group_handle)
-        return full.cpu()
+        dist.all_reduce(self._scratch["state_words"], group=self._group_handle)
+        return full.cpu() if full.device.type != "cpu" else full.clone()
+
+    def _reduced(self, name, count, dtype):
+        """A buffer this optimizer all-reduces, made once and kept with the exact tensor object
+        passed to the collective: torch's gloo worker thread may drop its reference to a reduced
+        tensor after the call returned, and if that is the last one while the interpreter exits,
+        freeing it takes the GIL from a dying thread and aborts the process
+        (pytorch/pytorch#179291). Kept here, the last reference is never gloo's."""
+        if name not in self._scratch:
+            buf = torch.zeros(count, dtype=dtype, device=self._device)
+            self._scratch[name] = buf
+            if name == "state":
+                self._scratch["state_words"] = buf.view(torch.int32)
+        return self._scratch[name]
 
     def _of(self, p, which):
         for q, (o, n) in zip(self._params, self._slices):
@@ -454,19 +505,25 @@ class StagedAdamW(torch.optim.Optimizer):
 
     def _publish_weights(self):
         """After a load (which changes ckpt's masters only): the parameters become the masters
-        rounded to their dtype (data-parallel: collective, the ranks exchange their pieces)."""
+        rounded to their dtype, written in place (data-parallel: collective, the ranks exchange
+        their pieces)."""
         handle = self._live()
-        if self._owned is None and self._device.type == "cuda":
-            # Straight into the parameters on the device, ordered on the current stream.
-            stream = torch.cuda.current_stream(self._device).cuda_stream
-            check(lib.ckpt_optimizer_write_weights(handle, self._flat.data_ptr(), 1, stream))
+        if self._owned is None:
+            if self._device.type == "cuda":
+                # Rounded on the device, ordered on the current stream.
+                flat = torch.empty(self._total, dtype=self._dtype, device=self._device)
+                stream = torch.cuda.current_stream(self._device).cuda_stream
+                check(lib.ckpt_optimizer_write_weights(handle, flat.data_ptr(), 1, stream))
+            else:
+                flat = torch.empty(self._total, dtype=self._dtype)
+                check(lib.ckpt_optimizer_write_weights(handle, flat.data_ptr(), 0, None))
+            self._scatter(flat)
             return
-        check(lib.ckpt_optimizer_write_weights(handle, self._host.data_ptr(), 0, None))
-        if self._owned is not None:
-            self._exchange(self._host.to(self._device))
-            self._local_params.copy_(self._host)
-        elif self._host is not self._flat:
-            self._flat.copy_(self._host)
+        local = torch.empty(self._local_count, dtype=self._dtype)
+        check(lib.ckpt_optimizer_write_weights(handle, local.data_ptr(), 0, None))
+        self._exchange(local.to(self._device))
+        self._local_params.copy_(local)
+        self._scatter(self._flat)
 
     def close(self):
         """Frees ckpt's slabs (closing its checkpointers first: an async save in flight is
@@ -541,7 +598,7 @@ class StagedAdamW(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(groups)} param groups, this optimizer "
                              f"{len(self.param_groups)}")
-        total = self._flat.numel()
+        total = self._total
         master = torch.empty(total, dtype=torch.float32)
         m = torch.zeros(total, dtype=torch.float32)
         v = torch.zeros(total, dtype=torch.float32)
@@ -604,11 +661,11 @@ class StagedAdamW(torch.optim.Optimizer):
                 return name
         raise KeyError("not a parameter of this optimizer")
 
-    def _local_of(self, full):
-        """This rank's elements of a full flat FP32 CPU tensor, in slab order."""
+    def _local_of(self, full, dtype=torch.float32):
+        """This rank's elements of a full flat CPU tensor, in slab order."""
         if self._owned is None:
             return full.contiguous()
-        local = torch.empty(self._host.numel(), dtype=torch.float32)
+        local = torch.empty(self._local_count, dtype=dtype)
         for flat_at, local_at, n in self._owned:
             local[local_at:local_at + n].copy_(full[flat_at:flat_at + n])
         return local

@@ -250,3 +250,24 @@ def test_a_bad_state_dict_changes_nothing():
     assert all(torch.equal(after[k], snapshot[k]) for k in snapshot)
     assert opt.group_steps() == [3, 3]
     opt.load_state_dict(good)  # The good one still loads.
+
+
+def test_parameters_keep_their_own_storage():
+    (ours, opt), _ = run_both(steps=2)
+    # torch.save of one parameter writes that parameter, not a buffer shared with the others.
+    buffer = io.BytesIO()
+    torch.save(ours.fc1.bias, buffer)
+    assert len(buffer.getvalue()) < 2048 + 4 * ours.fc1.bias.numel()
+    storages = {p.data_ptr() for p in ours.parameters()}
+    assert len(storages) == len(list(ours.parameters()))
+
+
+def test_safetensors_saves_every_tensor_of_the_model(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    (ours, opt), _ = run_both(steps=2)
+    path = tmp_path / "model.safetensors"
+    safetensors.save_file(ours.state_dict(), str(path))
+    loaded = safetensors.load_file(str(path))
+    assert set(loaded) == set(ours.state_dict())
+    for name, t in ours.state_dict().items():
+        assert torch.equal(loaded[name], t), name

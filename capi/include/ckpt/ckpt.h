@@ -27,8 +27,8 @@ extern "C" {
 
 /* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
  * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
- * ckpt_checkpointer_open, ckpt_optimizer_set_state): a library serves callers of its version or
- * an older one. */
+ * ckpt_checkpointer_open, ckpt_optimizer_set_state, ckpt_optimizer_step_pieces): a library
+ * serves callers of its version or an older one. */
 #define CKPT_ABI_VERSION 6
 
 /* The library exports these functions (and nothing of its C++ internals). */
@@ -140,6 +140,13 @@ CKPT_C_EXPORT int ckpt_optimizer_step(ckpt_optimizer* opt, const void* grads, in
  * stream), which is made to wait for the writes. */
 CKPT_C_EXPORT int ckpt_optimizer_write_weights(ckpt_optimizer* opt, void* dest, int on_device,
                                                void* stream);
+/* (ABI 6) ckpt_optimizer_step on each piece's own buffers, read and written in place (a
+ * parameter's storage: no flat copy): grads[k] and params[k] hold piece k's elements, for the
+ * `npieces` pieces of the optimizer in the order it was created with. */
+CKPT_C_EXPORT int ckpt_optimizer_step_pieces(ckpt_optimizer* opt, const void* const* grads,
+                                             void* const* params, size_t npieces, int grad_dtype,
+                                             float grad_scale, int check_finite, void* stream,
+                                             int* skipped);
 CKPT_C_EXPORT int ckpt_optimizer_num_groups(const ckpt_optimizer* opt, size_t* count);
 CKPT_C_EXPORT int ckpt_optimizer_get_group(const ckpt_optimizer* opt, size_t index, ckpt_group* out);
 /* Replaces group `index`'s hyper-parameters from the next step on (its step counter kept). */

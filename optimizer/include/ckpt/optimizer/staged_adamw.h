@@ -74,8 +74,17 @@ class CudaStreamView {
   CUstream_st* handle_;
 };
 
+// Where one piece's gradients are read and its weights written: its `count` elements back to
+// back at each pointer (a parameter's own storage, offset to the piece's first element).
+struct PieceBuffers {
+  const void* grads = nullptr;
+  void* params = nullptr;
+};
+
 // What Step receives. Pointers are host memory for the CPU engine and device memory for the
-// CUDA engine; both hold this rank's elements in slab order.
+// CUDA engine. Either two flat buffers that hold this rank's elements in slab order (`grads`,
+// `params`), or one PieceBuffers per piece (`pieces`, in options().pieces order: the
+// parameters' own storage, read and written in place, with no flat copy).
 struct StepArgs {
   const void* grads = nullptr;
   formats::DType grad_dtype = formats::DType::kF32;  // kF32, kBF16 or kF16.
@@ -87,6 +96,9 @@ struct StepArgs {
   // starts after the work queued on it so far and, once Step returns, the work queued on it
   // next runs after the step's last write of `params`.
   std::optional<CudaStreamView> stream = std::nullopt;
+  // Set (one entry per piece): the step reads and writes there, and `grads` and `params` are
+  // ignored.
+  std::span<const PieceBuffers> pieces = {};
 };
 
 struct StepReport {
@@ -260,6 +272,8 @@ class StagedAdamW {
   formats::DType model_dtype_ = formats::DType::kBF16;
   uint64_t size_ = 0;
   std::vector<Unit> units_;
+  // Slab offset of each piece's first element, and size_ last (SlabView::piece_starts).
+  std::vector<uint64_t> piece_starts_;
   std::unique_ptr<Slabs> slabs_;
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 
