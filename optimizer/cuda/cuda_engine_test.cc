@@ -374,6 +374,67 @@ TEST(CudaEngineTest, WriteModelWeightsToDeviceAndHostEqualsWhatTheStepWrote) {
   cudaStreamDestroy(stream);
 }
 
+// The CUDA engine on each piece's own device buffers (StepArgs::pieces: kernels cut at the
+// pieces' boundaries) equals the step on flat device buffers, check_finite included.
+TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  const uint64_t n = Size(o);
+  State expected = RunEngine(o, DType::kF32, 2);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  std::vector<void*> dgrads, dparams;
+  std::vector<PieceBuffers> buffers;
+  for (const Piece& p : o.pieces) {
+    void* g = nullptr;
+    void* w = nullptr;
+    ASSERT_EQ(cudaMalloc(&g, p.count * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&w, p.count * 2), cudaSuccess);
+    dgrads.push_back(g);
+    dparams.push_back(w);
+    buffers.push_back({g, w});
+  }
+  for (int s = 0; s < 3; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    if (s == 2) g[n - 5] = INFINITY;  // In the last piece: the step is skipped.
+    uint64_t at = 0;
+    for (size_t k = 0; k < o.pieces.size(); ++k) {
+      ASSERT_EQ(cudaMemcpy(dgrads[k], g.data() + at, o.pieces[k].count * 4,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      at += o.pieces[k].count;
+    }
+    StepArgs args;
+    args.grad_dtype = DType::kF32;
+    args.grad_scale = 0.75f;  // RunEngine's.
+    args.check_finite = true;
+    args.stream = view;
+    args.pieces = buffers;
+    auto report = (*opt)->Step(args);
+    CKPT_ASSERT_OK(report);
+    EXPECT_EQ(report->skipped, s == 2);
+  }
+  std::vector<std::byte> params(n * 2);
+  uint64_t at = 0;
+  for (size_t k = 0; k < o.pieces.size(); ++k) {
+    ASSERT_EQ(cudaMemcpyAsync(params.data() + at * 2, dparams[k], o.pieces[k].count * 2,
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    at += o.pieces[k].count;
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(params, expected.params);
+  CKPT_ASSERT_OK((*opt)->Synchronize());
+  EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
+  for (void* p : dgrads) cudaFree(p);
+  for (void* p : dparams) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
 uint64_t DeviceUsed() {
   size_t free = 0, total = 0;
   cudaMemGetInfo(&free, &total);
