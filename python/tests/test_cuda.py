@@ -55,3 +55,29 @@ def test_a_load_writes_the_cuda_parameters_from_the_masters(tmp_path):
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p.detach(), q.detach())
     ck2.close()
+
+
+def test_parity_with_torch_adamw_on_cuda_parameters_stepped_in_place():
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 64)).cuda()
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                              torch.nn.Linear(256, 64)).cuda()
+    ref.load_state_dict(ours.state_dict())
+    storages = [p.data_ptr() for p in ours.parameters()]
+    opt = ckpt.torch.StagedAdamW(list(ours.named_parameters()), lr=1e-3, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    for step in range(10):
+        g = torch.Generator(device="cuda").manual_seed(100 + step)
+        x = torch.randn(32, 64, device="cuda", generator=g)
+        for model, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            model(x).pow(2).mean().backward()
+            o.step()
+    assert [p.data_ptr() for p in ours.parameters()] == storages  # Written in place.
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert rel <= 2e-6, rel
+    sd = opt.state_dict()  # And the state dict loads into torch's AdamW.
+    ropt.load_state_dict(sd)
+    opt.close()
