@@ -241,6 +241,10 @@ class CudaEngine : public internal::Engine {
     }
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
+    // The masters copied in above are read until the kernels ran: a later step's copy-out of
+    // a unit, in whichever slot a fenced step puts it, waits for that.
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), done_.get(), 0));
     return absl::OkStatus();
   }
 

@@ -17,6 +17,7 @@ PendingSave recorded as `pending` after save_async), and is delivered then.
 """
 import ctypes
 import pickle
+import weakref
 
 from . import _lib, _signals
 from ._lib import CkptError, check, lib
@@ -174,6 +175,11 @@ class Checkpointer:
         self._native = Native(handle, lib.ckpt_checkpointer_destroy, "checkpointer",
                               parents=(optimizer._native, self._store), keep=callbacks,
                               collective=distributed, then_close=(self._store,))
+        # Its optimizer holds the Native (a parent holds its open children), so dropping the
+        # last reference to this object must close it: the root's LOCK, the staging pool and
+        # an abandoned save's fence go with it. Not at exit: the exit hook decides there.
+        finalizer = weakref.finalize(self, self._native.close)
+        finalizer.atexit = False
 
     def _live(self):
         if self._native is None:

@@ -508,6 +508,7 @@ class StagedAdamW(torch.optim.Optimizer):
         rounded to their dtype, written in place (data-parallel: collective, the ranks exchange
         their pieces)."""
         handle = self._live()
+        self._cache.clear()  # The state just changed under the cached view.
         if self._owned is None:
             if self._device.type == "cuda":
                 # Rounded on the device, ordered on the current stream.
@@ -633,11 +634,16 @@ class StagedAdamW(torch.optim.Optimizer):
                                          f"the parameter {n}")
                     dest[o:o + n].copy_(t.reshape(-1).float().cpu())
                 step = entry.get("step", 0)
-                group_steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+                step = step.item() if isinstance(step, torch.Tensor) else step
+                if not _is_number(step) or step < 0 or step != int(step):
+                    raise ValueError(f"the step of parameter {name} is {step!r}, not a count")
+                group_steps.add(int(step))
             if len(group_steps) > 1:
                 raise ValueError(f"param group {gi}: its parameters' step counts differ "
                                  f"({sorted(group_steps)}); StagedAdamW keeps one per group")
             steps.append(group_steps.pop() if group_steps else 0)
+        if len({bool(g.get("maximize", False)) for g in new_groups}) > 1:
+            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
         for name, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
             if not torch.isfinite(t).all():
                 raise ValueError(f"the state dict's {name} holds a non-finite value")

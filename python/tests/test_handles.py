@@ -176,3 +176,35 @@ def test_copies_and_pickles_refuse_with_a_clear_message(tmp_path):
     step(model, opt)
     ck.save(1)
     ck.close()
+
+
+def test_a_dropped_checkpointer_lets_go_of_the_root_and_of_its_save(tmp_path):
+    model, opt = small()
+    step(model, opt)
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ck.save(1)
+    ck.save_async(2)  # Abandoned with its checkpointer: nothing published.
+    del ck
+    gc.collect()
+    # The root's LOCK went with it, and so did the async save's fence on the optimizer.
+    ck2 = ckpt.Checkpointer(tmp_path / "root", opt)
+    assert ck2.latest == 1
+    opt.load_state_dict(opt.state_dict())
+    step(model, opt, seed=1)
+    ck2.save(3)
+    ck2.close()
+
+
+def test_the_state_view_follows_a_checkpointer_load(tmp_path):
+    model, opt = small()
+    step(model, opt)
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ck.save(1)
+    saved = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    step(model, opt, seed=1)
+    moved = opt.state_dict()["state"][0]["exp_avg"]  # Cached after the second step.
+    assert not torch.equal(moved, saved["exp_avg"])
+    ck.load(1)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["exp_avg"])
+    assert torch.equal(opt.state[next(model.parameters())]["master"], saved["master"])
+    ck.close()

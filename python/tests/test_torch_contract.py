@@ -271,3 +271,20 @@ def test_safetensors_saves_every_tensor_of_the_model(tmp_path):
     assert set(loaded) == set(ours.state_dict())
     for name, t in ours.state_dict().items():
         assert torch.equal(loaded[name], t), name
+
+
+def test_state_dicts_whose_steps_or_maximize_do_not_fit_are_refused():
+    (ours, opt), _ = run_both(steps=2)
+    good = opt.state_dict()
+    for value in (-1.0, 1.5):
+        bad = round_trip(good)
+        for entry in bad["state"].values():
+            entry["step"] = torch.tensor(value)
+        with pytest.raises(ValueError, match="not a count"):
+            opt.load_state_dict(bad)
+    bad = round_trip(good)
+    bad["param_groups"][0]["maximize"] = True
+    with pytest.raises(NotImplementedError, match="maximize"):
+        opt.load_state_dict(bad)
+    assert opt.group_steps() == [2, 2]
+    train(ours, opt, 1, first=2)  # Still steps: nothing was changed.
