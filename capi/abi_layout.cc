@@ -98,6 +98,11 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_set_group);
   CKPT_FUNC(ckpt_optimizer_read_state);
   CKPT_FUNC(ckpt_optimizer_set_state);
+  CKPT_FUNC(ckpt_optimizer_step_masked);
+  CKPT_FUNC(ckpt_optimizer_param_steps);
+  CKPT_FUNC(ckpt_optimizer_set_param_state);
+  CKPT_FUNC(ckpt_optimizer_set_masters);
+  CKPT_FUNC(ckpt_optimizer_write_piece_weights);
   CKPT_FUNC(ckpt_optimizer_lifecycle);
   CKPT_FUNC(ckpt_store_open);
   CKPT_FUNC(ckpt_store_open_with);

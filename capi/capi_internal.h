@@ -1,6 +1,7 @@
-// What the C ABI's translation units share (capi/ckpt_c.cc, capi/store_c.cc): the status-to-code
-// conversion with its thread-local message, the guard that keeps C++ exceptions from crossing the
-// boundary, the Coordinator over a caller's callbacks, and the store handle. Not installed.
+// What the C ABI's translation units share (capi/ckpt_c.cc, capi/optimizer_c.cc,
+// capi/store_c.cc): the status-to-code conversion with its thread-local message, the guard that
+// keeps C++ exceptions from crossing the boundary, the Coordinator over a caller's callbacks, and
+// the store and optimizer handles. Not installed.
 #ifndef CKPT_CAPI_CAPI_INTERNAL_H_
 #define CKPT_CAPI_CAPI_INTERNAL_H_
 
@@ -17,9 +18,14 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/ckpt.h"
 #include "ckpt/coordinator.h"
+#include "ckpt/optimizer/staged_adamw.h"
 
 struct ckpt_store {
   std::unique_ptr<ckpt::CheckpointStore> store;
+};
+
+struct ckpt_optimizer {
+  std::unique_ptr<ckpt::optimizer::StagedAdamW> opt;
 };
 
 namespace ckpt::capi {

@@ -20,11 +20,16 @@ constexpr int kMaxDepth = 8;
 
 std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
   json params = json::array(), groups = json::array();
+  bool own_steps = false;
   for (const OptimizerRecordParam& p : record.params) {
     params.push_back({{"name", p.name},
                       {"shape", p.shape},
                       {"dtype", std::string(DTypeName(p.dtype))},
                       {"group", p.group}});
+    if (p.step.has_value()) {
+      params.back()["step"] = *p.step;
+      own_steps = true;
+    }
   }
   for (const OptimizerRecordGroup& g : record.groups) {
     groups.push_back({{"lr", g.lr},
@@ -35,7 +40,7 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
                       {"step", g.step}});
   }
   return json{{"format", kOptimizerRecordFormat},
-              {"version", kOptimizerRecordVersion},
+              {"version", own_steps ? 2 : 1},
               {"kind", record.kind},
               {"moment_dtype", std::string(DTypeName(record.moment_dtype))},
               {"world_size", record.world_size},
@@ -136,9 +141,18 @@ absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
                               " the record has"));
     }
     param.group = p["group"].get<uint32_t>();
+    if (p.contains("step")) {
+      if (!p["step"].is_number_unsigned()) return bad(named + " has a step that is not a count");
+      param.step = p["step"].get<uint64_t>();
+    }
     out.params.push_back(std::move(param));
   }
   return out;
+}
+
+uint64_t ParamStep(const OptimizerRecord& record, size_t i) {
+  const OptimizerRecordParam& p = record.params[i];
+  return p.step.has_value() ? *p.step : record.groups[p.group].step;
 }
 
 }  // namespace ckpt::formats

@@ -8,6 +8,7 @@
 namespace ckpt::formats {
 namespace {
 
+using ::ckpt::testing::IsOk;
 using ::ckpt::testing::StatusIs;
 using ::testing::HasSubstr;
 
@@ -15,9 +16,9 @@ OptimizerRecord Sample() {
   OptimizerRecord r;
   r.moment_dtype = DType::kBF16;
   r.world_size = 3;
-  r.params = {{"embed.weight", {32000, 1024}, DType::kBF16, 0},
-              {"norm.bias", {1024}, DType::kBF16, 1},
-              {"scalar", {}, DType::kF32, 1}};
+  r.params = {{"embed.weight", {32000, 1024}, DType::kBF16, 0, std::nullopt},
+              {"norm.bias", {1024}, DType::kBF16, 1, std::nullopt},
+              {"scalar", {}, DType::kF32, 1, std::nullopt}};
   r.groups = {{1e-3, 0.9, 0.95, 1e-8, 0.1, 120}, {3.0000000000000004e-4, 0.8, 0.999, 0, 0, 7}};
   return r;
 }
@@ -73,8 +74,25 @@ TEST(OptimizerRecordTest, EveryMalformedFieldIsDataLossNamingIt) {
     EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
   }
   EXPECT_THAT(ParseOptimizerRecord("[1,2", "x"), StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(damaged("\"version\":1", "\"version\":2"),
+  EXPECT_THAT(damaged("\"version\":1", "\"version\":3"),
               StatusIs(absl::StatusCode::kUnimplemented));
+  EXPECT_THAT(damaged("\"group\":1", "\"group\":1,\"step\":-1"),
+              StatusIs(absl::StatusCode::kDataLoss));
+}
+
+TEST(OptimizerRecordTest, ParameterStepsRoundTripAsVersionTwo) {
+  OptimizerRecord record;
+  record.params = {{"a", {2}, DType::kBF16, 0, std::nullopt}, {"b", {3}, DType::kBF16, 0, 4}};
+  record.groups = {{1e-3, 0.9, 0.999, 1e-8, 0.1, 9}};
+  const std::string text = EncodeOptimizerRecord(record);
+  EXPECT_THAT(text, HasSubstr("\"version\":2"));
+  absl::StatusOr<OptimizerRecord> parsed = ParseOptimizerRecord(text, "x");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_EQ(*parsed, record);
+  EXPECT_EQ(ParamStep(*parsed, 0), 9u);  // Its group's.
+  EXPECT_EQ(ParamStep(*parsed, 1), 4u);  // Its own.
+  record.params[1].step.reset();
+  EXPECT_THAT(EncodeOptimizerRecord(record), HasSubstr("\"version\":1"));
 }
 
 }  // namespace

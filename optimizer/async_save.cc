@@ -206,7 +206,7 @@ absl::StatusOr<uint64_t> AsyncSave::QueueUnit(size_t u, const std::byte* master,
   // (the caller's weight buffer is not read: a CUDA trainer copies device weights into it at
   // will). Two units are in the writer's hands at once, hence two buffers.
   std::vector<std::byte>& bounce = bounce_[u % 2];
-  bounce.resize(units_[u].count * formats::DTypeSize(layout_.dtype(StateKind::kWeights)));
+  bounce.resize(units_[u].count * 4);  // Room for the widest model dtype.
   return QueueState(*txn_, layout_, units_[u].offset, units_[u].count, {master, m, v}, bounce);
 }
 

@@ -230,6 +230,44 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, MomentDType::kBF16, Order::kWriterAhead}),
     Name);
 
+// SetMasters (a trainer's in-place edit of its parameters) while the writer is held: the edit
+// passes the copy-on-write fence like a step, so the checkpoint holds the masters at the call.
+TEST(AsyncSaveRulesTest, SetMastersDuringASaveLeavesTheCheckpointAtTheCall) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  GateEnv gate(mem.get());
+  std::string at_call;
+  {
+    Job job(&gate, 1, 300);
+    job.Step(0);
+    at_call = job.Gather();
+    gate.Close();
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(1);
+    ASSERT_NE(handles[0], nullptr);
+    gate.AwaitBlocked(1);
+    StagedAdamW& opt = *job.rank(0).opt;
+    std::vector<float> doubled(opt.master().begin(), opt.master().end());
+    for (float& x : doubled) x *= 2;
+    // Copies aside all but the units the writer holds, then waits for those.
+    absl::Status set;
+    std::thread edit([&] { set = opt.SetMasters(0, doubled); });
+    while (handles[0]->report().step_waits == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    gate.Open();
+    edit.join();
+    ASSERT_THAT(set, IsOk());
+    EXPECT_EQ(opt.master()[opt.size() - 1], doubled.back());
+    ExpectAllOk(job.Finalize(handles));
+    EXPECT_GT(handles[0]->report().units_copied, 0u);
+  }
+  Job loaded(&gate, 1, 300);
+  ExpectAllOk(loaded.OnEveryRank([&](int r) -> absl::Status {
+    CKPT_RETURN_IF_ERROR(loaded.rank(r).ckpt->Load(1).status());
+    return loaded.WriteWeights(r);
+  }));
+  EXPECT_EQ(loaded.Gather(), at_call);
+}
+
 // While a save is in flight the other transactions refuse and say why; SetGroup works (the
 // groups were taken at the call); a second Finalize refuses.
 TEST(AsyncSaveRulesTest, OtherTransactionsRefuseWhileASaveIsInFlight) {

@@ -112,7 +112,8 @@ absl::Status Checkpointer::SaveInto(SaveTransaction& txn, const Blobs& blobs,
       internal::WriteState(txn, layout, internal::SlabBytes(*optimizer_), chunk_bytes));
   const std::string record =
       internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
-                             optimizer_->options().moment_dtype, coordinator_->size());
+                             optimizer_->param_steps(), optimizer_->options().moment_dtype,
+                             coordinator_->size());
   CKPT_RETURN_IF_ERROR(txn.WriteBlob(kOptimizerRecordBlob, std::as_bytes(std::span(record))));
   for (const auto& [key, value] : blobs) {
     CKPT_RETURN_IF_ERROR(
@@ -157,7 +158,8 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
   plan_blobs.emplace_back(
       kOptimizerRecordBlob,
       internal::LayoutRecord(optimizer_->options().params, optimizer_->groups(),
-                             optimizer_->options().moment_dtype, coordinator_->size()));
+                             optimizer_->param_steps(), optimizer_->options().moment_dtype,
+                             coordinator_->size()));
   for (const auto& [key, value] : blobs) plan_blobs.emplace_back(kTrainerPrefix + key, value);
   if (staging_ == nullptr) {
     uint64_t slot_bytes = 0;

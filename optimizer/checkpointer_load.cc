@@ -78,6 +78,22 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
   return out;
 }
 
+// Each of `params`' step count in `record`, found by name (the record's order may differ); a
+// parameter the record lacks (the tensor check refuses that load) counts 0.
+std::vector<uint64_t> RecordParamSteps(const formats::OptimizerRecord& record,
+                                       const std::vector<ParamSpec>& params) {
+  std::map<std::string, uint64_t> saved;
+  for (size_t i = 0; i < record.params.size(); ++i) {
+    saved[record.params[i].name] = formats::ParamStep(record, i);
+  }
+  std::vector<uint64_t> out;
+  for (const ParamSpec& p : params) {
+    auto it = saved.find(p.name);
+    out.push_back(it == saved.end() ? 0 : it->second);
+  }
+  return out;
+}
+
 // Refuses a record that puts any of `params` in another group than the optimizer does: each
 // group's hyper-parameters would land on other parameters. The record's parameter order may
 // differ (a checkpoint loads at any parameter order, DESIGN.md §2); names it lacks are the
@@ -133,7 +149,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   for (uint32_t p = 0; p < o.params.size(); ++p) {
     for (StateKind kind : layout.kinds()) {
       const bool moment = kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
-      const DType want = moment ? moments : layout.dtype(kind);
+      const DType want = moment ? moments : layout.dtype(kind, p);
       const std::string& name = layout.name(p, kind);
       const formats::TensorInfo& t = m.tensors[index[name]];
       if (t.shape != o.params[p].shape || t.dtype != want ||
@@ -173,7 +189,7 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
       reader, StateLayout::Of(*optimizer_),
       {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),
        optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data()}));
-  scope.RestoreGroups(groups);
+  scope.RestoreGroups(groups, RecordParamSteps(record, o.params));
   if (blobs == nullptr) return absl::OkStatus();
   // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
   const uint32_t rank = static_cast<uint32_t>(coordinator_->rank()) < m.world_size

@@ -138,6 +138,8 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable() {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return nullptr;
   }
+  // Parameters of several dtypes: the undo is spilled (no single dtype holds every master).
+  if (optimizer_->mixed_dtypes()) return nullptr;
   const DType model = optimizer_->model_dtype();
   const size_t wsize = formats::DTypeSize(model);
   const std::span<const float> master = optimizer_->master();
@@ -196,7 +198,9 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
       std::memset(moment.data(), 0, moment.size());
     }
-    scope.RestoreGroups(*undo.derived_groups);
+    // Derivable only while no parameter has stepped: every count is 0.
+    scope.RestoreGroups(*undo.derived_groups,
+                        std::vector<uint64_t>(optimizer_->options().params.size(), 0));
     return absl::OkStatus();
   }
   CheckpointStore* from = undo.spill_store != nullptr ? undo.spill_store.get() : store_;

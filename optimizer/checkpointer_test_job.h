@@ -98,8 +98,9 @@ class Job {
   int size() const { return static_cast<int>(ranks_.size()); }
   Rank& rank(int r) { return ranks_[r]; }
 
-  // One step on every rank, at step number `s` of the run, with lr scaled by (s + 1) / 4.
-  void Step(int s) {
+  // One step on every rank, at step number `s` of the run, with lr scaled by (s + 1) / 4, of
+  // the parameters `stepped` names (StepArgs::stepped; empty: every parameter).
+  void Step(int s, const std::vector<uint8_t>& stepped = {}) {
     for (Rank& rank : ranks_) {
       for (size_t g = 0; g < ToyGroups().size(); ++g) {
         ASSERT_THAT(rank.opt->SetGroup(g, ToyGroupAt(g, s)), IsOk());
@@ -108,7 +109,9 @@ class Job {
       for (const Piece& p : rank.opt->options().pieces)
         for (uint64_t i = 0; i < p.count; ++i)
           grads.push_back(ToyGradient(p.param, p.begin + i, s));
-      ASSERT_THAT(rank.opt->Step({grads.data(), DType::kF32, 1.0f, rank.weights.data()}), IsOk());
+      StepArgs args{grads.data(), DType::kF32, 1.0f, rank.weights.data()};
+      args.stepped = stepped;
+      ASSERT_THAT(rank.opt->Step(args), IsOk());
     }
   }
 
@@ -202,6 +205,7 @@ class Job {
         absl::StrAppend(&mine, g.lr, "/", g.beta1, "/", g.beta2, "/", g.eps, "/", g.weight_decay,
                         "/", g.step, ";");
       }
+      for (uint64_t step : rank.opt->param_steps()) absl::StrAppend(&mine, step, ",");
       if (groups.empty()) groups = mine;
       EXPECT_EQ(groups, mine) << "ranks disagree on their groups";
     }

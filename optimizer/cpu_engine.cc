@@ -24,15 +24,18 @@ class CpuEngine : public internal::Engine {
   CpuEngine(int threads, CpuIsa isa) : isa_(isa), pool_(threads) {}
 
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
-                                  const std::vector<StepConstants>& constants,
-                                  const SlabView& slabs, formats::DType model_dtype,
+                                  const StepPlan& plan, const SlabView& slabs,
                                   uint64_t elements) override {
-    internal::KernelFn kernel =
-        internal::SelectKernel(isa_, args.grad_dtype, model_dtype, slabs.moment_dtype);
-    if (kernel == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
-    const size_t gsize = ElementBytes(args.grad_dtype), psize = ElementBytes(model_dtype);
-    const std::vector<Task> tasks =
-        Tasks(args, units, slabs, internal::TaskElems(elements, pool_.size()), gsize, psize);
+    // One kernel per model dtype the pieces have.
+    internal::KernelFn kernels[3] = {};
+    for (formats::DType d : slabs.piece_dtypes) {
+      internal::KernelFn& k = kernels[KernelIndex(d)];
+      if (k == nullptr) k = internal::SelectKernel(isa_, args.grad_dtype, d, slabs.moment_dtype);
+      if (k == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
+    }
+    const std::vector<Task> tasks = Tasks(args, units, plan, slabs,
+                                          internal::TaskElems(elements, pool_.size()),
+                                          ElementBytes(args.grad_dtype));
     StepReport report;
     if (args.check_finite) {
       CheckFinite(args, tasks, &report);
@@ -51,37 +54,40 @@ class CpuEngine : public internal::Engine {
                    t.params,
                    t.count,
                    args.grad_scale,
-                   constants[t.group]};
-      kernel(a);
+                   plan.constants[t.constants]};
+      kernels[KernelIndex(t.dtype)](a);
     }, Participants());
     return report;
   }
 
   absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
-                                         const SlabView& slabs, uint64_t elements) override {
+                                         const StepPlan& plan, const SlabView& slabs,
+                                         uint64_t elements) override {
     const std::vector<Task> tasks =
-        Tasks(args, units, slabs, internal::TaskElems(elements, pool_.size()),
-              ElementBytes(args.grad_dtype), 0);
+        Tasks(args, units, plan, slabs, internal::TaskElems(elements, pool_.size()),
+              ElementBytes(args.grad_dtype));
     StepReport report;
     CheckFinite(args, tasks, &report);
     report.skipped = report.nonfinite > 0;
     return report;
   }
 
-  absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
-                            formats::DType model_dtype, void* dest,
+  absl::Status WriteWeights(const SlabView& slabs, const std::vector<Unit>& units,
+                            const StepArgs& dest,
                             const std::optional<CudaStreamView>& stream) override {
     (void)stream;  // Host memory only.
     uint64_t elements = 0;
     for (const Unit& u : units) elements += u.count;
-    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
-    const uint64_t tasks = (elements + task_elems - 1) / task_elems;
-    const size_t psize = ElementBytes(model_dtype);
-    pool_.ParallelFor(tasks, [&](size_t i) {
-      const uint64_t at = i * task_elems, n = std::min(task_elems, elements - at);
-      formats::Convert(formats::DType::kF32, std::as_bytes(std::span(master + at, n)),
-                       model_dtype,
-                       std::span(static_cast<std::byte*>(dest) + at * psize, n * psize));
+    StepPlan every;  // Every piece, at constants 0 (not read).
+    every.piece_constants.assign(slabs.piece_dtypes.size(), 0);
+    const std::vector<Task> tasks =
+        Tasks(dest, units, every, slabs, internal::TaskElems(elements, pool_.size()), 0);
+    pool_.ParallelFor(tasks.size(), [&](size_t i) {
+      const Task& t = tasks[i];
+      const size_t psize = ElementBytes(t.dtype);
+      formats::Convert(formats::DType::kF32,
+                       std::as_bytes(std::span(slabs.master + t.offset, t.count)), t.dtype,
+                       std::span(t.params, t.count * psize));
     }, Participants());
     return absl::OkStatus();
   }
@@ -94,25 +100,35 @@ class CpuEngine : public internal::Engine {
 
  private:
   // A run of at most TaskElems elements of one unit that reads its gradients and writes its
-  // weights contiguously (a unit cut at the pieces' boundaries, with StepArgs::pieces).
+  // weights contiguously, with one entry of the step's plan and one model dtype
+  // (ForEachSegment); skipped pieces make no tasks.
   struct Task {
     uint64_t offset, count;
-    uint32_t group;
+    uint32_t constants;  // Index into StepPlan::constants.
+    formats::DType dtype;
     const std::byte* grads;
     std::byte* params;
   };
 
+  static size_t KernelIndex(formats::DType d) {
+    return d == formats::DType::kF32 ? 0 : d == formats::DType::kBF16 ? 1 : 2;
+  }
+
   static std::vector<Task> Tasks(const StepArgs& args, const std::vector<Unit>& units,
-                                 const SlabView& slabs, uint64_t task_elems, size_t gsize,
-                                 size_t psize) {
+                                 const StepPlan& plan, const SlabView& slabs,
+                                 uint64_t task_elems, size_t gsize) {
     std::vector<Task> tasks;
     for (const Unit& u : units) {
       ForEachSegment(
-          args, slabs.piece_starts, u.offset, u.count, gsize, psize,
-          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params) {
+          args, slabs, plan, u.offset, u.count, gsize,
+          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
+              uint32_t c, formats::DType dtype) {
+            if (c == StepPlan::kSkipped) return;
+            const size_t psize = ElementBytes(dtype);
             for (uint64_t d = 0; d < count; d += task_elems) {
-              tasks.push_back({offset + d, std::min(task_elems, count - d), u.group,
-                               grads + d * gsize, params + d * psize});
+              tasks.push_back({offset + d, std::min(task_elems, count - d), c, dtype,
+                               grads == nullptr ? nullptr : grads + d * gsize,
+                               params == nullptr ? nullptr : params + d * psize});
             }
           });
     }

@@ -37,29 +37,65 @@ struct SlabView {
   // Slab offset of each piece's first element, then the slab size: where StepArgs::pieces'
   // buffers begin and end.
   std::span<const uint64_t> piece_starts;
+  // Each piece's model dtype (its parameter's), and the byte offset of its first weight in a
+  // flat model-weight buffer (StagedAdamW::weight_bytes()), then that buffer's size.
+  std::span<const formats::DType> piece_dtypes;
+  std::span<const uint64_t> piece_bytes;
 };
 
-// Calls fn(offset, count, grads, params) for each run of slab elements [offset, offset + count)
-// that reads its gradients and writes its weights contiguously: the whole range at the flat
-// buffers, or, with StepArgs::pieces, the range cut at the pieces' boundaries. `gsize` and
-// `psize` are the gradient and model element sizes.
+// What one Step applies to each piece (StagedAdamW::Step plans it): the constants of each
+// (group, step count) pair among the parameters being stepped, and per piece the index of its
+// entry, or kSkipped for a piece whose parameter has no gradient this step (its gradients are
+// not read, its state and weights not written).
+struct StepPlan {
+  static constexpr uint32_t kSkipped = ~uint32_t{0};
+  std::vector<StepConstants> constants;
+  std::vector<uint32_t> piece_constants;  // One per piece.
+};
+
+// Calls fn(offset, count, grads, params, constants, dtype) for each run of slab elements
+// [offset, offset + count) of one entry of `plan` (StepPlan::kSkipped included: the caller
+// decides what a skipped run costs it) and one model dtype that reads its gradients and writes
+// its weights contiguously: at the flat buffers, the range cut where the pieces' entries or
+// dtypes change; with StepArgs::pieces, cut at every piece boundary (a skipped piece's pointers
+// may be null, and are passed so). `gsize` is the gradient element size.
 template <typename Fn>
-void ForEachSegment(const StepArgs& args, std::span<const uint64_t> piece_starts, uint64_t offset,
-                    uint64_t count, size_t gsize, size_t psize, Fn fn) {
-  if (args.pieces.empty()) {
-    fn(offset, count, static_cast<const std::byte*>(args.grads) + offset * gsize,
-       static_cast<std::byte*>(args.params) + offset * psize);
-    return;
-  }
-  size_t k = static_cast<size_t>(
-      std::upper_bound(piece_starts.begin(), piece_starts.end(), offset) - piece_starts.begin()) -
+void ForEachSegment(const StepArgs& args, const SlabView& slabs, const StepPlan& plan,
+                    uint64_t offset, uint64_t count, size_t gsize, Fn fn) {
+  if (count == 0) return;
+  const std::span<const uint64_t> starts = slabs.piece_starts;
+  size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), offset) -
+                                 starts.begin()) -
              1;
-  for (uint64_t at = offset, end = offset + count; at < end; ++k) {
-    const uint64_t n = std::min(end, piece_starts[k + 1]) - at;
-    const uint64_t within = at - piece_starts[k];
-    fn(at, n, static_cast<const std::byte*>(args.pieces[k].grads) + within * gsize,
-       static_cast<std::byte*>(args.pieces[k].params) + within * psize);
-    at += n;
+  const bool flat = args.pieces.empty();
+  for (uint64_t at = offset, end = offset + count; at < end;) {
+    const uint32_t c = plan.piece_constants[k];
+    const formats::DType dtype = slabs.piece_dtypes[k];
+    const size_t psize = formats::DTypeSize(dtype);
+    const size_t first = k;
+    uint64_t stop = std::min(end, starts[k + 1]);
+    // At flat buffers, neighbours with the same entry and dtype, back to back, are one run.
+    while (flat && stop < end && plan.piece_constants[k + 1] == c &&
+           slabs.piece_dtypes[k + 1] == dtype &&
+           slabs.piece_bytes[k + 1] == slabs.piece_bytes[k] + (starts[k + 1] - starts[k]) * psize) {
+      ++k;
+      stop = std::min(end, starts[k + 1]);
+    }
+    const uint64_t n = stop - at;
+    const uint64_t within = at - starts[first];
+    if (flat) {
+      fn(at, n, static_cast<const std::byte*>(args.grads) + at * gsize,
+         static_cast<std::byte*>(args.params) + slabs.piece_bytes[first] + within * psize, c,
+         dtype);
+    } else {
+      const PieceBuffers& b = args.pieces[k];
+      fn(at, n,
+         b.grads == nullptr ? nullptr : static_cast<const std::byte*>(b.grads) + within * gsize,
+         b.params == nullptr ? nullptr : static_cast<std::byte*>(b.params) + within * psize, c,
+         dtype);
+    }
+    at = stop;
+    ++k;
   }
 }
 
@@ -69,15 +105,16 @@ namespace internal {
 class Engine {
  public:
   virtual ~Engine() = default;
-  // Updates every unit; `constants` is indexed by group. REQUIRES: args validated.
+  // Updates every piece of `units` that `plan` does not skip. REQUIRES: args validated.
   virtual absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
-                                          const std::vector<StepConstants>& constants,
-                                          const SlabView& slabs, formats::DType model_dtype,
+                                          const StepPlan& plan, const SlabView& slabs,
                                           uint64_t elements) = 0;
-  // The check_finite pass of Step alone, over `units`: what a step split into several Step
-  // calls (an async save's fence, optimizer/async_save.h) runs once before the first.
+  // The check_finite pass of Step alone, over `units` (the pieces `plan` does not skip): what
+  // a step split into several Step calls (an async save's fence, optimizer/async_save.h) runs
+  // once before the first.
   virtual absl::StatusOr<StepReport> CheckFinite(const StepArgs& args,
                                                  const std::vector<Unit>& units,
+                                                 const StepPlan& plan,
                                                  const SlabView& slabs, uint64_t elements) = 0;
   // Orders what the caller queues next on args.stream after the writes of the last Step call
   // (once per StagedAdamW::Step, however many calls it took); no-op for the CPU engine.
@@ -85,13 +122,14 @@ class Engine {
     (void)args;
     return absl::OkStatus();
   }
-  // Writes `elements` masters rounded to `model_dtype` (nearest even) into `dest`, in slab
-  // order (StagedAdamW::WriteModelWeights; REQUIRES: arguments validated). `stream` unset:
-  // `dest` is host memory, written once the last Step's copies have landed. Set (CUDA engine):
-  // `dest` is device memory, written after the work queued on the stream so far, and what is
-  // queued on it next runs after the writes.
-  virtual absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
-                                    formats::DType model_dtype, void* dest,
+  // Writes the masters of `units`, each rounded to its piece's model dtype (nearest even), where
+  // `dest` says: its flat `params` buffer (StagedAdamW::weight_bytes()) or each piece's
+  // `pieces[k].params` (StagedAdamW::WriteModelWeights; REQUIRES: arguments validated; the
+  // gradients are not read). `stream` unset: host memory, written once the last Step's copies
+  // have landed. Set (CUDA engine): device memory, written after the work queued on the stream
+  // so far, and what is queued on it next runs after the writes.
+  virtual absl::Status WriteWeights(const SlabView& slabs, const std::vector<Unit>& units,
+                                    const StepArgs& dest,
                                     const std::optional<CudaStreamView>& stream) = 0;
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }

@@ -221,7 +221,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     }
     std::vector<ParamGroup> groups = optimizer_->groups();
     for (ParamGroup& g : groups) g.step = 0;
-    scope.RestoreGroups(groups);
+    scope.RestoreGroups(groups, std::vector<uint64_t>(optimizer_->options().params.size(), 0));
     return absl::OkStatus();
   };
   const std::optional<uint64_t> exclude =

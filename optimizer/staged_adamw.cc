@@ -82,19 +82,13 @@ absl::Status ValidateGroups(const StagedAdamWOptions& o) {
 
 absl::StatusOr<DType> ValidateParams(const StagedAdamWOptions& o) {
   if (o.params.empty()) return absl::InvalidArgumentError("no parameters");
-  const DType dtype = o.params[0].dtype;
   for (const ParamSpec& p : o.params) {
     if (!SupportedFloat(p.dtype)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "param \"", p.name, "\" has unsupported dtype ", formats::DTypeName(p.dtype)));
     }
-    if (p.dtype != dtype) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "param \"", p.name, "\" is ", formats::DTypeName(p.dtype), " but \"", o.params[0].name,
-          "\" is ", formats::DTypeName(dtype), "; one model dtype per optimizer"));
-    }
   }
-  return dtype;
+  return o.params[0].dtype;
 }
 
 absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
@@ -158,26 +152,41 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
   if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
-  if (model_weights.size() != size * formats::DTypeSize(dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(),
-                                                   " bytes, this rank's pieces need ",
-                                                   size * formats::DTypeSize(dtype)));
+  std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
+  // Where each piece lies in the slabs and in a flat model-weight buffer: back to back, each
+  // at a multiple of its element size (no gap at all when the parameters share one dtype).
+  uint64_t start = 0, bytes = 0;
+  size_t widest = 1;
+  for (const Piece& p : options.pieces) {
+    const DType d = options.params[p.param].dtype;
+    const size_t psize = formats::DTypeSize(d);
+    bytes = (bytes + psize - 1) / psize * psize;
+    opt->piece_starts_.push_back(start);
+    opt->piece_bytes_.push_back(bytes);
+    opt->piece_dtypes_.push_back(d);
+    opt->mixed_dtypes_ |= d != dtype;
+    widest = std::max(widest, psize);
+    start += p.count;
+    bytes += p.count * psize;
   }
-  if (size > 0 && (model_weights.data() == nullptr ||
-                   !Aligned(model_weights.data(), formats::DTypeSize(dtype)))) {
+  opt->piece_starts_.push_back(start);
+  opt->piece_bytes_.push_back(bytes);
+  opt->widest_ = widest;
+  if (model_weights.size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(),
+                                                   " bytes, this rank's pieces need ", bytes));
+  }
+  if (size > 0 && (model_weights.data() == nullptr || !Aligned(model_weights.data(), widest))) {
     return absl::InvalidArgumentError("model weights are null or misaligned");
   }
-  std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
   opt->options_ = std::move(options);
   opt->model_dtype_ = dtype;
   opt->size_ = size;
   opt->units_ = BuildUnits(opt->options_);
-  uint64_t start = 0;
-  for (const Piece& p : opt->options_.pieces) {
-    opt->piece_starts_.push_back(start);
-    start += p.count;
+  opt->param_steps_.assign(opt->options_.params.size(), 0);
+  for (size_t i = 0; i < opt->param_steps_.size(); ++i) {
+    opt->param_steps_[i] = opt->options_.groups[opt->options_.params[i].group].step;
   }
-  opt->piece_starts_.push_back(start);
   if (opt->options_.engine == EngineKind::kCpu) {
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCpuEngine(opt->options_.threads, opt->options_.isa));
   } else {
@@ -193,8 +202,14 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(
       opt->slabs_->exp_avg_sq,
       internal::HostBuffer::Create(size * moment_bytes, 2 * internal::kSlabStagger, pinned));
-  formats::Convert(dtype, model_weights, DType::kF32,
-                   std::as_writable_bytes(opt->mutable_master()));
+  const std::span<float> master = opt->mutable_master();
+  for (size_t k = 0; k < opt->piece_dtypes_.size(); ++k) {
+    const uint64_t at = opt->piece_starts_[k], n = opt->piece_starts_[k + 1] - at;
+    formats::Convert(opt->piece_dtypes_[k],
+                     model_weights.subspan(opt->piece_bytes_[k],
+                                           n * formats::DTypeSize(opt->piece_dtypes_[k])),
+                     DType::kF32, std::as_writable_bytes(master.subspan(at, n)));
+  }
   return opt;
 }
 
@@ -221,9 +236,20 @@ StagedAdamW::LoadScope::~LoadScope() {
   if (optimizer_ != nullptr) Poison("a load ended without committing or rolling back");
 }
 
-void StagedAdamW::LoadScope::RestoreGroups(const std::vector<ParamGroup>& groups) {
+void StagedAdamW::LoadScope::RestoreGroups(const std::vector<ParamGroup>& groups,
+                                           const std::vector<uint64_t>& param_steps) {
   optimizer_->options_.groups = groups;
+  optimizer_->param_steps_ = param_steps;
+  optimizer_->SyncGroupSteps();
   ++optimizer_->state_version_;
+}
+
+void StagedAdamW::SyncGroupSteps() {
+  for (ParamGroup& g : options_.groups) g.step = 0;
+  for (size_t i = 0; i < param_steps_.size(); ++i) {
+    uint64_t& step = options_.groups[options_.params[i].group].step;
+    step = std::max(step, param_steps_[i]);
+  }
 }
 
 void StagedAdamW::LoadScope::Commit() {
@@ -255,18 +281,72 @@ StagedAdamW::FenceScope::~FenceScope() {
   if (optimizer_ != nullptr) optimizer_->fence_ = nullptr;
 }
 
+SlabView StagedAdamW::View() const {
+  return SlabView{size_ > 0 ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
+                  slabs_->exp_avg.data(),
+                  slabs_->exp_avg_sq.data(),
+                  options_.moment_dtype,
+                  piece_starts_,
+                  piece_dtypes_,
+                  piece_bytes_};
+}
+
+absl::Status StagedAdamW::CheckPieceBuffers(std::span<const PieceBuffers> pieces,
+                                            std::optional<DType> grad_dtype,
+                                            std::span<const uint8_t> stepped,
+                                            absl::string_view what) const {
+  if (pieces.size() != options_.pieces.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", pieces.size(),
+                                                   " piece buffers for ",
+                                                   options_.pieces.size(), " pieces"));
+  }
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const PieceBuffers& b = pieces[k];
+    const uint32_t param = options_.pieces[k].param;
+    if (!stepped.empty() && stepped[param] == 0) {
+      continue;  // Not stepped: its buffers are not touched and may be null.
+    }
+    const std::string& name = options_.params[param].name;
+    if ((grad_dtype.has_value() && b.grads == nullptr) || b.params == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": null gradient or parameter buffer of piece ", k, " (", name, ")"));
+    }
+    if ((grad_dtype.has_value() && !Aligned(b.grads, formats::DTypeSize(*grad_dtype))) ||
+        !Aligned(b.params, formats::DTypeSize(piece_dtypes_[k]))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": gradient or parameter buffer of piece ", k, " (", name,
+          ") is misaligned for its dtype"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StagedAdamW::WriteModelWeights(void* dest, std::optional<CudaStreamView> stream) {
-  CKPT_RETURN_IF_ERROR(CheckClean("write the model weights"));
-  if (size_ == 0) return absl::OkStatus();
-  if (dest == nullptr || !Aligned(dest, formats::DTypeSize(model_dtype_))) {
+  if (size_ > 0 && (dest == nullptr || !Aligned(dest, widest_))) {
     return absl::InvalidArgumentError("model weights destination is null or misaligned");
   }
+  StepArgs where;
+  where.params = dest;
+  return WriteWeightsTo(where, stream);
+}
+
+absl::Status StagedAdamW::WriteModelWeights(std::span<const PieceBuffers> pieces,
+                                            std::optional<CudaStreamView> stream) {
+  CKPT_RETURN_IF_ERROR(CheckPieceBuffers(pieces, std::nullopt, {}, "write the model weights"));
+  StepArgs where;
+  where.pieces = pieces;
+  return WriteWeightsTo(where, stream);
+}
+
+absl::Status StagedAdamW::WriteWeightsTo(const StepArgs& where,
+                                         const std::optional<CudaStreamView>& stream) {
+  CKPT_RETURN_IF_ERROR(CheckClean("write the model weights"));
+  if (size_ == 0) return absl::OkStatus();
   if (stream.has_value() && options_.engine == EngineKind::kCpu) {
     return absl::InvalidArgumentError(
         "the CPU engine writes host memory: WriteModelWeights takes no stream there");
   }
-  return engine_->WriteWeights(reinterpret_cast<const float*>(slabs_->master.data()), units_,
-                               model_dtype_, dest, stream);
+  return engine_->WriteWeights(View(), units_, where, stream);
 }
 
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
@@ -277,54 +357,55 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
   }
+  if (!args.stepped.empty() && args.stepped.size() != options_.params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("step: ", args.stepped.size(),
+                                                   " stepped flags for ",
+                                                   options_.params.size(), " parameters"));
+  }
   if (!args.pieces.empty()) {
-    if (args.pieces.size() != options_.pieces.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("step: ", args.pieces.size(),
-                                                     " piece buffers for ",
-                                                     options_.pieces.size(), " pieces"));
-    }
-    for (size_t k = 0; k < args.pieces.size(); ++k) {
-      const PieceBuffers& b = args.pieces[k];
-      const std::string& name = options_.params[options_.pieces[k].param].name;
-      if (b.grads == nullptr || b.params == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("step: null gradient or parameter buffer of piece ", k, " (", name, ")"));
-      }
-      if (!Aligned(b.grads, formats::DTypeSize(args.grad_dtype)) ||
-          !Aligned(b.params, formats::DTypeSize(model_dtype_))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "step: gradient or parameter buffer of piece ", k, " (", name,
-            ") is misaligned for its dtype"));
-      }
-    }
+    CKPT_RETURN_IF_ERROR(CheckPieceBuffers(args.pieces, args.grad_dtype, args.stepped, "step"));
   } else if (size_ > 0) {
     if (args.grads == nullptr || args.params == nullptr)
       return absl::InvalidArgumentError("null gradient or parameter buffer");
     if (!Aligned(args.grads, formats::DTypeSize(args.grad_dtype)) ||
-        !Aligned(args.params, formats::DTypeSize(model_dtype_))) {
+        !Aligned(args.params, widest_)) {
       return absl::InvalidArgumentError("gradient or parameter buffer is misaligned for its dtype");
     }
   }
   if (!std::isfinite(args.grad_scale))
     return absl::InvalidArgumentError("gradient scale is not finite");
-  std::vector<StepConstants> constants;
-  for (const ParamGroup& g : options_.groups)
-    constants.push_back(ComputeStepConstants(g, g.step + 1));
-  CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, constants));
+  // The plan: per piece, the constants of its parameter's group at the parameter's own next
+  // step, each distinct (group, step) pair computed once.
+  auto stepped = [&](uint32_t param) { return args.stepped.empty() || args.stepped[param] != 0; };
+  StepPlan plan;
+  std::map<std::pair<uint32_t, uint64_t>, uint32_t> index;
+  plan.piece_constants.reserve(options_.pieces.size());
+  for (const Piece& piece : options_.pieces) {
+    if (!stepped(piece.param)) {
+      plan.piece_constants.push_back(StepPlan::kSkipped);
+      continue;
+    }
+    const uint32_t group = options_.params[piece.param].group;
+    const uint64_t t = param_steps_[piece.param] + 1;
+    auto [it, added] = index.try_emplace({group, t}, static_cast<uint32_t>(plan.constants.size()));
+    if (added) plan.constants.push_back(ComputeStepConstants(options_.groups[group], t));
+    plan.piece_constants.push_back(it->second);
+  }
+  CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, plan));
   if (!report.skipped) {
-    for (ParamGroup& g : options_.groups) ++g.step;
+    for (uint32_t i = 0; i < param_steps_.size(); ++i) {
+      if (stepped(i)) ++param_steps_[i];
+    }
+    SyncGroupSteps();
   }
   return report;
 }
 
-absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
-                                                  const std::vector<StepConstants>& constants) {
-  SlabView view{slabs_->master.size() ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
-                slabs_->exp_avg.data(), slabs_->exp_avg_sq.data(), options_.moment_dtype,
-                piece_starts_};
+absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const StepPlan& plan) {
+  const SlabView view = View();
   if (fence_ == nullptr || units_.empty()) {
     CKPT_ASSIGN_OR_RETURN(StepReport report,
-                          engine_->Step(args, units_, constants, view, model_dtype_, size_));
+                          engine_->Step(args, units_, plan, view, size_));
     if (!report.skipped) CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
     return report;
   }
@@ -332,7 +413,7 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
   // nothing), then the units go through the engine in batches, each once the fence lets it go.
   StepReport report;
   if (args.check_finite) {
-    CKPT_ASSIGN_OR_RETURN(report, engine_->CheckFinite(args, units_, view, size_));
+    CKPT_ASSIGN_OR_RETURN(report, engine_->CheckFinite(args, units_, plan, view, size_));
     if (report.skipped) return report;
   }
   StepArgs unchecked = args;
@@ -352,7 +433,7 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args,
       done[i] = true;
     }
     CKPT_ASSIGN_OR_RETURN(StepReport part,
-                          engine_->Step(unchecked, batch, constants, view, model_dtype_, size_));
+                          engine_->Step(unchecked, batch, plan, view, size_));
     report.done = part.done;
   }
   // Once, after the last batch: the batches' kernels overlap across slots as in a plain step.
@@ -408,7 +489,7 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
 }
 absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<const float> exp_avg,
                                    std::span<const float> exp_avg_sq,
-                                   std::span<const uint64_t> steps) {
+                                   std::span<const uint64_t> param_steps) {
   CKPT_RETURN_IF_ERROR(CheckClean("set the state"));
   if (fence_ != nullptr) {
     return absl::FailedPreconditionError(
@@ -421,10 +502,10 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
         "set the state: the optimizer has ", size_, " elements; given master ", master.size(),
         ", exp_avg ", exp_avg.size(), ", exp_avg_sq ", exp_avg_sq.size()));
   }
-  if (steps.size() != options_.groups.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("set the state: ", steps.size(),
-                                                   " step counters for ",
-                                                   options_.groups.size(), " param groups"));
+  if (param_steps.size() != options_.params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("set the state: ", param_steps.size(),
+                                                   " step counts for ",
+                                                   options_.params.size(), " parameters"));
   }
   const std::pair<const char*, std::span<const float>> named[] = {
       {"master", master}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}};
@@ -444,8 +525,48 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
     formats::Convert(DType::kF32, std::as_bytes(from),
                      moment_bytes() == 4 ? DType::kF32 : DType::kBF16, to);
   }
-  for (size_t g = 0; g < steps.size(); ++g) options_.groups[g].step = steps[g];
+  param_steps_.assign(param_steps.begin(), param_steps.end());
+  SyncGroupSteps();
   ++state_version_;
+  return absl::OkStatus();
+}
+
+absl::Status StagedAdamW::SetMasters(uint64_t offset, std::span<const float> values) {
+  CKPT_RETURN_IF_ERROR(CheckClean("set masters"));
+  if (offset > size_ || values.size() > size_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("set masters: elements [", offset, ", +",
+                                                   values.size(), ") are outside the ", size_,
+                                                   " this optimizer holds"));
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("set masters: slab element ", offset + i, " would be ", values[i]));
+    }
+  }
+  if (values.empty()) return absl::OkStatus();
+  CKPT_RETURN_IF_ERROR(Synchronize());
+  if (fence_ != nullptr) {
+    // The save must keep the masters from before: wait until the fence has let every unit
+    // that holds one of the elements go (written, or copied aside).
+    std::vector<bool> done(units_.size(), true);
+    size_t left = 0;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].offset < offset + values.size() &&
+          offset < units_[u].offset + units_[u].count) {
+        done[u] = false;
+        ++left;
+      }
+    }
+    std::vector<size_t> ready;
+    while (left > 0) {
+      ready.clear();
+      fence_->Acquire(done, &ready);
+      for (size_t u : ready) done[u] = true;
+      left -= ready.size();
+    }
+  }
+  std::memcpy(mutable_master().data() + offset, values.data(), values.size() * 4);
   return absl::OkStatus();
 }
 

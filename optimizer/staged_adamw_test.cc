@@ -427,7 +427,7 @@ TEST_F(BadInputTest, TheLifecycleFollowsTheLoadScopeAndAnUnendedScopePoisons) {
     std::vector<ParamGroup> groups = opt_->groups();
     groups[1].step = 7;
     const uint64_t version = opt_->state_version();
-    scope.RestoreGroups(groups);
+    scope.RestoreGroups(groups, {0, 7, 0, 7});
     EXPECT_GT(opt_->state_version(), version);
     scope.Commit();
   }
@@ -683,7 +683,7 @@ TEST(SetStateTest, TheNextStepContinuesFromTheStateSetAsFromTheStateStepped) {
     ASSERT_THAT((*stepped)->CopyStateAsF32(T::kMaster, master), IsOk());
     ASSERT_THAT((*stepped)->CopyStateAsF32(T::kExpAvg, m), IsOk());
     ASSERT_THAT((*stepped)->CopyStateAsF32(T::kExpAvgSq, v), IsOk());
-    const std::vector<uint64_t> steps = {3, 3};
+    const std::vector<uint64_t> steps = {3, 3, 3, 3};
     ASSERT_THAT((*set)->SetState(master, m, v, steps), IsOk());
     EXPECT_EQ((*set)->groups()[0].step, 3u);
     const std::vector<std::byte> g = StepGradients(n, 3, DType::kF32);
@@ -700,7 +700,7 @@ TEST_F(BadInputTest, SetStateIsAllOrNothing) {
   const std::vector<float> before = Snapshot();
   std::vector<float> ok(n_, 0.25f), short_by_one(n_ - 1, 0.25f), bad(n_, 0.25f);
   bad[n_ / 2] = std::nanf("");
-  const std::vector<uint64_t> steps = {4, 5}, one_step = {4};
+  const std::vector<uint64_t> steps = {4, 5, 4, 5}, one_step = {4};
   EXPECT_THAT(opt_->SetState(ok, short_by_one, ok, steps),
               StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(opt_->SetState(ok, ok, ok, one_step), StatusIs(absl::StatusCode::kInvalidArgument));

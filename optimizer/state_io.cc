@@ -41,10 +41,6 @@ StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin) {
 
 absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,
                         uint64_t chunk_bytes) {
-  const DType model = layout.dtype(StateKind::kWeights);
-  const size_t wsize = formats::DTypeSize(model);
-  const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
-  const uint64_t block = chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
   // Everything is queued (the slabs do not change during the call): the writer threads copy one
   // block of weights while this thread rounds the next into the other buffer.
   std::vector<std::byte> weights[2];
@@ -59,10 +55,15 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
     if (queued) txn.stream().WaitCopied(ticket).IgnoreError();
   };
   for (const StateRun& run : layout.Runs()) {
+    const DType model = layout.dtype(StateKind::kWeights, run.param);
+    const size_t wsize = formats::DTypeSize(model);
+    const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
+    const uint64_t block =
+        chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
     for (StateKind kind : layout.kinds()) {
       const std::string& name = layout.name(run.param, kind);
       if (kind != StateKind::kWeights || model == DType::kF32) {
-        const size_t size = formats::DTypeSize(layout.dtype(kind));
+        const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
         CKPT_ASSIGN_OR_RETURN(
             ticket, txn.stream().Queue(
                         name, run.tensor_begin, run.count,
@@ -93,24 +94,28 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,
                                     uint64_t begin, uint64_t count, const StateBytes& from,
                                     std::span<std::byte> weights) {
-  const DType model = layout.dtype(StateKind::kWeights);
-  const size_t wsize = formats::DTypeSize(model);
-  // F32 weights are the masters themselves.
-  const std::byte* rounded = from.master;
-  if (model != DType::kF32) {
-    formats::Convert(DType::kF32, {from.master, 4 * count}, model, weights.first(count * wsize));
-    rounded = weights.data();
-  }
   uint64_t ticket = 0;
+  size_t used = 0;  // Bytes of `weights` taken by the runs so far.
   for (const StateRun& run : layout.Runs(begin, count)) {
-    const uint64_t at = run.slab_offset - begin;  // Into `from` and `weights`.
+    const uint64_t at = run.slab_offset - begin;  // Into `from`.
+    const DType model = layout.dtype(StateKind::kWeights, run.param);
+    // F32 weights are the masters themselves; others are rounded into `weights`.
+    std::span<const std::byte> rounded(from.master + 4 * at, 4 * run.count);
+    if (model != DType::kF32) {
+      const std::span<std::byte> out =
+          weights.subspan(used, run.count * formats::DTypeSize(model));
+      formats::Convert(DType::kF32, rounded, model, out);
+      rounded = out;
+      used += out.size();
+    }
     for (StateKind kind : layout.kinds()) {
-      const size_t size = formats::DTypeSize(layout.dtype(kind));
-      const std::byte* bytes =
-          kind == StateKind::kWeights ? rounded : KindBytes(from, kind);
+      const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
+      const std::span<const std::byte> bytes =
+          kind == StateKind::kWeights
+              ? rounded
+              : std::span<const std::byte>(KindBytes(from, kind) + at * size, run.count * size);
       CKPT_ASSIGN_OR_RETURN(ticket, txn.stream().Queue(layout.name(run.param, kind),
-                                                           run.tensor_begin, run.count,
-                                                           {bytes + at * size, run.count * size}));
+                                                       run.tensor_begin, run.count, bytes));
     }
   }
   return ticket;
@@ -124,7 +129,7 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
       if (kind == StateKind::kWeights) continue;  // The masters rounded, written by the caller.
       const std::string& name = layout.name(run.param, kind);
       CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(name));
-      const DType want = layout.dtype(kind);
+      const DType want = layout.dtype(kind, run.param);
       const size_t size = formats::DTypeSize(want);
       std::span<std::byte> out(KindBytes(to, kind) + run.slab_offset * size, run.count * size);
       if (info->dtype == want) {

@@ -39,8 +39,8 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
                         uint64_t chunk_bytes);
 
 // Queues slab elements [begin, begin + count) of every state tensor from `from` with
-// PieceStream::Queue: the weights rounded from the masters into `weights`
-// (count elements of the model dtype). `from` and `weights` must stay unchanged until
+// PieceStream::Queue: the weights rounded from the masters into `weights` (room for count
+// elements of the widest model dtype; F32 weights are queued from the masters). `from` and `weights` must stay unchanged until
 // WaitWritten returns for the returned ticket, the last one queued.
 absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& layout,
                                     uint64_t begin, uint64_t count, const StateBytes& from,

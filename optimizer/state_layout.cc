@@ -24,9 +24,8 @@ std::string StateTensorName(StateKind kind, absl::string_view param) {
   return std::string(param);  // Unreachable: the switch names every kind.
 }
 
-StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType model,
-                         DType moment)
-    : params_(std::move(params)), pieces_(std::move(pieces)), model_(model), moment_(moment) {
+StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType moment)
+    : params_(std::move(params)), pieces_(std::move(pieces)), moment_(moment) {
   piece_offset_.reserve(pieces_.size() + 1);
   for (const Piece& p : pieces_) {
     piece_offset_.push_back(size_);
@@ -41,14 +40,18 @@ StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> piece
 }
 
 StateLayout StateLayout::Of(const StagedAdamW& opt) {
-  return StateLayout(opt.options().params, opt.options().pieces, opt.model_dtype(),
+  return StateLayout(opt.options().params, opt.options().pieces,
                      MomentDTypeOf(opt.options().moment_dtype));
+}
+
+DType StateLayout::dtype(StateKind kind, uint32_t param) const {
+  return kind == StateKind::kWeights ? params_[param].dtype : dtype(kind);
 }
 
 DType StateLayout::dtype(StateKind kind) const {
   switch (kind) {
     case StateKind::kWeights:
-      return model_;
+      return params_.empty() ? DType::kF32 : params_[0].dtype;  // REQUIRES excludes this.
     case StateKind::kMaster:
       return DType::kF32;
     case StateKind::kExpAvg:
@@ -62,7 +65,9 @@ std::vector<TensorSpec> StateLayout::Declarations() const {
   std::vector<TensorSpec> out;
   out.reserve(params_.size() * kinds().size());
   for (uint32_t p = 0; p < params_.size(); ++p) {
-    for (StateKind kind : kinds()) out.push_back({name(p, kind), dtype(kind), params_[p].shape});
+    for (StateKind kind : kinds()) {
+      out.push_back({name(p, kind), dtype(kind, p), params_[p].shape});
+    }
   }
   return out;
 }
@@ -85,13 +90,22 @@ std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {
 }
 
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
-                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         const std::vector<ParamGroup>& groups,
+                         const std::vector<uint64_t>& param_steps, MomentDType moments,
                          int world_size) {
   formats::OptimizerRecord record;
   record.kind = formats::kOptimizerKindAdamW;
   record.moment_dtype = MomentDTypeOf(moments);
   record.world_size = static_cast<uint32_t>(world_size);
-  for (const ParamSpec& p : params) record.params.push_back({p.name, p.shape, p.dtype, p.group});
+  bool together = true;  // Every parameter at its group's step count.
+  for (size_t i = 0; i < params.size(); ++i) {
+    record.params.push_back({params[i].name, params[i].shape, params[i].dtype, params[i].group,
+                             std::nullopt});
+    together &= param_steps[i] == groups[params[i].group].step;
+  }
+  if (!together) {
+    for (size_t i = 0; i < params.size(); ++i) record.params[i].step = param_steps[i];
+  }
   for (const ParamGroup& g : groups) {
     record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step});
   }

@@ -52,16 +52,20 @@ struct StateRun {
 
 class StateLayout {
  public:
-  // AdamW's state of the parameters `params`, of which this rank holds `pieces` back to back
-  // in its slabs. REQUIRES: every piece names a parameter of `params`.
-  StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType model,
-              formats::DType moment);
+  // AdamW's state of the parameters `params` (whose weights are each of its own dtype), of
+  // which this rank holds `pieces` back to back in its slabs. REQUIRES: every piece names a
+  // parameter of `params`.
+  StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType moment);
   static StateLayout Of(const StagedAdamW& opt);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const std::vector<Piece>& pieces() const { return pieces_; }
   uint64_t size() const { return size_; }  // Slab elements: the pieces' counts added up.
   std::span<const StateKind> kinds() const { return kAdamWKinds; }
+  // The dtype of `param`'s tensor of `kind`: its own for the weights, F32 for the masters, the
+  // moments' for the moments.
+  formats::DType dtype(StateKind kind, uint32_t param) const;
+  // The same for the kinds every parameter has alike. REQUIRES: kind != kWeights.
   formats::DType dtype(StateKind kind) const;
   const std::string& name(uint32_t param, StateKind kind) const {
     return names_[param][static_cast<size_t>(kind)];
@@ -78,15 +82,17 @@ class StateLayout {
   std::vector<Piece> pieces_;
   std::vector<uint64_t> piece_offset_;  // Slab offset of each piece; then size_.
   uint64_t size_ = 0;
-  formats::DType model_, moment_;
+  formats::DType moment_;
   std::vector<std::vector<std::string>> names_;  // By parameter, then kind.
 };
 
 // The optimizer record (formats/optimizer_record.h) of AdamW state saved by `world_size`
-// ranks: the parameters (name, shape, model dtype, group), the groups (hyper-parameters in
-// double and step counters) and the moments' dtype.
+// ranks: the parameters (name, shape, model dtype, group, and each one's step count when some
+// differs from its group's), the groups (hyper-parameters in double and step counters) and the
+// moments' dtype.
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
-                         const std::vector<ParamGroup>& groups, MomentDType moments,
+                         const std::vector<ParamGroup>& groups,
+                         const std::vector<uint64_t>& param_steps, MomentDType moments,
                          int world_size);
 
 // The first 10 names, then how many more: "a, b, c and 12 more".

@@ -29,7 +29,7 @@ StateLayout Layout(DType model = DType::kBF16, DType moment = DType::kF32) {
   std::vector<ParamSpec> params = {{"a", {4, 5}, model, 0}, {"b", {30}, model, 0},
                                    {"c", {7}, model, 0}};
   std::vector<Piece> pieces = {{1, 20, 10}, {0, 0, 20}, {1, 0, 5}};
-  return StateLayout(params, pieces, model, moment);
+  return StateLayout(params, pieces, moment);
 }
 
 TEST(StateLayoutTest, NamesEveryStateTensorOfEveryParameter) {

@@ -59,7 +59,8 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
                         optimizer::BuildBuckets(specs, {}, ranks));
   const std::vector<std::vector<Piece>> pieces = optimizer::RankPieces(buckets, ranks);
   const std::string record = optimizer::internal::LayoutRecord(
-      specs, {optimizer::ParamGroup{}}, optimizer::MomentDType::kF32, ranks);
+      specs, {optimizer::ParamGroup{}}, std::vector<uint64_t>(specs.size(), 0),
+      optimizer::MomentDType::kF32, ranks);
   StoreOptions so;
   so.env = env;
   ThreadGroup group(ranks);
@@ -76,8 +77,7 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
         return;
       }
       absl::Status s = [&]() -> absl::Status {
-        const optimizer::internal::StateLayout layout(specs, pieces[r], DType::kBF16,
-                                                      DType::kF32);
+        const optimizer::internal::StateLayout layout(specs, pieces[r], DType::kF32);
         for (const TensorSpec& t : layout.Declarations()) {
           CKPT_RETURN_IF_ERROR((*txn)->DeclareTensor(t));
         }

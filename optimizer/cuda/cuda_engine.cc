@@ -113,8 +113,7 @@ class CudaEngine : public internal::Engine {
   bool wants_pinned_slabs() const override { return true; }
 
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
-                                  const std::vector<StepConstants>& constants,
-                                  const SlabView& slabs, formats::DType model_dtype,
+                                  const StepPlan& plan, const SlabView& slabs,
                                   uint64_t elements) override {
     if (slots_.empty())
       return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
@@ -126,19 +125,24 @@ class CudaEngine : public internal::Engine {
     StepReport report;
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), caller));
     if (args.check_finite && elements > 0) {
-      CKPT_ASSIGN_OR_RETURN(uint64_t bad, CountNonFinite(args, slabs, elements));
+      CKPT_ASSIGN_OR_RETURN(uint64_t bad, CountNonFinite(args, plan, slabs, elements));
       if (bad > 0) {
         report.skipped = true;
         report.nonfinite = bad;
         return report;
       }
     }
-    const size_t gsize = formats::DTypeSize(args.grad_dtype),
-                 psize = formats::DTypeSize(model_dtype);
+    const size_t gsize = formats::DTypeSize(args.grad_dtype);
     const size_t mbytes = MomentBytes(moments_);
     CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
-    for (size_t k = 0; k < units.size(); ++k) {
-      const Unit& u = units[k];
+    size_t k = 0;  // Units sent to the slots so far.
+    for (const Unit& u : units) {
+      // A unit whose pieces all have no gradient this step is neither copied nor updated.
+      bool active = false;
+      ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
+                     [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c,
+                         formats::DType) { active |= c != StepPlan::kSkipped; });
+      if (!active) continue;
       Slot& s = slots_[k % slots_.size()];
       float* master = slabs.master + u.offset;
       std::byte* m = slabs.exp_avg + u.offset * mbytes;
@@ -157,15 +161,20 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
       if (k < slots_.size())
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
-      const StepConstants& c = constants[u.group];
-      // One kernel per run of the unit whose gradients and weights are contiguous: the whole
-      // unit at flat buffers, or each piece's part of it (StepArgs::pieces).
+      // One kernel per run of the unit whose gradients and weights are contiguous and whose
+      // constants are the same (ForEachSegment); a skipped run's state is copied through as is.
       cudaError_t launched = cudaSuccess;
       ForEachSegment(
-          args, slabs.piece_starts, u.offset, u.count, gsize, psize,
-          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params) {
+          args, slabs, plan, u.offset, u.count, gsize,
+          [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
+              uint32_t ci, formats::DType model_dtype) {
             if (launched != cudaSuccess) return;
             const uint64_t at = offset - u.offset;
+            if (ci == StepPlan::kSkipped) {
+              launched = CopyThrough(s, at, count, mbytes);
+              return;
+            }
+            const StepConstants& c = plan.constants[ci];
             DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()) + at,
                              static_cast<const std::byte*>(s.m_in.data()) + at * mbytes,
                              static_cast<const std::byte*>(s.v_in.data()) + at * mbytes,
@@ -194,6 +203,7 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes,
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
+      ++k;
     }
     // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
     // has (Synchronize waits for those).
@@ -204,16 +214,23 @@ class CudaEngine : public internal::Engine {
 
   // WriteWeights to device memory runs steps 0 to 2 of a Step with the rounding kernel in place
   // of the update, and only the masters copied in: the caller's stream then waits for `done`.
-  absl::Status WriteWeights(const float* master, const std::vector<Unit>& units,
-                            formats::DType model_dtype, void* dest,
+  absl::Status WriteWeights(const SlabView& slabs, const std::vector<Unit>& units,
+                            const StepArgs& dest,
                             const std::optional<CudaStreamView>& stream) override {
-    const size_t psize = formats::DTypeSize(model_dtype);
+    StepPlan every;  // Every piece, at constants 0 (not read).
+    every.piece_constants.assign(slabs.piece_dtypes.size(), 0);
     if (!stream.has_value()) {
       CKPT_RETURN_IF_ERROR(Synchronize());  // The last step's masters have landed.
-      uint64_t elements = 0;
-      for (const Unit& u : units) elements += u.count;
-      formats::Convert(formats::DType::kF32, std::as_bytes(std::span(master, elements)),
-                       model_dtype, std::span(static_cast<std::byte*>(dest), elements * psize));
+      for (const Unit& u : units) {
+        ForEachSegment(dest, slabs, every, u.offset, u.count, 0,
+                       [&](uint64_t offset, uint64_t count, const std::byte*, std::byte* params,
+                           uint32_t, formats::DType dtype) {
+                         formats::Convert(
+                             formats::DType::kF32,
+                             std::as_bytes(std::span(slabs.master + offset, count)), dtype,
+                             std::span(params, count * formats::DTypeSize(dtype)));
+                       });
+      }
       return absl::OkStatus();
     }
     if (slots_.empty()) {
@@ -227,16 +244,22 @@ class CudaEngine : public internal::Engine {
       const Unit& u = units[k];
       Slot& s = slots_[k % slots_.size()];
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master + u.offset,
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), slabs.master + u.offset,
                                                 u.count * 4, cudaMemcpyHostToDevice, s.h2d.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
       if (k < slots_.size())
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(LaunchRoundMasters(
-          static_cast<const float*>(s.master_in.data()),
-          static_cast<std::byte*>(dest) + u.offset * psize, ToKernelType(model_dtype), u.count,
-          s.compute.get()));
+      cudaError_t launched = cudaSuccess;
+      ForEachSegment(dest, slabs, every, u.offset, u.count, 0,
+                     [&](uint64_t offset, uint64_t count, const std::byte*, std::byte* params,
+                         uint32_t, formats::DType dtype) {
+                       if (launched != cudaSuccess) return;
+                       launched = LaunchRoundMasters(
+                           static_cast<const float*>(s.master_in.data()) + (offset - u.offset),
+                           params, ToKernelType(dtype), count, s.compute.get());
+                     });
+      CKPT_CUDA_RETURN_IF_ERROR(launched);
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
     }
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
@@ -255,7 +278,8 @@ class CudaEngine : public internal::Engine {
   }
 
   absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
-                                         const SlabView& slabs, uint64_t elements) override {
+                                         const StepPlan& plan, const SlabView& slabs,
+                                         uint64_t elements) override {
     (void)units;  // The count runs over every element at once.
     if (slots_.empty())
       return absl::FailedPreconditionError("device released: call RestoreDevice() before Step");
@@ -266,7 +290,7 @@ class CudaEngine : public internal::Engine {
     StepReport report;
     if (elements == 0) return report;
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(grads_ready_.get(), ToCudaStream(*args.stream)));
-    CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, slabs, elements));
+    CKPT_ASSIGN_OR_RETURN(report.nonfinite, CountNonFinite(args, plan, slabs, elements));
     report.skipped = report.nonfinite > 0;
     return report;
   }
@@ -299,16 +323,32 @@ class CudaEngine : public internal::Engine {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, const SlabView& slabs,
-                                          uint64_t elements) {
+  // A skipped run of a unit in slot `s`: its state leaves as it came, in-buffers to out-buffers
+  // on the compute stream.
+  cudaError_t CopyThrough(Slot& s, uint64_t at, uint64_t count, size_t mbytes) {
+    const std::pair<const DeviceBuffer*, const DeviceBuffer*> bufs[] = {
+        {&s.master_in, &s.master_out}, {&s.m_in, &s.m_out}, {&s.v_in, &s.v_out}};
+    for (const auto& [in, out] : bufs) {
+      const size_t size = in == &s.master_in ? 4 : mbytes;
+      cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(out->data()) + at * size,
+                                      static_cast<const std::byte*>(in->data()) + at * size,
+                                      count * size, cudaMemcpyDeviceToDevice, s.compute.get());
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
+  absl::StatusOr<uint64_t> CountNonFinite(const StepArgs& args, const StepPlan& plan,
+                                          const SlabView& slabs, uint64_t elements) {
     cudaStream_t s = join_.get();
     auto* count = static_cast<unsigned long long*>(counter_.data());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, grads_ready_.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(count, 0, sizeof(*count), s));
     cudaError_t launched = cudaSuccess;
-    ForEachSegment(args, slabs.piece_starts, 0, elements, formats::DTypeSize(args.grad_dtype), 0,
-                   [&](uint64_t, uint64_t n, const std::byte* grads, std::byte*) {
-                     if (launched == cudaSuccess) {
+    ForEachSegment(args, slabs, plan, 0, elements, formats::DTypeSize(args.grad_dtype),
+                   [&](uint64_t, uint64_t n, const std::byte* grads, std::byte*, uint32_t c,
+                       formats::DType) {
+                     if (launched == cudaSuccess && c != StepPlan::kSkipped) {
                        launched = LaunchCountNonFinite(grads, ToKernelType(args.grad_dtype), n,
                                                        args.grad_scale, count, s);
                      }

@@ -65,8 +65,10 @@ struct State {
 };
 
 // Runs `steps` steps with gradients of `grad_dtype`; the CUDA engine gets device buffers.
+// With `masks`, step k steps the parameters (*masks)[k] flags (StepArgs::stepped).
 State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
-                bool release_between = false) {
+                bool release_between = false,
+                const std::vector<std::vector<uint8_t>>* masks = nullptr) {
   const uint64_t n = Size(o);
   auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
   EXPECT_THAT(opt, IsOk());
@@ -79,6 +81,7 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
   if (cuda) {
     EXPECT_EQ(cudaMalloc(&dgrads, n * formats::DTypeSize(grad_dtype)), cudaSuccess);
     EXPECT_EQ(cudaMalloc(&dparams, n * 2), cudaSuccess);
+    EXPECT_EQ(cudaMemset(dparams, 0, n * 2), cudaSuccess);  // As s.params: skipped stay so.
     EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   }
   for (int step = 0; step < steps; ++step) {
@@ -86,6 +89,7 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
     for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
     std::vector<std::byte> gb = Encode(g, grad_dtype);
     StepArgs args{gb.data(), grad_dtype, 0.75f, s.params.data()};
+    if (masks != nullptr) args.stepped = (*masks)[static_cast<size_t>(step)];
     if (cuda) {
       EXPECT_EQ(cudaMemcpyAsync(dgrads, gb.data(), gb.size(), cudaMemcpyHostToDevice, stream),
                 cudaSuccess);
@@ -376,6 +380,93 @@ TEST(CudaEngineTest, WriteModelWeightsToDeviceAndHostEqualsWhatTheStepWrote) {
 
 // The CUDA engine on each piece's own device buffers (StepArgs::pieces: kernels cut at the
 // pieces' boundaries) equals the step on flat device buffers, check_finite included.
+// Parameters skipped in some steps (StepArgs::stepped): whole units skipped, and units whose
+// runs are partly skipped (the state copied through the slot unchanged), equal the CPU engine
+// bit for bit, per-parameter bias corrections included.
+TEST(CudaEngineTest, SkippedParametersMatchTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  const std::vector<std::vector<uint8_t>> masks = {
+      {1, 1, 1, 1}, {1, 0, 1, 1}, {1, 1, 1, 0}, {0, 0, 0, 0}, {0, 1, 0, 1}, {1, 1, 1, 1}};
+  for (uint64_t unit_bytes : {uint64_t{64} << 10, uint64_t{256}}) {
+    SCOPED_TRACE(unit_bytes);
+    StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, unit_bytes);
+    // "d" follows "b" in its group: the last unit of "b" holds "d" too.
+    o.params.push_back({"d", {300}, DType::kBF16, 1});
+    o.pieces = {{0, 5, 100}, {2, 0, 4097}, {1, 0, 100001}, {3, 0, 300}};
+    StagedAdamWOptions cpu = o;
+    cpu.engine = EngineKind::kCpu;
+    ExpectSameState(RunEngine(o, DType::kF32, 6, false, &masks),
+                    RunEngine(cpu, DType::kF32, 6, false, &masks));
+  }
+}
+
+// Parameters of FP32, BF16 and FP16 in one optimizer: the CUDA engine writes each in its own
+// dtype (flat device buffer, each piece at its offset) and equals the CPU engine bit for bit;
+// WriteModelWeights into each piece's device buffer writes the same bytes.
+TEST(CudaEngineTest, MixedDtypesMatchTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  o.params[0].dtype = DType::kF32;
+  o.params[2].dtype = DType::kF16;
+  const uint64_t n = Size(o);
+  const std::vector<float> init = Random(n, 1, 1.0f);
+  std::vector<std::byte> weights;
+  uint64_t at = 0;
+  for (const Piece& p : o.pieces) {
+    const DType d = o.params[p.param].dtype;
+    const size_t size = formats::DTypeSize(d);
+    weights.resize((weights.size() + size - 1) / size * size);
+    const std::vector<std::byte> b =
+        Encode(std::vector<float>(init.begin() + at, init.begin() + at + p.count), d);
+    weights.insert(weights.end(), b.begin(), b.end());
+    at += p.count;
+  }
+  StagedAdamWOptions cpu_options = o;
+  cpu_options.engine = EngineKind::kCpu;
+  auto gpu = StagedAdamW::Create(o, weights);
+  auto cpu = StagedAdamW::Create(cpu_options, weights);
+  CKPT_ASSERT_OK(gpu);
+  CKPT_ASSERT_OK(cpu);
+  ASSERT_EQ((*gpu)->weight_bytes(), weights.size());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  ASSERT_EQ(cudaMalloc(&dgrads, n * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dparams, weights.size()), cudaSuccess);
+  std::vector<std::byte> host_params(weights.size());
+  for (int s = 0; s < 3; ++s) {
+    const std::vector<float> g = Random(n, 100 + s, 0.5f);
+    ASSERT_EQ(cudaMemcpy(dgrads, g.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    StepArgs args{dgrads, DType::kF32, 0.75f, dparams};
+    args.stream = view;
+    CKPT_ASSERT_OK((*gpu)->Step(args));
+    CKPT_ASSERT_OK((*cpu)->Step({g.data(), DType::kF32, 0.75f, host_params.data()}));
+  }
+  std::vector<std::byte> got(weights.size());
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), dparams, got.size(), cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(got, host_params);
+  CKPT_ASSERT_OK((*gpu)->Synchronize());
+  EXPECT_EQ(std::memcmp((*gpu)->master().data(), (*cpu)->master().data(), 4 * n), 0);
+  // Into each piece's own device buffer, at its offset in a zeroed copy.
+  ASSERT_EQ(cudaMemset(dparams, 0, weights.size()), cudaSuccess);
+  std::vector<PieceBuffers> dest;
+  for (size_t k = 0; k < o.pieces.size(); ++k) {
+    dest.push_back({nullptr, static_cast<std::byte*>(dparams) + (*gpu)->piece_weight_offset(k)});
+  }
+  CKPT_ASSERT_OK((*gpu)->WriteModelWeights(dest, view));
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), dparams, got.size(), cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(got, host_params);
+  cudaFree(dgrads);
+  cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
 TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
   SKIP_WITHOUT_DEVICE();
   StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);

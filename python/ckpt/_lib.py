@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 OK = 0
 CODE_NAMES = {
@@ -124,6 +124,18 @@ _sig = {
     "ckpt_optimizer_read_state": ([_p, ctypes.c_int, _p, ctypes.c_uint64], ctypes.c_int),
     "ckpt_optimizer_set_state": ([_p, _p, _p, _p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
                                   ctypes.c_size_t], ctypes.c_int),
+    "ckpt_optimizer_step_masked": ([_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_size_t,
+                                    _p, ctypes.c_size_t, ctypes.c_int, ctypes.c_float,
+                                    ctypes.c_int, _p, ctypes.POINTER(ctypes.c_int)],
+                                   ctypes.c_int),
+    "ckpt_optimizer_param_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+                                   ctypes.c_int),
+    "ckpt_optimizer_set_param_state": ([_p, _p, _p, _p, ctypes.c_uint64,
+                                        ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+                                       ctypes.c_int),
+    "ckpt_optimizer_set_masters": ([_p, ctypes.c_uint64, _p, ctypes.c_uint64], ctypes.c_int),
+    "ckpt_optimizer_write_piece_weights": ([_p, ctypes.POINTER(_p), ctypes.c_size_t, ctypes.c_int,
+                                            _p], ctypes.c_int),
     "ckpt_optimizer_lifecycle": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "ckpt_store_open": ([ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_p)],
                         ctypes.c_int),

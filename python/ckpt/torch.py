@@ -1,10 +1,9 @@
 """ckpt.torch.StagedAdamW: ckpt's AdamW as a torch.optim.Optimizer.
 
 FP32 master weights and both moments live in ckpt's host slabs (not in `state`); each `step()`
-copies the gradients into one flat buffer and hands it to ckpt (the CPU engine on every core, or
-the CUDA engine streaming units through bounded GPU buffers on the current stream), which
-writes the updated weights, rounded to the parameters' dtype, straight into the parameters:
-they are views of one contiguous buffer in ckpt's order. `param_groups` stay mutable as in
+hands ckpt each parameter's gradient and storage (the CPU engine on every core, or the CUDA
+engine streaming units through bounded GPU buffers on the current stream), which writes the
+updated weights, rounded to the parameters' dtype, into the parameters in place. `param_groups` stay mutable as in
 torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters are read at each
 step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
 """
@@ -132,7 +131,8 @@ class StagedAdamW(torch.optim.Optimizer):
 
     params: tensors, (name, tensor) pairs (names become the checkpoint's tensor names, e.g.
       `model.named_parameters()`, as HuggingFace names them), or param-group dicts of either.
-      All of one dtype (float32, bfloat16, float16) and one device (CPU, or one CUDA device).
+      Each of float32, bfloat16 or float16 (mixed freely, each kept in its dtype), all on one
+      device (CPU, or one CUDA device).
     moments: "f32" (default) or "bf16" (moments rounded to BF16 in the slabs).
     threads: CPU engine threads (0: every core). unit_bytes: ckpt's unit size (0: default).
     process_group: a torch.distributed group (e.g. torch.distributed.group.WORLD) over which the
@@ -142,9 +142,9 @@ class StagedAdamW(torch.optim.Optimizer):
       group in FP32 (leave it off when DDP already averaged them).
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
     (they choose torch's implementation), maximize (every group alike), amsgrad and
-    differentiable at their default (False); lr may be a tensor. A step in which no parameter
-    has a gradient changes nothing; otherwise a parameter whose .grad is None is stepped with a
-    zero gradient (docs/python.md lists this and the other differences from torch AdamW).
+    differentiable at their default (False); lr may be a tensor. As in torch, a parameter whose
+    .grad is None is skipped and its own step count does not advance, and a parameter changed
+    in place is continued from (docs/python.md states the contract and what still differs).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -181,6 +181,7 @@ class StagedAdamW(torch.optim.Optimizer):
         # The state as torch shapes it, made on demand and dropped by anything that changes it
         # (a step, a load); shared by objects that copy this one's __dict__.
         self._cache = {}
+        self._seen = []  # (version, data_ptr) of each parameter as ckpt last wrote it.
         self.state = _StateView(self)
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
@@ -192,15 +193,21 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError("a parameter appears twice")
         for g in self.param_groups:
             self._check_group(g)
-        dtype, device = plist[0].dtype, plist[0].device
-        if dtype not in _DTYPES:
-            raise TypeError(f"parameters must be float32, bfloat16 or float16, got {dtype}")
+        device = plist[0].device
         for p in plist:
-            if p.dtype != dtype or p.device != device:
-                raise TypeError(f"all parameters must share one dtype and device: {p.dtype} on "
-                                f"{p.device} beside {dtype} on {device}")
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
+            if p.device != device:
+                raise TypeError(f"all parameters must be on one device: {p.device} beside "
+                                f"{device}")
         if device.type not in ("cpu", "cuda"):
             raise TypeError(f"parameters on {device} are not supported (CPU or CUDA)")
+        # Each parameter keeps its own dtype; _dtype is theirs when they share one, else None.
+        self._dtypes = [p.dtype for p in plist]
+        dtype = plist[0].dtype if len(set(self._dtypes)) == 1 else None
+        if dtype is None and process_group is not None:
+            raise NotImplementedError("parameters of several dtypes with a process_group are not "
+                                      "supported yet: one dtype per data-parallel optimizer")
         self._dtype, self._device = dtype, device
         self._params = plist
         self._names = [names.get(id(p), f"param.{i}") for i, p in enumerate(plist)]
@@ -212,21 +219,19 @@ class StagedAdamW(torch.optim.Optimizer):
         # (one piece per parameter). _slices: where each lies in ckpt's flat order.
         total = 0
         self._slices = []
-        for p, name in zip(plist, self._names):
-            if not p.is_contiguous():
-                raise TypeError(f"parameter {name} is not contiguous: StagedAdamW reads and "
-                                "writes parameters in place")
+        for p in plist:
             self._slices.append((total, p.numel()))
             total += p.numel()
         self._total = total
         # Data-parallel gradients are averaged in FP32 (gloo cannot all-reduce BF16, and a sum
         # in F16 overflows where the mean would not); ckpt's step takes FP32 gradients too.
-        grad_dtype = torch.float32 if process_group is not None else dtype
+        # With several parameter dtypes the step takes FP32 gradients (exact for each).
+        grad_dtype = torch.float32 if process_group is not None or dtype is None else dtype
         self._grad_dtype = grad_dtype
         self._scratch = {}  # Buffers made once and reused (the zero gradient); shared.
         shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in plist]
         specs = (_lib.Param * len(plist))(*[
-            _lib.Param(encoded[i], shapes[i], plist[i].dim(), _DTYPES[dtype],
+            _lib.Param(encoded[i], shapes[i], plist[i].dim(), _DTYPES[plist[i].dtype],
                        group_of[id(plist[i])]) for i in range(len(plist))])
         groups = (_lib.Group * len(self.param_groups))(*[self._group(g) for g in self.param_groups])
         self._group_handle = process_group
@@ -264,8 +269,19 @@ class StagedAdamW(torch.optim.Optimizer):
         self._local_count = local
         # This rank's weights in slab order, in host memory: the masters start from them.
         with torch.no_grad():
-            full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
-        host = self._local_of(full, dtype)
+            if dtype is not None:
+                full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
+                host = self._local_of(full, dtype)
+            else:
+                # The flat model-weight buffer: each parameter in its own dtype, at a multiple
+                # of its element size (ckpt_optimizer_create).
+                full, at = [], 0
+                for p in plist:
+                    pad = -at % p.element_size()
+                    full.append(torch.zeros(pad, dtype=torch.uint8))
+                    full.append(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8))
+                    at += pad + p.numel() * p.element_size()
+                host = torch.cat(full)
         options = _lib.OptimizerOptions(
             _lib.ENGINE_CUDA if device.type == "cuda" else _lib.ENGINE_CPU, unit_bytes, threads, 0,
             _MOMENTS[moments])
@@ -278,6 +294,7 @@ class StagedAdamW(torch.optim.Optimizer):
         # The one owner of the handle (ckpt/_native.py): wrappers that copy this object's
         # __dict__ share it, and it is freed when the last of them goes, or by close().
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
+        self._note_versions()
 
     @staticmethod
     def _check_group(g):
@@ -325,78 +342,134 @@ class StagedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # A step in which no parameter has a gradient changes nothing, as in torch.
-        if all(p.grad is None for p in self._params):
+        # As torch: a parameter whose .grad is None is not stepped (nor decayed), and its own
+        # step count does not advance; a step in which none has a gradient changes nothing.
+        stepped = [p.grad is not None for p in self._params]
+        if self._owned is not None:
+            stepped = self._agree(stepped)  # Every rank steps the same parameters.
+        if not any(stepped):
+            self._refresh_edited()  # Nothing steps, but an edit is seen now, not later.
             return loss
+        self._check_parameters()
         handle = self._push_groups()
         scale = self._grad_scale()
         self._cache.clear()
-        self._check_parameters()
         stream = None
         if self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device).cuda_stream
+        n = len(self._params)
+        mask = (ctypes.c_uint8 * n)(*stepped)
         skipped = ctypes.c_int(0)
         if self._owned is None:
             # Every gradient read and every parameter written in place, in one call.
             keep = []  # Gradients converted for ckpt, alive until the call returns.
-            grads = []
-            for p in self._params:
+            staged = []  # (parameter, contiguous copy) of non-contiguous parameters.
+            grads, params = [], []
+            for p, has in zip(self._params, stepped):
                 g = p.grad
-                if g is None:
-                    grads.append(self._zero_grad().data_ptr())
+                if not has:
+                    grads.append(None)
+                    params.append(None)
                     continue
                 if g.dtype != self._grad_dtype or g.device != self._device or \
                         not g.is_contiguous():
                     g = g.to(device=self._device, dtype=self._grad_dtype).contiguous()
                     keep.append(g)
                 grads.append(g.data_ptr())
-            n = len(self._params)
-            check(lib.ckpt_optimizer_step_pieces(
-                handle, (ctypes.c_void_p * n)(*grads),
-                (ctypes.c_void_p * n)(*[p.data_ptr() for p in self._params]), n,
-                _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
+                if not p.is_contiguous():
+                    # ckpt writes elements in row-major order: through a contiguous copy.
+                    staged.append((p, p.detach().contiguous()))
+                    params.append(staged[-1][1].data_ptr())
+                else:
+                    params.append(p.data_ptr())
+            check(lib.ckpt_optimizer_step_masked(
+                handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
+                mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
             del keep
+            if staged:
+                for p, copy in staged:
+                    p.detach().copy_(copy)
+                self._note_versions()
             return loss
         import torch.distributed as dist
-        for p, (o, n) in zip(self._params, self._slices):
+        for p, (o, count) in zip(self._params, self._slices):
             if p.grad is None:
-                self._grads[o:o + n].zero_()
+                self._grads[o:o + count].zero_()
             else:
-                self._grads[o:o + n].copy_(p.grad.reshape(-1))
+                self._grads[o:o + count].copy_(p.grad.reshape(-1))
         if self._reduce_grads:
             dist.all_reduce(self._grads, group=self._group_handle)
             self._grads.div_(dist.get_world_size(self._group_handle))
         self._gather(self._grads, self._local_grads)
-        check(lib.ckpt_optimizer_step(handle, self._local_grads.data_ptr(),
-                                      _DTYPES[self._local_grads.dtype],
-                                      scale, self._local_params.data_ptr(), 0, stream,
-                                      ctypes.byref(skipped)))
+        gsize, psize = self._local_grads.element_size(), self._local_params.element_size()
+        gbase, pbase = self._local_grads.data_ptr(), self._local_params.data_ptr()
+        grads = [gbase + local_at * gsize for _, local_at, _ in self._owned]
+        params = [pbase + local_at * psize for _, local_at, _ in self._owned]
+        k = len(self._owned)
+        check(lib.ckpt_optimizer_step_masked(
+            handle, (ctypes.c_void_p * k)(*grads), (ctypes.c_void_p * k)(*params), k, mask, n,
+            _DTYPES[self._local_grads.dtype], scale, 0, stream, ctypes.byref(skipped)))
         self._exchange(self._local_params)
-        self._scatter(self._flat)
+        self._scatter(self._flat, only=stepped)
         return loss
 
+    def _agree(self, stepped):
+        """Data parallel: the parameters any rank has a gradient for (the ranks must step the
+        same ones; a rank without one contributes zeros to the average)."""
+        import torch.distributed as dist
+        flags = self._reduced("stepped", len(stepped), torch.int32)
+        flags.copy_(torch.tensor(stepped, dtype=torch.int32))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group_handle)
+        return [bool(x) for x in flags.tolist()]
+
+    def _note_versions(self):
+        """What each parameter is now (its version counter and storage), so that the next step
+        can tell which ones the trainer changed in place."""
+        # In place: objects that copy this one's __dict__ share the list.
+        self._seen[:] = [(p._version, p.data_ptr()) for p in self._params]
+
+    def _refresh_edited(self):
+        """A parameter changed since ckpt last wrote it (model.load_state_dict, p.mul_() under
+        no_grad, re-initialisation, an EMA swap: anything that bumps its version counter or
+        replaces its storage) becomes its own master before the step, as torch AdamW would
+        continue from the edited value: the master takes the parameter's value widened to FP32
+        (for a BF16 or FP16 parameter, the low bits the master had beyond the parameter's
+        precision are gone). Moments and step counts stay."""
+        handle = self._live()
+        for i, (p, seen) in enumerate(zip(self._params, self._seen)):
+            if (p._version, p.data_ptr()) == seen:
+                continue
+            self._cache.clear()
+            values = p.detach().reshape(-1).float().cpu()
+            if not torch.isfinite(values).all():
+                raise ValueError(f"parameter {self._names[i]} was set to a non-finite value")
+            o, count = self._slices[i]
+            if self._owned is None:
+                check(lib.ckpt_optimizer_set_masters(handle, o, values.data_ptr(), count))
+                continue
+            for flat_at, local_at, k in self._owned:
+                if o <= flat_at < o + count:
+                    part = values[flat_at - o:flat_at - o + k].contiguous()
+                    check(lib.ckpt_optimizer_set_masters(handle, local_at, part.data_ptr(), k))
+        self._note_versions()
+
     def _check_parameters(self):
-        """Each parameter still where ckpt reads and writes it: its dtype, device, size and a
-        contiguous layout (CkptError naming the first that is not)."""
-        for p, (_, n), name in zip(self._params, self._slices, self._names):
-            if p.dtype != self._dtype or p.device != self._device or p.numel() != n or \
-                    not p.is_contiguous():
+        """Each parameter still of the dtype, device and size ckpt reads and writes (CkptError
+        naming the first that is not)."""
+        for p, (_, n), name, dtype in zip(self._params, self._slices, self._names, self._dtypes):
+            if p.dtype != dtype or p.device != self._device or p.numel() != n:
                 raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, "
-                                   f"{p.numel()} elements{'' if p.is_contiguous() else ', not contiguous'}"
-                                   f" (built with {self._dtype} on {self._device}, {n})")
+                                   f"{p.numel()} elements (built with {dtype} on "
+                                   f"{self._device}, {n})")
 
-    def _zero_grad(self):
-        """A zero gradient as long as the largest parameter, made once."""
-        if "zero_grad" not in self._scratch:
-            self._scratch["zero_grad"] = torch.zeros(max(n for _, n in self._slices),
-                                                     dtype=self._grad_dtype, device=self._device)
-        return self._scratch["zero_grad"]
-
-    def _scatter(self, flat):
-        """A flat buffer in ckpt's order into the parameters, in place."""
+    def _scatter(self, flat, only=None):
+        """A flat buffer in ckpt's order into the parameters (those `only` flags, or all), in
+        place."""
         with torch.no_grad():
-            for p, (o, n) in zip(self._params, self._slices):
-                p.detach().copy_(flat[o:o + n].view(p.shape))
+            for i, (p, (o, n)) in enumerate(zip(self._params, self._slices)):
+                if only is None or only[i]:
+                    p.detach().copy_(flat[o:o + n].view(p.shape))
+        self._note_versions()
 
     def _gather(self, full, local):
         """This rank's pieces of a full flat buffer, into `local` (slab order)."""
@@ -431,12 +504,14 @@ class StagedAdamW(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             self._check_group(g)
             check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
+        self._refresh_edited()  # A save holds the parameters as the trainer left them.
         return handle
 
     def _state(self, which):
         """One state tensor over every parameter (data-parallel: gathered from the ranks, so
         every rank must call it)."""
         handle = self._live()
+        self._refresh_edited()
         local = torch.empty(self._local_count, dtype=torch.float32)
         check(lib.ckpt_optimizer_read_state(handle, which, local.data_ptr(), local.numel()))
         if self._owned is None:
@@ -489,6 +564,13 @@ class StagedAdamW(torch.optim.Optimizer):
             out.append(g.step)
         return out
 
+    def param_steps(self):
+        """Each parameter's AdamW step count (how many steps updated it), in parameter order."""
+        n = len(self._params)
+        out = (ctypes.c_uint64 * n)()
+        check(lib.ckpt_optimizer_param_steps(self._live(), out, n))
+        return list(out)
+
     @property
     def lifecycle(self):
         value = ctypes.c_int()
@@ -510,15 +592,22 @@ class StagedAdamW(torch.optim.Optimizer):
         handle = self._live()
         self._cache.clear()  # The state just changed under the cached view.
         if self._owned is None:
+            # Into each parameter's own storage (non-contiguous ones through a copy); CUDA
+            # parameters rounded on the device, ordered on the current stream.
+            staged = [(p, p.detach().contiguous()) for p in self._params if not p.is_contiguous()]
+            copies = {id(p): c for p, c in staged}
+            n = len(self._params)
+            ptrs = (ctypes.c_void_p * n)(*[copies[id(p)].data_ptr() if id(p) in copies
+                                           else p.data_ptr() for p in self._params])
             if self._device.type == "cuda":
-                # Rounded on the device, ordered on the current stream.
-                flat = torch.empty(self._total, dtype=self._dtype, device=self._device)
                 stream = torch.cuda.current_stream(self._device).cuda_stream
-                check(lib.ckpt_optimizer_write_weights(handle, flat.data_ptr(), 1, stream))
+                check(lib.ckpt_optimizer_write_piece_weights(handle, ptrs, n, 1, stream))
             else:
-                flat = torch.empty(self._total, dtype=self._dtype)
-                check(lib.ckpt_optimizer_write_weights(handle, flat.data_ptr(), 0, None))
-            self._scatter(flat)
+                check(lib.ckpt_optimizer_write_piece_weights(handle, ptrs, n, 0, None))
+            with torch.no_grad():
+                for p, c in staged:
+                    p.detach().copy_(c)
+            self._note_versions()
             return
         local = torch.empty(self._local_count, dtype=self._dtype)
         check(lib.ckpt_optimizer_write_weights(handle, local.data_ptr(), 0, None))
@@ -544,16 +633,14 @@ class StagedAdamW(torch.optim.Optimizer):
                         "pickled; pickle its state_dict() instead")
 
     def _torch_state(self):
-        """{id(param): {"step", "exp_avg", "exp_avg_sq", "master"}} for the parameters whose
-        group has stepped (torch keeps no state before a parameter's first step). Cached until
-        the state changes."""
+        """{id(param): {"step", "exp_avg", "exp_avg_sq", "master"}} for the parameters that have
+        been stepped (torch keeps no state before a parameter's first step). Cached until the
+        state changes."""
         if "torch_state" not in self._cache:
-            steps = self.group_steps()
+            steps = self.param_steps()
             master, m, v = (self._state(w) for w in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
-            group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
             out = {}
-            for p, (o, n) in zip(self._params, self._slices):
-                step = steps[group_of[id(p)]]
+            for p, (o, n), step in zip(self._params, self._slices, steps):
                 if step == 0:
                     continue
                 out[id(p)] = {"step": torch.tensor(float(step)),
@@ -588,8 +675,8 @@ class StagedAdamW(torch.optim.Optimizer):
         the hyper-parameters, the moments and step counters, and the masters ("master" when the
         dict has it, else the parameters' values widened to FP32); the parameters then become
         the masters rounded. A parameter without an entry starts fresh (moments zero, step 0).
-        Raises ValueError naming what does not fit (groups, sizes, a non-finite value, step
-        counts that differ within a group, which ckpt keeps per group) with nothing changed.
+        Raises ValueError naming what does not fit (groups, sizes, a non-finite value, a step
+        that is not a count) with nothing changed.
         With a process group it is collective: every rank passes the whole dict."""
         handle = self._live()
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
@@ -604,7 +691,8 @@ class StagedAdamW(torch.optim.Optimizer):
         m = torch.zeros(total, dtype=torch.float32)
         v = torch.zeros(total, dtype=torch.float32)
         slice_of = {id(p): s for p, s in zip(self._params, self._slices)}
-        new_groups, steps = [], []
+        new_groups, steps = [], [0] * len(self._params)
+        index_of = {id(p): i for i, p in enumerate(self._params)}
         for gi, (ours, theirs) in enumerate(zip(self.param_groups, groups)):
             if len(theirs.get("params", ())) != len(ours["params"]):
                 raise ValueError(f"param group {gi} has {len(theirs.get('params', ()))} "
@@ -612,7 +700,6 @@ class StagedAdamW(torch.optim.Optimizer):
             group = {**ours, **{k: val for k, val in theirs.items() if k != "params"}}
             self._check_group(group)
             new_groups.append(group)
-            group_steps = set()
             # As torch: the dict's state is keyed by the ids its param_groups list.
             for p, saved_id in zip(ours["params"], theirs["params"]):
                 name = self._name_of(p)
@@ -621,7 +708,6 @@ class StagedAdamW(torch.optim.Optimizer):
                     master[o:o + n].copy_(p.detach().reshape(-1).float().cpu())
                 entry = state.get(saved_id)
                 if not entry:
-                    group_steps.add(0)
                     continue
                 for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
                     if key not in entry:
@@ -637,11 +723,7 @@ class StagedAdamW(torch.optim.Optimizer):
                 step = step.item() if isinstance(step, torch.Tensor) else step
                 if not _is_number(step) or step < 0 or step != int(step):
                     raise ValueError(f"the step of parameter {name} is {step!r}, not a count")
-                group_steps.add(int(step))
-            if len(group_steps) > 1:
-                raise ValueError(f"param group {gi}: its parameters' step counts differ "
-                                 f"({sorted(group_steps)}); StagedAdamW keeps one per group")
-            steps.append(group_steps.pop() if group_steps else 0)
+                steps[index_of[id(p)]] = int(step)
         if len({bool(g.get("maximize", False)) for g in new_groups}) > 1:
             raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
         for name, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
@@ -652,9 +734,9 @@ class StagedAdamW(torch.optim.Optimizer):
         with _signals.deferred():
             # The state first: it is what can still be refused (an async save in flight); the
             # groups, validated above, then cannot be.
-            check(lib.ckpt_optimizer_set_state(handle, local[0].data_ptr(), local[1].data_ptr(),
-                                               local[2].data_ptr(), local[0].numel(),
-                                               step_array, len(steps)))
+            check(lib.ckpt_optimizer_set_param_state(
+                handle, local[0].data_ptr(), local[1].data_ptr(), local[2].data_ptr(),
+                local[0].numel(), step_array, len(steps)))
             self._cache.clear()
             for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
                 ours.update({k: val for k, val in group.items() if k != "params"})

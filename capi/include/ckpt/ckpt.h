@@ -27,9 +27,11 @@ extern "C" {
 
 /* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
  * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
- * ckpt_checkpointer_open, ckpt_optimizer_set_state, ckpt_optimizer_step_pieces): a library
- * serves callers of its version or an older one. */
-#define CKPT_ABI_VERSION 6
+ * ckpt_checkpointer_open, ckpt_optimizer_set_state, ckpt_optimizer_step_pieces; 7:
+ * ckpt_optimizer_step_masked, ckpt_optimizer_param_steps, ckpt_optimizer_set_param_state,
+ * ckpt_optimizer_set_masters, ckpt_optimizer_write_piece_weights; parameters of several
+ * dtypes in one optimizer): a library serves callers of its version or an older one. */
+#define CKPT_ABI_VERSION 7
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -117,7 +119,10 @@ CKPT_C_EXPORT int ckpt_rank_pieces(const ckpt_param* params, size_t nparams, uin
                      int rank, ckpt_piece* out, size_t capacity, size_t* count);
 
 /* ---- Optimizer ---- */
-/* Masters from `weights` (this rank's elements in slab order, model dtype, host memory). */
+/* Masters from `weights`: host memory, this rank's pieces in slab order, each element in its
+ * parameter's dtype (parameters may mix CKPT_F32, CKPT_BF16 and CKPT_F16), each piece at a
+ * multiple of its element size (no gap when all share one dtype). The same flat layout is
+ * the `params` of ckpt_optimizer_step and the `dest` of ckpt_optimizer_write_weights. */
 CKPT_C_EXPORT int ckpt_optimizer_create(const ckpt_param* params, size_t nparams, const ckpt_group* groups,
                           size_t ngroups, const ckpt_piece* pieces, size_t npieces,
                           const ckpt_optimizer_options* options, const void* weights,
@@ -147,6 +152,29 @@ CKPT_C_EXPORT int ckpt_optimizer_step_pieces(ckpt_optimizer* opt, const void* co
                                              void* const* params, size_t npieces, int grad_dtype,
                                              float grad_scale, int check_finite, void* stream,
                                              int* skipped);
+/* (ABI 7) ckpt_optimizer_step_pieces where only some parameters have a gradient: stepped[i]
+ * (one byte per parameter of the layout, `nparams` of them, the same on every rank) 0 leaves
+ * parameter i exactly as it is, as torch skips a parameter whose .grad is None: its pieces'
+ * grads[k] and params[k] may be NULL, and its step count does not advance. Each parameter's
+ * bias correction uses its own step count. */
+CKPT_C_EXPORT int ckpt_optimizer_step_masked(ckpt_optimizer* opt, const void* const* grads,
+                                             void* const* params, size_t npieces,
+                                             const uint8_t* stepped, size_t nparams,
+                                             int grad_dtype, float grad_scale, int check_finite,
+                                             void* stream, int* skipped);
+/* (ABI 7) ckpt_optimizer_write_weights into each piece's own buffer: params[k] holds piece
+ * k's elements (in its parameter's dtype), for the `npieces` pieces of the optimizer. */
+CKPT_C_EXPORT int ckpt_optimizer_write_piece_weights(ckpt_optimizer* opt, void* const* params,
+                                                     size_t npieces, int on_device,
+                                                     void* stream);
+/* (ABI 7) Each parameter's step count (how many steps updated it) into out[0 .. nparams). */
+CKPT_C_EXPORT int ckpt_optimizer_param_steps(const ckpt_optimizer* opt, uint64_t* out,
+                                             size_t nparams);
+/* (ABI 7) Replaces the masters of slab elements [offset, offset + count) with `values` (a
+ * parameter the trainer changed in place; moments and step counts stay). An async save in
+ * flight keeps the masters from before. */
+CKPT_C_EXPORT int ckpt_optimizer_set_masters(ckpt_optimizer* opt, uint64_t offset,
+                                             const float* values, uint64_t count);
 CKPT_C_EXPORT int ckpt_optimizer_num_groups(const ckpt_optimizer* opt, size_t* count);
 CKPT_C_EXPORT int ckpt_optimizer_get_group(const ckpt_optimizer* opt, size_t index, ckpt_group* out);
 /* Replaces group `index`'s hyper-parameters from the next step on (its step counter kept). */
@@ -162,6 +190,12 @@ CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, floa
 CKPT_C_EXPORT int ckpt_optimizer_set_state(ckpt_optimizer* opt, const float* master,
                                            const float* exp_avg, const float* exp_avg_sq,
                                            uint64_t count, const uint64_t* steps, size_t nsteps);
+/* (ABI 7) ckpt_optimizer_set_state with each parameter's own step count (`nparams` = the
+ * number of parameters of the layout). */
+CKPT_C_EXPORT int ckpt_optimizer_set_param_state(ckpt_optimizer* opt, const float* master,
+                                                 const float* exp_avg, const float* exp_avg_sq,
+                                                 uint64_t count, const uint64_t* param_steps,
+                                                 size_t nparams);
 /* CKPT_LIFECYCLE_*; a poisoned optimizer refuses to step until a complete load. */
 CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifecycle);
 

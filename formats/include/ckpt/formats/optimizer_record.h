@@ -6,6 +6,7 @@
 #define CKPT_FORMATS_OPTIMIZER_RECORD_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,7 +19,9 @@ namespace ckpt::formats {
 // The name of the blob a step keeps its optimizer record under (rank 0's; every rank writes one).
 inline constexpr char kOptimizerRecordBlob[] = "optimizer.layout";
 inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
-inline constexpr int kOptimizerRecordVersion = 1;
+// Version 2 adds a parameter's own "step", written only when some parameter's step count
+// differs from its group's (version 1 readers would otherwise misread those counts).
+inline constexpr int kOptimizerRecordVersion = 2;
 // The optimizer kinds a record may name; a record without "kind" (written before kinds were
 // recorded) is AdamW's.
 inline constexpr char kOptimizerKindAdamW[] = "adamw";
@@ -30,12 +33,15 @@ struct OptimizerRecordParam {
   std::vector<uint64_t> shape;
   DType dtype = DType::kF32;  // The model dtype.
   uint32_t group = 0;         // Index into OptimizerRecord::groups.
+  // The parameter's own step count; unset: its group's (every parameter of a group stepped
+  // together, and every record of version 1).
+  std::optional<uint64_t> step;
   bool operator==(const OptimizerRecordParam&) const = default;
 };
 
 struct OptimizerRecordGroup {
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
-  uint64_t step = 0;
+  uint64_t step = 0;  // The largest step count of the group's parameters.
   bool operator==(const OptimizerRecordGroup&) const = default;
 };
 
@@ -50,8 +56,12 @@ struct OptimizerRecord {
 
 // JSON, one line: {"format":"ckpt-optimizer","version":1,"kind":...,"moment_dtype":...,
 // "world_size":...,"params":[{"name","shape","dtype","group"}...],"groups":[{"lr","beta1",
-// "beta2","eps","weight_decay","step"}...]}. Doubles round-trip exactly.
+// "beta2","eps","weight_decay","step"}...]}; version 2 when some parameter has its own "step".
+// Doubles round-trip exactly.
 std::string EncodeOptimizerRecord(const OptimizerRecord& record);
+
+// Parameter `i`'s step count: its own, or its group's. REQUIRES: a parsed or valid record.
+uint64_t ParamStep(const OptimizerRecord& record, size_t i);
 
 // kDataLoss naming `where` and the field for anything malformed: not strict JSON (a repeated
 // key), another format, a missing or mistyped field, a dtype ckpt does not know, a moment

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ckpt/formats/dtype.h"
 #include "ckpt/optimizer/layout.h"
 
@@ -89,7 +90,8 @@ struct StepArgs {
   const void* grads = nullptr;
   formats::DType grad_dtype = formats::DType::kF32;  // kF32, kBF16 or kF16.
   float grad_scale = 1.0f;  // Multiplies every gradient (the trainer's unscale-and-clip factor).
-  void* params = nullptr;   // Model-dtype weights, written with the updated masters.
+  void* params = nullptr;   // The flat model-weight buffer (weight_bytes()), written with the
+                            // updated masters.
   // Check every scaled gradient for NaN/Inf first; if any, skip the step and change nothing.
   bool check_finite = false;
   // CUDA engine (required there; the CPU engine ignores it): the caller's stream. The step
@@ -99,6 +101,12 @@ struct StepArgs {
   // Set (one entry per piece): the step reads and writes there, and `grads` and `params` are
   // ignored.
   std::span<const PieceBuffers> pieces = {};
+  // Which parameters have a gradient this step, one byte per parameter of options().params
+  // (every rank passes the same): a parameter whose byte is 0 is left exactly as it is (as
+  // torch skips a parameter whose .grad is None): its gradients are not read, its weights,
+  // masters and moments not written, and its step count does not advance; its pieces' buffers
+  // may be null. Empty: every parameter is stepped.
+  std::span<const uint8_t> stepped = {};
 };
 
 struct StepReport {
@@ -116,15 +124,18 @@ struct StepReport {
 enum class Lifecycle { kClean, kLoading, kPoisoned };
 
 struct StepConstants;  // optimizer/engine.h.
+struct StepPlan;       // optimizer/engine.h.
+struct SlabView;       // optimizer/engine.h.
 
 // One rank's optimizer. Not thread-safe: one Step at a time.
 class StagedAdamW {
  public:
   // Validates the layout and allocates the slabs; masters are initialised from
-  // `model_weights` (this rank's elements in slab order, in the model dtype, host memory),
-  // moments to zero. kInvalidArgument for empty or overlapping pieces, pieces outside their
-  // tensor, groups that do not exist, mixed or unsupported model dtypes, a weight buffer of the
-  // wrong size, an unaligned or null buffer; kUnimplemented / kFailedPrecondition when the CUDA
+  // `model_weights` (a flat model-weight buffer in host memory: this rank's pieces in slab
+  // order, each element in its parameter's dtype; see weight_bytes()), moments to zero.
+  // Parameters may mix FP32, BF16 and FP16. kInvalidArgument for empty or overlapping pieces,
+  // pieces outside their tensor, groups that do not exist, unsupported model dtypes, a weight
+  // buffer of the wrong size, an unaligned or null buffer; kUnimplemented / kFailedPrecondition when the CUDA
   // engine is asked for without a toolkit at build time or without a usable device;
   // kResourceExhausted when host or device memory runs out.
   static absl::StatusOr<std::unique_ptr<StagedAdamW>> Create(
@@ -137,9 +148,12 @@ class StagedAdamW {
   //   p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
   //   p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
   // and writes round-to-nearest-even model-dtype copies of the masters into args.params.
+  // Each parameter's bias correction uses its own step count t (param_steps() + 1), so a
+  // parameter that was skipped or added later continues as torch AdamW would with it.
   // kInvalidArgument for a null or misaligned buffer or an unsupported grad dtype, with the
   // state untouched; kFailedPrecondition naming the failed load when poisoned (lifecycle()).
-  // Increments every group's step.
+  // Increments the step count of every parameter stepped (StepArgs::stepped), unless the step
+  // was skipped for non-finite gradients.
   absl::StatusOr<StepReport> Step(const StepArgs& args);
 
   // Writes the model weights, which are always the masters rounded to the model dtype (nearest
@@ -153,9 +167,14 @@ class StagedAdamW {
   // the optimizer is not kClean (its masters are a load's or a failed load's) or the device is
   // released.
   absl::Status WriteModelWeights(void* dest, std::optional<CudaStreamView> stream = std::nullopt);
+  // The same into each piece's own buffer (`pieces[k].params`, options().pieces order; the
+  // parameters' storage, written in place with no flat copy; `grads` are ignored).
+  // kInvalidArgument for a wrong count or a null or misaligned buffer, naming the piece.
+  absl::Status WriteModelWeights(std::span<const PieceBuffers> pieces,
+                                 std::optional<CudaStreamView> stream = std::nullopt);
 
   // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
-  // weight-decay schedules), keeping its step counter (`group.step` is ignored).
+  // weight-decay schedules), keeping its step counters (`group.step` is ignored).
   // kInvalidArgument naming the group and the value for an index that does not exist or a
   // hyper-parameter out of range (lr and weight_decay finite and >= 0, betas in [0, 1), eps
   // finite and > 0); the group is then unchanged.
@@ -176,8 +195,10 @@ class StagedAdamW {
     LoadScope(LoadScope&& other) noexcept;
     LoadScope& operator=(LoadScope&&) = delete;
     ~LoadScope();
-    // The groups, with their step counters, as the load (or its rollback) has them.
-    void RestoreGroups(const std::vector<ParamGroup>& groups);
+    // The groups and each parameter's step count (one per parameter of options().params), as
+    // the load (or its rollback) has them; the groups' step fields are recomputed from them.
+    void RestoreGroups(const std::vector<ParamGroup>& groups,
+                       const std::vector<uint64_t>& param_steps);
     void Commit();
     void RolledBack();
     void Poison(std::string why);
@@ -227,9 +248,23 @@ class StagedAdamW {
 
   uint64_t size() const { return size_; }  // Elements on this rank.
   const std::vector<Unit>& units() const { return units_; }
+  // The param groups; each one's `step` is the largest step count of its parameters.
   const std::vector<ParamGroup>& groups() const { return options_.groups; }
+  // Each parameter's step count (how many steps updated it), one per options().params.
+  const std::vector<uint64_t>& param_steps() const { return param_steps_; }
   const StagedAdamWOptions& options() const { return options_; }
+  // The first parameter's dtype: every parameter's unless mixed_dtypes().
   formats::DType model_dtype() const { return model_dtype_; }
+  bool mixed_dtypes() const { return mixed_dtypes_; }
+  // The flat model-weight buffer of Create, WriteModelWeights and StepArgs::params: this rank's
+  // pieces in slab order, each element in its parameter's dtype, each piece starting at a
+  // multiple of its element size (so with one dtype: size() elements of it, back to back).
+  // Its size in bytes, and the alignment it needs (the widest element).
+  uint64_t weight_bytes() const { return piece_bytes_.back(); }
+  size_t weight_alignment() const { return widest_; }
+  // Piece k's dtype and the byte offset of its first weight in the flat buffer.
+  formats::DType piece_dtype(size_t k) const { return piece_dtypes_[k]; }
+  uint64_t piece_weight_offset(size_t k) const { return piece_bytes_[k]; }
   // Read-only views of the slabs, in slab order. exp_avg() and exp_avg_sq() view FP32 moments
   // and are empty in MomentDType::kBF16; the *_bytes() views hold size() * moment_bytes()
   // bytes in either mode. CUDA engine: call Synchronize() first.
@@ -245,14 +280,23 @@ class StagedAdamW {
   absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
   // Replaces the whole state at once, as a load does (torch's load_state_dict): `master` (or
   // the masters as they are, when empty), both moments as FP32 (rounded to BF16, nearest even,
-  // in MomentDType::kBF16), size() elements each in slab order, and every group's step counter
-  // (`steps`, one per group). All or nothing: kInvalidArgument for a size or count that does not
-  // match, or a non-finite value (naming the tensor and the slab index), and
-  // kFailedPrecondition when the optimizer is not kClean or an async save is in flight (its
-  // writer reads the slabs), each with the state untouched. CUDA engine: waits for the last
-  // step first.
+  // in MomentDType::kBF16), size() elements each in slab order, and every parameter's step
+  // count (`param_steps`, one per options().params). All or nothing: kInvalidArgument for a
+  // size or count that does not match, or a non-finite value (naming the tensor and the slab
+  // index), and kFailedPrecondition when the optimizer is not kClean or an async save is in
+  // flight (its writer reads the slabs), each with the state untouched. CUDA engine: waits for
+  // the last step first.
   absl::Status SetState(std::span<const float> master, std::span<const float> exp_avg,
-                        std::span<const float> exp_avg_sq, std::span<const uint64_t> steps);
+                        std::span<const float> exp_avg_sq,
+                        std::span<const uint64_t> param_steps);
+  // Replaces the masters of slab elements [offset, offset + values.size()) (a parameter the
+  // trainer changed in place: its value becomes the master, and the next Step continues from
+  // it, as torch AdamW would from the edited parameter). Moments and step counts are kept. An
+  // async save in flight is not disturbed: the elements' units first pass its copy-on-write
+  // fence, so the save holds the masters from before. kInvalidArgument for a range outside the
+  // slabs or a non-finite value (naming the slab index), kFailedPrecondition when not kClean,
+  // each with the masters untouched. CUDA engine: waits for the last step first.
+  absl::Status SetMasters(uint64_t offset, std::span<const float> values);
   // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
   size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
   // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step
@@ -272,14 +316,28 @@ class StagedAdamW {
   formats::DType model_dtype_ = formats::DType::kBF16;
   uint64_t size_ = 0;
   std::vector<Unit> units_;
-  // Slab offset of each piece's first element, and size_ last (SlabView::piece_starts).
+  // Slab offset of each piece's first element, and size_ last (SlabView::piece_starts); each
+  // piece's dtype, and its byte offset in the flat model-weight buffer, then its size.
   std::vector<uint64_t> piece_starts_;
+  std::vector<formats::DType> piece_dtypes_;
+  std::vector<uint64_t> piece_bytes_;
+  bool mixed_dtypes_ = false;
+  size_t widest_ = 1;
+  SlabView View() const;
+  // OK when `pieces` has one entry per piece, non-null and aligned for its dtypes (gradients
+  // only when `grad_dtype` is set), but those of parameters `stepped` says are not stepped.
+  absl::Status CheckPieceBuffers(std::span<const PieceBuffers> pieces,
+                                 std::optional<formats::DType> grad_dtype,
+                                 std::span<const uint8_t> stepped, absl::string_view what) const;
+  absl::Status WriteWeightsTo(const StepArgs& where, const std::optional<CudaStreamView>& stream);
   std::unique_ptr<Slabs> slabs_;
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 
   // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.
-  absl::StatusOr<StepReport> StepUnits(const StepArgs& args,
-                                       const std::vector<StepConstants>& constants);
+  absl::StatusOr<StepReport> StepUnits(const StepArgs& args, const StepPlan& plan);
+  // Each group's step: the largest step count of its parameters.
+  void SyncGroupSteps();
+  std::vector<uint64_t> param_steps_;  // One per options_.params.
   Lifecycle lifecycle_ = Lifecycle::kClean;
   internal::UnitFence* fence_ = nullptr;  // Installed by an async save while it writes.
   std::string poison_reason_;
