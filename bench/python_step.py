@@ -1,7 +1,7 @@
 """The Python step against the C++ step on the same state: ckpt.torch.StagedAdamW.step() (the
 torch.optim.Optimizer, reading each gradient and writing each parameter in place) against the
-same native call (ckpt_optimizer_step_pieces) made directly with pointer arrays prepared in
-advance, on the same optimizer, alternating. Prints both, and their ratio (goal <= 1.05 at 100M
+same native call (ckpt_optimizer_step_masked, every parameter stepped) made directly with pointer
+arrays prepared in advance, on the same optimizer, alternating. Prints both, and their ratio (goal <= 1.05 at 100M
 parameters on the CPU engine).
 
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/python_step.py \\
@@ -40,10 +40,11 @@ def main():
     weights = (ctypes.c_void_p * n)(*[p.data_ptr() for p in params])
     skipped = ctypes.c_int(0)
     grad_dtype = _lib.BF16 if dtype == torch.bfloat16 else _lib.F32
+    mask = (ctypes.c_uint8 * n)(*([1] * n))
 
     def native():
-        check(lib.ckpt_optimizer_step_pieces(handle, grads, weights, n, grad_dtype, 1.0, 0, None,
-                                             ctypes.byref(skipped)))
+        check(lib.ckpt_optimizer_step_masked(handle, grads, weights, n, mask, n, grad_dtype, 1.0,
+                                             0, None, ctypes.byref(skipped)))
 
     py, cc = [], []
     for _ in range(a.steps):

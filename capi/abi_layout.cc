@@ -103,6 +103,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_set_param_state);
   CKPT_FUNC(ckpt_optimizer_set_masters);
   CKPT_FUNC(ckpt_optimizer_write_piece_weights);
+  CKPT_FUNC(ckpt_optimizer_add_params);
   CKPT_FUNC(ckpt_optimizer_lifecycle);
   CKPT_FUNC(ckpt_store_open);
   CKPT_FUNC(ckpt_store_open_with);

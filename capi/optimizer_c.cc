@@ -129,6 +129,28 @@ int ckpt_optimizer_create(const ckpt_param* params, size_t nparams, const ckpt_g
   });
 }
 
+int ckpt_optimizer_add_params(ckpt_optimizer* o, const ckpt_param* params, size_t nparams,
+                              const ckpt_group* groups, size_t ngroups, const ckpt_piece* pieces,
+                              size_t npieces, const void* weights, size_t weight_bytes) {
+  return Guard("ckpt_optimizer_add_params", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    if (ngroups > 0 && groups == nullptr) return Invalid("groups is NULL");
+    if (npieces > 0 && pieces == nullptr) return Invalid("pieces is NULL");
+    if (weight_bytes > 0 && weights == nullptr) return Invalid("weights is NULL");
+    absl::StatusOr<std::vector<opt::ParamSpec>> specs = Params(params, nparams);
+    if (!specs.ok()) return Fail(specs.status());
+    std::vector<opt::ParamGroup> added_groups;
+    for (size_t i = 0; i < ngroups; ++i) added_groups.push_back(Group(groups[i]));
+    std::vector<opt::Piece> added_pieces;
+    for (size_t i = 0; i < npieces; ++i) {
+      added_pieces.push_back({pieces[i].param, pieces[i].begin, pieces[i].count});
+    }
+    return Done(o->opt->AddParams(
+        *specs, added_groups, added_pieces,
+        std::span<const std::byte>(static_cast<const std::byte*>(weights), weight_bytes)));
+  });
+}
+
 void ckpt_optimizer_destroy(ckpt_optimizer* o) { delete o; }
 
 int ckpt_optimizer_size(const ckpt_optimizer* o, uint64_t* elements) {

@@ -95,12 +95,21 @@ std::optional<json> OptimizerRecord(const CheckpointReader& reader) {
     groups.push_back({{"lr", g.lr}, {"beta1", g.beta1}, {"beta2", g.beta2}, {"eps", g.eps},
                       {"weight_decay", g.weight_decay}, {"step", g.step}});
   }
+  // Parameters whose own step count is not their group's (skipped in some steps).
+  json behind = json::object();
+  for (size_t i = 0; i < record->params.size(); ++i) {
+    const uint64_t step = formats::ParamStep(*record, i);
+    if (step != record->groups[record->params[i].group].step) {
+      behind[record->params[i].name] = step;
+    }
+  }
   return json{{"kind", record->kind},
               {"moment_dtype", std::string(formats::DTypeName(record->moment_dtype))},
               {"world_size", record->world_size},
               {"params", record->params.size()},
               {"elements", elements},
-              {"groups", groups}};
+              {"groups", groups},
+              {"param_steps", behind}};
 }
 
 void PrintOptimizerRecord(const json& o) {
@@ -118,6 +127,19 @@ void PrintOptimizerRecord(const json& o) {
               << g.value("lr", json()) << "  betas (" << g.value("beta1", json()) << ", "
               << g.value("beta2", json()) << ")  eps " << g.value("eps", json())
               << "  weight_decay " << g.value("weight_decay", json()) << "\n";
+  }
+  const json behind = o.value("param_steps", json::object());
+  if (!behind.empty()) {
+    std::cout << "  " << behind.size() << " parameter(s) at a step count below their group's:";
+    size_t shown = 0;
+    for (const auto& [name, step] : behind.items()) {
+      if (shown++ == 10) {
+        std::cout << " ...";
+        break;
+      }
+      std::cout << " " << Printable(name) << " (" << step << ")";
+    }
+    std::cout << "\n";
   }
 }
 

@@ -268,6 +268,51 @@ TEST(AsyncSaveRulesTest, SetMastersDuringASaveLeavesTheCheckpointAtTheCall) {
   EXPECT_EQ(loaded.Gather(), at_call);
 }
 
+// A step that skips parameters (no gradient) leaves their units to the writer: only units
+// holding a stepped parameter are copied aside, and the checkpoint holds the state at the call.
+TEST(AsyncSaveRulesTest, UnitsOfSkippedParametersAreNotCopiedAside) {
+  std::unique_ptr<Env> mem = NewMemEnv();
+  GateEnv gate(mem.get());
+  std::string at_call;
+  {
+    Job job(&gate, 1, 300);
+    job.Step(0);
+    at_call = job.Gather();
+    StagedAdamW& opt = *job.rank(0).opt;
+    std::vector<uint8_t> only_first(opt.options().params.size(), 0);
+    only_first[0] = 1;
+    // The units that hold elements of parameter 0.
+    uint64_t holding = 0;
+    for (const Unit& u : opt.units()) {
+      uint64_t at = 0;
+      bool holds = false;
+      for (const Piece& p : opt.options().pieces) {
+        holds |= p.param == 0 && at < u.offset + u.count && u.offset < at + p.count;
+        at += p.count;
+      }
+      holding += holds ? 1 : 0;
+    }
+    ASSERT_LT(holding, opt.units().size());
+    gate.Close();
+    std::vector<std::unique_ptr<PendingSave>> handles = job.SaveAsync(1);
+    ASSERT_NE(handles[0], nullptr);
+    gate.AwaitBlocked(1);
+    std::thread step([&] { job.Step(1, only_first); });
+    // The step may wait for a unit the writer holds; the gate opens once it has tried.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    gate.Open();
+    step.join();
+    ExpectAllOk(job.Finalize(handles));
+    EXPECT_LE(handles[0]->report().units_copied, holding);
+  }
+  Job loaded(&gate, 1, 300);
+  ExpectAllOk(loaded.OnEveryRank([&](int r) -> absl::Status {
+    CKPT_RETURN_IF_ERROR(loaded.rank(r).ckpt->Load(1).status());
+    return loaded.WriteWeights(r);
+  }));
+  EXPECT_EQ(loaded.Gather(), at_call);
+}
+
 // While a save is in flight the other transactions refuse and say why; SetGroup works (the
 // groups were taken at the call); a second Finalize refuses.
 TEST(AsyncSaveRulesTest, OtherTransactionsRefuseWhileASaveIsInFlight) {

@@ -382,5 +382,105 @@ TEST(MixedDtypesTest, CheckpointsKeepEachParametersDtype) {
   }
 }
 
+// Parameters added after some steps (torch's add_param_group) start fresh: the run equals, bit
+// for bit, one that had them from the start and skipped them until then; the earlier
+// parameters' state is kept exactly through the growth of the slabs.
+TEST(AddParamsTest, AddedParametersStartFreshAndTheOthersKeepTheirState) {
+  const StagedAdamWOptions all = MixedOptions(CpuIsa::kAuto);
+  const uint64_t n = Size(all);
+  std::vector<uint64_t> offsets;
+  std::vector<float> widened;
+  std::vector<std::byte> weights = MixedWeights(all, Random(n, 7, 1.0f), &offsets, &widened);
+  // "a", "b" and "c" (each whole) first; "d" is added after two steps.
+  StagedAdamWOptions whole = all;
+  whole.pieces = {{0, 0, 111}, {1, 0, 1001}, {2, 0, 17}, {3, 100, 400}};
+  StagedAdamWOptions first = whole;
+  first.params.resize(3);
+  first.pieces.resize(3);
+  first.groups = {whole.groups[0], whole.groups[1]};
+  const std::vector<float> values = Random(Size(whole), 11, 1.0f);
+  std::vector<float> unused_widened;
+  std::vector<uint64_t> whole_offsets, first_offsets, d_offsets;
+  std::vector<std::byte> whole_weights = MixedWeights(whole, values, &whole_offsets, &unused_widened);
+  std::vector<std::byte> first_weights =
+      MixedWeights(first, std::vector<float>(values.begin(), values.end() - 400), &first_offsets,
+                   &unused_widened);
+  StagedAdamWOptions d_only = whole;
+  d_only.pieces = {{3, 100, 400}};
+  std::vector<std::byte> d_weights = MixedWeights(
+      d_only, std::vector<float>(values.end() - 400, values.end()), &d_offsets, &unused_widened);
+  auto grown = StagedAdamW::Create(first, first_weights);
+  auto reference = StagedAdamW::Create(whole, whole_weights);
+  ASSERT_THAT(grown, IsOk());
+  ASSERT_THAT(reference, IsOk());
+  const uint64_t total = Size(whole);
+  std::vector<std::byte> ref_params(whole_weights.size());
+  const std::vector<uint8_t> without_d = {1, 1, 1, 0};
+  for (int s = 0; s < 4; ++s) {
+    const std::vector<float> g = Random(total, 50 + static_cast<uint32_t>(s), 0.3f);
+    if (s == 2) {
+      ASSERT_THAT((*grown)->AddParams({whole.params[3]}, {}, {{3, 100, 400}}, d_weights), IsOk());
+      EXPECT_EQ((*grown)->size(), total);
+      EXPECT_EQ((*grown)->param_steps(), (std::vector<uint64_t>{2, 2, 2, 0}));
+    }
+    std::vector<std::byte> params((*grown)->weight_bytes());
+    StepArgs args{g.data(), DType::kF32, 1.0f, params.data()};
+    ASSERT_THAT((*grown)->Step(args), IsOk());
+    StepArgs ref{g.data(), DType::kF32, 1.0f, ref_params.data()};
+    if (s < 2) ref.stepped = without_d;
+    ASSERT_THAT((*reference)->Step(ref), IsOk());
+  }
+  EXPECT_EQ((*grown)->param_steps(), (*reference)->param_steps());
+  EXPECT_EQ(std::memcmp((*grown)->master().data(), (*reference)->master().data(), 4 * total), 0);
+  EXPECT_EQ(std::memcmp((*grown)->exp_avg().data(), (*reference)->exp_avg().data(), 4 * total), 0);
+  // Refused with the optimizer unchanged: a name taken, weights of the wrong size, a piece of a
+  // parameter that does not exist.
+  const std::vector<float> before((*grown)->master().begin(), (*grown)->master().end());
+  EXPECT_THAT((*grown)->AddParams({whole.params[3]}, {}, {{4, 0, 400}}, d_weights),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  ParamSpec e{"e", {8}, DType::kF32, 0};
+  EXPECT_THAT((*grown)->AddParams({e}, {}, {{4, 0, 8}}, std::vector<std::byte>(31)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT((*grown)->AddParams({e}, {}, {{5, 0, 8}}, std::vector<std::byte>(32)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  ParamSpec e_in_new_group{"e", {8}, DType::kF32, 2};
+  EXPECT_THAT((*grown)->AddParams({e_in_new_group}, {}, {{4, 0, 8}}, std::vector<std::byte>(32)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(std::vector<float>((*grown)->master().begin(), (*grown)->master().end()), before);
+  EXPECT_EQ((*grown)->size(), total);
+  // And a new group with it.
+  ASSERT_THAT((*grown)->AddParams({e_in_new_group}, {ParamGroup{.lr = 1e-3}}, {{4, 0, 8}},
+                                  std::vector<std::byte>(32)),
+              IsOk());
+  EXPECT_EQ((*grown)->groups().size(), 3u);
+  EXPECT_EQ((*grown)->size(), total + 8);
+}
+
+TEST(AddParamsTest, RefusedWhileAnAsyncSaveIsInFlight) {
+  const StagedAdamWOptions o = Options(CpuIsa::kAuto);
+  const std::vector<uint16_t> init = Bf16(Random(Size(o), 7, 1.0f));
+  auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(init)));
+  ASSERT_THAT(opt, IsOk());
+  std::unique_ptr<Env> mem = NewMemEnv();
+  StoreOptions so;
+  so.env = mem.get();
+  auto store = CheckpointStore::Open("/store", so);
+  ASSERT_THAT(store, IsOk());
+  SingleProcessCoordinator solo;
+  auto ckpt = Checkpointer::Create(opt->get(), store->get(), &solo, {});
+  ASSERT_THAT(ckpt, IsOk());
+  auto pending = (*ckpt)->SaveAsync(1);
+  ASSERT_THAT(pending, IsOk());
+  const ParamSpec e{"e", {8}, DType::kBF16, 0};
+  EXPECT_THAT((*opt)->AddParams({e}, {}, {{4, 0, 8}}, std::vector<std::byte>(16)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  ASSERT_THAT((*pending)->Finalize(), IsOk());
+  EXPECT_THAT((*opt)->AddParams({e}, {}, {{4, 0, 8}}, std::vector<std::byte>(16)), IsOk());
+  // The Checkpointer saves and loads the grown state.
+  ASSERT_THAT((*ckpt)->Save(2), IsOk());
+  ASSERT_THAT((*ckpt)->Load(2).status(), IsOk());
+  EXPECT_EQ((*opt)->options().params.size(), 5u);
+}
+
 }  // namespace
 }  // namespace ckpt::optimizer

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -211,6 +212,94 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
                      DType::kF32, std::as_writable_bytes(master.subspan(at, n)));
   }
   return opt;
+}
+
+absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
+                                    const std::vector<ParamGroup>& groups,
+                                    const std::vector<Piece>& pieces,
+                                    std::span<const std::byte> weights) {
+  CKPT_RETURN_IF_ERROR(CheckClean("add parameters"));
+  if (fence_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "add parameters: an async save is in flight (its writer reads the slabs); finalize it "
+        "first");
+  }
+  std::set<std::string> taken;
+  for (const ParamSpec& p : options_.params) taken.insert(p.name);
+  for (const ParamSpec& p : params) {
+    if (!taken.insert(p.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("add parameters: \"", p.name, "\" is already a parameter"));
+    }
+  }
+  StagedAdamWOptions grown = options_;
+  grown.params.insert(grown.params.end(), params.begin(), params.end());
+  grown.groups.insert(grown.groups.end(), groups.begin(), groups.end());
+  for (size_t g = options_.groups.size(); g < grown.groups.size(); ++g) grown.groups[g].step = 0;
+  grown.pieces.insert(grown.pieces.end(), pieces.begin(), pieces.end());
+  // `weights` is the new pieces' own flat buffer: each at a multiple of its element size.
+  uint64_t need = 0;
+  for (const Piece& p : pieces) {
+    if (p.param >= grown.params.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("add parameters: a piece names param ",
+                                                     p.param, " of ", grown.params.size()));
+    }
+    const size_t psize = formats::DTypeSize(grown.params[p.param].dtype);
+    need = (need + psize - 1) / psize * psize + p.count * psize;
+  }
+  if (weights.size() != need) {
+    return absl::InvalidArgumentError(absl::StrCat("add parameters: the new weights hold ",
+                                                   weights.size(), " bytes, the new pieces need ",
+                                                   need));
+  }
+  // The grown flat weight buffer: the current pieces as they are (their offsets do not move),
+  // then the new ones.
+  CKPT_RETURN_IF_ERROR(Synchronize());
+  std::vector<std::byte> all(weight_bytes());
+  if (size_ > 0) {
+    // The current weights are the masters rounded; they only seed masters overwritten below.
+    StepArgs where;
+    where.params = all.data();
+    CKPT_RETURN_IF_ERROR(engine_->WriteWeights(View(), units_, where, std::nullopt));
+  }
+  uint64_t from = 0;
+  for (const Piece& p : pieces) {
+    const size_t psize = formats::DTypeSize(grown.params[p.param].dtype);
+    from = (from + psize - 1) / psize * psize;
+    all.resize((all.size() + psize - 1) / psize * psize);
+    all.insert(all.end(), weights.begin() + static_cast<ptrdiff_t>(from),
+               weights.begin() + static_cast<ptrdiff_t>(from + p.count * psize));
+    from += p.count * psize;
+  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> next, Create(std::move(grown), all));
+  // The current state, bit for bit, into the prefix of the grown slabs.
+  std::memcpy(next->mutable_master().data(), master().data(), size_ * 4);
+  if (!moments_untouched_) {
+    std::memcpy(next->mutable_exp_avg_bytes().data(), exp_avg_bytes().data(),
+                size_ * moment_bytes());
+    std::memcpy(next->mutable_exp_avg_sq_bytes().data(), exp_avg_sq_bytes().data(),
+                size_ * moment_bytes());
+  }
+  // The current counts; the new parameters start at 0 (Create gave them their group's).
+  std::fill(next->param_steps_.begin(), next->param_steps_.end(), 0);
+  std::copy(param_steps_.begin(), param_steps_.end(), next->param_steps_.begin());
+  for (size_t g = 0; g < options_.groups.size(); ++g) next->options_.groups[g] = options_.groups[g];
+  next->SyncGroupSteps();
+  // Take the grown layout; the old slabs and engine go (the engine drained first).
+  CKPT_RETURN_IF_ERROR(engine_->Synchronize());
+  engine_ = std::move(next->engine_);
+  slabs_ = std::move(next->slabs_);
+  options_ = std::move(next->options_);
+  size_ = next->size_;
+  units_ = std::move(next->units_);
+  piece_starts_ = std::move(next->piece_starts_);
+  piece_dtypes_ = std::move(next->piece_dtypes_);
+  piece_bytes_ = std::move(next->piece_bytes_);
+  mixed_dtypes_ = next->mixed_dtypes_;
+  widest_ = next->widest_;
+  param_steps_ = std::move(next->param_steps_);
+  ++state_version_;
+  return absl::OkStatus();
 }
 
 absl::Status StagedAdamW::CheckClean(absl::string_view what) const {
@@ -421,10 +510,24 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const St
   // The writer needs a core of its own while the step runs beside it.
   engine_->SetSpareCores(1);
   absl::Cleanup all_cores = [&] { engine_->SetSpareCores(0); };
+  // Units the step leaves alone (every piece skipped) need not pass the fence: the writer
+  // takes them as they are, with no copy and no wait.
   std::vector<bool> done(units_.size(), false);
+  size_t left = units_.size();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    bool active = false;
+    ForEachSegment(args, view, plan, units_[u].offset, units_[u].count, 0,
+                   [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c, DType) {
+                     active |= c != StepPlan::kSkipped;
+                   });
+    if (!active) {
+      done[u] = true;
+      --left;
+    }
+  }
   std::vector<size_t> ready;
   std::vector<Unit> batch;
-  for (size_t left = units_.size(); left > 0; left -= ready.size()) {
+  for (; left > 0; left -= ready.size()) {
     ready.clear();
     fence_->Acquire(done, &ready);
     batch.clear();

@@ -126,6 +126,13 @@ class _StateView:
                         "load_state_dict() or ckpt.Checkpointer.load()")
 
 
+def _shared(key):
+    """An attribute kept in the optimizer's `_layout` dict, so that objects sharing a copy of
+    its __dict__ (Lightning's wrapper) see it change (add_param_group changes these)."""
+    return property(lambda self: self._layout[key],
+                    lambda self, value: self._layout.__setitem__(key, value))
+
+
 class StagedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, as torch.optim.AdamW) with ckpt's staged state.
 
@@ -146,6 +153,13 @@ class StagedAdamW(torch.optim.Optimizer):
     .grad is None is skipped and its own step count does not advance, and a parameter changed
     in place is continued from (docs/python.md states the contract and what still differs).
     """
+
+    # The parameters' common dtype (None when they mix), the step's gradient dtype, and the
+    # elements of all parameters and of this rank.
+    _dtype = _shared("dtype")
+    _grad_dtype = _shared("grad_dtype")
+    _total = _shared("total")
+    _local_count = _shared("local_count")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -175,6 +189,7 @@ class StagedAdamW(torch.optim.Optimizer):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
                 raise ValueError(f"{key} must be an int >= 0, got {value!r}")
         params, names = _named(params)
+        self._layout = {}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, **implementation))
         self._native = None
@@ -331,10 +346,73 @@ class StagedAdamW(torch.optim.Optimizer):
         return self._native.handle
 
     def add_param_group(self, param_group):
-        if getattr(self, "_native", None) is not None:
-            raise NotImplementedError("StagedAdamW's parameters are fixed at construction: "
-                                      "build it with every group")
-        super().add_param_group(param_group)
+        """torch's add_param_group, at any time: the group's parameters (tensors or (name,
+        tensor) pairs) start fresh (moments zero, step count 0), the others keep their state;
+        ckpt's slabs grow (both sizes are held while the state is copied). All or nothing: a
+        parameter torch or ckpt refuses raises with nothing added. Refused while an async save
+        is in flight, and (for now) with a process_group."""
+        if getattr(self, "_native", None) is None:  # Called by torch's __init__.
+            super().add_param_group(param_group)
+            return
+        if self._owned is not None:
+            raise NotImplementedError("add_param_group with a process_group is not supported "
+                                      "yet: build the optimizer with every group")
+        if not isinstance(param_group, dict):
+            raise TypeError("a param group is a dict")
+        groups, names = _named([param_group])
+        super().add_param_group(groups[0])
+        try:
+            self._add_to_ckpt(self.param_groups[-1], names)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _add_to_ckpt(self, group, names):
+        """The group torch just appended, into ckpt's slabs and this object's tables."""
+        self._check_group(group)
+        new = list(group["params"])
+        first = len(self._params)
+        for p in new:
+            if p.dtype not in _DTYPES:
+                raise TypeError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
+            if p.device != self._device:
+                raise TypeError(f"all parameters must be on one device: {p.device} beside "
+                                f"{self._device}")
+        new_names = [names.get(id(p), f"param.{first + i}") for i, p in enumerate(new)]
+        if len(set(new_names) | set(self._names)) != len(new_names) + len(self._names):
+            raise ValueError("parameter names repeat")
+        encoded = [_lib.encode_text(n, "parameter name") for n in new_names]
+        shapes = [(ctypes.c_uint64 * max(1, p.dim()))(*p.shape) for p in new]
+        gi = len(self.param_groups) - 1
+        specs = (_lib.Param * len(new))(*[
+            _lib.Param(encoded[i], shapes[i], new[i].dim(), _DTYPES[new[i].dtype], gi)
+            for i in range(len(new))])
+        pieces = (_lib.Piece * len(new))(*[_lib.Piece(first + i, 0, p.numel())
+                                           for i, p in enumerate(new)])
+        chunks, at = [], 0
+        with torch.no_grad():
+            for p in new:  # The new pieces' own flat weight buffer.
+                pad = -at % p.element_size()
+                chunks.append(torch.zeros(pad, dtype=torch.uint8))
+                chunks.append(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8))
+                at += pad + p.numel() * p.element_size()
+        host = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+        check(lib.ckpt_optimizer_add_params(self._live(), specs, len(new),
+                                            ctypes.byref(self._group(group)), 1, pieces, len(new),
+                                            host.data_ptr(), host.numel()))
+        # ckpt has them: the tables follow, in place (shared with __dict__ copies).
+        total = self._total
+        for p in new:
+            self._slices.append((total, p.numel()))
+            total += p.numel()
+        self._params.extend(new)
+        self._names.extend(new_names)
+        self._dtypes.extend(p.dtype for p in new)
+        self._seen.extend((p._version, p.data_ptr()) for p in new)
+        self._total = self._local_count = total
+        if self._dtype is not None and any(p.dtype != self._dtype for p in new):
+            self._dtype, self._grad_dtype = None, torch.float32
+        self._cache.clear()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -344,14 +422,14 @@ class StagedAdamW(torch.optim.Optimizer):
                 loss = closure()
         # As torch: a parameter whose .grad is None is not stepped (nor decayed), and its own
         # step count does not advance; a step in which none has a gradient changes nothing.
-        stepped = [p.grad is not None for p in self._params]
+        grad_of = [p.grad for p in self._params]
+        stepped = [g is not None for g in grad_of]
         if self._owned is not None:
             stepped = self._agree(stepped)  # Every rank steps the same parameters.
         if not any(stepped):
             self._refresh_edited()  # Nothing steps, but an edit is seen now, not later.
             return loss
-        self._check_parameters()
-        handle = self._push_groups()
+        handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
         scale = self._grad_scale()
         self._cache.clear()
         stream = None
@@ -361,19 +439,20 @@ class StagedAdamW(torch.optim.Optimizer):
         mask = (ctypes.c_uint8 * n)(*stepped)
         skipped = ctypes.c_int(0)
         if self._owned is None:
-            # Every gradient read and every parameter written in place, in one call.
+            # Every gradient read and every parameter written in place, in one call. torch
+            # keeps a gradient on its parameter's device and of its dtype; it is converted
+            # when the step takes FP32 gradients (several parameter dtypes) or is strided.
             keep = []  # Gradients converted for ckpt, alive until the call returns.
             staged = []  # (parameter, contiguous copy) of non-contiguous parameters.
             grads, params = [], []
-            for p, has in zip(self._params, stepped):
-                g = p.grad
-                if not has:
+            want = self._grad_dtype
+            for p, g, ptr in zip(self._params, grad_of, self._seen):
+                if g is None:
                     grads.append(None)
                     params.append(None)
                     continue
-                if g.dtype != self._grad_dtype or g.device != self._device or \
-                        not g.is_contiguous():
-                    g = g.to(device=self._device, dtype=self._grad_dtype).contiguous()
+                if g.dtype is not want or not g.is_contiguous():
+                    g = g.to(device=self._device, dtype=want).contiguous()
                     keep.append(g)
                 grads.append(g.data_ptr())
                 if not p.is_contiguous():
@@ -381,7 +460,7 @@ class StagedAdamW(torch.optim.Optimizer):
                     staged.append((p, p.detach().contiguous()))
                     params.append(staged[-1][1].data_ptr())
                 else:
-                    params.append(p.data_ptr())
+                    params.append(ptr[1])
             check(lib.ckpt_optimizer_step_masked(
                 handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
                 mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
@@ -435,11 +514,17 @@ class StagedAdamW(torch.optim.Optimizer):
         continue from the edited value: the master takes the parameter's value widened to FP32
         (for a BF16 or FP16 parameter, the low bits the master had beyond the parameter's
         precision are gone). Moments and step counts stay."""
+        now = [(p._version, p.data_ptr()) for p in self._params]
+        if now == self._seen:
+            return
+        edited = [i for i, (a, b) in enumerate(zip(now, self._seen)) if a != b]
+        # A parameter that now has another dtype, device or size is refused before anything
+        # is read from it.
+        self._check_parameters(edited)
         handle = self._live()
-        for i, (p, seen) in enumerate(zip(self._params, self._seen)):
-            if (p._version, p.data_ptr()) == seen:
-                continue
-            self._cache.clear()
+        self._cache.clear()
+        for i in edited:
+            p = self._params[i]
             values = p.detach().reshape(-1).float().cpu()
             if not torch.isfinite(values).all():
                 raise ValueError(f"parameter {self._names[i]} was set to a non-finite value")
@@ -451,12 +536,16 @@ class StagedAdamW(torch.optim.Optimizer):
                 if o <= flat_at < o + count:
                     part = values[flat_at - o:flat_at - o + k].contiguous()
                     check(lib.ckpt_optimizer_set_masters(handle, local_at, part.data_ptr(), k))
-        self._note_versions()
+        self._seen[:] = now
 
-    def _check_parameters(self):
-        """Each parameter still of the dtype, device and size ckpt reads and writes (CkptError
-        naming the first that is not)."""
-        for p, (_, n), name, dtype in zip(self._params, self._slices, self._names, self._dtypes):
+    def _check_parameters(self, indices):
+        """Each of these parameters (indices into _params) still of the dtype, device and size
+        ckpt reads and writes (CkptError naming the first that is not). Run on the parameters
+        whose version or storage changed: nothing else changes a parameter's dtype, device or
+        size."""
+        for i in indices:
+            p, (_, n), name, dtype = self._params[i], self._slices[i], self._names[i], \
+                self._dtypes[i]
             if p.dtype != dtype or p.device != self._device or p.numel() != n:
                 raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, "
                                    f"{p.numel()} elements (built with {dtype} on "

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+import ckpt
 import ckpt.torch
 from test_torch_contract import (DEVICE, assert_close, loss, make, pair, relative, round_trip,
                                  train)
@@ -279,3 +280,56 @@ def test_parameters_of_three_dtypes_step_each_in_its_own_dtype():
     other.load_state_dict(round_trip(opt.state_dict()))
     for p, q in zip(ours, again):
         assert torch.equal(other.master(q), opt.master(p))
+
+
+def test_a_parameter_resized_through_data_is_refused_before_it_is_read(tmp_path):
+    (ours, opt), _ = both()
+    train(ours, opt, 1)
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ours.fc1.bias.data = torch.zeros(3, device=DEVICE)  # 24 elements before.
+    for read in (opt.state_dict, lambda: ck.save(2), lambda: opt.master(ours.fc2.bias)):
+        with pytest.raises(ckpt.CkptError, match="fc1.bias|changed"):
+            read()
+    assert ck.latest is None
+    ck.close()
+
+
+def test_add_param_group_at_any_time_starts_the_new_parameters_fresh():
+    from test_handles import wrap_as_lightning_does
+    a, b = pair()
+    out = []
+    for kind, model in (("ckpt", a), ("torch", b)):
+        first = [model.fc1.weight, model.fc1.bias]
+        if kind == "ckpt":
+            opt = ckpt.torch.StagedAdamW(first, lr=3e-3)
+        else:
+            opt = torch.optim.AdamW(first, lr=3e-3, foreach=False)
+        wrapper = wrap_as_lightning_does(opt) if kind == "ckpt" else opt
+        train(model, wrapper, 2)
+        # A new group with its own hyper-parameters, then one with the defaults.
+        opt.add_param_group({"params": list(model.fc2.parameters()), "lr": 1e-3,
+                             "weight_decay": 0.0})
+        train(model, wrapper, 1, first=2)
+        opt.add_param_group({"params": list(model.norm.parameters())})
+        train(model, wrapper, 3, first=3)
+        out.append(opt)
+    assert_close(a, b)
+    mine, theirs = out[0].state_dict(), out[1].state_dict()
+    assert [float(e["step"]) for e in mine["state"].values()] == \
+        [float(e["step"]) for e in theirs["state"].values()] == [6.0, 6.0, 4.0, 4.0, 3.0, 3.0]
+    assert [g["lr"] for g in mine["param_groups"]] == [g["lr"] for g in theirs["param_groups"]]
+
+
+def test_add_param_group_refusals_change_nothing():
+    (ours, opt), _ = both()
+    train(ours, opt, 1)
+    groups = len(opt.param_groups)
+    with pytest.raises(ValueError):  # torch's own rule: a parameter in two groups.
+        opt.add_param_group({"params": [ours.fc1.weight]})
+    with pytest.raises(TypeError):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.int32, device=DEVICE)]})
+    with pytest.raises(ValueError, match="eps"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=DEVICE))],
+                             "eps": -1.0})
+    assert len(opt.param_groups) == groups
+    train(ours, opt, 1, first=1)  # Still steps.

@@ -172,15 +172,22 @@ TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
 TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
   using optimizer::ParamGroup;
   optimizer::StagedAdamWOptions o;
-  o.params = {{"w", {1000}, formats::DType::kF32, 0}, {"b", {10}, formats::DType::kF32, 1}};
+  o.params = {{"w", {1000}, formats::DType::kF32, 0},
+              {"b", {10}, formats::DType::kF32, 0},
+              {"c", {10}, formats::DType::kF32, 1}};
   o.groups = {ParamGroup{.lr = 2.5e-4, .weight_decay = 0.1}, ParamGroup{.lr = 1e-3}};
-  o.pieces = {{0, 0, 1000}, {1, 0, 10}};
+  o.pieces = {{0, 0, 1000}, {1, 0, 10}, {2, 0, 10}};
   o.moment_dtype = optimizer::MomentDType::kBF16;
-  std::vector<float> weights(1010, 0.25f), grads(1010, 0.5f);
+  std::vector<float> weights(1020, 0.25f), grads(1020, 0.5f);
   auto opt = optimizer::StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
   ASSERT_THAT(opt, testing::IsOk());
   ASSERT_THAT((*opt)->Step({grads.data(), formats::DType::kF32, 1.0f, weights.data()}),
               testing::IsOk());
+  // "b" has no gradient in the second step: one step behind its group.
+  optimizer::StepArgs skip_b{grads.data(), formats::DType::kF32, 1.0f, weights.data()};
+  const std::vector<uint8_t> stepped = {1, 0, 1};
+  skip_b.stepped = stepped;
+  ASSERT_THAT((*opt)->Step(skip_b), testing::IsOk());
   auto store = CheckpointStore::Open(Root(), StoreOptions{});
   ASSERT_THAT(store, testing::IsOk());
   SingleProcessCoordinator single;
@@ -194,12 +201,14 @@ TEST_F(CliTest, InspectShowsTheOptimizerRecordOfAStep) {
   EXPECT_EQ(rec["moment_dtype"], "BF16");
   EXPECT_EQ(rec["kind"], "adamw");
   EXPECT_EQ(rec["world_size"], 1);
-  EXPECT_EQ(rec["params"], 2);
-  EXPECT_EQ(rec["elements"], 1010);
+  EXPECT_EQ(rec["params"], 3);
+  EXPECT_EQ(rec["elements"], 1020);
   EXPECT_EQ(rec["groups"][0]["lr"].get<double>(), 2.5e-4);
-  EXPECT_EQ(rec["groups"][0]["step"], 1);
+  EXPECT_EQ(rec["groups"][0]["step"], 2);
+  EXPECT_EQ(rec["param_steps"], nlohmann::json({{"b", 1}}));
   Result human = RunTool("inspect " + Root());
-  EXPECT_THAT(human.output, HasSubstr("optimizer: adamw, 2 parameters (1010 elements), moments BF16"));
+  EXPECT_THAT(human.output, HasSubstr("optimizer: adamw, 3 parameters (1020 elements), moments BF16"));
+  EXPECT_THAT(human.output, HasSubstr("1 parameter(s) at a step count below their group's: b (1)"));
 }
 
 TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {

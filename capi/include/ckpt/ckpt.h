@@ -29,7 +29,8 @@ extern "C" {
  * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
  * ckpt_checkpointer_open, ckpt_optimizer_set_state, ckpt_optimizer_step_pieces; 7:
  * ckpt_optimizer_step_masked, ckpt_optimizer_param_steps, ckpt_optimizer_set_param_state,
- * ckpt_optimizer_set_masters, ckpt_optimizer_write_piece_weights; parameters of several
+ * ckpt_optimizer_set_masters, ckpt_optimizer_write_piece_weights, ckpt_optimizer_add_params;
+ * parameters of several
  * dtypes in one optimizer): a library serves callers of its version or an older one. */
 #define CKPT_ABI_VERSION 7
 
@@ -167,6 +168,16 @@ CKPT_C_EXPORT int ckpt_optimizer_step_masked(ckpt_optimizer* opt, const void* co
 CKPT_C_EXPORT int ckpt_optimizer_write_piece_weights(ckpt_optimizer* opt, void* const* params,
                                                      size_t npieces, int on_device,
                                                      void* stream);
+/* (ABI 7) Adds parameters (torch's add_param_group; StagedAdamW::AddParams): `params` (their
+ * group indexes the current groups, then `groups`), this rank's `pieces` of them (param
+ * indexes the current parameters, then `params`) and their initial weights (`weights`: the
+ * new pieces in a flat model-weight buffer of their own). They start fresh; the others keep
+ * their state. Refused, with nothing changed, during an async save or a load. */
+CKPT_C_EXPORT int ckpt_optimizer_add_params(ckpt_optimizer* opt, const ckpt_param* params,
+                                            size_t nparams, const ckpt_group* groups,
+                                            size_t ngroups, const ckpt_piece* pieces,
+                                            size_t npieces, const void* weights,
+                                            size_t weight_bytes);
 /* (ABI 7) Each parameter's step count (how many steps updated it) into out[0 .. nparams). */
 CKPT_C_EXPORT int ckpt_optimizer_param_steps(const ckpt_optimizer* opt, uint64_t* out,
                                              size_t nparams);

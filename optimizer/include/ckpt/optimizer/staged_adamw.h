@@ -173,6 +173,21 @@ class StagedAdamW {
   absl::Status WriteModelWeights(std::span<const PieceBuffers> pieces,
                                  std::optional<CudaStreamView> stream = std::nullopt);
 
+  // Adds parameters (torch's add_param_group): `params` (global shapes; their `group` indexes
+  // the groups there are after the call: the current ones, then `groups`), this rank's
+  // `pieces` of them (`param` indexes the parameters after the call: the current ones, then
+  // `params`), and their initial weights (`weights`: the new pieces in a flat model-weight
+  // buffer of their own). The new parameters start fresh (masters from `weights`, moments zero,
+  // step count 0); the state of the others is kept bit for bit, and their slab offsets do not
+  // change (the new pieces come last). The slabs grow: the memory of both sizes is held while
+  // the state is copied. All or nothing: kInvalidArgument for a name already taken, a layout
+  // Create would refuse or a weight buffer of the wrong size; kFailedPrecondition when not
+  // kClean or while an async save is in flight; kResourceExhausted when memory runs out; each
+  // with the optimizer unchanged. CUDA engine: waits for the last step first.
+  absl::Status AddParams(const std::vector<ParamSpec>& params,
+                         const std::vector<ParamGroup>& groups, const std::vector<Piece>& pieces,
+                         std::span<const std::byte> weights);
+
   // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
   // weight-decay schedules), keeping its step counters (`group.step` is ignored).
   // kInvalidArgument naming the group and the value for an index that does not exist or a
