@@ -467,6 +467,57 @@ TEST(CudaEngineTest, MixedDtypesMatchTheCpuEngine) {
   cudaStreamDestroy(stream);
 }
 
+// AddParams on the CUDA engine (its slots remade for the grown units) equals the CPU engine.
+TEST(CudaEngineTest, AddedParametersMatchTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 4096);
+  const ParamSpec added = o.params[2];
+  o.params.resize(2);
+  o.pieces.resize(2);
+  StagedAdamWOptions cpu_options = o;
+  cpu_options.engine = EngineKind::kCpu;
+  const uint64_t n = Size(o), total = n + added.numel();
+  const std::vector<std::byte> w = Encode(Random(n, 1, 1.0f), DType::kBF16);
+  const std::vector<std::byte> w_added = Encode(Random(added.numel(), 2, 1.0f), DType::kBF16);
+  auto gpu = StagedAdamW::Create(o, w);
+  auto cpu = StagedAdamW::Create(cpu_options, w);
+  CKPT_ASSERT_OK(gpu);
+  CKPT_ASSERT_OK(cpu);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  void* dgrads = nullptr;
+  void* dparams = nullptr;
+  ASSERT_EQ(cudaMalloc(&dgrads, total * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dparams, total * 2), cudaSuccess);
+  std::vector<std::byte> host(total * 2);
+  for (int s = 0; s < 4; ++s) {
+    if (s == 2) {
+      for (StagedAdamW* opt : {gpu->get(), cpu->get()}) {
+        CKPT_ASSERT_OK(opt->AddParams({added}, {}, {{2, 0, added.numel()}}, w_added));
+      }
+    }
+    const uint64_t now = (*gpu)->size();
+    const std::vector<float> g = Random(now, 100 + s, 0.5f);
+    ASSERT_EQ(cudaMemcpy(dgrads, g.data(), now * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    StepArgs args{dgrads, DType::kF32, 1.0f, dparams};
+    args.stream = view;
+    CKPT_ASSERT_OK((*gpu)->Step(args));
+    CKPT_ASSERT_OK((*cpu)->Step({g.data(), DType::kF32, 1.0f, host.data()}));
+  }
+  std::vector<std::byte> got(total * 2);
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), dparams, got.size(), cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(got, host);
+  CKPT_ASSERT_OK((*gpu)->Synchronize());
+  EXPECT_EQ(std::memcmp((*gpu)->master().data(), (*cpu)->master().data(), 4 * total), 0);
+  EXPECT_EQ((*gpu)->param_steps(), (std::vector<uint64_t>{4, 4, 2}));
+  cudaFree(dgrads);
+  cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
 TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
   SKIP_WITHOUT_DEVICE();
   StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
