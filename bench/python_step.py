@@ -5,7 +5,7 @@ arrays prepared in advance, on the same optimizer, alternating. Prints both, and
 parameters on the CPU engine).
 
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/python_step.py \\
-        [--params 100000000] [--tensors 200] [--dtype bf16] [--steps 5]
+        [--params 100000000] [--tensors 200] [--dtype bf16] [--steps 15]
 """
 import argparse
 import ctypes
@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--params", type=int, default=100_000_000)
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="bf16")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
