@@ -138,8 +138,9 @@ class StagedAdamW(torch.optim.Optimizer):
 
     params: tensors, (name, tensor) pairs (names become the checkpoint's tensor names, e.g.
       `model.named_parameters()`, as HuggingFace names them), or param-group dicts of either.
-      Each of float32, bfloat16 or float16 (mixed freely, each kept in its dtype), all on one
-      device (CPU, or one CUDA device).
+      Each of float32, bfloat16 or float16 (mixed freely, each kept in its dtype), on the CPU
+      and at most one CUDA device (the engine runs where most elements are; the others are
+      staged through copies at each step).
     moments: "f32" (default) or "bf16" (moments rounded to BF16 in the slabs).
     threads: CPU engine threads (0: every core). unit_bytes: ckpt's unit size (0: default).
     process_group: a torch.distributed group (e.g. torch.distributed.group.WORLD) over which the
@@ -208,15 +209,24 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError("a parameter appears twice")
         for g in self.param_groups:
             self._check_group(g)
-        device = plist[0].device
         for p in plist:
             if p.dtype not in _DTYPES:
                 raise TypeError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
-            if p.device != device:
-                raise TypeError(f"all parameters must be on one device: {p.device} beside "
-                                f"{device}")
-        if device.type not in ("cpu", "cuda"):
-            raise TypeError(f"parameters on {device} are not supported (CPU or CUDA)")
+            if p.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"parameters on {p.device} are not supported (CPU or CUDA)")
+        cuda = {p.device for p in plist if p.device.type == "cuda"}
+        if len(cuda) > 1:
+            raise TypeError(f"parameters on several CUDA devices ({sorted(map(str, cuda))}): "
+                            "one optimizer serves one GPU (and the CPU)")
+        # The engine runs where most of the elements are: CUDA parameters with a few CPU ones
+        # (or the reverse) share one optimizer; the others are staged through copies.
+        on_cuda = sum(p.numel() for p in plist if p.device.type == "cuda")
+        device = next(iter(cuda)) if on_cuda * 2 > sum(p.numel() for p in plist) else \
+            torch.device("cpu")
+        if process_group is not None and any(p.device != device for p in plist):
+            raise NotImplementedError("parameters on two devices with a process_group are not "
+                                      "supported yet")
+        self._devices = [p.device for p in plist]
         # Each parameter keeps its own dtype; _dtype is theirs when they share one, else None.
         self._dtypes = [p.dtype for p in plist]
         dtype = plist[0].dtype if len(set(self._dtypes)) == 1 else None
@@ -375,9 +385,12 @@ class StagedAdamW(torch.optim.Optimizer):
         for p in new:
             if p.dtype not in _DTYPES:
                 raise TypeError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
-            if p.device != self._device:
-                raise TypeError(f"all parameters must be on one device: {p.device} beside "
-                                f"{self._device}")
+            if p.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"parameters on {p.device} are not supported (CPU or CUDA)")
+        cuda = {d for d in self._devices + [p.device for p in new] if d.type == "cuda"}
+        if len(cuda) > 1:
+            raise TypeError(f"parameters on several CUDA devices ({sorted(map(str, cuda))}): "
+                            "one optimizer serves one GPU (and the CPU)")
         new_names = [names.get(id(p), f"param.{first + i}") for i, p in enumerate(new)]
         if len(set(new_names) | set(self._names)) != len(new_names) + len(self._names):
             raise ValueError("parameter names repeat")
@@ -408,6 +421,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._params.extend(new)
         self._names.extend(new_names)
         self._dtypes.extend(p.dtype for p in new)
+        self._devices.extend(p.device for p in new)
         self._seen.extend((p._version, p.data_ptr()) for p in new)
         self._total = self._local_count = total
         if self._dtype is not None and any(p.dtype != self._dtype for p in new):
@@ -446,18 +460,20 @@ class StagedAdamW(torch.optim.Optimizer):
             staged = []  # (parameter, contiguous copy) of non-contiguous parameters.
             grads, params = [], []
             want = self._grad_dtype
-            for p, g, ptr in zip(self._params, grad_of, self._seen):
+            device = self._device
+            for p, g, ptr, home in zip(self._params, grad_of, self._seen, self._devices):
                 if g is None:
                     grads.append(None)
                     params.append(None)
                     continue
-                if g.dtype is not want or not g.is_contiguous():
-                    g = g.to(device=self._device, dtype=want).contiguous()
+                if g.dtype is not want or not g.is_contiguous() or home != device:
+                    g = g.to(device=device, dtype=want).contiguous()
                     keep.append(g)
                 grads.append(g.data_ptr())
-                if not p.is_contiguous():
-                    # ckpt writes elements in row-major order: through a contiguous copy.
-                    staged.append((p, p.detach().contiguous()))
+                if home != device or not p.is_contiguous():
+                    # ckpt writes elements in row-major order, on its engine's device: through
+                    # a contiguous copy there.
+                    staged.append((p, p.detach().to(device).contiguous()))
                     params.append(staged[-1][1].data_ptr())
                 else:
                     params.append(ptr[1])
@@ -546,10 +562,10 @@ class StagedAdamW(torch.optim.Optimizer):
         for i in indices:
             p, (_, n), name, dtype = self._params[i], self._slices[i], self._names[i], \
                 self._dtypes[i]
-            if p.dtype != dtype or p.device != self._device or p.numel() != n:
+            if p.dtype != dtype or p.device != self._devices[i] or p.numel() != n:
                 raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, "
                                    f"{p.numel()} elements (built with {dtype} on "
-                                   f"{self._device}, {n})")
+                                   f"{self._devices[i]}, {n})")
 
     def _scatter(self, flat, only=None):
         """A flat buffer in ckpt's order into the parameters (those `only` flags, or all), in
@@ -683,7 +699,9 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._owned is None:
             # Into each parameter's own storage (non-contiguous ones through a copy); CUDA
             # parameters rounded on the device, ordered on the current stream.
-            staged = [(p, p.detach().contiguous()) for p in self._params if not p.is_contiguous()]
+            staged = [(p, p.detach().to(self._device).contiguous())
+                      for p, home in zip(self._params, self._devices)
+                      if home != self._device or not p.is_contiguous()]
             copies = {id(p): c for p, c in staged}
             n = len(self._params)
             ptrs = (ctypes.c_void_p * n)(*[copies[id(p)].data_ptr() if id(p) in copies

@@ -333,3 +333,47 @@ def test_add_param_group_refusals_change_nothing():
                              "eps": -1.0})
     assert len(opt.param_groups) == groups
     train(ours, opt, 1, first=1)  # Still steps.
+
+
+class Split(torch.nn.Module):
+    """Two layers on two devices: `big` (most of the elements) and `small`."""
+
+    def __init__(self, big, small):
+        super().__init__()
+        torch.manual_seed(6)
+        self.big = torch.nn.Linear(12, 24).to(big)
+        self.small = torch.nn.Linear(24, 5).to(small)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.big(x.to(self.big.weight.device)))
+        return self.small(h.to(self.small.weight.device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="two devices need a GPU")
+@pytest.mark.parametrize("engine", ["cuda", "cpu"])
+def test_parameters_on_two_devices_share_one_optimizer(engine):
+    other = "cpu" if engine == "cuda" else "cuda"
+    ours, ref = Split(engine, other), Split(engine, other)
+    opt = ckpt.torch.StagedAdamW(ours.named_parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    assert opt._device.type == engine  # The engine runs where most elements are.
+    storages = [p.data_ptr() for p in ours.parameters()]
+    for s in range(4):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(6, 12, generator=g)
+        for model, o in ((ours, opt), (ref, ropt)):
+            o.zero_grad()
+            model(x).pow(2).mean().backward()
+            o.step()
+    assert [p.data_ptr() for p in ours.parameters()] == storages
+    assert ours.small.weight.device.type == other
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert relative(a, b) <= 2e-6, name
+    # A load writes the parameters on both devices.
+    state = round_trip(opt.state_dict())
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.zero_()
+    opt.load_state_dict(state)
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert relative(a, b) <= 2e-6, name
