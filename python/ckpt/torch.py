@@ -295,7 +295,10 @@ class StagedAdamW(torch.optim.Optimizer):
         # This rank's weights in slab order, in host memory: the masters start from them.
         with torch.no_grad():
             if dtype is not None:
-                full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
+                if all(d == plist[0].device for d in self._devices):
+                    full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
+                else:  # Two devices: each to the host first.
+                    full = torch.cat([p.detach().reshape(-1).cpu() for p in plist])
                 host = self._local_of(full, dtype)
             else:
                 # The flat model-weight buffer: each parameter in its own dtype, at a multiple
