@@ -56,6 +56,7 @@ std::string Build() {
   CKPT_FIELD(ckpt_group, eps);
   CKPT_FIELD(ckpt_group, weight_decay);
   CKPT_FIELD(ckpt_group, step);
+  CKPT_FIELD(ckpt_group, amsgrad);
   CKPT_STRUCT(ckpt_piece);
   CKPT_FIELD(ckpt_piece, param);
   CKPT_FIELD(ckpt_piece, begin);
@@ -153,6 +154,7 @@ std::string Build() {
   CKPT_CONST(CKPT_MASTER);
   CKPT_CONST(CKPT_EXP_AVG);
   CKPT_CONST(CKPT_EXP_AVG_SQ);
+  CKPT_CONST(CKPT_MAX_EXP_AVG_SQ);
   CKPT_CONST(CKPT_LIFECYCLE_CLEAN);
   CKPT_CONST(CKPT_LIFECYCLE_LOADING);
   CKPT_CONST(CKPT_LIFECYCLE_POISONED);

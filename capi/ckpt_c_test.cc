@@ -56,7 +56,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
   EXPECT_EQ(functions, 42);
-  EXPECT_EQ(constants, 29);
+  EXPECT_EQ(constants, 30);
   EXPECT_EQ(structs, 6);
 }
 
@@ -96,7 +96,7 @@ TEST(CkptCTest, NullAndBadArgumentsAreCodesWithMessages) {
   // A parameter with a dtype that does not exist, and one without a name.
   const uint64_t shape[1] = {4};
   ckpt_param bad = {"w", shape, 1, 7, 0};
-  ckpt_group group = {1e-3, 0.9, 0.999, 1e-8, 0.01, 0};
+  ckpt_group group = {1e-3, 0.9, 0.999, 1e-8, 0.01, 0, 0};
   ckpt_piece piece = {0, 0, 4};
   float weights[4] = {1, 2, 3, 4};
   ckpt_optimizer* opt = nullptr;
@@ -120,7 +120,7 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ckpt::testing::ScopedTempDir tmp;
   const uint64_t shape[2] = {2, 3};
   ckpt_param param = {"w", shape, 2, CKPT_F32, 0};
-  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0};
+  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0, 0};
   size_t count = 0;
   ckpt_piece pieces[4];
   ASSERT_EQ(ckpt_rank_pieces(&param, 1, 0, 1, 0, pieces, 4, &count), CKPT_OK);
@@ -186,7 +186,7 @@ TEST(CkptCTest, OpenedCheckpointersLeaveTheWeightsToWriteWeights) {
   ckpt::testing::ScopedTempDir tmp;
   const uint64_t shape[1] = {5};
   ckpt_param param = {"w", shape, 1, CKPT_BF16, 0};
-  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0};
+  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0, 0};
   ckpt_piece piece = {0, 0, 5};
   // 1.0, 2.0, -0.5, 0.25, 3.0 in BF16.
   std::vector<uint16_t> w = {0x3f80, 0x4000, 0xbf00, 0x3e80, 0x4040};

@@ -61,7 +61,7 @@ opt::CudaStreamView CallerStream(void* stream) {
 }
 
 opt::ParamGroup Group(const ckpt_group& g) {
-  return {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+  return {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad != 0};
 }
 
 
@@ -285,7 +285,7 @@ int ckpt_optimizer_get_group(const ckpt_optimizer* o, size_t index, ckpt_group* 
     return Invalid(absl::StrCat("param group ", index, " does not exist (", o->opt->groups().size(), ")"));
   }
   const opt::ParamGroup& g = o->opt->groups()[index];
-  *out = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+  *out = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad ? 1 : 0};
   return CKPT_OK;
 }
 
@@ -306,6 +306,7 @@ int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t
       case CKPT_MASTER: tensor = State::kMaster; break;
       case CKPT_EXP_AVG: tensor = State::kExpAvg; break;
       case CKPT_EXP_AVG_SQ: tensor = State::kExpAvgSq; break;
+      case CKPT_MAX_EXP_AVG_SQ: tensor = State::kMaxExpAvgSq; break;
       default: return Invalid(absl::StrCat("state tensor ", which));
     }
     return Done(o->opt->CopyStateAsF32(tensor, std::span<float>(out, count)));
@@ -315,7 +316,8 @@ int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t
 namespace {
 
 int SetState(ckpt_optimizer* o, const float* master, const float* exp_avg,
-             const float* exp_avg_sq, uint64_t count, std::span<const uint64_t> param_steps) {
+             const float* exp_avg_sq, const float* max_exp_avg_sq, uint64_t count,
+             std::span<const uint64_t> param_steps) {
   if (o == nullptr) return Invalid("optimizer is NULL");
   if (count > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr)) {
     return Invalid("exp_avg or exp_avg_sq is NULL");
@@ -323,7 +325,9 @@ int SetState(ckpt_optimizer* o, const float* master, const float* exp_avg,
   return Done(o->opt->SetState(
       master == nullptr ? std::span<const float>() : std::span<const float>(master, count),
       std::span<const float>(exp_avg, count), std::span<const float>(exp_avg_sq, count),
-      param_steps));
+      param_steps,
+      max_exp_avg_sq == nullptr ? std::span<const float>()
+                                : std::span<const float>(max_exp_avg_sq, count)));
 }
 
 }  // namespace
@@ -342,16 +346,16 @@ int ckpt_optimizer_set_state(ckpt_optimizer* o, const float* master, const float
     // One count per group (ABI 6): each parameter takes its group's.
     std::vector<uint64_t> per_param;
     for (const opt::ParamSpec& p : o->opt->options().params) per_param.push_back(steps[p.group]);
-    return SetState(o, master, exp_avg, exp_avg_sq, count, per_param);
+    return SetState(o, master, exp_avg, exp_avg_sq, nullptr, count, per_param);
   });
 }
 
 int ckpt_optimizer_set_param_state(ckpt_optimizer* o, const float* master, const float* exp_avg,
-                                   const float* exp_avg_sq, uint64_t count,
-                                   const uint64_t* param_steps, size_t nparams) {
+                                   const float* exp_avg_sq, const float* max_exp_avg_sq,
+                                   uint64_t count, const uint64_t* param_steps, size_t nparams) {
   return Guard("ckpt_optimizer_set_param_state", [&]() -> int {
     if (nparams > 0 && param_steps == nullptr) return Invalid("param_steps is NULL");
-    return SetState(o, master, exp_avg, exp_avg_sq, count,
+    return SetState(o, master, exp_avg, exp_avg_sq, max_exp_avg_sq, count,
                     std::span<const uint64_t>(param_steps, nparams));
   });
 }

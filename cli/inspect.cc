@@ -94,6 +94,7 @@ std::optional<json> OptimizerRecord(const CheckpointReader& reader) {
   for (const formats::OptimizerRecordGroup& g : record->groups) {
     groups.push_back({{"lr", g.lr}, {"beta1", g.beta1}, {"beta2", g.beta2}, {"eps", g.eps},
                       {"weight_decay", g.weight_decay}, {"step", g.step}});
+    if (g.amsgrad) groups.back()["amsgrad"] = true;
   }
   // Parameters whose own step count is not their group's (skipped in some steps).
   json behind = json::object();

@@ -31,6 +31,7 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
       own_steps = true;
     }
   }
+  bool amsgrad = false;
   for (const OptimizerRecordGroup& g : record.groups) {
     groups.push_back({{"lr", g.lr},
                       {"beta1", g.beta1},
@@ -38,9 +39,13 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
                       {"eps", g.eps},
                       {"weight_decay", g.weight_decay},
                       {"step", g.step}});
+    if (g.amsgrad) {
+      groups.back()["amsgrad"] = true;
+      amsgrad = true;
+    }
   }
   return json{{"format", kOptimizerRecordFormat},
-              {"version", own_steps ? 2 : 1},
+              {"version", amsgrad ? 3 : own_steps ? 2 : 1},
               {"kind", record.kind},
               {"moment_dtype", std::string(DTypeName(record.moment_dtype))},
               {"world_size", record.world_size},
@@ -113,6 +118,12 @@ absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
       return bad(absl::StrCat("group ", out.groups.size(), " lacks a step"));
     }
     group.step = g["step"].get<uint64_t>();
+    if (g.contains("amsgrad")) {
+      if (!g["amsgrad"].is_boolean()) {
+        return bad(absl::StrCat("group ", out.groups.size(), " has an amsgrad that is not a bool"));
+      }
+      group.amsgrad = g["amsgrad"].get<bool>();
+    }
     out.groups.push_back(group);
   }
   if (!root.contains("params") || !root["params"].is_array()) return bad("has no params");

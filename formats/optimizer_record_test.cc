@@ -74,7 +74,7 @@ TEST(OptimizerRecordTest, EveryMalformedFieldIsDataLossNamingIt) {
     EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
   }
   EXPECT_THAT(ParseOptimizerRecord("[1,2", "x"), StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(damaged("\"version\":1", "\"version\":3"),
+  EXPECT_THAT(damaged("\"version\":1", "\"version\":4"),
               StatusIs(absl::StatusCode::kUnimplemented));
   EXPECT_THAT(damaged("\"group\":1", "\"group\":1,\"step\":-1"),
               StatusIs(absl::StatusCode::kDataLoss));
@@ -93,6 +93,23 @@ TEST(OptimizerRecordTest, ParameterStepsRoundTripAsVersionTwo) {
   EXPECT_EQ(ParamStep(*parsed, 1), 4u);  // Its own.
   record.params[1].step.reset();
   EXPECT_THAT(EncodeOptimizerRecord(record), HasSubstr("\"version\":1"));
+}
+
+TEST(OptimizerRecordTest, AmsgradGroupsRoundTripAsVersionThree) {
+  OptimizerRecord record = Sample();
+  record.groups[1].amsgrad = true;
+  const std::string text = EncodeOptimizerRecord(record);
+  EXPECT_THAT(text, HasSubstr("\"version\":3"));
+  EXPECT_THAT(text, HasSubstr("\"amsgrad\":true"));
+  absl::StatusOr<OptimizerRecord> parsed = ParseOptimizerRecord(text, "x");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_EQ(*parsed, record);
+  EXPECT_FALSE(parsed->groups[0].amsgrad);
+  std::string bad = text;
+  bad.replace(bad.find("\"amsgrad\":true"), 14, "\"amsgrad\":1");
+  const absl::Status s = ParseOptimizerRecord(bad, "x").status();
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(s.message(), HasSubstr("group 1 has an amsgrad that is not a bool"));
 }
 
 }  // namespace

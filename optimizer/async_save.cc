@@ -29,7 +29,7 @@ std::unique_ptr<StagingPool> StagingPool::Create(uint64_t slot_bytes, uint64_t s
 StagingPool::~StagingPool() { std::free(base_); }
 
 uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
-  return unit.count * (4 + 2 * opt.moment_bytes());
+  return unit.count * (4 + (opt.has_max_exp_avg_sq() ? 3 : 2) * opt.moment_bytes());
 }
 
 AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
@@ -38,7 +38,9 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
       master_(reinterpret_cast<const std::byte*>(opt.master().data())),
       exp_avg_(opt.exp_avg_bytes().data()),
       exp_avg_sq_(opt.exp_avg_sq_bytes().data()),
+      max_exp_avg_sq_(opt.has_max_exp_avg_sq() ? opt.max_exp_avg_sq_bytes().data() : nullptr),
       moment_bytes_(opt.moment_bytes()),
+      moments_(opt.has_max_exp_avg_sq() ? 3 : 2),
       layout_(StateLayout::Of(opt)),
       blobs_(std::move(blobs)),
       txn_(std::move(txn)),
@@ -61,7 +63,19 @@ AsyncSave::~AsyncSave() {
 }
 
 uint64_t AsyncSave::UnitBytes(size_t u) const {
-  return units_[u].count * (4 + 2 * moment_bytes_);
+  return units_[u].count * (4 + moments_ * moment_bytes_);
+}
+
+StateBytes AsyncSave::SlabsOf(size_t u) const {
+  const uint64_t at = units_[u].offset;
+  return {master_ + at * 4, exp_avg_ + at * moment_bytes_, exp_avg_sq_ + at * moment_bytes_,
+          max_exp_avg_sq_ == nullptr ? nullptr : max_exp_avg_sq_ + at * moment_bytes_};
+}
+
+StateBytes AsyncSave::CopyOf(size_t u, const std::byte* copy) const {
+  const uint64_t n = units_[u].count;
+  return {copy, copy + n * 4, copy + n * (4 + moment_bytes_),
+          max_exp_avg_sq_ == nullptr ? nullptr : copy + n * (4 + 2 * moment_bytes_)};
 }
 
 bool AsyncSave::Released(size_t u) const {
@@ -115,12 +129,17 @@ void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* read
 void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
                           const std::vector<std::byte*>& to) const {
   auto one = [&](size_t k) {
-    const Unit& unit = units_[copy[k]];
-    std::memcpy(to[k], master_ + unit.offset * 4, unit.count * 4);
-    std::memcpy(to[k] + unit.count * 4, exp_avg_ + unit.offset * moment_bytes_,
-                unit.count * moment_bytes_);
-    std::memcpy(to[k] + unit.count * (4 + moment_bytes_),
-                exp_avg_sq_ + unit.offset * moment_bytes_, unit.count * moment_bytes_);
+    const uint64_t n = units_[copy[k]].count;
+    const StateBytes from = SlabsOf(copy[k]);
+    // Laid out as CopyOf reads it: the master, then each moment.
+    std::byte* into = to[k];
+    std::memcpy(into, from.master, n * 4);
+    into += n * 4;
+    for (const std::byte* m : {from.exp_avg, from.exp_avg_sq, from.max_exp_avg_sq}) {
+      if (m == nullptr) continue;
+      std::memcpy(into, m, n * moment_bytes_);
+      into += n * moment_bytes_;
+    }
   };
   workers_->ParallelFor(copy.size(), one, copy_threads_);
 }
@@ -166,7 +185,6 @@ absl::Status AsyncSave::WriteAll() {
   // An error returns at once: WriterMain's MarkFailed stops the store's writer threads before
   // the units are freed for the steps.
   for (size_t u = 0; u < state_.size(); ++u) {
-    const Unit& unit = units_[u];
     const std::byte* from = nullptr;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -177,11 +195,7 @@ absl::Status AsyncSave::WriteAll() {
         state_[u] = State::kWriting;
       }
     }
-    absl::StatusOr<uint64_t> ticket =
-        from != nullptr
-            ? QueueUnit(u, from, from + unit.count * 4, from + unit.count * (4 + moment_bytes_))
-            : QueueUnit(u, master_ + unit.offset * 4, exp_avg_ + unit.offset * moment_bytes_,
-                        exp_avg_sq_ + unit.offset * moment_bytes_);
+    absl::StatusOr<uint64_t> ticket = QueueUnit(u, from != nullptr ? CopyOf(u, from) : SlabsOf(u));
     if (!ticket.ok()) return ticket.status();
     if (previous.has_value()) {
       absl::Status s = release(*previous);
@@ -200,14 +214,13 @@ absl::Status AsyncSave::WriteAll() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> AsyncSave::QueueUnit(size_t u, const std::byte* master,
-                                              const std::byte* m, const std::byte* v) {
+absl::StatusOr<uint64_t> AsyncSave::QueueUnit(size_t u, const StateBytes& from) {
   // The unit's weights, rounded from its masters, stay in a bounce buffer until it is written
   // (the caller's weight buffer is not read: a CUDA trainer copies device weights into it at
   // will). Two units are in the writer's hands at once, hence two buffers.
   std::vector<std::byte>& bounce = bounce_[u % 2];
   bounce.resize(units_[u].count * 4);  // Room for the widest model dtype.
-  return QueueState(*txn_, layout_, units_[u].offset, units_[u].count, {master, m, v}, bounce);
+  return QueueState(*txn_, layout_, units_[u].offset, units_[u].count, from, bounce);
 }
 
 bool AsyncSave::writer_done() const {

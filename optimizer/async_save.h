@@ -30,6 +30,7 @@
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/env.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/state_io.h"
 #include "optimizer/state_layout.h"
 #include "optimizer/thread_pool.h"
 #include "optimizer/unit_fence.h"
@@ -104,8 +105,10 @@ class AsyncSave : public UnitFence {
   absl::Status WriteAll();
   // Queues unit `u` from its master and moment bytes (the slabs' or its copy's), which must
   // stay unchanged until the returned ticket is written (PieceStream::WaitWritten).
-  absl::StatusOr<uint64_t> QueueUnit(size_t u, const std::byte* master, const std::byte* m,
-                                     const std::byte* v);
+  absl::StatusOr<uint64_t> QueueUnit(size_t u, const StateBytes& from);
+  // Unit `u`'s state in the slabs, and in a copy of it at `copy` (master, then each moment).
+  StateBytes SlabsOf(size_t u) const;
+  StateBytes CopyOf(size_t u, const std::byte* copy) const;
   uint64_t UnitBytes(size_t u) const;
   bool Released(size_t u) const;  // REQUIRES: mu_ held.
 
@@ -115,7 +118,9 @@ class AsyncSave : public UnitFence {
   const std::byte* const master_;
   const std::byte* const exp_avg_;
   const std::byte* const exp_avg_sq_;
+  const std::byte* const max_exp_avg_sq_;  // Null without AMSGrad's maximum.
   const size_t moment_bytes_;
+  const size_t moments_;  // Moment slabs: 2, or 3 with max_exp_avg_sq.
   const StateLayout layout_;
   const Blobs blobs_;
   std::vector<std::byte> bounce_[2];  // The writer's model-dtype weights of units u % 2.

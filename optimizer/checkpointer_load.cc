@@ -71,7 +71,7 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
   }
   std::vector<ParamGroup> out;
   for (const formats::OptimizerRecordGroup& g : record.groups) {
-    ParamGroup p{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step};
+    ParamGroup p{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad};
     CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
     out.push_back(p);
   }
@@ -136,6 +136,20 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   for (const auto& [name, i] : index) {
     if (!expected.count(name)) extra.push_back(name);
   }
+  // AMSGrad's maximum on one side only: say so before listing every tensor it makes differ.
+  const std::string max_prefix = internal::StateTensorName(StateKind::kMaxExpAvgSq, "");
+  const bool saved_max =
+      index.lower_bound(max_prefix) != index.end() &&
+      index.lower_bound(max_prefix)->first.compare(0, max_prefix.size(), max_prefix) == 0;
+  if (saved_max != layout.has_max_exp_avg_sq()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where,
+        saved_max ? " was saved by an optimizer with amsgrad (it holds max_exp_avg_sq); build "
+                    "this one with amsgrad in the same param groups"
+                  : " was saved without amsgrad (it holds no max_exp_avg_sq), and this "
+                    "optimizer keeps one (some param group has amsgrad)",
+        "; nothing was loaded"));
+  }
   if (!missing.empty() || !extra.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, " does not hold this optimizer's state",
@@ -148,7 +162,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   const DType moments = m.tensors[index[layout.name(0, StateKind::kExpAvg)]].dtype;
   for (uint32_t p = 0; p < o.params.size(); ++p) {
     for (StateKind kind : layout.kinds()) {
-      const bool moment = kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq;
+      const bool moment = internal::IsMoment(kind);
       const DType want = moment ? moments : layout.dtype(kind, p);
       const std::string& name = layout.name(p, kind);
       const formats::TensorInfo& t = m.tensors[index[name]];
@@ -188,7 +202,9 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
   CKPT_RETURN_IF_ERROR(internal::ReadState(
       reader, StateLayout::Of(*optimizer_),
       {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),
-       optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data()}));
+       optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data(),
+       optimizer_->has_max_exp_avg_sq() ? optimizer_->mutable_max_exp_avg_sq_bytes().data()
+                                        : nullptr}));
   scope.RestoreGroups(groups, RecordParamSteps(record, o.params));
   if (blobs == nullptr) return absl::OkStatus();
   // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.

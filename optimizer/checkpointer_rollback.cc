@@ -151,6 +151,7 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable() {
   constexpr size_t kBlock = size_t{1} << 20;
   const std::span<const std::byte> exp_avg = optimizer_->exp_avg_bytes();
   const std::span<const std::byte> exp_avg_sq = optimizer_->exp_avg_sq_bytes();
+  const std::span<const std::byte> max_exp_avg_sq = optimizer_->max_exp_avg_sq_bytes();
   // Moments never written are zero without a read (which would fault in every page of them).
   const bool check_moments = !optimizer_->moments_untouched();
   const size_t moment_block = kBlock * optimizer_->moment_bytes();
@@ -162,7 +163,8 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable() {
     const size_t end = std::min(master.size(), at + kBlock);
     bool same = true;
     if (check_moments) {
-      for (std::span<const std::byte> m : {exp_avg, exp_avg_sq}) {
+      for (std::span<const std::byte> m : {exp_avg, exp_avg_sq, max_exp_avg_sq}) {
+        if (m.empty()) continue;
         const size_t lo = std::min(m.size(), b * moment_block);
         same = same && AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)));
       }
@@ -195,8 +197,9 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope
                                                     formats::DTypeSize(optimizer_->model_dtype())),
                      DType::kF32, std::as_writable_bytes(master));
     for (std::span<std::byte> moment :
-         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
-      std::memset(moment.data(), 0, moment.size());
+         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),
+          optimizer_->mutable_max_exp_avg_sq_bytes()}) {
+      if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
     }
     // Derivable only while no parameter has stepped: every count is 0.
     scope.RestoreGroups(*undo.derived_groups,

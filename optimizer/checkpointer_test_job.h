@@ -50,13 +50,14 @@ struct Rank {
 using InitFn = std::function<uint16_t(uint32_t param, uint64_t index)>;
 
 // A data-parallel job of `dp` ranks over one store at `root`. The weights start from `init`,
-// or from ToyInitialValue rounded to the model dtype.
+// or from ToyInitialValue rounded to the model dtype. `amsgrad`: group 0 uses AMSGrad (group 1
+// does not, so the optimizer keeps max_exp_avg_sq for parameters of both).
 class Job {
  public:
   Job(Env* env, int dp, uint64_t bucket_elems, std::vector<ParamSpec> params = ToyModel(),
       MomentDType moments = MomentDType::kF32, CheckpointerOptions options = {},
-      const std::string& root = kRoot, InitFn init = nullptr)
-      : group_(dp), params_(std::move(params)) {
+      const std::string& root = kRoot, InitFn init = nullptr, bool amsgrad = false)
+      : group_(dp), params_(std::move(params)), amsgrad_(amsgrad) {
     StoreOptions so;
     so.env = env;
     so.chunk_bytes = 1000;
@@ -73,6 +74,7 @@ class Job {
       StagedAdamWOptions o;
       o.params = params_;
       o.groups = ToyGroups();
+      o.groups[0].amsgrad = amsgrad_;
       o.pieces = pieces[r];
       o.threads = 1;
       o.unit_bytes = 1024;  // Many units even on a toy model: the async save fences by unit.
@@ -103,7 +105,9 @@ class Job {
   void Step(int s, const std::vector<uint8_t>& stepped = {}) {
     for (Rank& rank : ranks_) {
       for (size_t g = 0; g < ToyGroups().size(); ++g) {
-        ASSERT_THAT(rank.opt->SetGroup(g, ToyGroupAt(g, s)), IsOk());
+        ParamGroup group = ToyGroupAt(g, s);
+        group.amsgrad = amsgrad_ && g == 0;
+        ASSERT_THAT(rank.opt->SetGroup(g, group), IsOk());
       }
       std::vector<float> grads;
       for (const Piece& p : rank.opt->options().pieces)
@@ -198,12 +202,17 @@ class Job {
           e.append(reinterpret_cast<const char*>(rank.opt->exp_avg_bytes().data() + at * mb), mb);
           e.append(reinterpret_cast<const char*>(rank.opt->exp_avg_sq_bytes().data() + at * mb),
                    mb);
+          if (rank.opt->has_max_exp_avg_sq()) {
+            e.append(
+                reinterpret_cast<const char*>(rank.opt->max_exp_avg_sq_bytes().data() + at * mb),
+                mb);
+          }
         }
       }
       std::string mine;
       for (const ParamGroup& g : rank.opt->groups()) {
         absl::StrAppend(&mine, g.lr, "/", g.beta1, "/", g.beta2, "/", g.eps, "/", g.weight_decay,
-                        "/", g.step, ";");
+                        "/", g.step, g.amsgrad ? "/amsgrad" : "", ";");
       }
       for (uint64_t step : rank.opt->param_steps()) absl::StrAppend(&mine, step, ",");
       if (groups.empty()) groups = mine;
@@ -217,6 +226,7 @@ class Job {
  private:
   ThreadGroup group_;
   std::vector<ParamSpec> params_;
+  bool amsgrad_;
   std::vector<std::unique_ptr<CheckpointStore>> stores_;
   std::vector<Rank> ranks_;
 };

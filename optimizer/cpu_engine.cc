@@ -26,12 +26,16 @@ class CpuEngine : public internal::Engine {
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
                                   const StepPlan& plan, const SlabView& slabs,
                                   uint64_t elements) override {
-    // One kernel per model dtype the pieces have.
-    internal::KernelFn kernels[3] = {};
-    for (formats::DType d : slabs.piece_dtypes) {
-      internal::KernelFn& k = kernels[KernelIndex(d)];
-      if (k == nullptr) k = internal::SelectKernel(isa_, args.grad_dtype, d, slabs.moment_dtype);
-      if (k == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
+    // One kernel per model dtype the pieces have, with AMSGrad off and on.
+    internal::KernelFn kernels[2][3] = {};
+    for (int ams = 0; ams < (slabs.max_exp_avg_sq != nullptr ? 2 : 1); ++ams) {
+      for (formats::DType d : slabs.piece_dtypes) {
+        internal::KernelFn& k = kernels[ams][KernelIndex(d)];
+        if (k == nullptr) {
+          k = internal::SelectKernel(isa_, args.grad_dtype, d, slabs.moment_dtype, ams == 1);
+        }
+        if (k == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
+      }
     }
     const std::vector<Task> tasks = Tasks(args, units, plan, slabs,
                                           internal::TaskElems(elements, pool_.size()),
@@ -47,15 +51,19 @@ class CpuEngine : public internal::Engine {
     const size_t msize = MomentBytes(slabs.moment_dtype);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
+      const StepConstants& c = plan.constants[t.constants];
+      // A group without amsgrad leaves max_exp_avg_sq alone (zero, as torch keeps none).
+      const bool ams = c.amsgrad && slabs.max_exp_avg_sq != nullptr;
       KernelArgs a{slabs.master + t.offset,
                    slabs.exp_avg + t.offset * msize,
                    slabs.exp_avg_sq + t.offset * msize,
+                   ams ? slabs.max_exp_avg_sq + t.offset * msize : nullptr,
                    t.grads,
                    t.params,
                    t.count,
                    args.grad_scale,
-                   plan.constants[t.constants]};
-      kernels[KernelIndex(t.dtype)](a);
+                   c};
+      kernels[ams ? 1 : 0][KernelIndex(t.dtype)](a);
     }, Participants());
     return report;
   }

@@ -5,6 +5,8 @@
 //   v = beta2 * v + omb2 * (g * g)
 //   p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
 //   param = round_to_model_dtype(p)
+// With AMSGrad (the kernels' template flag A) the running maximum x = max(x, v) (a NaN on
+// either side wins, as torch.maximum) is stored, and sqrt(x) replaces sqrt(v).
 // Compiled with -ffp-contract=off, so the scalar path never fuses into FMAs; the SIMD paths use
 // separate mul/add intrinsics. Division and sqrt are correctly rounded everywhere, hence the
 // paths agree bit for bit.
@@ -65,12 +67,13 @@ inline void PrefetchLine(const char* p) {
 template <DType D>
 constexpr size_t kStreamBytes = D == DType::kF32 ? 4 : 2;
 
-template <DType G, DType M>
+template <DType G, DType M, bool A = false>
 inline void PrefetchStreams(const KernelArgs& a, size_t i) {
   PrefetchLine(reinterpret_cast<const char*>(a.master + i));
   if (M == DType::kF32 || i % 32 == 0) {
     PrefetchLine(static_cast<const char*>(a.exp_avg) + i * kStreamBytes<M>);
     PrefetchLine(static_cast<const char*>(a.exp_avg_sq) + i * kStreamBytes<M>);
+    if constexpr (A) PrefetchLine(static_cast<const char*>(a.max_exp_avg_sq) + i * kStreamBytes<M>);
   }
   if (G == DType::kF32 || i % 32 == 0) {
     PrefetchLine(static_cast<const char*>(a.grads) + i * kStreamBytes<G>);
@@ -80,7 +83,7 @@ inline void PrefetchStreams(const KernelArgs& a, size_t i) {
 // Moments are FP32 or BF16 (M); a BF16 moment is read and written exactly as a BF16 gradient is
 // read and a BF16 parameter written (round to nearest even). The update uses the FP32 values
 // computed in this step; only what is stored is rounded.
-template <DType G, DType P, DType M>
+template <DType G, DType P, DType M, bool A>
 inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
   const StepConstants& c = a.c;
   for (size_t i = begin; i < end; ++i) {
@@ -88,7 +91,13 @@ inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
     float p = a.master[i] * c.decay;
     const float m = c.beta1 * LoadGrad<M>(a.exp_avg, i) + c.omb1 * g;
     const float v = c.beta2 * LoadGrad<M>(a.exp_avg_sq, i) + c.omb2 * (g * g);
-    p = p - (c.step_size * m) / (std::sqrt(v) / c.bc2_sqrt + c.eps);
+    float d = v;  // What the denominator takes the root of.
+    if constexpr (A) {
+      const float x = LoadGrad<M>(a.max_exp_avg_sq, i);
+      d = (v > x || v != v) ? v : x;  // NOLINT: v != v is the NaN test.
+      StoreParam<M>(a.max_exp_avg_sq, i, d);
+    }
+    p = p - (c.step_size * m) / (std::sqrt(d) / c.bc2_sqrt + c.eps);
     a.master[i] = p;
     StoreParam<M>(a.exp_avg, i, m);
     StoreParam<M>(a.exp_avg_sq, i, v);
@@ -96,9 +105,9 @@ inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
   }
 }
 
-template <DType G, DType P, DType M>
+template <DType G, DType P, DType M, bool A>
 void ScalarKernel(const KernelArgs& a) {
-  ScalarRange<G, P, M>(a, 0, a.n);
+  ScalarRange<G, P, M, A>(a, 0, a.n);
 }
 
 // The memory-only twin of ScalarRange (see Avx512Block).
@@ -158,7 +167,7 @@ __attribute__((target("avx2,f16c"))) inline void StoreParam8(void* p, size_t i, 
   }
 }
 
-template <DType G, DType P, DType M, bool kMath>
+template <DType G, DType P, DType M, bool kMath, bool A>
 __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
   const StepConstants& c = a.c;
   const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(c.decay);
@@ -168,7 +177,7 @@ __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
                eps = _mm256_set1_ps(c.eps);
   size_t i = 0;
   for (; i + 8 <= a.n; i += 8) {
-    if (i % 16 == 0) PrefetchStreams<G, M>(a, i);  // Once per 64-byte line of the FP32 streams.
+    if (i % 16 == 0) PrefetchStreams<G, M, A>(a, i);  // Once per 64-byte line of FP32 streams.
     const __m256 g = _mm256_mul_ps(LoadGrad8<G>(a.grads, i), scale);
     __m256 p, m, v;
     if constexpr (kMath) {
@@ -176,7 +185,15 @@ __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
       m = _mm256_add_ps(_mm256_mul_ps(b1, LoadGrad8<M>(a.exp_avg, i)), _mm256_mul_ps(omb1, g));
       v = _mm256_add_ps(_mm256_mul_ps(b2, LoadGrad8<M>(a.exp_avg_sq, i)),
                         _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
-      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+      __m256 d = v;
+      if constexpr (A) {
+        const __m256 x = LoadGrad8<M>(a.max_exp_avg_sq, i);
+        const __m256 take_v =
+            _mm256_or_ps(_mm256_cmp_ps(v, x, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        d = _mm256_blendv_ps(x, v, take_v);
+        StoreParam8<M>(a.max_exp_avg_sq, i, d);
+      }
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(d), bc2), eps);
       p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
     } else {
       p = _mm256_add_ps(_mm256_loadu_ps(a.master + i), g);
@@ -189,20 +206,20 @@ __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
     StoreParam8<P>(a.params, i, p);
   }
   if constexpr (kMath) {
-    ScalarRange<G, P, M>(a, i, a.n);
+    ScalarRange<G, P, M, A>(a, i, a.n);
   } else {
     ShapedScalarRange<G, P, M>(a, i, a.n);
   }
 }
 
-template <DType G, DType P, DType M>
+template <DType G, DType P, DType M, bool A>
 void Avx2Kernel(const KernelArgs& a) {
-  Avx2Loop<G, P, M, true>(a);
+  Avx2Loop<G, P, M, true, A>(a);
 }
 
 template <DType G, DType P, DType M>
 void Avx2ShapedKernel(const KernelArgs& a) {
-  Avx2Loop<G, P, M, false>(a);
+  Avx2Loop<G, P, M, false, false>(a);
 }
 
 // --- AVX-512 ---------------------------------------------------------------------------------
@@ -264,7 +281,7 @@ struct Avx512Constants {
 
 // One 16-element block. kMath false is the benchmark's memory-only twin: the same loads, stores
 // and prefetches with one add per stream in place of the AdamW arithmetic.
-template <DType G, DType P, DType M, bool kStream, bool kMath>
+template <DType G, DType P, DType M, bool kStream, bool kMath, bool A>
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void Avx512Block(
     const KernelArgs& a, const Avx512Constants& k, size_t i) {
   const __m512 g = _mm512_mul_ps(LoadGrad16<G>(a.grads, i), k.scale);
@@ -274,7 +291,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
     m = _mm512_add_ps(_mm512_mul_ps(k.b1, LoadGrad16<M>(a.exp_avg, i)), _mm512_mul_ps(k.omb1, g));
     v = _mm512_add_ps(_mm512_mul_ps(k.b2, LoadGrad16<M>(a.exp_avg_sq, i)),
                       _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), k.bc2), k.eps);
+    __m512 d = v;
+    if constexpr (A) {
+      const __m512 x = LoadGrad16<M>(a.max_exp_avg_sq, i);
+      const __mmask16 take_v =
+          _mm512_cmp_ps_mask(v, x, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      d = _mm512_mask_blend_ps(take_v, x, v);
+      StoreParam16<M, false>(a.max_exp_avg_sq, i, d);
+    }
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(d), k.bc2), k.eps);
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(k.step, m), denom));
   } else {
     p = _mm512_add_ps(_mm512_loadu_ps(a.master + i), g);
@@ -291,7 +316,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // destination it goes out with non-temporal stores, which skip the read-for-ownership of every
 // destination line (2 of the 32 bytes a BF16 step moves per parameter). Two blocks per
 // iteration, their prefetches first: +2-4 % on the H200 host (lab, 1e9 parameters, two passes).
-template <DType G, DType P, DType M, bool kStream, bool kMath>
+template <DType G, DType P, DType M, bool kStream, bool kMath, bool A>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const KernelArgs& a) {
   const StepConstants& c = a.c;
   const Avx512Constants k{
@@ -300,42 +325,42 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const Kerne
       _mm512_set1_ps(c.step_size),  _mm512_set1_ps(c.bc2_sqrt), _mm512_set1_ps(c.eps)};
   size_t i = 0;
   for (; i + 32 <= a.n; i += 32) {
-    PrefetchStreams<G, M>(a, i);
-    PrefetchStreams<G, M>(a, i + 16);
-    Avx512Block<G, P, M, kStream, kMath>(a, k, i);
-    Avx512Block<G, P, M, kStream, kMath>(a, k, i + 16);
+    PrefetchStreams<G, M, A>(a, i);
+    PrefetchStreams<G, M, A>(a, i + 16);
+    Avx512Block<G, P, M, kStream, kMath, A>(a, k, i);
+    Avx512Block<G, P, M, kStream, kMath, A>(a, k, i + 16);
   }
   if (i + 16 <= a.n) {
-    Avx512Block<G, P, M, kStream, kMath>(a, k, i);
+    Avx512Block<G, P, M, kStream, kMath, A>(a, k, i);
     i += 16;
   }
   if constexpr (kStream) _mm_sfence();  // Order the streaming stores before the step returns.
   if constexpr (kMath) {
-    ScalarRange<G, P, M>(a, i, a.n);
+    ScalarRange<G, P, M, A>(a, i, a.n);
   } else {
     ShapedScalarRange<G, P, M>(a, i, a.n);
   }
 }
 
-template <DType G, DType P, DType M, bool kMath>
+template <DType G, DType P, DType M, bool kMath, bool A>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Dispatch(const KernelArgs& a) {
   // A 16-lane store of the copy is 64 (F32) or 32 bytes wide; streaming needs that alignment.
   const size_t width = P == DType::kF32 ? 64 : 32;
   if (reinterpret_cast<uintptr_t>(a.params) % width == 0) {
-    Avx512Loop<G, P, M, true, kMath>(a);
+    Avx512Loop<G, P, M, true, kMath, A>(a);
   } else {
-    Avx512Loop<G, P, M, false, kMath>(a);
+    Avx512Loop<G, P, M, false, kMath, A>(a);
   }
 }
 
-template <DType G, DType P, DType M>
+template <DType G, DType P, DType M, bool A>
 void Avx512Kernel(const KernelArgs& a) {
-  Avx512Dispatch<G, P, M, true>(a);
+  Avx512Dispatch<G, P, M, true, A>(a);
 }
 
 template <DType G, DType P, DType M>
 void Avx512ShapedKernel(const KernelArgs& a) {
-  Avx512Dispatch<G, P, M, false>(a);
+  Avx512Dispatch<G, P, M, false, false>(a);
 }
 
 // --- The check_finite pass -----------------------------------------------------------------
@@ -414,10 +439,27 @@ int DTypeIndex(DType d) {
 #define CKPT_KERNEL_TABLES(KERNEL) \
   { CKPT_KERNEL_TABLE(KERNEL, DType::kF32), CKPT_KERNEL_TABLE(KERNEL, DType::kBF16) }
 
+// The update kernels with AMSGrad off or on, as the table macros take a three-argument kernel.
+template <DType G, DType P, DType M>
+constexpr KernelFn kScalarPlain = ScalarKernel<G, P, M, false>;
+template <DType G, DType P, DType M>
+constexpr KernelFn kScalarAms = ScalarKernel<G, P, M, true>;
+template <DType G, DType P, DType M>
+constexpr KernelFn kAvx2Plain = Avx2Kernel<G, P, M, false>;
+template <DType G, DType P, DType M>
+constexpr KernelFn kAvx2Ams = Avx2Kernel<G, P, M, true>;
+template <DType G, DType P, DType M>
+constexpr KernelFn kAvx512Plain = Avx512Kernel<G, P, M, false>;
+template <DType G, DType P, DType M>
+constexpr KernelFn kAvx512Ams = Avx512Kernel<G, P, M, true>;
+
 using KernelTable = KernelFn[2][3][3];
-constexpr KernelTable kScalar = CKPT_KERNEL_TABLES(ScalarKernel);
-constexpr KernelTable kAvx2 = CKPT_KERNEL_TABLES(Avx2Kernel);
-constexpr KernelTable kAvx512 = CKPT_KERNEL_TABLES(Avx512Kernel);
+// [amsgrad][moments][grad][param].
+constexpr KernelTable kScalar[2] = {CKPT_KERNEL_TABLES(kScalarPlain),
+                                    CKPT_KERNEL_TABLES(kScalarAms)};
+constexpr KernelTable kAvx2[2] = {CKPT_KERNEL_TABLES(kAvx2Plain), CKPT_KERNEL_TABLES(kAvx2Ams)};
+constexpr KernelTable kAvx512[2] = {CKPT_KERNEL_TABLES(kAvx512Plain),
+                                    CKPT_KERNEL_TABLES(kAvx512Ams)};
 constexpr KernelTable kScalarShaped = CKPT_KERNEL_TABLES(ScalarShapedKernel);
 constexpr KernelTable kAvx2Shaped = CKPT_KERNEL_TABLES(Avx2ShapedKernel);
 constexpr KernelTable kAvx512Shaped = CKPT_KERNEL_TABLES(Avx512ShapedKernel);
@@ -443,8 +485,9 @@ KernelFn Select(const KernelTable& scalar, const KernelTable& avx2, const Kernel
 
 }  // namespace
 
-KernelFn SelectKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) {
-  return Select(kScalar, kAvx2, kAvx512, isa, grad, param, moments);
+KernelFn SelectKernel(CpuIsa isa, DType grad, DType param, MomentDType moments, bool amsgrad) {
+  const int a = amsgrad ? 1 : 0;
+  return Select(kScalar[a], kAvx2[a], kAvx512[a], isa, grad, param, moments);
 }
 
 KernelFn SelectShapedKernel(CpuIsa isa, DType grad, DType param, MomentDType moments) {

@@ -23,6 +23,7 @@ struct KernelArgs {
   float* master;
   void* exp_avg;  // FP32 or BF16 elements, per the kernel's moment dtype.
   void* exp_avg_sq;
+  void* max_exp_avg_sq;  // AMSGrad kernels only (SelectKernel's `amsgrad`).
   const void* grads;  // Already offset to the run's first element.
   void* params;       // Likewise.
   size_t n;
@@ -37,9 +38,9 @@ bool CpuSupports(CpuIsa isa);
 // The widest supported ISA for kAuto.
 CpuIsa ResolveIsa(CpuIsa isa);
 const char* IsaName(CpuIsa isa);
-// Null for unsupported dtype pairs.
+// Null for unsupported dtype pairs. `amsgrad`: the kernel keeps KernelArgs::max_exp_avg_sq.
 KernelFn SelectKernel(CpuIsa isa, formats::DType grad, formats::DType param,
-                      MomentDType moments = MomentDType::kF32);
+                      MomentDType moments = MomentDType::kF32, bool amsgrad = false);
 
 // Gradients that are NaN or infinite once multiplied by the step's scale (a finite gradient that
 // the scale overflows counts too): how many, and the index of the first (UINT64_MAX if none).

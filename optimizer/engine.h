@@ -22,6 +22,9 @@ struct StepConstants {
   float omb1, omb2;  // 1 - beta1, 1 - beta2
   float step_size;   // lr / (1 - beta1^t)
   float bc2_sqrt;    // sqrt(1 - beta2^t)
+  // AMSGrad: x = max(x, v) (NaN from either side wins, as torch.maximum), and the denominator
+  // uses x in place of v. Only where the slabs hold max_exp_avg_sq (SlabView).
+  bool amsgrad;
 };
 StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
 // OK when every hyper-parameter of `group` is in range; kInvalidArgument naming group `index`,
@@ -33,6 +36,8 @@ struct SlabView {
   float* master;
   std::byte* exp_avg;  // FP32 or BF16 elements, per moment_dtype.
   std::byte* exp_avg_sq;
+  std::byte* max_exp_avg_sq;  // AMSGrad's running maximum, in the moments' dtype; null when no
+                              // group of the optimizer has ever asked for amsgrad.
   MomentDType moment_dtype;
   // Slab offset of each piece's first element, then the slab size: where StepArgs::pieces'
   // buffers begin and end.
@@ -146,8 +151,10 @@ class Engine {
 
 absl::StatusOr<std::unique_ptr<internal::Engine>> NewCpuEngine(int threads, CpuIsa isa);
 // kUnimplemented in a build without CUDA; kFailedPrecondition without a usable device.
+// `max_slab`: the slabs hold AMSGrad's max_exp_avg_sq, which the slots stream too.
 absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
-                                                                const std::vector<Unit>& units);
+                                                                const std::vector<Unit>& units,
+                                                                bool max_slab);
 
 }  // namespace ckpt::optimizer
 

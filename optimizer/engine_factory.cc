@@ -10,12 +10,14 @@
 namespace ckpt::optimizer {
 
 absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdamWOptions& options,
-                                                                const std::vector<Unit>& units) {
+                                                                const std::vector<Unit>& units,
+                                                                bool max_slab) {
 #if CKPT_HAVE_CUDA
-  return internal::NewCudaEngineImpl(options, units);
+  return internal::NewCudaEngineImpl(options, units, max_slab);
 #else
   (void)options;
   (void)units;
+  (void)max_slab;
   return absl::UnimplementedError(
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 #endif

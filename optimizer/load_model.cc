@@ -216,8 +216,9 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     }
     CKPT_RETURN_IF_ERROR(from->ReadF32(requests));
     for (std::span<std::byte> moment :
-         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes()}) {
-      std::memset(moment.data(), 0, moment.size());
+         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),
+          optimizer_->mutable_max_exp_avg_sq_bytes()}) {
+      if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
     }
     std::vector<ParamGroup> groups = optimizer_->groups();
     for (ParamGroup& g : groups) g.step = 0;

@@ -73,9 +73,11 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       const formats::TensorInfo& t = m.tensors[found->second];
       plan.params.push_back({name, t.shape, t.dtype, p.group});
       std::vector<uint32_t> tensors;
-      for (internal::StateKind kind : internal::kAdamWKinds) {
+      for (internal::StateKind kind : internal::kAmsgradKinds) {
         const std::string tensor = internal::StateTensorName(kind, name);
         auto state = index.find(tensor);
+        // AMSGrad's maximum is there when the optimizer kept one (for every parameter alike).
+        if (state == index.end() && kind == internal::StateKind::kMaxExpAvgSq) continue;
         if (state == index.end()) {
           return absl::DataLossError(absl::StrCat(where, ": optimizer record names \"", name,
                                                   "\" but the step has no \"", tensor, "\""));

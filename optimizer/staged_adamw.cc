@@ -22,6 +22,7 @@ using formats::DType;
 
 struct StagedAdamW::Slabs {
   internal::HostBuffer master, exp_avg, exp_avg_sq;
+  internal::HostBuffer max_exp_avg_sq;  // Allocated only with has_max_exp_avg_sq().
 };
 
 StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
@@ -37,6 +38,7 @@ StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
   c.omb2 = static_cast<float>(1.0 - b2);
   c.step_size = static_cast<float>(g.lr / bc1);
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.amsgrad = g.amsgrad;
   return c;
 }
 
@@ -54,7 +56,9 @@ absl::Status ValidateHyperParameters(const ParamGroup& g, size_t index) {
   if (!(g.lr >= 0) || !std::isfinite(g.lr)) return bad("lr", g.lr);
   if (!(g.beta1 >= 0 && g.beta1 < 1)) return bad("beta1", g.beta1);
   if (!(g.beta2 >= 0 && g.beta2 < 1)) return bad("beta2", g.beta2);
-  if (!(g.eps > 0) || !std::isfinite(g.eps)) return bad("eps", g.eps);
+  // eps = 0 as torch allows it: an element whose moments are both zero then becomes 0/0 = NaN
+  // in torch and here alike.
+  if (!(g.eps >= 0) || !std::isfinite(g.eps)) return bad("eps", g.eps);
   if (!(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
     return bad("weight_decay", g.weight_decay);
   }
@@ -149,6 +153,11 @@ StagedAdamW::~StagedAdamW() = default;
 
 absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
     StagedAdamWOptions options, std::span<const std::byte> model_weights) {
+  return CreateWith(std::move(options), model_weights, false);
+}
+
+absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
+    StagedAdamWOptions options, std::span<const std::byte> model_weights, bool keep_max) {
   CKPT_RETURN_IF_ERROR(ValidateGroups(options));
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
@@ -185,13 +194,15 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   opt->size_ = size;
   opt->units_ = BuildUnits(opt->options_);
   opt->param_steps_.assign(opt->options_.params.size(), 0);
+  opt->has_max_ = keep_max;
+  for (const ParamGroup& g : opt->options_.groups) opt->has_max_ |= g.amsgrad;
   for (size_t i = 0; i < opt->param_steps_.size(); ++i) {
     opt->param_steps_[i] = opt->options_.groups[opt->options_.params[i].group].step;
   }
   if (opt->options_.engine == EngineKind::kCpu) {
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCpuEngine(opt->options_.threads, opt->options_.isa));
   } else {
-    CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCudaEngine(opt->options_, opt->units_));
+    CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCudaEngine(opt->options_, opt->units_, opt->has_max_));
   }
   const bool pinned = opt->engine_->wants_pinned_slabs();
   const size_t moment_bytes = MomentBytes(opt->options_.moment_dtype);
@@ -203,6 +214,11 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
   CKPT_ASSIGN_OR_RETURN(
       opt->slabs_->exp_avg_sq,
       internal::HostBuffer::Create(size * moment_bytes, 2 * internal::kSlabStagger, pinned));
+  if (opt->has_max_) {
+    CKPT_ASSIGN_OR_RETURN(
+        opt->slabs_->max_exp_avg_sq,
+        internal::HostBuffer::Create(size * moment_bytes, 3 * internal::kSlabStagger, pinned));
+  }
   const std::span<float> master = opt->mutable_master();
   for (size_t k = 0; k < opt->piece_dtypes_.size(); ++k) {
     const uint64_t at = opt->piece_starts_[k], n = opt->piece_starts_[k + 1] - at;
@@ -271,7 +287,7 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
                weights.begin() + static_cast<ptrdiff_t>(from + p.count * psize));
     from += p.count * psize;
   }
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> next, Create(std::move(grown), all));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> next, CreateWith(std::move(grown), all, has_max_));
   // The current state, bit for bit, into the prefix of the grown slabs.
   std::memcpy(next->mutable_master().data(), master().data(), size_ * 4);
   if (!moments_untouched_) {
@@ -279,6 +295,10 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
                 size_ * moment_bytes());
     std::memcpy(next->mutable_exp_avg_sq_bytes().data(), exp_avg_sq_bytes().data(),
                 size_ * moment_bytes());
+    if (has_max_) {
+      std::memcpy(next->mutable_max_exp_avg_sq_bytes().data(), max_exp_avg_sq_bytes().data(),
+                  size_ * moment_bytes());
+    }
   }
   // The current counts; the new parameters start at 0 (Create gave them their group's).
   std::fill(next->param_steps_.begin(), next->param_steps_.end(), 0);
@@ -296,6 +316,7 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
   piece_dtypes_ = std::move(next->piece_dtypes_);
   piece_bytes_ = std::move(next->piece_bytes_);
   mixed_dtypes_ = next->mixed_dtypes_;
+  has_max_ = next->has_max_;
   widest_ = next->widest_;
   param_steps_ = std::move(next->param_steps_);
   ++state_version_;
@@ -374,6 +395,7 @@ SlabView StagedAdamW::View() const {
   return SlabView{size_ > 0 ? reinterpret_cast<float*>(slabs_->master.data()) : nullptr,
                   slabs_->exp_avg.data(),
                   slabs_->exp_avg_sq.data(),
+                  slabs_->max_exp_avg_sq.data(),
                   options_.moment_dtype,
                   piece_starts_,
                   piece_dtypes_,
@@ -551,6 +573,11 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
   }
   CKPT_RETURN_IF_ERROR(CheckClean("set a param group"));
   CKPT_RETURN_IF_ERROR(ValidateHyperParameters(group, index));
+  if (group.amsgrad && !has_max_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "param group ", index, ": amsgrad needs the max_exp_avg_sq slab, which this optimizer "
+        "does not have: build it with amsgrad set in some group"));
+  }
   ++state_version_;
   ParamGroup& g = options_.groups[index];
   const uint64_t step = g.step;
@@ -581,8 +608,13 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
     std::memcpy(out.data(), master().data(), size_ * 4);
     return absl::OkStatus();
   }
-  const std::span<const std::byte> bytes =
-      which == StateTensor::kExpAvg ? exp_avg_bytes() : exp_avg_sq_bytes();
+  if (which == StateTensor::kMaxExpAvgSq && !has_max_) {
+    return absl::InvalidArgumentError(
+        "state copy: this optimizer keeps no max_exp_avg_sq (no group uses amsgrad)");
+  }
+  const std::span<const std::byte> bytes = which == StateTensor::kExpAvg    ? exp_avg_bytes()
+                                           : which == StateTensor::kExpAvgSq ? exp_avg_sq_bytes()
+                                                                             : max_exp_avg_sq_bytes();
   if (moment_bytes() == 4) {
     std::memcpy(out.data(), bytes.data(), size_ * 4);
     return absl::OkStatus();
@@ -592,7 +624,8 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
 }
 absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<const float> exp_avg,
                                    std::span<const float> exp_avg_sq,
-                                   std::span<const uint64_t> param_steps) {
+                                   std::span<const uint64_t> param_steps,
+                                   std::span<const float> max_exp_avg_sq) {
   CKPT_RETURN_IF_ERROR(CheckClean("set the state"));
   if (fence_ != nullptr) {
     return absl::FailedPreconditionError(
@@ -600,10 +633,16 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
         "first");
   }
   if ((!master.empty() && master.size() != size_) || exp_avg.size() != size_ ||
-      exp_avg_sq.size() != size_) {
+      exp_avg_sq.size() != size_ ||
+      (!max_exp_avg_sq.empty() && max_exp_avg_sq.size() != size_)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "set the state: the optimizer has ", size_, " elements; given master ", master.size(),
-        ", exp_avg ", exp_avg.size(), ", exp_avg_sq ", exp_avg_sq.size()));
+        ", exp_avg ", exp_avg.size(), ", exp_avg_sq ", exp_avg_sq.size(), ", max_exp_avg_sq ",
+        max_exp_avg_sq.size()));
+  }
+  if (!max_exp_avg_sq.empty() && !has_max_) {
+    return absl::InvalidArgumentError(
+        "set the state: max_exp_avg_sq given, but no group of this optimizer uses amsgrad");
   }
   if (param_steps.size() != options_.params.size()) {
     return absl::InvalidArgumentError(absl::StrCat("set the state: ", param_steps.size(),
@@ -611,7 +650,10 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
                                                    options_.params.size(), " parameters"));
   }
   const std::pair<const char*, std::span<const float>> named[] = {
-      {"master", master}, {"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}};
+      {"master", master},
+      {"exp_avg", exp_avg},
+      {"exp_avg_sq", exp_avg_sq},
+      {"max_exp_avg_sq", max_exp_avg_sq}};
   for (const auto& [name, values] : named) {
     for (size_t i = 0; i < values.size(); ++i) {
       if (!std::isfinite(values[i])) {
@@ -627,6 +669,15 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
   for (const auto& [from, to] : moments) {
     formats::Convert(DType::kF32, std::as_bytes(from),
                      moment_bytes() == 4 ? DType::kF32 : DType::kBF16, to);
+  }
+  if (has_max_) {
+    const std::span<std::byte> to = mutable_max_exp_avg_sq_bytes();
+    if (max_exp_avg_sq.empty()) {
+      std::memset(to.data(), 0, to.size());
+    } else {
+      formats::Convert(DType::kF32, std::as_bytes(max_exp_avg_sq),
+                       moment_bytes() == 4 ? DType::kF32 : DType::kBF16, to);
+    }
   }
   param_steps_.assign(param_steps.begin(), param_steps.end());
   SyncGroupSteps();
@@ -693,6 +744,10 @@ std::span<const std::byte> StagedAdamW::exp_avg_bytes() const {
 std::span<const std::byte> StagedAdamW::exp_avg_sq_bytes() const {
   return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
 }
+std::span<const std::byte> StagedAdamW::max_exp_avg_sq_bytes() const {
+  if (!has_max_) return {};
+  return {slabs_->max_exp_avg_sq.data(), size_ * moment_bytes()};
+}
 std::span<float> StagedAdamW::mutable_master() {
   ++state_version_;
   return {reinterpret_cast<float*>(slabs_->master.data()), size_};
@@ -706,6 +761,13 @@ std::span<std::byte> StagedAdamW::mutable_exp_avg_sq_bytes() {
   ++state_version_;
   moments_untouched_ = false;
   return {slabs_->exp_avg_sq.data(), size_ * moment_bytes()};
+}
+
+std::span<std::byte> StagedAdamW::mutable_max_exp_avg_sq_bytes() {
+  if (!has_max_) return {};
+  ++state_version_;
+  moments_untouched_ = false;
+  return {slabs_->max_exp_avg_sq.data(), size_ * moment_bytes()};
 }
 
 }  // namespace ckpt::optimizer

@@ -248,7 +248,7 @@ TEST(AdamWScheduleTest, SetGroupValidatesAndKeepsTheStepCounter) {
   EXPECT_EQ((*opt)->groups()[0].step, 1u) << "the group's own step counter is kept";
   for (ParamGroup bad :
        {ParamGroup{.lr = -1}, ParamGroup{.lr = INFINITY}, ParamGroup{.beta1 = 1.0},
-        ParamGroup{.beta2 = -0.1}, ParamGroup{.eps = 0}, ParamGroup{.weight_decay = NAN}}) {
+        ParamGroup{.beta2 = -0.1}, ParamGroup{.eps = -1e-8}, ParamGroup{.weight_decay = NAN}}) {
     EXPECT_THAT((*opt)->SetGroup(0, bad), StatusIs(absl::StatusCode::kInvalidArgument));
   }
   EXPECT_THAT((*opt)->SetGroup(o.groups.size(), ParamGroup{}),

@@ -21,14 +21,16 @@ constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 // The weights' bytes are the masters' for F32 weights (the one kind the masters equal).
 const std::byte* KindBytes(const StateBytes& from, StateKind kind) {
   return kind == StateKind::kMaster || kind == StateKind::kWeights ? from.master
-         : kind == StateKind::kExpAvg ? from.exp_avg
-                                      : from.exp_avg_sq;
+         : kind == StateKind::kExpAvg                               ? from.exp_avg
+         : kind == StateKind::kExpAvgSq                             ? from.exp_avg_sq
+                                                                    : from.max_exp_avg_sq;
 }
 
 std::byte* KindBytes(const MutableStateBytes& to, StateKind kind) {
-  return kind == StateKind::kMaster   ? to.master
-         : kind == StateKind::kExpAvg ? to.exp_avg
-                                      : to.exp_avg_sq;
+  return kind == StateKind::kMaster     ? to.master
+         : kind == StateKind::kExpAvg   ? to.exp_avg
+         : kind == StateKind::kExpAvgSq ? to.exp_avg_sq
+                                        : to.max_exp_avg_sq;
 }
 
 }  // namespace
@@ -36,7 +38,8 @@ std::byte* KindBytes(const MutableStateBytes& to, StateKind kind) {
 StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin) {
   const size_t m = opt.moment_bytes();
   return {reinterpret_cast<const std::byte*>(opt.master().data()) + 4 * begin,
-          opt.exp_avg_bytes().data() + m * begin, opt.exp_avg_sq_bytes().data() + m * begin};
+          opt.exp_avg_bytes().data() + m * begin, opt.exp_avg_sq_bytes().data() + m * begin,
+          opt.has_max_exp_avg_sq() ? opt.max_exp_avg_sq_bytes().data() + m * begin : nullptr};
 }
 
 absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,

@@ -23,6 +23,7 @@ struct StateBytes {
   const std::byte* master = nullptr;
   const std::byte* exp_avg = nullptr;
   const std::byte* exp_avg_sq = nullptr;
+  const std::byte* max_exp_avg_sq = nullptr;  // With AMSGrad's maximum only.
 };
 // The slabs of `opt` from element `begin` on. CUDA engine: REQUIRES Synchronize() first.
 StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin = 0);
@@ -51,6 +52,7 @@ struct MutableStateBytes {
   std::byte* master = nullptr;
   std::byte* exp_avg = nullptr;
   std::byte* exp_avg_sq = nullptr;
+  std::byte* max_exp_avg_sq = nullptr;  // With AMSGrad's maximum only.
 };
 
 // Reads the masters and moments of every piece of `layout` from `reader` into `to`; moments

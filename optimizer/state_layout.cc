@@ -20,12 +20,18 @@ std::string StateTensorName(StateKind kind, absl::string_view param) {
       return absl::StrCat("optimizer.exp_avg.", param);
     case StateKind::kExpAvgSq:
       return absl::StrCat("optimizer.exp_avg_sq.", param);
+    case StateKind::kMaxExpAvgSq:
+      return absl::StrCat("optimizer.max_exp_avg_sq.", param);
   }
   return std::string(param);  // Unreachable: the switch names every kind.
 }
 
-StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType moment)
-    : params_(std::move(params)), pieces_(std::move(pieces)), moment_(moment) {
+StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType moment,
+                         bool max_exp_avg_sq)
+    : params_(std::move(params)),
+      pieces_(std::move(pieces)),
+      moment_(moment),
+      max_exp_avg_sq_(max_exp_avg_sq) {
   piece_offset_.reserve(pieces_.size() + 1);
   for (const Piece& p : pieces_) {
     piece_offset_.push_back(size_);
@@ -41,7 +47,7 @@ StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> piece
 
 StateLayout StateLayout::Of(const StagedAdamW& opt) {
   return StateLayout(opt.options().params, opt.options().pieces,
-                     MomentDTypeOf(opt.options().moment_dtype));
+                     MomentDTypeOf(opt.options().moment_dtype), opt.has_max_exp_avg_sq());
 }
 
 DType StateLayout::dtype(StateKind kind, uint32_t param) const {
@@ -56,6 +62,7 @@ DType StateLayout::dtype(StateKind kind) const {
       return DType::kF32;
     case StateKind::kExpAvg:
     case StateKind::kExpAvgSq:
+    case StateKind::kMaxExpAvgSq:
       return moment_;
   }
   return DType::kF32;  // Unreachable.
@@ -107,7 +114,7 @@ std::string LayoutRecord(const std::vector<ParamSpec>& params,
     for (size_t i = 0; i < params.size(); ++i) record.params[i].step = param_steps[i];
   }
   for (const ParamGroup& g : groups) {
-    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step});
+    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad});
   }
   return formats::EncodeOptimizerRecord(record);
 }

@@ -1,8 +1,8 @@
 // StateLayout: the one owner of how an optimizer's state lies in a step (the table at the top
 // of ckpt/optimizer/checkpointer.h). Per parameter a fixed list of state tensors (AdamW: the
 // weights under the parameter's own name, then optimizer.master.<name>, optimizer.exp_avg.<name>
-// and optimizer.exp_avg_sq.<name>; DESIGN.md §12 leaves room for amsgrad's max_exp_avg_sq and
-// Muon's momentum), their dtypes and declarations, and a rank's pieces as runs of slab
+// and optimizer.exp_avg_sq.<name>, and optimizer.max_exp_avg_sq.<name> when the optimizer keeps
+// AMSGrad's maximum; DESIGN.md §12 leaves room for Muon's momentum), their dtypes and declarations, and a rank's pieces as runs of slab
 // elements. Save, the async writer, the undo spill, restore, the model-only load, reshard and
 // export all ask it instead of computing names or offsets themselves. Immutable once built;
 // safe for concurrent use.
@@ -26,11 +26,20 @@ inline constexpr char kTrainerPrefix[] = "trainer.";
 inline constexpr char kOptimizerPrefix[] = "optimizer.";
 
 // A state tensor of a parameter. The weights are the masters rounded to the model dtype.
-enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq };
+enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq };
 
-// The kinds AdamW keeps per parameter, in the order they are declared and written.
+// The kinds AdamW keeps per parameter, in the order they are declared and written; with
+// AMSGrad's maximum (StagedAdamW::has_max_exp_avg_sq()) the second list.
 inline constexpr StateKind kAdamWKinds[] = {StateKind::kWeights, StateKind::kMaster,
                                             StateKind::kExpAvg, StateKind::kExpAvgSq};
+inline constexpr StateKind kAmsgradKinds[] = {StateKind::kWeights, StateKind::kMaster,
+                                              StateKind::kExpAvg, StateKind::kExpAvgSq,
+                                              StateKind::kMaxExpAvgSq};
+// True for the kinds stored in the moments' dtype.
+inline bool IsMoment(StateKind kind) {
+  return kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq ||
+         kind == StateKind::kMaxExpAvgSq;
+}
 
 // The name of `param`'s tensor of `kind` in a step: the parameter's own name for the weights,
 // "optimizer.master." + param and so on for the rest.
@@ -53,15 +62,20 @@ struct StateRun {
 class StateLayout {
  public:
   // AdamW's state of the parameters `params` (whose weights are each of its own dtype), of
-  // which this rank holds `pieces` back to back in its slabs. REQUIRES: every piece names a
-  // parameter of `params`.
-  StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType moment);
+  // which this rank holds `pieces` back to back in its slabs; `max_exp_avg_sq`: with AMSGrad's
+  // maximum. REQUIRES: every piece names a parameter of `params`.
+  StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType moment,
+              bool max_exp_avg_sq = false);
   static StateLayout Of(const StagedAdamW& opt);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const std::vector<Piece>& pieces() const { return pieces_; }
   uint64_t size() const { return size_; }  // Slab elements: the pieces' counts added up.
-  std::span<const StateKind> kinds() const { return kAdamWKinds; }
+  std::span<const StateKind> kinds() const {
+    if (max_exp_avg_sq_) return kAmsgradKinds;
+    return kAdamWKinds;
+  }
+  bool has_max_exp_avg_sq() const { return max_exp_avg_sq_; }
   // The dtype of `param`'s tensor of `kind`: its own for the weights, F32 for the masters, the
   // moments' for the moments.
   formats::DType dtype(StateKind kind, uint32_t param) const;
@@ -83,6 +97,7 @@ class StateLayout {
   std::vector<uint64_t> piece_offset_;  // Slab offset of each piece; then size_.
   uint64_t size_ = 0;
   formats::DType moment_;
+  bool max_exp_avg_sq_;
   std::vector<std::vector<std::string>> names_;  // By parameter, then kind.
 };
 

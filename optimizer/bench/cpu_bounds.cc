@@ -167,6 +167,7 @@ absl::StatusOr<double> MeasureShapedGparams(const void* grads, formats::DType gr
     KernelArgs a{master + begin,
                  m + begin * msize,
                  v + begin * msize,
+                 nullptr,
                  static_cast<const std::byte*>(grads) + begin * gsize,
                  static_cast<std::byte*>(params) + begin * 2,
                  count,

@@ -73,7 +73,7 @@ TEST(ShapedKernelTest, EveryIsaAddsTheScaledGradientToEachStreamAndWritesTheCopy
         master = master0;
         std::fill(m.begin(), m.end(), 0.5f);
         std::fill(v.begin(), v.end(), 0.25f);
-        KernelArgs a{master.data(), m.data(), v.data(), grads.data(), params, n, 2.0f, {}};
+        KernelArgs a{master.data(), m.data(), v.data(), nullptr, grads.data(), params, n, 2.0f, {}};
         SelectShapedKernel(isa, grad, DType::kBF16)(a);
         for (size_t i = 0; i < n; ++i) {
           const float gi = GradAt(grads, grad, i) * 2.0f;

@@ -69,7 +69,17 @@ __global__ void AdamwUnitKernel(DeviceUnitArgs a) {
     const float m = __fadd_rn(__fmul_rn(c.beta1, LoadMoment<M>(a.m_in, i)), __fmul_rn(c.omb1, g));
     const float v =
         __fadd_rn(__fmul_rn(c.beta2, LoadMoment<M>(a.v_in, i)), __fmul_rn(c.omb2, __fmul_rn(g, g)));
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+    float d = v;  // What the denominator takes the root of.
+    if (a.x_in != nullptr) {
+      const float x = LoadMoment<M>(a.x_in, i);
+      if (c.amsgrad) {
+        d = (v > x || v != v) ? v : x;  // A NaN on either side wins, as torch.maximum.
+        StoreMoment<M>(a.x_out, i, d);
+      } else {
+        StoreMoment<M>(a.x_out, i, x);
+      }
+    }
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(d), c.bc2_sqrt), c.eps);
     p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.step_size, m), denom));
     a.master_out[i] = p;
     StoreMoment<M>(a.m_out, i, m);

@@ -16,6 +16,7 @@ enum class KernelType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // The per-group constants of one step; the same fields as StepConstants (engine.h).
 struct KernelConstants {
   float beta1, beta2, eps, decay, omb1, omb2, step_size, bc2_sqrt;
+  int amsgrad;  // With x_in set: x = max(x, v) and the denominator takes sqrt(x).
 };
 
 struct DeviceUnitArgs {
@@ -25,6 +26,10 @@ struct DeviceUnitArgs {
   float* master_out;
   void* m_out;
   void* v_out;
+  // AMSGrad's max_exp_avg_sq (moment type), or null when the slabs hold none. Set: x_out is
+  // written, updated when c.amsgrad and copied through from x_in otherwise.
+  const void* x_in;
+  void* x_out;
   const void* grads;  // Device; already offset to the unit.
   void* params;       // Device; already offset to the unit.
   uint64_t n;

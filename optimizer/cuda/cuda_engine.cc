@@ -7,7 +7,8 @@
 //    may run in another slot than in the previous call (a fenced step passes its units in
 //    batches), so this orders its copy-in after its previous copy-out whichever slot ran it.
 // 1. copy-in stream: wait until the slot's previous kernel has read its in-buffers
-//    (kernel_done), then copy master, exp_avg, exp_avg_sq host -> in-buffers; record h2d_done.
+//    (kernel_done), then copy master, exp_avg, exp_avg_sq (and max_exp_avg_sq when the slabs
+//    hold it) host -> in-buffers; record h2d_done.
 // 2. compute stream: wait for h2d_done, for the slot's previous copy-out to have drained the
 //    out-buffers (d2h_done), and (once per step) for the caller's stream (grads_ready: the first
 //    gradient read happens after whatever wrote the gradients); run the fused kernel, which
@@ -19,7 +20,8 @@
 // PCIe directions stay busy. A join stream waits for every slot's last kernel and records the
 // `done` event the caller's stream must wait on before reading parameters. Step never blocks
 // the host (except to read the non-finite count when check_finite asks for it). Device memory
-// is 2 x slot_count x unit_bytes x (1 + 2 x moment bytes / 4), whatever the model size.
+// is 2 x slot_count x unit_bytes x (1 + k x moment bytes / 4), whatever the model size (k = 2,
+// or 3 with AMSGrad's max_exp_avg_sq).
 //
 // Teardown order: Release() synchronises every stream before any buffer, event or stream goes;
 // members are declared so that streams are destroyed before the buffers they used.
@@ -46,14 +48,15 @@ KernelType ToKernelType(formats::DType d) {
 
 struct Slot {
   DeviceBuffer master_in, m_in, v_in, master_out, m_out, v_out;
+  DeviceBuffer x_in, x_out;  // max_exp_avg_sq; empty without it.
   CudaStream h2d, compute, d2h;
   CudaEvent h2d_done, kernel_done, d2h_done;
 };
 
 class CudaEngine : public internal::Engine {
  public:
-  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments)
-      : slot_count_(slots), unit_elems_(unit_elems), moments_(moments) {}
+  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments, bool max_slab)
+      : slot_count_(slots), unit_elems_(unit_elems), moments_(moments), max_slab_(max_slab) {}
   ~CudaEngine() override { Release().IgnoreError(); }  // Destructors never report.
 
   absl::Status Restore() override {
@@ -67,6 +70,10 @@ class CudaEngine : public internal::Engine {
       CKPT_ASSIGN_OR_RETURN(s.master_out, DeviceBuffer::Create(unit_elems_ * 4));
       CKPT_ASSIGN_OR_RETURN(s.m_out, DeviceBuffer::Create(unit_elems_ * mbytes));
       CKPT_ASSIGN_OR_RETURN(s.v_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      if (max_slab_) {
+        CKPT_ASSIGN_OR_RETURN(s.x_in, DeviceBuffer::Create(unit_elems_ * mbytes));
+        CKPT_ASSIGN_OR_RETURN(s.x_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      }
       CKPT_ASSIGN_OR_RETURN(s.h2d, CudaStream::Create());
       CKPT_ASSIGN_OR_RETURN(s.compute, CudaStream::Create());
       CKPT_ASSIGN_OR_RETURN(s.d2h, CudaStream::Create());
@@ -83,7 +90,8 @@ class CudaEngine : public internal::Engine {
     grads_ready_ = std::move(grads_ready);
     done_ = std::move(done);
     counter_ = std::move(counter);
-    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ * (4 + 2 * mbytes) +
+    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ *
+                        (4 + (max_slab_ ? 3 : 2) * mbytes) +
                     sizeof(unsigned long long);
     return absl::OkStatus();
   }
@@ -147,6 +155,7 @@ class CudaEngine : public internal::Engine {
       float* master = slabs.master + u.offset;
       std::byte* m = slabs.exp_avg + u.offset * mbytes;
       std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
+      std::byte* x = max_slab_ ? slabs.max_exp_avg_sq + u.offset * mbytes : nullptr;
       // 1. Copy-in.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
@@ -155,6 +164,10 @@ class CudaEngine : public internal::Engine {
           cudaMemcpyAsync(s.m_in.data(), m, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
       CKPT_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(s.v_in.data(), v, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
+      if (max_slab_) {
+        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.x_in.data(), x, u.count * mbytes,
+                                                  cudaMemcpyHostToDevice, s.h2d.get()));
+      }
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
       // 2. Compute.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
@@ -181,12 +194,16 @@ class CudaEngine : public internal::Engine {
                              static_cast<float*>(s.master_out.data()) + at,
                              static_cast<std::byte*>(s.m_out.data()) + at * mbytes,
                              static_cast<std::byte*>(s.v_out.data()) + at * mbytes,
+                             max_slab_ ? static_cast<const std::byte*>(s.x_in.data()) + at * mbytes
+                                       : nullptr,
+                             max_slab_ ? static_cast<std::byte*>(s.x_out.data()) + at * mbytes
+                                       : nullptr,
                              grads,
                              params,
                              count,
                              args.grad_scale,
                              KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2,
-                                             c.step_size, c.bc2_sqrt}};
+                                             c.step_size, c.bc2_sqrt, c.amsgrad ? 1 : 0}};
             launched = LaunchAdamwUnit(
                 a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
                 moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
@@ -202,6 +219,10 @@ class CudaEngine : public internal::Engine {
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
       CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes,
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
+      if (max_slab_) {
+        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x, s.x_out.data(), u.count * mbytes,
+                                                  cudaMemcpyDeviceToHost, s.d2h.get()));
+      }
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
       ++k;
     }
@@ -327,8 +348,12 @@ class CudaEngine : public internal::Engine {
   // on the compute stream.
   cudaError_t CopyThrough(Slot& s, uint64_t at, uint64_t count, size_t mbytes) {
     const std::pair<const DeviceBuffer*, const DeviceBuffer*> bufs[] = {
-        {&s.master_in, &s.master_out}, {&s.m_in, &s.m_out}, {&s.v_in, &s.v_out}};
+        {&s.master_in, &s.master_out},
+        {&s.m_in, &s.m_out},
+        {&s.v_in, &s.v_out},
+        {&s.x_in, &s.x_out}};
     for (const auto& [in, out] : bufs) {
+      if (in->data() == nullptr) continue;  // No max_exp_avg_sq.
       const size_t size = in == &s.master_in ? 4 : mbytes;
       cudaError_t e = cudaMemcpyAsync(static_cast<std::byte*>(out->data()) + at * size,
                                       static_cast<const std::byte*>(in->data()) + at * size,
@@ -364,6 +389,7 @@ class CudaEngine : public internal::Engine {
   const int slot_count_;
   const uint64_t unit_elems_;
   const MomentDType moments_;
+  const bool max_slab_;
   uint64_t device_bytes_ = 0;
   DeviceBuffer counter_;
   CudaEvent grads_ready_, done_;
@@ -374,7 +400,7 @@ class CudaEngine : public internal::Engine {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
-    const StagedAdamWOptions& options, const std::vector<Unit>& units) {
+    const StagedAdamWOptions& options, const std::vector<Unit>& units, bool max_slab) {
   int devices = 0;
   absl::Status counted = CudaStatus(cudaGetDeviceCount(&devices), "no usable CUDA device");
   if (!counted.ok()) return absl::FailedPreconditionError(counted.message());
@@ -384,7 +410,8 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
   // smaller than a unit whatever rule cut them.
   uint64_t unit_elems = 1;
   for (const Unit& u : units) unit_elems = std::max(unit_elems, u.count);
-  auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, options.moment_dtype);
+  auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, options.moment_dtype,
+                                             max_slab);
   CKPT_RETURN_IF_ERROR(engine->Restore());
   return std::unique_ptr<internal::Engine>(std::move(engine));
 }

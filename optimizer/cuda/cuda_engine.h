@@ -11,7 +11,7 @@
 namespace ckpt::optimizer::internal {
 
 absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
-    const StagedAdamWOptions& options, const std::vector<Unit>& units);
+    const StagedAdamWOptions& options, const std::vector<Unit>& units, bool max_slab);
 
 }  // namespace ckpt::optimizer::internal
 

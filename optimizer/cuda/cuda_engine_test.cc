@@ -61,7 +61,7 @@ uint64_t Size(const StagedAdamWOptions& o) {
 
 struct State {
   std::vector<float> master;
-  std::vector<std::byte> m, v, params;
+  std::vector<std::byte> m, v, x, params;  // x: max_exp_avg_sq (AMSGrad), empty without.
 };
 
 // Runs `steps` steps with gradients of `grad_dtype`; the CUDA engine gets device buffers.
@@ -117,6 +117,7 @@ State RunEngine(const StagedAdamWOptions& o, DType grad_dtype, int steps,
   const size_t mb = MomentBytes(o.moment_dtype);
   s.m.assign((*opt)->exp_avg_bytes().begin(), (*opt)->exp_avg_bytes().end());
   s.v.assign((*opt)->exp_avg_sq_bytes().begin(), (*opt)->exp_avg_sq_bytes().end());
+  s.x.assign((*opt)->max_exp_avg_sq_bytes().begin(), (*opt)->max_exp_avg_sq_bytes().end());
   EXPECT_EQ(s.m.size(), n * mb);
   if (cuda) {
     cudaFree(dgrads);
@@ -133,6 +134,7 @@ void ExpectSameState(const State& gpu, const State& cpu) {
   EXPECT_EQ(std::memcmp(gpu.master.data(), cpu.master.data(), 4 * cpu.master.size()), 0);
   EXPECT_EQ(gpu.m, cpu.m);
   EXPECT_EQ(gpu.v, cpu.v);
+  EXPECT_EQ(gpu.x, cpu.x);
 }
 
 // RunEngine for the CUDA engine with an async save of the state after step 0 in flight for the
@@ -189,6 +191,7 @@ State RunCudaUnderAsyncSave(const StagedAdamWOptions& o, int steps, uint64_t poo
   s.master.assign((*opt)->master().begin(), (*opt)->master().end());
   s.m.assign((*opt)->exp_avg_bytes().begin(), (*opt)->exp_avg_bytes().end());
   s.v.assign((*opt)->exp_avg_sq_bytes().begin(), (*opt)->exp_avg_sq_bytes().end());
+  s.x.assign((*opt)->max_exp_avg_sq_bytes().begin(), (*opt)->max_exp_avg_sq_bytes().end());
   auto reader = (*store)->OpenLatest();
   EXPECT_THAT(reader, IsOk());
   if (reader.ok()) {
@@ -398,6 +401,31 @@ TEST(CudaEngineTest, SkippedParametersMatchTheCpuEngine) {
     ExpectSameState(RunEngine(o, DType::kF32, 6, false, &masks),
                     RunEngine(cpu, DType::kF32, 6, false, &masks));
   }
+}
+
+// AMSGrad in group 1 (not group 0, whose maximum the slots copy through unchanged), with
+// skipped parameters, both moment dtypes, and under an async save's fence (units copied aside
+// with their maximum): bit for bit the CPU engine's.
+TEST(CudaEngineTest, AmsgradMatchesTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  const std::vector<std::vector<uint8_t>> masks = {
+      {1, 1, 1}, {1, 0, 1}, {1, 1, 0}, {0, 0, 0}, {1, 1, 1}};
+  for (MomentDType moments : {MomentDType::kF32, MomentDType::kBF16}) {
+    StagedAdamWOptions o = Options(EngineKind::kCuda, moments, 16 << 10);
+    o.groups[1].amsgrad = true;
+    StagedAdamWOptions cpu = o;
+    cpu.engine = EngineKind::kCpu;
+    const State want = RunEngine(cpu, DType::kF32, 5, false, &masks);
+    ASSERT_EQ(want.x.size(), Size(o) * MomentBytes(moments));
+    ExpectSameState(RunEngine(o, DType::kF32, 5, false, &masks), want);
+  }
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 16 << 10);
+  o.groups[1].amsgrad = true;
+  StagedAdamWOptions cpu = o;
+  cpu.engine = EngineKind::kCpu;
+  std::vector<float> saved_b;
+  ExpectSameState(RunCudaUnderAsyncSave(o, 5, uint64_t{1} << 30, &saved_b),
+                  RunEngine(cpu, DType::kF32, 5));
 }
 
 // Parameters of FP32, BF16 and FP16 in one optimizer: the CUDA engine writes each in its own

@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 OK = 0
 CODE_NAMES = {
@@ -20,7 +20,7 @@ CODE_NAMES = {
 F32, BF16, F16 = 0, 1, 2
 ENGINE_CPU, ENGINE_CUDA = 0, 1
 MOMENTS_F32, MOMENTS_BF16 = 0, 1
-MASTER, EXP_AVG, EXP_AVG_SQ = 0, 1, 2
+MASTER, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
 LIFECYCLE = {0: "clean", 1: "loading", 2: "poisoned"}
 
 
@@ -41,7 +41,7 @@ class Param(ctypes.Structure):
 class Group(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
                 ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
-                ("step", ctypes.c_uint64)]
+                ("step", ctypes.c_uint64), ("amsgrad", ctypes.c_int)]
 
 
 class Piece(ctypes.Structure):
@@ -130,7 +130,7 @@ _sig = {
                                    ctypes.c_int),
     "ckpt_optimizer_param_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
                                    ctypes.c_int),
-    "ckpt_optimizer_set_param_state": ([_p, _p, _p, _p, ctypes.c_uint64,
+    "ckpt_optimizer_set_param_state": ([_p, _p, _p, _p, _p, ctypes.c_uint64,
                                         ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
                                        ctypes.c_int),
     "ckpt_optimizer_set_masters": ([_p, ctypes.c_uint64, _p, ctypes.c_uint64], ctypes.c_int),
@@ -192,7 +192,8 @@ CONSTANTS = dict(
     {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_F32": F32, "CKPT_BF16": BF16,
      "CKPT_F16": F16, "CKPT_ENGINE_CPU": ENGINE_CPU, "CKPT_ENGINE_CUDA": ENGINE_CUDA,
      "CKPT_MOMENTS_F32": MOMENTS_F32, "CKPT_MOMENTS_BF16": MOMENTS_BF16, "CKPT_MASTER": MASTER,
-     "CKPT_EXP_AVG": EXP_AVG, "CKPT_EXP_AVG_SQ": EXP_AVG_SQ},
+     "CKPT_EXP_AVG": EXP_AVG, "CKPT_EXP_AVG_SQ": EXP_AVG_SQ,
+     "CKPT_MAX_EXP_AVG_SQ": MAX_EXP_AVG_SQ},
     **{"CKPT_LIFECYCLE_" + name.upper(): value for value, name in LIFECYCLE.items()},
     **{"CKPT_" + name: value for value, name in CODE_NAMES.items()})
 _KINDS = {ctypes.c_int: "i32", ctypes.c_uint32: "u32", ctypes.c_int64: "i64",

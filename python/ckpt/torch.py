@@ -7,6 +7,7 @@ updated weights, rounded to the parameters' dtype, into the parameters in place.
 torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters are read at each
 step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
 """
+import bisect
 import ctypes
 import weakref
 
@@ -18,7 +19,6 @@ from ._native import Native
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
 _MOMENTS = {"f32": _lib.MOMENTS_F32, "bf16": _lib.MOMENTS_BF16}
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "master")
 
 
 def _torch_adamw_defaults():
@@ -37,9 +37,7 @@ def _is_number(value):
 
 def _check_implementation_choices(options):
     """torch AdamW's keyword arguments: those that only choose torch's implementation are
-    accepted at any value; amsgrad and differentiable only at their defaults for now."""
-    if options.get("amsgrad"):
-        raise NotImplementedError("StagedAdamW does not implement amsgrad=True yet")
+    accepted at any value; differentiable only at its default."""
     if options.get("differentiable"):
         raise NotImplementedError("StagedAdamW's step is not differentiable (differentiable=True)")
     if options.get("decoupled_weight_decay") is False:
@@ -80,7 +78,8 @@ def _named(params):
 
 class _StateView:
     """`optimizer.state` as torch's AdamW has it: for each parameter that has been stepped, a
-    dict of "step", "exp_avg", "exp_avg_sq" (and "master", ckpt's FP32 master weights), CPU
+    dict of "step", "exp_avg", "exp_avg_sq" ("max_exp_avg_sq" in a group with amsgrad, and
+    "master", ckpt's FP32 master weights), CPU
     copies in the parameter's shape. Read-only; with a process group, reading it is collective
     (every rank must), as state_dict() is."""
 
@@ -149,8 +148,10 @@ class StagedAdamW(torch.optim.Optimizer):
       the updated parameters; with reduce_grads the gradients are first averaged over the
       group in FP32 (leave it off when DDP already averaged them).
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
-    (they choose torch's implementation), maximize (every group alike), amsgrad and
-    differentiable at their default (False); lr may be a tensor. As in torch, a parameter whose
+    (they choose torch's implementation), maximize (every group alike), amsgrad (per group;
+    ckpt keeps max_exp_avg_sq once some group of the constructor or of add_param_group has
+    it), and differentiable at its default (False); lr may be a tensor. As in torch, a
+    parameter whose
     .grad is None is skipped and its own step count does not advance, and a parameter changed
     in place is continued from (docs/python.md states the contract and what still differs).
     """
@@ -161,6 +162,7 @@ class StagedAdamW(torch.optim.Optimizer):
     _grad_dtype = _shared("grad_dtype")
     _total = _shared("total")
     _local_count = _shared("local_count")
+    _max_slab = _shared("max_slab")  # ckpt keeps max_exp_avg_sq (some group had amsgrad).
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -190,7 +192,7 @@ class StagedAdamW(torch.optim.Optimizer):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
                 raise ValueError(f"{key} must be an int >= 0, got {value!r}")
         params, names = _named(params)
-        self._layout = {}
+        self._layout = {"max_slab": False}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, **implementation))
         self._native = None
@@ -322,6 +324,7 @@ class StagedAdamW(torch.optim.Optimizer):
         # The one owner of the handle (ckpt/_native.py): wrappers that copy this object's
         # __dict__ share it, and it is freed when the last of them goes, or by close().
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
+        self._max_slab = any(g.get("amsgrad", False) for g in self.param_groups)
         self._note_versions()
 
     @staticmethod
@@ -332,8 +335,6 @@ class StagedAdamW(torch.optim.Optimizer):
             v = g[key]
             if not _is_number(v) or not float(v) >= 0 or float(v) == float("inf"):
                 raise ValueError(f"{key} must be a finite number >= 0, got {v!r}")
-        if not float(g["eps"]) > 0:
-            raise ValueError(f"eps must be > 0 (ckpt's rule; torch also takes 0), got {g['eps']!r}")
         b = g["betas"]
         if (not isinstance(b, (tuple, list)) or len(b) != 2 or
                 not all(_is_number(x) and 0 <= float(x) < 1 for x in b)):
@@ -351,7 +352,7 @@ class StagedAdamW(torch.optim.Optimizer):
     def _group(g):
         b1, b2 = g["betas"]
         return _lib.Group(float(g["lr"]), float(b1), float(b2), float(g["eps"]),
-                          float(g["weight_decay"]), 0)
+                          float(g["weight_decay"]), 0, int(bool(g.get("amsgrad", False))))
 
     def _live(self):
         if self._native is None:
@@ -417,6 +418,7 @@ class StagedAdamW(torch.optim.Optimizer):
                                             ctypes.byref(self._group(group)), 1, pieces, len(new),
                                             host.data_ptr(), host.numel()))
         # ckpt has them: the tables follow, in place (shared with __dict__ copies).
+        self._max_slab = self._max_slab or bool(group.get("amsgrad", False))
         total = self._total
         for p in new:
             self._slices.append((total, p.numel()))
@@ -519,6 +521,14 @@ class StagedAdamW(torch.optim.Optimizer):
         flags.copy_(torch.tensor(stepped, dtype=torch.int32))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group_handle)
         return [bool(x) for x in flags.tolist()]
+
+    def _any_rank(self, flag):
+        """Data parallel: whether `flag` holds on any rank (collective)."""
+        import torch.distributed as dist
+        word = self._reduced("any", 1, torch.int32)
+        word.fill_(int(bool(flag)))
+        dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self._group_handle)
+        return bool(word.item())
 
     def _note_versions(self):
         """What each parameter is now (its version counter and storage), so that the next step
@@ -662,6 +672,14 @@ class StagedAdamW(torch.optim.Optimizer):
     def exp_avg_sq(self, p):
         return self._of(p, _lib.EXP_AVG_SQ)
 
+    def max_exp_avg_sq(self, p):
+        """AMSGrad's running maximum of exp_avg_sq for `p` (zeros in a group without
+        amsgrad); ValueError when no group ever had amsgrad."""
+        if not self._max_slab:
+            raise ValueError("no param group of this optimizer has amsgrad: there is no "
+                             "max_exp_avg_sq")
+        return self._of(p, _lib.MAX_EXP_AVG_SQ)
+
     def group_steps(self):
         """Each param group's AdamW step counter, as ckpt keeps it."""
         handle = self._live()
@@ -692,6 +710,7 @@ class StagedAdamW(torch.optim.Optimizer):
             check(lib.ckpt_optimizer_get_group(self._live(), gi, ctypes.byref(c)))
             g["lr"], g["betas"], g["eps"], g["weight_decay"] = (
                 c.lr, (c.beta1, c.beta2), c.eps, c.weight_decay)
+            g["amsgrad"] = bool(c.amsgrad)
 
     def _publish_weights(self):
         """After a load (which changes ckpt's masters only): the parameters become the masters
@@ -743,42 +762,136 @@ class StagedAdamW(torch.optim.Optimizer):
                         "pickled; pickle its state_dict() instead")
 
     def _torch_state(self):
-        """{id(param): {"step", "exp_avg", "exp_avg_sq", "master"}} for the parameters that have
-        been stepped (torch keeps no state before a parameter's first step). Cached until the
-        state changes."""
+        """{id(param): {"step", "exp_avg", "exp_avg_sq", ["max_exp_avg_sq",] "master"}} for the
+        parameters that have been stepped (torch keeps no state before a parameter's first
+        step; max_exp_avg_sq in groups with amsgrad, as torch). Cached until the state
+        changes."""
         if "torch_state" not in self._cache:
             steps = self.param_steps()
             master, m, v = (self._state(w) for w in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
+            x = self._state(_lib.MAX_EXP_AVG_SQ) if self._max_slab else None
+            amsgrad = {id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"]}
             out = {}
             for p, (o, n), step in zip(self._params, self._slices, steps):
                 if step == 0:
                     continue
-                out[id(p)] = {"step": torch.tensor(float(step)),
-                              "exp_avg": m[o:o + n].view(p.shape).clone(),
-                              "exp_avg_sq": v[o:o + n].view(p.shape).clone(),
-                              "master": master[o:o + n].view(p.shape).clone()}
+                entry = {"step": torch.tensor(float(step)),
+                         "exp_avg": m[o:o + n].view(p.shape).clone(),
+                         "exp_avg_sq": v[o:o + n].view(p.shape).clone()}
+                if x is not None and id(p) in amsgrad:
+                    entry["max_exp_avg_sq"] = x[o:o + n].view(p.shape).clone()
+                entry["master"] = master[o:o + n].view(p.shape).clone()
+                out[id(p)] = entry
             self._cache["torch_state"] = out
         return self._cache["torch_state"]
+
+    def _indexed_groups(self):
+        """param_groups as a state dict has them: hyper-parameters, and the parameters'
+        indices (numbered in group order, as torch numbers them)."""
+        groups, index = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(index, index + n))})
+            index += n
+        return groups
+
+    def _whole_state(self):
+        """{index: entry} of every stepped parameter (data-parallel: collective)."""
+        by_id = self._torch_state()
+        return {i: {k: t.clone() for k, t in by_id[id(p)].items()}
+                for i, p in enumerate(self._params) if id(p) in by_id}
 
     def state_dict(self):
         """torch.optim.AdamW's format: {"state": {index: {"step", "exp_avg", "exp_avg_sq",
         "master"}}, "param_groups": [{hyper-parameters, "params": [indices]}]}, CPU tensors in
         each parameter's shape (FP32; "master" is ckpt's FP32 master weights, which torch AdamW
         ignores). Parameters are numbered in group order, as torch numbers them; one that has
-        not been stepped has no entry. torch.optim.AdamW.load_state_dict takes it. With a
-        process group it is collective and every rank gets the whole (consolidated) state."""
+        not been stepped has no entry. torch.optim.AdamW.load_state_dict takes it.
+
+        With a process group, as torch's sharded optimizers (ZeroRedundancyOptimizer): after
+        consolidate_state_dict(to) on every rank, state_dict() on rank `to` returns the whole
+        state without any collective (until the next step or load), and raises on the other
+        ranks; otherwise it is collective (every rank must call it) and every rank gets the
+        whole state. local_state_dict() is this rank's shard alone."""
+        if self._owned is not None and "consolidated" in self._cache:
+            to, state = self._cache["consolidated"]
+            if state is None:
+                raise RuntimeError(
+                    f"StagedAdamW: the state was consolidated on rank {to} "
+                    "(consolidate_state_dict): call state_dict() there, or local_state_dict() "
+                    "for this rank's shard")
+            return {"state": {i: {k: t.clone() for k, t in e.items()} for i, e in state.items()},
+                    "param_groups": self._indexed_groups()}
         self._push_groups()
-        by_id = self._torch_state()
-        state, groups, index = {}, [], 0
-        for g in self.param_groups:
-            indices = []
-            for p in g["params"]:
-                if id(p) in by_id:
-                    state[index] = {k: t.clone() for k, t in by_id[id(p)].items()}
-                indices.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": indices})
-        return {"state": state, "param_groups": groups}
+        return {"state": self._whole_state(), "param_groups": self._indexed_groups()}
+
+    def consolidate_state_dict(self, to=0):
+        """torch ZeroRedundancyOptimizer's convention (Lightning calls it before saving):
+        collective; rank `to` of the process group then holds the whole state, which its
+        state_dict() returns without a collective until the next step or load. Without a
+        process group it does nothing (every state_dict() is whole)."""
+        if self._owned is None:
+            return
+        import torch.distributed as dist
+        self._push_groups()
+        state = self._whole_state()
+        self._cache.pop("torch_state", None)  # Only rank `to` keeps a whole copy.
+        mine = dist.get_rank(self._group_handle) == to
+        self._cache["consolidated"] = (to, state if mine else None)
+
+    def _shard_pieces(self):
+        """This rank's pieces as (parameter index, first element, count, slab offset)."""
+        owned = self._owned if self._owned is not None else [
+            (o, o, n) for o, n in self._slices]
+        starts = [o for o, _ in self._slices]
+        out = []
+        for flat_at, local_at, n in owned:
+            i = bisect.bisect_right(starts, flat_at) - 1
+            out.append((i, flat_at - starts[i], n, local_at))
+        return out
+
+    def local_state_dict(self):
+        """This rank's shard, never collective: {"state": {index: {"step", "exp_avg",
+        "exp_avg_sq", ["max_exp_avg_sq",] "master"}}, "param_groups": [...], "shard": {"rank",
+        "world_size", "pieces": [[index, begin, count], ...], "param_steps": [...]}}, where each
+        tensor is 1-D: the elements of that parameter this rank owns (its pieces, in order).
+        load_state_dict() takes each rank's own shard back (all ranks at once: the weights are
+        then exchanged). Without a process group the shard is the whole state, flat."""
+        handle = self._push_groups()
+        reads = [_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ] + (
+            [_lib.MAX_EXP_AVG_SQ] if self._max_slab else [])
+        local = {}
+        for which in reads:
+            t = torch.empty(self._local_count, dtype=torch.float32)
+            check(lib.ckpt_optimizer_read_state(handle, which, t.data_ptr(), t.numel()))
+            local[which] = t
+        steps = self.param_steps()
+        amsgrad = {i for i, p in enumerate(self._params)
+                   if any(g.get("amsgrad") and any(q is p for q in g["params"])
+                          for g in self.param_groups)}
+        pieces = self._shard_pieces()
+        state = {}
+        for i in sorted({i for i, _, _, _ in pieces}):
+            if steps[i] == 0:
+                continue
+            parts = [(at, n) for j, _, n, at in pieces if j == i]
+            entry = {"step": torch.tensor(float(steps[i]))}
+            for key, which in (("exp_avg", _lib.EXP_AVG), ("exp_avg_sq", _lib.EXP_AVG_SQ),
+                               ("max_exp_avg_sq", _lib.MAX_EXP_AVG_SQ), ("master", _lib.MASTER)):
+                if which in local and (key != "max_exp_avg_sq" or i in amsgrad):
+                    entry[key] = torch.cat([local[which][at:at + n] for at, n in parts])
+            state[i] = entry
+        if self._owned is not None:
+            import torch.distributed as dist
+            rank, world = dist.get_rank(self._group_handle), dist.get_world_size(
+                self._group_handle)
+        else:
+            rank, world = 0, 1
+        return {"state": state, "param_groups": self._indexed_groups(),
+                "shard": {"rank": rank, "world_size": world,
+                          "pieces": [[i, b, n] for i, b, n, _ in pieces],
+                          "param_steps": steps}}
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of StagedAdamW's or torch.optim.AdamW's format, all or nothing:
@@ -787,22 +900,55 @@ class StagedAdamW(torch.optim.Optimizer):
         the masters rounded. A parameter without an entry starts fresh (moments zero, step 0).
         Raises ValueError naming what does not fit (groups, sizes, a non-finite value, a step
         that is not a count) with nothing changed.
-        With a process group it is collective: every rank passes the whole dict."""
-        handle = self._live()
+        With a process group it is collective: every rank passes the whole dict, or each rank
+        its own shard (local_state_dict()); a shard of another rank or layout is refused by
+        every rank before anything changes."""
+        self._live()
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         state = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(groups, (list, tuple)) or not isinstance(state, dict):
             raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
+        error = None
+        try:
+            new_groups = self._merged_groups(groups)
+            if state_dict.get("shard") is not None:
+                arrays, steps = self._shard_arrays(state_dict["shard"], state)
+            else:
+                arrays, steps = self._whole_arrays(groups, state)
+            names = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            for name, t in zip(names, arrays):
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"the state dict's {name} holds a non-finite value")
+        except (ValueError, NotImplementedError) as e:
+            error = e
+        # Every rank refuses if any does: a rank that went on would wait forever for the others
+        # in the weight exchange.
+        if self._owned is not None and self._any_rank(error is not None) and error is None:
+            error = ValueError("another rank refused the state dict (its error names why); "
+                               "nothing was loaded")
+        if error is not None:
+            raise error
+        step_array = (ctypes.c_uint64 * len(steps))(*steps)
+        handle = self._live()
+        with _signals.deferred():
+            # The state first: it is what can still be refused (an async save in flight); the
+            # groups, validated above, then cannot be.
+            check(lib.ckpt_optimizer_set_param_state(
+                handle, arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(),
+                arrays[3].data_ptr() if self._max_slab else None,
+                arrays[0].numel(), step_array, len(steps)))
+            self._cache.clear()
+            for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
+                ours.update({k: val for k, val in group.items() if k != "params"})
+                check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(ours))))
+            self._publish_weights()
+
+    def _merged_groups(self, groups):
+        """This optimizer's param groups with a state dict's hyper-parameters, validated."""
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(groups)} param groups, this optimizer "
                              f"{len(self.param_groups)}")
-        total = self._total
-        master = torch.empty(total, dtype=torch.float32)
-        m = torch.zeros(total, dtype=torch.float32)
-        v = torch.zeros(total, dtype=torch.float32)
-        slice_of = {id(p): s for p, s in zip(self._params, self._slices)}
-        new_groups, steps = [], [0] * len(self._params)
-        index_of = {id(p): i for i, p in enumerate(self._params)}
+        new_groups = []
         for gi, (ours, theirs) in enumerate(zip(self.param_groups, groups)):
             if len(theirs.get("params", ())) != len(ours["params"]):
                 raise ValueError(f"param group {gi} has {len(theirs.get('params', ()))} "
@@ -810,6 +956,33 @@ class StagedAdamW(torch.optim.Optimizer):
             group = {**ours, **{k: val for k, val in theirs.items() if k != "params"}}
             self._check_group(group)
             new_groups.append(group)
+        if len({bool(g.get("maximize", False)) for g in new_groups}) > 1:
+            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
+        if not self._max_slab and any(g.get("amsgrad") for g in new_groups):
+            raise ValueError("the state dict's param groups use amsgrad, and this optimizer keeps "
+                             "no max_exp_avg_sq: build it with amsgrad=True in those groups")
+        return new_groups
+
+    @staticmethod
+    def _entry_step(entry, name):
+        step = entry.get("step", 0)
+        step = step.item() if isinstance(step, torch.Tensor) else step
+        if not _is_number(step) or step < 0 or step != int(step):
+            raise ValueError(f"the step of parameter {name} is {step!r}, not a count")
+        return int(step)
+
+    def _whole_arrays(self, groups, state):
+        """A whole state dict as this rank's (master, exp_avg, exp_avg_sq, max_exp_avg_sq) in
+        slab order, and every parameter's step count."""
+        total = self._total
+        master = torch.empty(total, dtype=torch.float32)
+        m = torch.zeros(total, dtype=torch.float32)
+        v = torch.zeros(total, dtype=torch.float32)
+        x = torch.zeros(total, dtype=torch.float32)  # AMSGrad's maximum (zero where absent).
+        slice_of = {id(p): s for p, s in zip(self._params, self._slices)}
+        steps = [0] * len(self._params)
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        for ours, theirs in zip(self.param_groups, groups):
             # As torch: the dict's state is keyed by the ids its param_groups list.
             for p, saved_id in zip(ours["params"], theirs["params"]):
                 name = self._name_of(p)
@@ -819,9 +992,10 @@ class StagedAdamW(torch.optim.Optimizer):
                 entry = state.get(saved_id)
                 if not entry:
                     continue
-                for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("master", master)):
+                for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
+                                  ("master", master)):
                     if key not in entry:
-                        if key == "master":
+                        if key in ("master", "max_exp_avg_sq"):
                             continue
                         raise ValueError(f"the state of parameter {name} has no {key}")
                     t = torch.as_tensor(entry[key]).detach()
@@ -829,29 +1003,56 @@ class StagedAdamW(torch.optim.Optimizer):
                         raise ValueError(f"{key} of parameter {name} has {t.numel()} elements, "
                                          f"the parameter {n}")
                     dest[o:o + n].copy_(t.reshape(-1).float().cpu())
-                step = entry.get("step", 0)
-                step = step.item() if isinstance(step, torch.Tensor) else step
-                if not _is_number(step) or step < 0 or step != int(step):
-                    raise ValueError(f"the step of parameter {name} is {step!r}, not a count")
-                steps[index_of[id(p)]] = int(step)
-        if len({bool(g.get("maximize", False)) for g in new_groups}) > 1:
-            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
-        for name, t in (("master", master), ("exp_avg", m), ("exp_avg_sq", v)):
-            if not torch.isfinite(t).all():
-                raise ValueError(f"the state dict's {name} holds a non-finite value")
-        local = [self._local_of(t) for t in (master, m, v)]
-        step_array = (ctypes.c_uint64 * len(steps))(*steps)
-        with _signals.deferred():
-            # The state first: it is what can still be refused (an async save in flight); the
-            # groups, validated above, then cannot be.
-            check(lib.ckpt_optimizer_set_param_state(
-                handle, local[0].data_ptr(), local[1].data_ptr(), local[2].data_ptr(),
-                local[0].numel(), step_array, len(steps)))
-            self._cache.clear()
-            for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
-                ours.update({k: val for k, val in group.items() if k != "params"})
-                check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(ours))))
-            self._publish_weights()
+                steps[index_of[id(p)]] = self._entry_step(entry, name)
+        return [self._local_of(t) for t in (master, m, v, x)], steps
+
+    def _shard_arrays(self, shard, state):
+        """This rank's own shard (local_state_dict()) as its slab arrays and the step counts;
+        ValueError, on every rank alike, for a shard of another rank or layout."""
+        pieces = self._shard_pieces()
+        if self._owned is not None:
+            import torch.distributed as dist
+            rank, world = dist.get_rank(self._group_handle), dist.get_world_size(
+                self._group_handle)
+        else:
+            rank, world = 0, 1
+        theirs = [list(map(int, q)) for q in shard.get("pieces", ())]
+        if (shard.get("world_size") != world or shard.get("rank") != rank or
+                theirs != [[i, b, n] for i, b, n, _ in pieces]):
+            raise ValueError(f"the state dict is the shard of rank {shard.get('rank')} of "
+                             f"{shard.get('world_size')}, and this is rank {rank} of {world}, "
+                             "which owns other pieces: each rank loads its own shard, saved at "
+                             "this layout; at another world size load a whole state dict "
+                             "(consolidate_state_dict) or use ckpt.Checkpointer")
+        steps = shard.get("param_steps")
+        if not isinstance(steps, (list, tuple)) or len(steps) != len(self._params):
+            raise ValueError("the shard's param_steps do not list every parameter")
+        steps = [self._entry_step({"step": s}, self._names[i]) for i, s in enumerate(steps)]
+        local = self._local_count
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self._params])
+        master = self._local_of(flat).clone()
+        m, v, x = (torch.zeros(local, dtype=torch.float32) for _ in range(3))
+        for i in {i for i, _, _, _ in pieces}:
+            entry = state.get(i)
+            if not entry:
+                continue
+            parts = [(at, n) for j, _, n, at in pieces if j == i]
+            count = sum(n for _, n in parts)
+            for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
+                              ("master", master)):
+                if key not in entry:
+                    if key in ("master", "max_exp_avg_sq"):
+                        continue
+                    raise ValueError(f"the shard of parameter {self._names[i]} has no {key}")
+                t = torch.as_tensor(entry[key]).detach().reshape(-1).float().cpu()
+                if t.numel() != count:
+                    raise ValueError(f"{key} of parameter {self._names[i]} has {t.numel()} "
+                                     f"elements in the shard, this rank owns {count}")
+                done = 0
+                for at, n in parts:
+                    dest[at:at + n].copy_(t[done:done + n])
+                    done += n
+        return [master, m, v, x], steps
 
     def _name_of(self, param):
         for p, name in zip(self._params, self._names):

@@ -8,7 +8,7 @@ import sys
 import torch
 
 import ckpt.torch
-from test_torch_optimizer import TinyGPT, groups, relative, shard_loss
+from test_torch_optimizer import TinyGPT, groups, relative, shard_loss, torch_groups
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
 
@@ -56,3 +56,36 @@ def test_bf16_parameters_average_their_gradients_in_fp32(tmp_path):
     for name, (weights, master, _, _) in got["state"].items():
         assert weights.dtype == torch.bfloat16
         assert torch.equal(weights, master.bfloat16()), name
+
+
+def test_sharded_state_dicts_follow_torchs_convention(tmp_path):
+    # Consolidation on rank 0 (Lightning's way), each rank's own shard saved and loaded back
+    # exactly, another rank's shard refused (dp_state_dict_worker.py asserts those), with
+    # amsgrad; the consolidated dict equals one process's state on the whole batches.
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_state_dict_worker.py")
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", str(init), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}:\n{outs[r]}"
+    full = torch.load(tmp_path / "full.pt")
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, betas=(0.9, 0.95), amsgrad=True,
+                                 threads=1)
+    for step in range(1, 4):
+        opt.zero_grad()
+        shard_loss(model, step, 0, 1).backward()
+        opt.step()
+    want = opt.state_dict()
+    assert full["state"].keys() == want["state"].keys()
+    for i, entry in want["state"].items():
+        assert set(full["state"][i]) == set(entry) == {"step", "exp_avg", "exp_avg_sq",
+                                                       "max_exp_avg_sq", "master"}
+        for key, t in entry.items():
+            assert relative(full["state"][i][key], t) <= 2e-6, f"{key} of {i}"
+    # The consolidated dict is torch's format: torch AdamW takes it.
+    ref = torch.optim.AdamW(torch_groups(TinyGPT()), amsgrad=True)
+    ref.load_state_dict(full)

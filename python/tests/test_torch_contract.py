@@ -6,6 +6,7 @@ What generic code does to an optimizer: closures, zero_grad both ways, steps wit
 torch's own keyword arguments, a tensor lr, every common LR scheduler (OneCycleLR cycling the
 betas too), gradient clipping, `optimizer.state[p]`, and state dicts in both directions,
 through torch.save and torch.load."""
+import copy
 import inspect
 import io
 import os
@@ -161,10 +162,80 @@ def test_torch_keyword_arguments_and_a_tensor_lr():
     assert_close(ours, ref)
     # Every key of torch's param groups is there, so the two state dicts carry the same keys.
     assert set(opt.param_groups[0]) == set(ropt.param_groups[0])
-    with pytest.raises(NotImplementedError, match="amsgrad"):
-        ckpt.torch.StagedAdamW(param_groups(ours), amsgrad=True)
+    if "differentiable" in known:  # torch 1.13's AdamW has no such argument.
+        with pytest.raises(NotImplementedError, match="differentiable"):
+            ckpt.torch.StagedAdamW(param_groups(ours), differentiable=True)
     with pytest.raises(TypeError, match="unexpected"):
         ckpt.torch.StagedAdamW(param_groups(ours), no_such_option=1)
+
+
+def test_amsgrad_keeps_the_running_maximum_as_torch_does():
+    # A loss whose gradients shrink after a few steps: the second moment falls below its
+    # maximum, which then sets the step size.
+    ours, ref = pair()
+    opt = make("ckpt", ours, lr=3e-3, betas=(0.9, 0.9), amsgrad=True)
+    ropt = make("torch", ref, lr=3e-3, betas=(0.9, 0.9), amsgrad=True)
+    train(ours, opt, 8)
+    train(ref, ropt, 8)
+    assert_close(ours, ref)
+    mine, theirs = opt.state_dict(), ropt.state_dict()
+    below = 0
+    for i, entry in theirs["state"].items():
+        assert relative(mine["state"][i]["max_exp_avg_sq"], entry["max_exp_avg_sq"]) <= TOL, i
+        below += int((entry["exp_avg_sq"] < entry["max_exp_avg_sq"]).sum())
+    assert below > 0, "the run must make the maximum differ from exp_avg_sq"
+    # Both directions through torch.save, then every run goes on alike.
+    fresh_ours = copy.deepcopy(ref)  # torch's state into ckpt, over torch's weights.
+    fresh = make("ckpt", fresh_ours, lr=3e-3, betas=(0.9, 0.9), amsgrad=True)
+    fresh.load_state_dict(round_trip(theirs))
+    fresh_ref = copy.deepcopy(ours)  # ckpt's state into torch, over ckpt's weights.
+    fresh_torch = make("torch", fresh_ref, lr=3e-3, betas=(0.9, 0.9), amsgrad=True)
+    fresh_torch.load_state_dict(round_trip(mine))
+    for model, o in ((ours, opt), (ref, ropt), (fresh_ours, fresh), (fresh_ref, fresh_torch)):
+        train(model, o, 3, first=8)
+    assert_close(fresh_ours, ref, "torch -> ckpt: ")
+    assert_close(fresh_ref, ref, "ckpt -> torch: ")
+    assert_close(ours, ref)
+
+
+def test_amsgrad_per_group_and_its_refusals():
+    ours, ref = pair()
+    groups = param_groups(ours)
+    groups[1]["amsgrad"] = True  # Only the biases and norms.
+    opt = ckpt.torch.StagedAdamW(groups, lr=3e-3, betas=(0.9, 0.9))
+    rgroups = param_groups(ref)
+    rgroups[1]["amsgrad"] = True
+    ropt = torch.optim.AdamW(rgroups, lr=3e-3, betas=(0.9, 0.9), foreach=False)
+    train(ours, opt, 6)
+    train(ref, ropt, 6)
+    assert_close(ours, ref)
+    assert "max_exp_avg_sq" in opt.state[ours.fc1.bias]
+    assert "max_exp_avg_sq" not in opt.state[ours.fc1.weight]
+    assert torch.equal(opt.max_exp_avg_sq(ours.fc1.weight), torch.zeros_like(ours.fc1.weight))
+    # An optimizer built without amsgrad keeps no maximum: turning it on later is refused by
+    # name at the next step, and so is a state dict of amsgrad groups, with nothing changed.
+    plain_model, _ = pair()
+    plain = make("ckpt", plain_model, lr=3e-3)
+    train(plain_model, plain, 1)
+    before = [p.detach().clone() for p in plain_model.parameters()]
+    with pytest.raises(ValueError, match="amsgrad"):
+        plain.load_state_dict(round_trip(opt.state_dict()))
+    with pytest.raises(ValueError, match="max_exp_avg_sq"):
+        plain.max_exp_avg_sq(plain_model.fc1.weight)
+    plain.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ckpt.CkptError, match="amsgrad"):
+        train(plain_model, plain, 1, first=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, plain_model.parameters()))
+
+
+def test_eps_zero_steps_as_torch_does():
+    ours, ref = pair()
+    opt = make("ckpt", ours, lr=1e-3, eps=0.0)
+    ropt = make("torch", ref, lr=1e-3, eps=0.0)
+    train(ours, opt, 4)
+    train(ref, ropt, 4)
+    assert all(torch.isfinite(p).all() for p in ours.parameters())
+    assert_close(ours, ref)
 
 
 def test_maximize_ascends_as_torch_does():

@@ -32,7 +32,7 @@ extern "C" {
  * ckpt_optimizer_set_masters, ckpt_optimizer_write_piece_weights, ckpt_optimizer_add_params;
  * parameters of several
  * dtypes in one optimizer): a library serves callers of its version or an older one. */
-#define CKPT_ABI_VERSION 7
+#define CKPT_ABI_VERSION 8
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -63,7 +63,8 @@ enum {
 enum { CKPT_F32 = 0, CKPT_BF16 = 1, CKPT_F16 = 2 };           /* Tensor dtypes. */
 enum { CKPT_ENGINE_CPU = 0, CKPT_ENGINE_CUDA = 1 };           /* Update engines. */
 enum { CKPT_MOMENTS_F32 = 0, CKPT_MOMENTS_BF16 = 1 };         /* Moment dtypes in the slabs. */
-enum { CKPT_MASTER = 0, CKPT_EXP_AVG = 1, CKPT_EXP_AVG_SQ = 2 }; /* State tensors. */
+/* State tensors; CKPT_MAX_EXP_AVG_SQ (ABI 8) is AMSGrad's running maximum. */
+enum { CKPT_MASTER = 0, CKPT_EXP_AVG = 1, CKPT_EXP_AVG_SQ = 2, CKPT_MAX_EXP_AVG_SQ = 3 };
 enum { CKPT_LIFECYCLE_CLEAN = 0, CKPT_LIFECYCLE_LOADING = 1, CKPT_LIFECYCLE_POISONED = 2 };
 
 /* The ABI version this library implements (CKPT_ABI_VERSION of its header). */
@@ -98,6 +99,10 @@ typedef struct {
 typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   uint64_t step; /* Steps taken; ignored by ckpt_optimizer_set_group. */
+  /* (ABI 8) 1: AMSGrad (torch's amsgrad=True). The optimizer keeps max_exp_avg_sq once a group
+   * of ckpt_optimizer_create or ckpt_optimizer_add_params has it; ckpt_optimizer_set_group
+   * refuses it on an optimizer without. */
+  int amsgrad;
 } ckpt_group;
 
 typedef struct {
@@ -190,8 +195,9 @@ CKPT_C_EXPORT int ckpt_optimizer_num_groups(const ckpt_optimizer* opt, size_t* c
 CKPT_C_EXPORT int ckpt_optimizer_get_group(const ckpt_optimizer* opt, size_t index, ckpt_group* out);
 /* Replaces group `index`'s hyper-parameters from the next step on (its step counter kept). */
 CKPT_C_EXPORT int ckpt_optimizer_set_group(ckpt_optimizer* opt, size_t index, const ckpt_group* group);
-/* Copies one state tensor (CKPT_MASTER, CKPT_EXP_AVG, CKPT_EXP_AVG_SQ) as FP32 into `out`
- * (`count` = the optimizer's size). */
+/* Copies one state tensor (CKPT_MASTER, CKPT_EXP_AVG, CKPT_EXP_AVG_SQ, or
+ * CKPT_MAX_EXP_AVG_SQ when the optimizer keeps it) as FP32 into `out` (`count` = the
+ * optimizer's size). */
 CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, float* out, uint64_t count);
 /* (ABI 6) Replaces the whole state at once (StagedAdamW::SetState): `master` (NULL: the masters
  * stay), `exp_avg` and `exp_avg_sq` as FP32, `count` (the optimizer's size) elements each, and
@@ -201,12 +207,13 @@ CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, floa
 CKPT_C_EXPORT int ckpt_optimizer_set_state(ckpt_optimizer* opt, const float* master,
                                            const float* exp_avg, const float* exp_avg_sq,
                                            uint64_t count, const uint64_t* steps, size_t nsteps);
-/* (ABI 7) ckpt_optimizer_set_state with each parameter's own step count (`nparams` = the
- * number of parameters of the layout). */
+/* (ABI 8) ckpt_optimizer_set_state with each parameter's own step count (`nparams` = the
+ * number of parameters of the layout) and AMSGrad's `max_exp_avg_sq` (NULL: zero; refused
+ * when the optimizer keeps none). */
 CKPT_C_EXPORT int ckpt_optimizer_set_param_state(ckpt_optimizer* opt, const float* master,
                                                  const float* exp_avg, const float* exp_avg_sq,
-                                                 uint64_t count, const uint64_t* param_steps,
-                                                 size_t nparams);
+                                                 const float* max_exp_avg_sq, uint64_t count,
+                                                 const uint64_t* param_steps, size_t nparams);
 /* CKPT_LIFECYCLE_*; a poisoned optimizer refuses to step until a complete load. */
 CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifecycle);
 

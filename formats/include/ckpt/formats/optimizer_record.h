@@ -20,8 +20,10 @@ namespace ckpt::formats {
 inline constexpr char kOptimizerRecordBlob[] = "optimizer.layout";
 inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
 // Version 2 adds a parameter's own "step", written only when some parameter's step count
-// differs from its group's (version 1 readers would otherwise misread those counts).
-inline constexpr int kOptimizerRecordVersion = 2;
+// differs from its group's (version 1 readers would otherwise misread those counts). Version 3
+// adds a group's "amsgrad", written only when some group uses it (its steps hold
+// optimizer.max_exp_avg_sq.* tensors older readers do not know).
+inline constexpr int kOptimizerRecordVersion = 3;
 // The optimizer kinds a record may name; a record without "kind" (written before kinds were
 // recorded) is AdamW's.
 inline constexpr char kOptimizerKindAdamW[] = "adamw";
@@ -42,6 +44,7 @@ struct OptimizerRecordParam {
 struct OptimizerRecordGroup {
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   uint64_t step = 0;  // The largest step count of the group's parameters.
+  bool amsgrad = false;
   bool operator==(const OptimizerRecordGroup&) const = default;
 };
 
@@ -56,7 +59,8 @@ struct OptimizerRecord {
 
 // JSON, one line: {"format":"ckpt-optimizer","version":1,"kind":...,"moment_dtype":...,
 // "world_size":...,"params":[{"name","shape","dtype","group"}...],"groups":[{"lr","beta1",
-// "beta2","eps","weight_decay","step"}...]}; version 2 when some parameter has its own "step".
+// "beta2","eps","weight_decay","step"[,"amsgrad"]}...]}; version 2 when some parameter has its
+// own "step", 3 when some group has "amsgrad": true.
 // Doubles round-trip exactly.
 std::string EncodeOptimizerRecord(const OptimizerRecord& record);
 

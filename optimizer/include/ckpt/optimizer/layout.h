@@ -32,6 +32,10 @@ struct ParamGroup {
   double eps = 1e-8;
   double weight_decay = 0.01;
   uint64_t step = 0;  // Steps taken by this group (the bias-correction exponent is step + 1).
+  // AMSGrad (torch's amsgrad=True): the denominator uses the running maximum of exp_avg_sq,
+  // kept per element as max_exp_avg_sq (a fourth slab, which exists once any group of the
+  // optimizer asks for it).
+  bool amsgrad = false;
 };
 
 // Elements [begin, begin + count) of params[param], in row-major flat order.

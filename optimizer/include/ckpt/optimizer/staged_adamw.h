@@ -191,8 +191,10 @@ class StagedAdamW {
   // Replaces group `index`'s hyper-parameters from the next Step on (learning-rate and
   // weight-decay schedules), keeping its step counters (`group.step` is ignored).
   // kInvalidArgument naming the group and the value for an index that does not exist or a
-  // hyper-parameter out of range (lr and weight_decay finite and >= 0, betas in [0, 1), eps
-  // finite and > 0); the group is then unchanged.
+  // hyper-parameter out of range (lr, weight_decay and eps finite and >= 0, betas in [0, 1));
+  // kFailedPrecondition for amsgrad on an optimizer without the
+  // max_exp_avg_sq slab (has_max_exp_avg_sq(): build it with amsgrad in some group); the group
+  // is then unchanged.
   absl::Status SetGroup(size_t index, const ParamGroup& group);
 
   Lifecycle lifecycle() const { return lifecycle_; }
@@ -280,30 +282,40 @@ class StagedAdamW {
   // Piece k's dtype and the byte offset of its first weight in the flat buffer.
   formats::DType piece_dtype(size_t k) const { return piece_dtypes_[k]; }
   uint64_t piece_weight_offset(size_t k) const { return piece_bytes_[k]; }
+  // True when the slabs hold AMSGrad's max_exp_avg_sq: some group asked for amsgrad at Create
+  // or AddParams. Its elements are zero for parameters whose group does not use it; every
+  // parameter's is saved in checkpoints (optimizer.max_exp_avg_sq.<name>).
+  bool has_max_exp_avg_sq() const { return has_max_; }
   // Read-only views of the slabs, in slab order. exp_avg() and exp_avg_sq() view FP32 moments
   // and are empty in MomentDType::kBF16; the *_bytes() views hold size() * moment_bytes()
-  // bytes in either mode. CUDA engine: call Synchronize() first.
+  // bytes in either mode (max_exp_avg_sq_bytes(): none without has_max_exp_avg_sq()). CUDA
+  // engine: call Synchronize() first.
   std::span<const float> master() const;
   std::span<const float> exp_avg() const;
   std::span<const float> exp_avg_sq() const;
   std::span<const std::byte> exp_avg_bytes() const;
   std::span<const std::byte> exp_avg_sq_bytes() const;
-  // Copies one of the three state tensors (kMaster, kExpAvg, kExpAvgSq) into `out`, size()
-  // FP32 values, widening BF16 moments exactly; synchronizes the CUDA engine first.
-  // kInvalidArgument when `out` holds another count.
-  enum class StateTensor { kMaster, kExpAvg, kExpAvgSq };
+  std::span<const std::byte> max_exp_avg_sq_bytes() const;
+  // Copies one of the state tensors (kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq) into `out`,
+  // size() FP32 values, widening BF16 moments exactly; synchronizes the CUDA engine first.
+  // kInvalidArgument when `out` holds another count, or for kMaxExpAvgSq without
+  // has_max_exp_avg_sq().
+  enum class StateTensor { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq };
   absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
   // Replaces the whole state at once, as a load does (torch's load_state_dict): `master` (or
   // the masters as they are, when empty), both moments as FP32 (rounded to BF16, nearest even,
   // in MomentDType::kBF16), size() elements each in slab order, and every parameter's step
-  // count (`param_steps`, one per options().params). All or nothing: kInvalidArgument for a
+  // count (`param_steps`, one per options().params), and AMSGrad's `max_exp_avg_sq` (FP32 like
+  // the moments; empty: zero; REQUIRES has_max_exp_avg_sq() otherwise). All or nothing:
+  // kInvalidArgument for a
   // size or count that does not match, or a non-finite value (naming the tensor and the slab
   // index), and kFailedPrecondition when the optimizer is not kClean or an async save is in
   // flight (its writer reads the slabs), each with the state untouched. CUDA engine: waits for
   // the last step first.
   absl::Status SetState(std::span<const float> master, std::span<const float> exp_avg,
                         std::span<const float> exp_avg_sq,
-                        std::span<const uint64_t> param_steps);
+                        std::span<const uint64_t> param_steps,
+                        std::span<const float> max_exp_avg_sq = {});
   // Replaces the masters of slab elements [offset, offset + values.size()) (a parameter the
   // trainer changed in place: its value becomes the master, and the next Step continues from
   // it, as torch AdamW would from the edited parameter). Moments and step counts are kept. An
@@ -321,12 +333,17 @@ class StagedAdamW {
   std::span<float> mutable_master();
   std::span<std::byte> mutable_exp_avg_bytes();
   std::span<std::byte> mutable_exp_avg_sq_bytes();
+  std::span<std::byte> mutable_max_exp_avg_sq_bytes();  // Empty without has_max_exp_avg_sq().
   // Which instruction set the CPU engine runs ("scalar", "avx2", "avx512").
   std::string engine_name() const;
 
  private:
   struct Slabs;
   StagedAdamW();
+  // Create, with the max_exp_avg_sq slab also when no group asks for amsgrad (`keep_max`: an
+  // AddParams keeps the slab it had).
+  static absl::StatusOr<std::unique_ptr<StagedAdamW>> CreateWith(
+      StagedAdamWOptions options, std::span<const std::byte> model_weights, bool keep_max);
   StagedAdamWOptions options_;
   formats::DType model_dtype_ = formats::DType::kBF16;
   uint64_t size_ = 0;
@@ -337,6 +354,7 @@ class StagedAdamW {
   std::vector<formats::DType> piece_dtypes_;
   std::vector<uint64_t> piece_bytes_;
   bool mixed_dtypes_ = false;
+  bool has_max_ = false;  // The slabs hold max_exp_avg_sq.
   size_t widest_ = 1;
   SlabView View() const;
   // OK when `pieces` has one entry per piece, non-null and aligned for its dtypes (gradients
