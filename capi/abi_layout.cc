@@ -102,6 +102,8 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_step_masked);
   CKPT_FUNC(ckpt_optimizer_param_steps);
   CKPT_FUNC(ckpt_optimizer_set_param_state);
+  CKPT_FUNC(ckpt_store_keep_only);
+  CKPT_FUNC(ckpt_store_adopt);
   CKPT_FUNC(ckpt_optimizer_set_masters);
   CKPT_FUNC(ckpt_optimizer_write_piece_weights);
   CKPT_FUNC(ckpt_optimizer_add_params);

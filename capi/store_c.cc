@@ -91,4 +91,24 @@ int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step) 
   return CKPT_OK;
 }
 
+int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, size_t nkeep, size_t* retired) {
+  return Guard("ckpt_store_keep_only", [&]() -> int {
+    if (store == nullptr || (nkeep > 0 && keep == nullptr)) return Invalid("NULL argument");
+    ckpt::RetentionPolicy policy;
+    policy.keep_only = std::vector<uint64_t>(keep, keep + nkeep);
+    absl::StatusOr<std::vector<uint64_t>> gone = store->store->ApplyRetention(policy);
+    if (!gone.ok()) return Fail(gone.status());
+    if (retired != nullptr) *retired = gone->size();
+    return CKPT_OK;
+  });
+}
+
+int ckpt_store_adopt(ckpt_store* store, uint64_t step) {
+  return Guard("ckpt_store_adopt", [&]() -> int {
+    if (store == nullptr) return Invalid("NULL argument");
+    absl::Status s = store->store->Adopt(step);
+    return s.ok() ? CKPT_OK : Fail(s);
+  });
+}
+
 }  // extern "C"

@@ -397,6 +397,20 @@ TEST_F(StoreTest, RetentionKeepsLastKEveryNthAndLatest) {
   EXPECT_THAT(*store->ListSteps(), ElementsAre(3, 6, 7));
 }
 
+TEST_F(StoreTest, RetentionKeepOnlyKeepsExactlyTheNamedStepsAndLatest) {
+  for (uint64_t step = 1; step <= 6; ++step)
+    CKPT_ASSERT_OK(testing::SaveSyntheticStep(kRoot, options_, 1, step));
+  auto store = Open();
+  RetentionPolicy policy{.keep_last = 1, .keep_every = 1, .keep_only = std::vector<uint64_t>{2, 4, 9}};
+  auto dry = store->ApplyRetention(policy, /*dry_run=*/true);
+  CKPT_ASSERT_OK(dry);
+  EXPECT_THAT(*dry, ElementsAre(1, 3, 5)) << "keep_only overrides keep_last and keep_every";
+  CKPT_ASSERT_OK(store->ApplyRetention(policy));
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(2, 4, 6)) << "LATEST always stays";
+  CKPT_ASSERT_OK(store->ApplyRetention({.keep_only = std::vector<uint64_t>{}}));
+  EXPECT_THAT(*store->ListSteps(), ElementsAre(6));
+}
+
 TEST_F(StoreTest, RetentionRunsAfterEachCommitWhenConfigured) {
   options_.retention = {.keep_last = 2};
   for (uint64_t step = 1; step <= 4; ++step)

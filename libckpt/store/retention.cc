@@ -32,10 +32,19 @@ absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::strin
 
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& all, std::optional<uint64_t> latest,
                                    const RetentionPolicy& policy) {
-  if (policy.keep_last == 0 || !latest.has_value()) return {};
+  if (!latest.has_value()) return {};
   // Entries above LATEST are not committed steps (recovery owns them): they neither count
   // toward keep_last nor are deleted here.
   std::vector<uint64_t> steps(all.begin(), std::upper_bound(all.begin(), all.end(), *latest));
+  if (policy.keep_only.has_value()) {
+    const std::set<uint64_t> keep(policy.keep_only->begin(), policy.keep_only->end());
+    std::vector<uint64_t> doomed;
+    for (uint64_t step : steps) {
+      if (step != *latest && !keep.count(step)) doomed.push_back(step);
+    }
+    return doomed;
+  }
+  if (policy.keep_last == 0) return {};
   std::set<uint64_t> keep;
   for (size_t i = 0; i < steps.size() && i < policy.keep_last; ++i)
     keep.insert(steps[steps.size() - 1 - i]);

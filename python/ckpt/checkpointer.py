@@ -93,6 +93,7 @@ class PendingSave:
                 self._checkpointer._pending = None
             try:
                 check(lib.ckpt_pending_save_finalize(self._native.handle))
+                self._checkpointer._undo_step = self.step
             finally:
                 self._native.close()
 
@@ -134,6 +135,9 @@ class Checkpointer:
         self._pending = None
         self._root, self.read_only = root, read_only
         self.loaded_step = self.loaded_extra = None
+        # The step the optimizer's state last equalled (saved as, or loaded from): the undo
+        # source of the next load, which keep_only keeps.
+        self._undo_step = None
         self.skipped_steps = 0
         coordinator = None
         rank = 0
@@ -149,6 +153,7 @@ class Checkpointer:
         if distributed:
             coordinator, callbacks = _torch_coordinator(process_group)
             rank = coordinator.rank
+        self._rank = rank
         store = ctypes.c_void_p()
         options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), 1 if rank == 0 else 0,
                                     1 if read_only else 0, keep_last, keep_every, 0)
@@ -233,6 +238,7 @@ class Checkpointer:
         with _signals.deferred():
             self._hand_over()
             check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 1))
+            self._undo_step = step
         del keep
 
     def save_async(self, step, extra=None):
@@ -295,6 +301,7 @@ class Checkpointer:
                 self._optimizer._publish_weights()
                 self._optimizer._pull_groups()
                 self.loaded_step, self.loaded_extra = loaded.value, None
+                self._undo_step = loaded.value
                 raw = self._extra_blob(blobs)
             finally:
                 lib.ckpt_blobs_free(blobs)
@@ -342,7 +349,49 @@ class Checkpointer:
             check(lib.ckpt_checkpointer_load_model(handle, source_bytes, patterns,
                                                    replacements, len(rules),
                                                    1 if ignore_unexpected else 0))
+            self._undo_step = None  # The state equals no step now.
             self._optimizer._publish_weights()
+
+    def keep_only(self, steps):
+        """Collective. Retention by the caller's list: every committed step is removed but
+        LATEST, those of `steps`, and the step the optimizer's state was last saved as or
+        loaded from (the undo source of the next load). For a trainer whose own rotation
+        decides which checkpoints exist (HF Trainer's save_total_limit). An async save in
+        flight is finalized first. Rank 0 removes (the others' handles only read); returns how
+        many steps went there (0 elsewhere)."""
+        keep = {self._step(s) for s in steps}
+        self._live()
+        if self.read_only:
+            raise CkptError(9, f"{self._root}: keep_only removes steps: the Checkpointer was "
+                               "opened with read_only=True")
+        self._settle()
+        if self._undo_step is not None:
+            keep.add(self._undo_step)
+        if self._rank != 0:
+            return 0
+        ordered = sorted(keep)
+        array = (ctypes.c_uint64 * max(1, len(ordered)))(*ordered)
+        retired = ctypes.c_size_t()
+        with _signals.deferred():
+            check(lib.ckpt_store_keep_only(self._store.handle, array, len(ordered),
+                                           ctypes.byref(retired)))
+        return retired.value
+
+    def adopt(self, step):
+        """Collective. Makes LATEST name the committed `step` (every chunk verified first), e.g.
+        an older step a run resumed from, so that its next saves are accepted (a save must be
+        newer than LATEST). The newer steps stay on disk: a later save of the same number moves
+        its predecessor into quarantine/, never deletes it. An async save in flight is
+        finalized first; rank 0's handle changes LATEST."""
+        step = self._step(step)
+        self._live()
+        if self.read_only:
+            raise CkptError(9, f"{self._root}: adopt changes LATEST: the Checkpointer was opened "
+                               "with read_only=True")
+        self._settle()
+        if self._rank == 0:
+            with _signals.deferred():
+                check(lib.ckpt_store_adopt(self._store.handle, step))
 
     @property
     def latest(self):

@@ -813,7 +813,14 @@ class StagedAdamW(torch.optim.Optimizer):
         consolidate_state_dict(to) on every rank, state_dict() on rank `to` returns the whole
         state without any collective (until the next step or load), and raises on the other
         ranks; otherwise it is collective (every rank must call it) and every rank gets the
-        whole state. local_state_dict() is this rank's shard alone."""
+        whole state. local_state_dict() is this rank's shard alone.
+
+        With a trainer integration attached (ckpt.integrations: the state kept in a ckpt
+        store), it is a reference instead, {"ckpt": {"root", "step"}, "param_groups"}, that the
+        integration saves and load_state_dict() resolves."""
+        store = self._layout.get("state_store")
+        if store is not None:
+            return store.state_dict_reference(self)
         if self._owned is not None and "consolidated" in self._cache:
             to, state = self._cache["consolidated"]
             if state is None:
@@ -904,6 +911,16 @@ class StagedAdamW(torch.optim.Optimizer):
         its own shard (local_state_dict()); a shard of another rank or layout is refused by
         every rank before anything changes."""
         self._live()
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("ckpt"), dict):
+            # A reference to a step of a ckpt store (a trainer integration's state_dict()).
+            store = self._layout.get("state_store")
+            ref = state_dict["ckpt"]
+            if store is None:
+                raise ValueError(f"this state dict refers to step {ref.get('step')} of the ckpt "
+                                 f"store {ref.get('root')}: attach the ckpt integration that "
+                                 "saved it (ckpt.integrations) to load it")
+            store.load_reference(self, state_dict)
+            return
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         state = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(groups, (list, tuple)) or not isinstance(state, dict):

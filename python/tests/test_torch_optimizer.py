@@ -202,6 +202,45 @@ def test_retention_keeps_the_newest_steps_and_the_multiples(tmp_path):
     ck2.close()
 
 
+def test_keep_only_and_adopt_follow_a_trainers_own_rotation(tmp_path):
+    def steps():
+        return sorted(int(p.name[5:]) for p in (tmp_path / "root").iterdir()
+                      if p.name.startswith("step-"))
+
+    model, opt = fresh()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    states = {}
+    for step in range(1, 6):
+        train(model, opt, 1, first=step - 1)
+        ck.save(step)
+        states[step] = snapshot(model, opt)
+    # The steps named, LATEST, and the step the state equals (the next load's undo source).
+    assert ck.keep_only([2]) == 3  # Steps 1, 3 and 4.
+    assert steps() == [2, 5]
+    ck.load(2)
+    assert ck.keep_only([]) == 0, "the step loaded is the undo source: kept"
+    assert steps() == [2, 5]
+    # Back to step 2 as LATEST (a run resumed from there): step 3 may be saved again, and the
+    # old step 5 is set aside, never deleted, when step 5 is saved anew.
+    with pytest.raises(ckpt.CkptError, match="not newer than LATEST"):
+        ck.save(3)
+    ck.adopt(2)
+    assert ck.latest == 2
+    for step in range(3, 6):
+        train(model, opt, 1, first=step - 1)
+        ck.save(step)
+    assert same(snapshot(model, opt), states[5])
+    assert steps() == [2, 3, 4, 5]
+    assert len(list((tmp_path / "root" / "quarantine").iterdir())) == 1
+    with pytest.raises(ckpt.CkptError, match="NOT_FOUND"):
+        ck.adopt(9)
+    ck.close()
+    reader = ckpt.Checkpointer(tmp_path / "root", opt, read_only=True)
+    with pytest.raises(ckpt.CkptError, match="read_only"):
+        reader.keep_only([5])
+    reader.close()
+
+
 def master_chunk_offset(step_dir):
     """The file offset of the first chunk of a master piece in `step_dir` (read from its
     MANIFEST: a 32-byte header, then JSON; docs/formats/ckpt-v1.md). A load reads the masters;

@@ -240,6 +240,19 @@ CKPT_C_EXPORT int ckpt_store_open_with(const char* root, const ckpt_store_option
 CKPT_C_EXPORT void ckpt_store_close(ckpt_store* store);
 /* The step LATEST names (*has_latest 0 when nothing is committed). */
 CKPT_C_EXPORT int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step);
+/* (ABI 8) Retention by the caller's list: every committed step but LATEST and the `nkeep` of
+ * `keep` is removed (each renamed away whole, then deleted: a crash leaves every remaining
+ * step whole). What a trainer whose own rotation decides which checkpoints exist calls (HF
+ * Trainer's save_total_limit). *retired (may be NULL): how many steps went. The primary,
+ * writable handle only, with no save in flight. */
+CKPT_C_EXPORT int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, size_t nkeep,
+                                       size_t* retired);
+/* (ABI 8) Makes LATEST name the committed step `step` (ckpt-tool adopt), e.g. an older step a
+ * trainer resumed from, so that its next saves (numbered above `step`) are accepted. Every
+ * chunk of the step is verified first (DATA_LOSS naming it otherwise; LATEST unchanged). The
+ * newer steps stay on disk: a later save of the same number moves its predecessor into
+ * quarantine/, never deletes it. The primary, writable handle only, with no save in flight. */
+CKPT_C_EXPORT int ckpt_store_adopt(ckpt_store* store, uint64_t step);
 
 /* ---- Coordinator: the ranks of a job (NULL everywhere: a single process) ---- */
 typedef struct {

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <vector>
+
 #include "absl/strings/string_view.h"
 
 #include "ckpt/env.h"
@@ -17,6 +20,10 @@ struct RetentionPolicy {
   uint64_t keep_last = 0;
   // Also keep every step that is a multiple of `keep_every`; 0 keeps none for this reason.
   uint64_t keep_every = 0;
+  // Set: keep exactly these committed steps (and LATEST), whatever keep_last and keep_every
+  // say; every other committed step goes. What a trainer's own rotation decided (ckpt's HF
+  // Trainer integration keeps the steps its checkpoint folders name).
+  std::optional<std::vector<uint64_t>> keep_only = std::nullopt;
 };
 
 struct StoreOptions {
