@@ -180,6 +180,9 @@ class Checkpointer:
         self._native = Native(handle, lib.ckpt_checkpointer_destroy, "checkpointer",
                               parents=(optimizer._native, self._store), keep=callbacks,
                               collective=distributed, then_close=(self._store,))
+        # The optimizer's load_state_dict refuses while one of its checkpointers has an async
+        # save in flight (every rank alike, before any rank changes anything).
+        optimizer._layout.setdefault("checkpointers", weakref.WeakSet()).add(self)
         # Its optimizer holds the Native (a parent holds its open children), so dropping the
         # last reference to this object must close it: the root's LOCK, the staging pool and
         # an abandoned save's fence go with it. Not at exit: the exit hook decides there.

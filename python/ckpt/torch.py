@@ -429,6 +429,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._devices.extend(p.device for p in new)
         self._seen.extend((p._version, p.data_ptr()) for p in new)
         self._total = self._local_count = total
+        self._layout.pop("consolidated", None)
         if self._dtype is not None and any(p.dtype != self._dtype for p in new):
             self._dtype, self._grad_dtype = None, torch.float32
         self._cache.clear()
@@ -451,6 +452,7 @@ class StagedAdamW(torch.optim.Optimizer):
         handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
         scale = self._grad_scale()
         self._cache.clear()
+        self._layout.pop("consolidated", None)
         stream = None
         if self._device.type == "cuda":
             stream = torch.cuda.current_stream(self._device).cuda_stream
@@ -718,6 +720,7 @@ class StagedAdamW(torch.optim.Optimizer):
         their pieces)."""
         handle = self._live()
         self._cache.clear()  # The state just changed under the cached view.
+        self._layout.pop("consolidated", None)
         if self._owned is None:
             # Into each parameter's own storage (non-contiguous ones through a copy); CUDA
             # parameters rounded on the device, ordered on the current stream.
@@ -821,8 +824,8 @@ class StagedAdamW(torch.optim.Optimizer):
         store = self._layout.get("state_store")
         if store is not None:
             return store.state_dict_reference(self)
-        if self._owned is not None and "consolidated" in self._cache:
-            to, state = self._cache["consolidated"]
+        if self._owned is not None and "consolidated" in self._layout:
+            to, state = self._layout["consolidated"]
             if state is None:
                 raise RuntimeError(
                     f"StagedAdamW: the state was consolidated on rank {to} "
@@ -845,7 +848,9 @@ class StagedAdamW(torch.optim.Optimizer):
         state = self._whole_state()
         self._cache.pop("torch_state", None)  # Only rank `to` keeps a whole copy.
         mine = dist.get_rank(self._group_handle) == to
-        self._cache["consolidated"] = (to, state if mine else None)
+        # Outside _cache (which an in-place edit seen on one rank clears): only a step, a load or
+        # add_param_group, which every rank makes, drops it.
+        self._layout["consolidated"] = (to, state if mine else None)
 
     def _shard_pieces(self):
         """This rank's pieces as (parameter index, first element, count, slab offset)."""
@@ -910,7 +915,7 @@ class StagedAdamW(torch.optim.Optimizer):
         With a process group it is collective: every rank passes the whole dict, or each rank
         its own shard (local_state_dict()); a shard of another rank or layout is refused by
         every rank before anything changes."""
-        self._live()
+        handle = self._live()
         if isinstance(state_dict, dict) and isinstance(state_dict.get("ckpt"), dict):
             # A reference to a step of a ckpt store (a trainer integration's state_dict()).
             store = self._layout.get("state_store")
@@ -921,12 +926,18 @@ class StagedAdamW(torch.optim.Optimizer):
                                  "saved it (ckpt.integrations) to load it")
             store.load_reference(self, state_dict)
             return
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        state = state_dict.get("state") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, (list, tuple)) or not isinstance(state, dict):
-            raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
         error = None
         try:
+            groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+            state = state_dict.get("state") if isinstance(state_dict, dict) else None
+            if not isinstance(groups, (list, tuple)) or not isinstance(state, dict):
+                raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
+            # What ckpt would refuse after the vote, checked before it (every rank alike).
+            if self.lifecycle != "clean":
+                raise CkptError(9, f"load_state_dict: the optimizer is {self.lifecycle}")
+            if any(ck.pending is not None for ck in self._layout.get("checkpointers", ())):
+                raise CkptError(9, "load_state_dict: an async save is in flight (its writer "
+                                   "reads the state): finalize it first")
             new_groups = self._merged_groups(groups)
             if state_dict.get("shard") is not None:
                 arrays, steps = self._shard_arrays(state_dict["shard"], state)
@@ -936,7 +947,7 @@ class StagedAdamW(torch.optim.Optimizer):
             for name, t in zip(names, arrays):
                 if not torch.isfinite(t).all():
                     raise ValueError(f"the state dict's {name} holds a non-finite value")
-        except (ValueError, NotImplementedError) as e:
+        except Exception as e:  # Any refusal, on any rank, is every rank's (see below).
             error = e
         # Every rank refuses if any does: a rank that went on would wait forever for the others
         # in the weight exchange.
@@ -946,7 +957,6 @@ class StagedAdamW(torch.optim.Optimizer):
         if error is not None:
             raise error
         step_array = (ctypes.c_uint64 * len(steps))(*steps)
-        handle = self._live()
         with _signals.deferred():
             # The state first: it is what can still be refused (an async save in flight); the
             # groups, validated above, then cannot be.

@@ -50,11 +50,12 @@ class KillAt(transformers.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            assert self.callback._checkpointer.pending is not None
+            assert self.callback.keeper.checkpointer().pending is not None
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume_from=None):
+def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume_from=None,
+        limit=2):
     """Trains to MAX_STEPS (or stop_at), checkpointing every 2 steps (2 folders kept); returns
     the parameters, the optimizer and the callback."""
     torch.manual_seed(0)
@@ -67,7 +68,7 @@ def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        max_steps=MAX_STEPS, save_steps=2, save_total_limit=2, report_to=[], use_cpu=True,
+        max_steps=MAX_STEPS, save_steps=2, save_total_limit=limit, report_to=[], use_cpu=True,
         seed=0, data_seed=0, disable_tqdm=True)
     keeper = CkptCallback(opt, root)
     callbacks = [keeper]

@@ -128,3 +128,21 @@ def test_a_reference_without_its_integration_is_refused_by_name(uninterrupted):
     ref = torch.load(base / "out" / "checkpoint-6" / "optimizer.pt", weights_only=True)
     with pytest.raises(ValueError, match="refers to step 6 of the ckpt store"):
         opt.load_state_dict(ref)
+
+
+def test_configurations_that_could_lose_the_last_complete_folder_are_refused(tmp_path):
+    import gc
+    # save_total_limit=1: Trainer deletes the last complete folder before the new one's
+    # optimizer state could be committed.
+    with pytest.raises(ValueError, match="save_total_limit of 2 or more"):
+        worker.run(tmp_path / "out", tmp_path / "root", limit=1)
+    gc.collect()  # The refused run's checkpointer lets go of the root.
+    # A fresh run into a store that already holds another run's steps.
+    import ckpt.torch
+    opt = ckpt.torch.StagedAdamW(torch.nn.Linear(2, 2).parameters())
+    ck = ckpt.Checkpointer(tmp_path / "used", opt)
+    ck.save(3)
+    ck.close()
+    with pytest.raises(ValueError, match="already holds steps"):
+        worker.run(tmp_path / "out2", tmp_path / "used")
+    gc.collect()

@@ -25,13 +25,16 @@
 extern "C" {
 #endif
 
-/* Versions only add (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact; 4:
- * ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
+/* Versions 2 to 7 only added (2: ckpt_store_open_with; 3: ckpt_checkpointer_load_newest_intact;
+ * 4: ckpt_abi_layout; 5: ckpt_store_open_on_ranks; 6: ckpt_optimizer_write_weights,
  * ckpt_checkpointer_open, ckpt_optimizer_set_state, ckpt_optimizer_step_pieces; 7:
  * ckpt_optimizer_step_masked, ckpt_optimizer_param_steps, ckpt_optimizer_set_param_state,
  * ckpt_optimizer_set_masters, ckpt_optimizer_write_piece_weights, ckpt_optimizer_add_params;
- * parameters of several
- * dtypes in one optimizer): a library serves callers of its version or an older one. */
+ * parameters of several dtypes in one optimizer): a library of 7 serves callers of 1 to 7.
+ * 8 breaks that on purpose for AMSGrad: ckpt_group grows (amsgrad) and
+ * ckpt_optimizer_set_param_state takes max_exp_avg_sq; it adds ckpt_store_keep_only and
+ * ckpt_store_adopt. A caller built against 7 must be rebuilt: compare ckpt_abi_layout() with
+ * the layout you were built for (the Python package does, before any other call). */
 #define CKPT_ABI_VERSION 8
 
 /* The library exports these functions (and nothing of its C++ internals). */

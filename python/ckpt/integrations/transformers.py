@@ -40,19 +40,21 @@ import re
 
 import transformers
 
-from ..checkpointer import Checkpointer
-from .._lib import CkptError
+from ._store import StoreKeeper, step_committed
 
 _FOLDER = re.compile(r"^" + transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 _TRAINER_STATE = "trainer_state.json"
 _OPTIMIZER = "optimizer.pt"
 
 
-def _rank_and_world():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _folder_steps(output_dir):
+    """The global steps of the checkpoint-N folders of `output_dir`."""
+    steps = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
+        m = _FOLDER.match(name)
+        if m and os.path.isdir(os.path.join(output_dir, name)):
+            steps.append(int(m.group(1)))
+    return steps
 
 
 class CkptCallback(transformers.TrainerCallback):
@@ -65,125 +67,53 @@ class CkptCallback(transformers.TrainerCallback):
     this callback saves and resolves: use it with the Trainer it is given to."""
 
     def __init__(self, optimizer, root, *, async_save=True, **checkpointer_options):
-        if not hasattr(optimizer, "_layout"):
-            raise TypeError("CkptCallback keeps a ckpt.torch.StagedAdamW's state; got "
-                            f"{type(optimizer).__name__}")
-        if optimizer._layout.get("state_store") is not None:
-            raise ValueError("the optimizer already has a ckpt integration attached")
         self.optimizer = optimizer
-        self.root = os.path.abspath(os.fspath(root))
-        self.async_save = async_save
-        self._options = checkpointer_options
-        self._checkpointer = None
-        self._global_step = 0
-        # Names this callback's references in this process: one handed back unchanged (accelerate
-        # round-trips state_dict() through load_state_dict() to place it on the device) is the
-        # state the optimizer holds, with nothing to load.
-        self._token = os.urandom(8).hex()
-        rank, world = _rank_and_world()
-        # Whole state on every rank (no process_group): rank 0 alone writes.
-        self._writes = optimizer._group_handle is not None or rank == 0
-        self._world = world
-        optimizer._layout["state_store"] = self
+        self._step = 0
+        self.keeper = StoreKeeper(root, async_save=async_save, **checkpointer_options)
+        self.keeper.attach(optimizer, lambda: self._step)
 
-    # --- The optimizer's side (StagedAdamW.state_dict / load_state_dict) ---------------------
-
-    def state_dict_reference(self, optimizer):
-        """What optimizer.state_dict() returns while attached: the ckpt step the callback saves
-        for this checkpoint, and the hyper-parameters (as torch's param_groups)."""
-        return {"ckpt": {"root": self.root, "step": int(self._global_step), "token": self._token},
-                "param_groups": optimizer._indexed_groups()}
-
-    def load_reference(self, optimizer, state_dict):
-        """optimizer.load_state_dict(reference): the step it names, loaded exactly."""
-        step = state_dict["ckpt"].get("step")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
-        if state_dict["ckpt"].get("token") == self._token and step == self._global_step:
-            return  # Our own reference of the state as it is (no step since): nothing to load.
-        ck = self._open()
-        if not self._committed(step):
-            raise CkptError(5, f"step {step} of the ckpt store {self.root} was never committed "
-                               "(the run stopped during its async save): resume from "
-                               "ckpt.integrations.transformers.last_complete_checkpoint("
-                               "output_dir), the newest folder whose optimizer step is")
-        ck.load(step)
-        self._global_step = step
-        if self._writes and not ck.read_only and ck.latest is not None and step < ck.latest:
-            ck.adopt(step)  # The run goes on from here: its next saves must be accepted.
-
-    # --- Trainer's side -------------------------------------------------------------------
+    @property
+    def root(self):
+        return self.keeper.root
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._global_step = state.global_step
+        self._step = state.global_step
+        if args.save_total_limit == 1:
+            # Trainer removes the previous folder before on_save can begin (let alone commit)
+            # the optimizer's save: for that while, no folder could be resumed.
+            raise ValueError("CkptCallback needs save_total_limit of 2 or more (or None): with 1, "
+                             "Trainer deletes the last complete checkpoint before the new one's "
+                             "optimizer state is committed")
+        if state.global_step == 0 and self.keeper.writes() and \
+                self.keeper.checkpointer().latest is not None:
+            raise ValueError(f"the ckpt store {self.root} already holds steps (LATEST "
+                             f"{self.keeper.checkpointer().latest}) and this run starts from "
+                             "step 0: give it a store of its own, or resume")
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._global_step = state.global_step
-        ck = self._checkpointer
-        if ck is not None and ck.pending is not None and ck.pending.writer_done:
-            ck.pending.finalize()  # Cheap now: the writer is done; commits the step.
+        self._step = state.global_step
+        if control.should_save:
+            # Trainer rotates the folders before on_save: the previous step must be committed
+            # by then, so that a complete folder survives the rotation.
+            self.keeper.finalize()
+        else:
+            self.keeper.finalize_if_written()
 
     def on_save(self, args, state, control, **kwargs):
         if args.save_only_model:
             return  # Trainer writes no optimizer.pt: nothing refers to a step.
-        step = state.global_step
-        self._global_step = step
-        if not self._writes:
-            return
-        ck = self._open()
-        if ck.pending is not None:
-            ck.pending.finalize()
-        # The steps the checkpoint folders name after Trainer's rotation (this one's included,
-        # committed below): every other committed step goes.
-        ck.keep_only(self._folder_steps(args.output_dir))
-        if self.async_save:
-            ck.save_async(step)
-        else:
-            ck.save(step)
+        self._step = state.global_step
+        # The steps the checkpoint folders name after Trainer's rotation (this one's included):
+        # every other committed step goes.
+        self.keeper.save(state.global_step, keep=_folder_steps(args.output_dir))
 
     def on_train_end(self, args, state, control, **kwargs):
-        ck = self._checkpointer
-        if ck is not None and ck.pending is not None:
-            ck.pending.finalize()
-
-    # --- Helpers --------------------------------------------------------------------------
-
-    def _open(self):
-        """The Checkpointer, made on first use (read-only on the ranks that do not write)."""
-        if self._checkpointer is None:
-            if self._writes:
-                os.makedirs(self.root, exist_ok=True)
-                self._checkpointer = Checkpointer(self.root, self.optimizer, **self._options)
-            else:
-                self._checkpointer = Checkpointer(self.root, self.optimizer, read_only=True)
-        return self._checkpointer
-
-    def _committed(self, step):
-        latest = self._open().latest
-        return latest is not None and step <= latest and os.path.isdir(
-            os.path.join(self.root, f"step-{step:08d}"))
-
-    @staticmethod
-    def _folder_steps(output_dir):
-        steps = []
-        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
-            m = _FOLDER.match(name)
-            if m and os.path.isdir(os.path.join(output_dir, name)):
-                steps.append(int(m.group(1)))
-        return steps
+        self.keeper.finalize()
 
     def close(self):
         """Finalizes a save in flight, closes the Checkpointer and detaches from the optimizer
         (whose state_dict() is torch's format again)."""
-        ck, self._checkpointer = self._checkpointer, None
-        try:
-            if ck is not None and ck.pending is not None:
-                ck.pending.finalize()
-        finally:
-            if ck is not None:
-                ck.close()
-            if self.optimizer._layout.get("state_store") is self:
-                del self.optimizer._layout["state_store"]
+        self.keeper.close()
 
 
 def last_complete_checkpoint(output_dir):
@@ -192,44 +122,17 @@ def last_complete_checkpoint(output_dir):
     is committed in its store. What to pass to trainer.train(resume_from_checkpoint=...) after
     a run that may have been killed during a save."""
     import torch
-    if not os.path.isdir(output_dir):
-        return None
-    found = []
-    for name in os.listdir(output_dir):
-        m = _FOLDER.match(name)
-        if m and os.path.isdir(os.path.join(output_dir, name)):
-            found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    for _, folder in sorted(found, reverse=True):
-        if not os.path.isfile(os.path.join(folder, _TRAINER_STATE)):
-            continue
+    for step in sorted(_folder_steps(output_dir), reverse=True):
+        folder = os.path.join(output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{step}")
         optimizer = os.path.join(folder, _OPTIMIZER)
-        if not os.path.isfile(optimizer):
+        if not os.path.isfile(os.path.join(folder, _TRAINER_STATE)) or \
+                not os.path.isfile(optimizer):
             continue
         try:
             saved = torch.load(optimizer, map_location="cpu", weights_only=True)
         except Exception:  # A torn file: this folder is not complete.
             continue
         ref = saved.get("ckpt") if isinstance(saved, dict) else None
-        if ref is None or _step_committed(ref.get("root"), ref.get("step")):
+        if ref is None or step_committed(ref.get("root"), ref.get("step")):
             return folder
     return None
-
-
-def _step_committed(root, step):
-    """Whether `step` is a committed step of the ckpt store at `root` (read without a lock)."""
-    from .. import _lib
-    if not isinstance(root, str) or not isinstance(step, int) or not os.path.isdir(root):
-        return False
-    import ctypes
-    options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), 0, 1, 0, 0, 0)
-    handle = ctypes.c_void_p()
-    if _lib.lib.ckpt_store_open_with(_lib.encode_path(root, "root"), ctypes.byref(options),
-                                     ctypes.byref(handle)) != _lib.OK:
-        return False
-    try:
-        has, latest = ctypes.c_int(), ctypes.c_uint64()
-        _lib.check(_lib.lib.ckpt_store_latest(handle, ctypes.byref(has), ctypes.byref(latest)))
-    finally:
-        _lib.lib.ckpt_store_close(handle)
-    return bool(has.value) and step <= latest.value and os.path.isdir(
-        os.path.join(root, f"step-{step:08d}"))
