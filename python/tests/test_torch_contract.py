@@ -211,7 +211,7 @@ def test_amsgrad_per_group_and_its_refusals():
     assert_close(ours, ref)
     assert "max_exp_avg_sq" in opt.state[ours.fc1.bias]
     assert "max_exp_avg_sq" not in opt.state[ours.fc1.weight]
-    assert torch.equal(opt.max_exp_avg_sq(ours.fc1.weight), torch.zeros_like(ours.fc1.weight))
+    assert torch.equal(opt.max_exp_avg_sq(ours.fc1.weight), torch.zeros(ours.fc1.weight.shape))
     # An optimizer built without amsgrad keeps no maximum: turning it on later is refused by
     # name at the next step, and so is a state dict of amsgrad groups, with nothing changed.
     plain_model, _ = pair()
