@@ -148,7 +148,7 @@ class StagedAdamW(torch.optim.Optimizer):
       the updated parameters; with reduce_grads the gradients are first averaged over the
       group in FP32 (leave it off when DDP already averaged them).
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
-    (they choose torch's implementation), maximize (every group alike), amsgrad (per group;
+    (they choose torch's implementation), maximize (per group), amsgrad (per group;
     ckpt keeps max_exp_avg_sq once some group of the constructor or of add_param_group has
     it), and differentiable at its default (False); lr may be a tensor. As in torch, a
     parameter whose
@@ -342,11 +342,15 @@ class StagedAdamW(torch.optim.Optimizer):
         _check_implementation_choices(g)
 
     def _grad_scale(self):
-        """maximize: the gradients negated, as torch does; every group alike for now."""
-        signs = {bool(g.get("maximize", False)) for g in self.param_groups}
-        if len(signs) > 1:
-            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
-        return -1.0 if signs.pop() else 1.0
+        """maximize, per group as torch: the gradients negated (exactly). Returns the step's
+        gradient scale and the indices of the parameters whose gradients are negated one by
+        one: every group alike is a scale of -1 (no copy); a mix negates the maximizing groups'
+        gradients into copies."""
+        signs = [bool(g.get("maximize", False)) for g in self.param_groups]
+        if all(signs) or not any(signs):
+            return (-1.0 if signs[0] else 1.0), frozenset()
+        flip = {id(p) for g, s in zip(self.param_groups, signs) if s for p in g["params"]}
+        return 1.0, frozenset(i for i, p in enumerate(self._params) if id(p) in flip)
 
     @staticmethod
     def _group(g):
@@ -450,7 +454,7 @@ class StagedAdamW(torch.optim.Optimizer):
             self._refresh_edited()  # Nothing steps, but an edit is seen now, not later.
             return loss
         handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
-        scale = self._grad_scale()
+        scale, flip = self._grad_scale()
         self._cache.clear()
         self._layout.pop("consolidated", None)
         stream = None
@@ -468,13 +472,17 @@ class StagedAdamW(torch.optim.Optimizer):
             grads, params = [], []
             want = self._grad_dtype
             device = self._device
-            for p, g, ptr, home in zip(self._params, grad_of, self._seen, self._devices):
+            for i, (p, g, ptr, home) in enumerate(zip(self._params, grad_of, self._seen,
+                                                       self._devices)):
                 if g is None:
                     grads.append(None)
                     params.append(None)
                     continue
                 if g.dtype is not want or not g.is_contiguous() or home != device:
                     g = g.to(device=device, dtype=want).contiguous()
+                    keep.append(g)
+                if i in flip:  # maximize in this parameter's group only: a negated copy.
+                    g = g.neg()
                     keep.append(g)
                 grads.append(g.data_ptr())
                 if home != device or not p.is_contiguous():
@@ -502,6 +510,9 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._reduce_grads:
             dist.all_reduce(self._grads, group=self._group_handle)
             self._grads.div_(dist.get_world_size(self._group_handle))
+        for i in flip:  # maximize in this parameter's group only.
+            o, count = self._slices[i]
+            self._grads[o:o + count].neg_()
         self._gather(self._grads, self._local_grads)
         gsize, psize = self._local_grads.element_size(), self._local_params.element_size()
         gbase, pbase = self._local_grads.data_ptr(), self._local_params.data_ptr()
@@ -983,8 +994,6 @@ class StagedAdamW(torch.optim.Optimizer):
             group = {**ours, **{k: val for k, val in theirs.items() if k != "params"}}
             self._check_group(group)
             new_groups.append(group)
-        if len({bool(g.get("maximize", False)) for g in new_groups}) > 1:
-            raise NotImplementedError("StagedAdamW needs maximize alike in every param group")
         if not self._max_slab and any(g.get("amsgrad") for g in new_groups):
             raise ValueError("the state dict's param groups use amsgrad, and this optimizer keeps "
                              "no max_exp_avg_sq: build it with amsgrad=True in those groups")

@@ -1,5 +1,5 @@
 """One rank of the sharded state dict test (test_distributed.py): a data-parallel StagedAdamW
-with amsgrad over gloo follows torch's sharded-optimizer convention. Usage:
+with amsgrad (and maximize in one group) over gloo follows torch's sharded-optimizer convention. Usage:
     dp_state_dict_worker.py RANK WORLD INIT_FILE OUT_DIR
 Writes OUT_DIR/full.pt (rank 0's consolidated state dict) and OUT_DIR/shard-RANK.pt; asserts
 the rest itself (a failed assertion is a non-zero exit, which the test reports)."""
@@ -38,7 +38,9 @@ def main():
                             timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = TinyGPT()
-    opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, betas=(0.9, 0.95), amsgrad=True,
+    param_groups = groups(model)
+    param_groups[1]["maximize"] = True  # Per group: the norms and biases ascend.
+    opt = ckpt.torch.StagedAdamW(param_groups, lr=3e-3, betas=(0.9, 0.95), amsgrad=True,
                                  process_group=dist.group.WORLD, bucket_elems=5000, threads=1)
     train(model, opt, 1, 3, rank, world)
 

@@ -73,7 +73,9 @@ def test_sharded_state_dicts_follow_torchs_convention(tmp_path):
     full = torch.load(tmp_path / "full.pt")
     torch.manual_seed(0)
     model = TinyGPT()
-    opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, betas=(0.9, 0.95), amsgrad=True,
+    param_groups = groups(model)
+    param_groups[1]["maximize"] = True
+    opt = ckpt.torch.StagedAdamW(param_groups, lr=3e-3, betas=(0.9, 0.95), amsgrad=True,
                                  threads=1)
     for step in range(1, 4):
         opt.zero_grad()
@@ -87,5 +89,7 @@ def test_sharded_state_dicts_follow_torchs_convention(tmp_path):
         for key, t in entry.items():
             assert relative(full["state"][i][key], t) <= 2e-6, f"{key} of {i}"
     # The consolidated dict is torch's format: torch AdamW takes it.
-    ref = torch.optim.AdamW(torch_groups(TinyGPT()), amsgrad=True)
+    rgroups = torch_groups(TinyGPT())
+    rgroups[1]["maximize"] = True
+    ref = torch.optim.AdamW(rgroups, amsgrad=True)
     ref.load_state_dict(full)
