@@ -17,7 +17,12 @@ import ckpt.torch  # noqa: E402
 from ckpt.integrations.transformers import CkptCallback, last_complete_checkpoint  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LLAMA = os.path.join(REPO, "..", "shared", "testdata", "hf_tiny_models", "llama-tied-tiny")
+# The testdata beside the clone, or where CKPT_HF_TESTDATA says (the GPU host has a copy).
+LLAMA = os.path.join(os.environ.get("CKPT_HF_TESTDATA") or
+                     os.path.join(REPO, "..", "shared", "testdata", "hf_tiny_models"),
+                     "llama-tied-tiny")
+# CKPT_TEST_DEVICE=cuda (GPU host): the model on the GPU, StagedAdamW's CUDA engine.
+DEVICE = os.environ.get("CKPT_TEST_DEVICE", "cpu")
 MAX_STEPS = 6
 
 
@@ -60,6 +65,7 @@ def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume
     the parameters, the optimizer and the callback."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(LLAMA, dtype=torch.bfloat16)
+    model.to(DEVICE)  # Before the optimizer: it keeps the parameters where they are.
     if halve:
         with torch.no_grad():  # Weights the resume must replace.
             for p in model.parameters():
@@ -68,7 +74,8 @@ def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        max_steps=MAX_STEPS, save_steps=2, save_total_limit=limit, report_to=[], use_cpu=True,
+        max_steps=MAX_STEPS, save_steps=2, save_total_limit=limit, report_to=[],
+        use_cpu=DEVICE == "cpu",
         seed=0, data_seed=0, disable_tqdm=True)
     keeper = CkptCallback(opt, root)
     callbacks = [keeper]

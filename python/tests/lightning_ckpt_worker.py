@@ -20,6 +20,8 @@ import ckpt.torch  # noqa: E402
 from ckpt.integrations.lightning import CkptCallback  # noqa: E402
 
 MAX_STEPS = 8
+# CKPT_TEST_DEVICE=cuda (GPU host): Lightning on the GPU, StagedAdamW's CUDA engine.
+ACCELERATOR = "gpu" if os.environ.get("CKPT_TEST_DEVICE") == "cuda" else "cpu"
 
 
 def data():
@@ -54,9 +56,19 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Capture(L.Callback):
+    """The parameters and masters as fitting ends (before Lightning's teardown moves a GPU
+    module back to the CPU, which the optimizer would then refuse to read)."""
+
+    def on_fit_end(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.weights = [p.detach().cpu().clone() for p in pl_module.parameters()]
+        self.masters = [opt.master(p) for p in opt._params]
+
+
 def fit(dirpath, root, ckpt_path=None, kill_at=None):
     """Fits to MAX_STEPS with a checkpoint every 2 steps (the newest 3 kept); returns the
-    parameters, the optimizer and the callback."""
+    parameters and masters as fitting ended, and the callback."""
     module = Module()
     if ckpt_path is not None:
         with torch.no_grad():  # Weights the resume must replace.
@@ -65,12 +77,13 @@ def fit(dirpath, root, ckpt_path=None, kill_at=None):
     keeper = CkptCallback(root)
     saver = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=str(dirpath), every_n_train_steps=2, save_top_k=3, monitor="step", mode="max")
-    callbacks = [saver, keeper] + ([KillAt(kill_at, keeper.keeper)] if kill_at else [])
-    trainer = L.Trainer(max_steps=MAX_STEPS, accelerator="cpu", logger=False,
+    capture = Capture()
+    callbacks = [saver, keeper, capture] + ([KillAt(kill_at, keeper.keeper)] if kill_at else [])
+    trainer = L.Trainer(max_steps=MAX_STEPS, accelerator=ACCELERATOR, devices=1, logger=False,
                         callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(dirpath))
     trainer.fit(module, data(), ckpt_path=ckpt_path)
-    return [p.detach().clone() for p in module.parameters()], trainer.optimizers[0], keeper
+    return capture.weights, capture.masters, keeper
 
 
 if __name__ == "__main__":
@@ -80,6 +93,6 @@ if __name__ == "__main__":
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--resume")
     a = parser.parse_args()
-    weights, opt, keeper = fit(a.dirpath, a.root, a.resume, a.kill_at)
+    weights, _, keeper = fit(a.dirpath, a.root, a.resume, a.kill_at)
     keeper.keeper.close()
     torch.save(weights, os.path.join(a.dirpath, "final-weights.pt"))

@@ -25,7 +25,10 @@ import torch
 import ckpt.torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LLAMA = os.path.join(REPO, "..", "shared", "testdata", "hf_tiny_models", "llama-tied-tiny")
+# The testdata beside the clone, or where CKPT_HF_TESTDATA says (the GPU host has a copy).
+LLAMA = os.path.join(os.environ.get("CKPT_HF_TESTDATA") or
+                     os.path.join(REPO, "..", "shared", "testdata", "hf_tiny_models"),
+                     "llama-tied-tiny")
 
 
 def llama_path():
