@@ -57,10 +57,11 @@ class KillAt(L.Callback):
 
 
 class Capture(L.Callback):
-    """The parameters and masters as fitting ends (before Lightning's teardown moves a GPU
-    module back to the CPU, which the optimizer would then refuse to read)."""
+    """The parameters and masters as training ends (before Lightning's teardown, which comes
+    before on_fit_end, moves a GPU module back to the CPU, where the optimizer would refuse to
+    read it)."""
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module):
         opt = trainer.optimizers[0]
         self.weights = [p.detach().cpu().clone() for p in pl_module.parameters()]
         self.masters = [opt.master(p) for p in opt._params]
