@@ -1,9 +1,12 @@
 """A HF Trainer run of the tiny transformers-written Llama (BF16, tied embeddings, gradient
 accumulation) whose StagedAdamW is kept in a ckpt store by ckpt.integrations.transformers: what
 test_integration_transformers.py runs in its own process and in a child it kills. Usage:
-    hf_ckpt_worker.py OUTPUT_DIR ROOT [--stop-at N] [--kill-at N] [--resume]
+    hf_ckpt_worker.py OUTPUT_DIR ROOT [--stop-at N] [--kill-at N] [--resume | --resume-from DIR]
+                      [--sharded]
 --kill-at N: SIGKILL this process in on_save at step N, once the callback has begun the async
-save of step N (before it commits). Prints nothing; the test compares the weights it dumps."""
+save of step N (before it commits). Launched by torchrun (RANK set), each process is a rank of a
+DDP job over gloo; --sharded shards the optimizer over it (process_group). Prints nothing; the
+test compares the weights it dumps (final-weights.pt, or final-weights-RANK.pt)."""
 import argparse
 import os
 import signal
@@ -60,7 +63,7 @@ class KillAt(transformers.TrainerCallback):
 
 
 def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume_from=None,
-        limit=2):
+        limit=2, process_group=None):
     """Trains to MAX_STEPS (or stop_at), checkpointing every 2 steps (2 folders kept); returns
     the parameters, the optimizer and the callback."""
     torch.manual_seed(0)
@@ -70,7 +73,10 @@ def run(out, root, stop_at=None, kill_at=None, resume=False, halve=False, resume
         with torch.no_grad():  # Weights the resume must replace.
             for p in model.parameters():
                 p.mul_(0.5)
-    opt = ckpt.torch.StagedAdamW(model.named_parameters(), lr=1e-3, weight_decay=0.1)
+    # With a process group (a DDP job), the state is sharded over the ranks; DDP has averaged
+    # the gradients already.
+    opt = ckpt.torch.StagedAdamW(model.named_parameters(), lr=1e-3, weight_decay=0.1,
+                                 process_group=process_group, reduce_grads=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -99,7 +105,23 @@ if __name__ == "__main__":
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume-from")
+    parser.add_argument("--sharded", action="store_true")
     a = parser.parse_args()
-    weights, opt, keeper = run(a.out, a.root, a.stop_at, a.kill_at, a.resume, halve=a.resume)
+    group, name = None, "final-weights.pt"
+    if "RANK" in os.environ:  # A rank of a torchrun job.
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        name = f"final-weights-{dist.get_rank()}.pt"
+        if a.sharded:
+            group = dist.group.WORLD
+    resuming = a.resume or a.resume_from is not None
+    weights, opt, keeper = run(a.out, a.root, a.stop_at, a.kill_at, a.resume, halve=resuming,
+                               resume_from=a.resume_from, process_group=group)
     keeper.close()
-    torch.save(weights, os.path.join(a.out, "final-weights.pt"))
+    torch.save({n: t.cpu() for n, t in weights.items()}, os.path.join(a.out, name))
+    opt.close()
+    # As dp_worker.py: not the interpreter's own exit (pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

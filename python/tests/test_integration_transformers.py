@@ -146,3 +146,27 @@ def test_configurations_that_could_lose_the_last_complete_folder_are_refused(tmp
     with pytest.raises(ValueError, match="already holds steps"):
         worker.run(tmp_path / "out2", tmp_path / "used")
     gc.collect()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_a_ddp_job_of_two_processes_saves_and_resumes_bit_for_bit(tmp_path, sharded):
+    # torchrun, 2 processes, gloo. Replicated: each rank holds the whole state, rank 0 saves, the
+    # other loads through a read-only handle. Sharded (process_group): every rank saves its
+    # pieces, collectively. The resume from checkpoint-4 (LATEST 6 adopted back) ends where the
+    # uninterrupted job ends, on both ranks.
+    out, root = tmp_path / "out", tmp_path / "root"
+    def launch(*extra):
+        job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node=2", WORKER, str(out), str(root), *extra,
+                              *(["--sharded"] if sharded else [])],
+                             capture_output=True, text=True, timeout=600)
+        assert job.returncode == 0, job.stdout + job.stderr
+        return [torch.load(out / f"final-weights-{r}.pt") for r in range(2)]
+    full = launch()
+    assert all(torch.equal(full[0][n], full[1][n]) for n in full[0]), "the ranks disagree"
+    assert store_steps(root) == [4, 6]
+    resumed = launch("--resume-from", str(out / "checkpoint-4"))
+    for r in range(2):
+        for n, p in full[r].items():
+            assert torch.equal(resumed[r][n], p), (r, n)
+    assert store_steps(root) == [4, 6]
