@@ -93,7 +93,10 @@ class _StateView:
         opt = self._optimizer()
         if not any(param is p for p in opt._params):
             raise KeyError("not a parameter of this optimizer")
-        return self._state().get(id(param), {})
+        # A dict of its own: what a caller puts in it (Lightning's _optimizer_to_device moves
+        # each entry to the GPU by assigning into it) neither changes the next read nor stays
+        # alive in the cache (a GPU copy of the whole state would).
+        return dict(self._state().get(id(param), {}))
 
     def __contains__(self, param):
         return id(param) in self._state()

@@ -279,6 +279,11 @@ def test_optimizer_state_reads_as_torchs():
     assert not fresh.state and len(fresh.state) == 0  # No state before the first step.
     with pytest.raises(TypeError, match="load_state_dict"):
         opt.state[next(ours.parameters())] = {}
+    # What a caller assigns into an entry (Lightning moves each to the GPU so) is its own copy.
+    p = next(ours.parameters())
+    entry = opt.state[p]
+    entry["exp_avg"] = torch.zeros(1)
+    assert opt.state[p]["exp_avg"].shape == p.shape
 
 
 def round_trip(state_dict):
