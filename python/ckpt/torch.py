@@ -115,10 +115,10 @@ class _StateView:
         return list(iter(self))
 
     def values(self):
-        return [self[p] for p in self]
+        return (self[p] for p in self)  # One entry at a time (see __getitem__).
 
     def items(self):
-        return [(p, self[p]) for p in self]
+        return ((p, self[p]) for p in self)
 
     def get(self, param, default=None):
         return self[param] if param in self else default
@@ -855,8 +855,8 @@ class StagedAdamW(torch.optim.Optimizer):
         collective; rank `to` of the process group then holds the whole state, which its
         state_dict() returns without a collective until the next step or load. Without a
         process group it does nothing (every state_dict() is whole)."""
-        if self._owned is None:
-            return
+        if self._owned is None or self._layout.get("state_store") is not None:
+            return  # Whole already, or a reference (a trainer integration's): nothing to gather.
         import torch.distributed as dist
         self._push_groups()
         state = self._whole_state()

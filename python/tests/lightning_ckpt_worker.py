@@ -67,7 +67,7 @@ class Capture(L.Callback):
         self.masters = [opt.master(p) for p in opt._params]
 
 
-def fit(dirpath, root, ckpt_path=None, kill_at=None):
+def fit(dirpath, root, ckpt_path=None, kill_at=None, save_last=False, top_k=3):
     """Fits to MAX_STEPS with a checkpoint every 2 steps (the newest 3 kept); returns the
     parameters and masters as fitting ended, and the callback."""
     module = Module()
@@ -77,7 +77,8 @@ def fit(dirpath, root, ckpt_path=None, kill_at=None):
                 p.mul_(0.5)
     keeper = CkptCallback(root)
     saver = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=str(dirpath), every_n_train_steps=2, save_top_k=3, monitor="step", mode="max")
+        dirpath=str(dirpath), every_n_train_steps=2, save_top_k=top_k, monitor="step", mode="max",
+        save_last=save_last)
     capture = Capture()
     callbacks = [saver, keeper, capture] + ([KillAt(kill_at, keeper.keeper)] if kill_at else [])
     trainer = L.Trainer(max_steps=MAX_STEPS, accelerator=ACCELERATOR, devices=1, logger=False,

@@ -94,3 +94,19 @@ def test_an_incomplete_file_is_refused_naming_why(tmp_path):
     assert killed.returncode == -9, killed.stdout + killed.stderr
     with pytest.raises(ckpt.CkptError, match="never committed"):
         worker.fit(tmp_path / "again", root, ckpt_path=str(dirpath / "epoch=1-step=6.ckpt"))
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_save_last_files_name_the_steps_the_store_keeps(tmp_path, uninterrupted, top_k):
+    # last.ckpt is a second file of the same step (no second save); save_top_k=1 saves
+    # synchronously (the previous file goes right after the new one is written). Either way
+    # the store keeps exactly the steps the remaining files name.
+    want, _, _ = uninterrupted
+    dirpath, root = tmp_path / "ckpts", tmp_path / "root"
+    got, _, keeper = worker.fit(dirpath, root, save_last=True, top_k=top_k)
+    keeper.keeper.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert "last.ckpt" in files(dirpath)
+    named = {torch.load(dirpath / f, weights_only=True)["optimizer_states"][0]["ckpt"]["step"]
+             for f in files(dirpath)}
+    assert store_steps(root) == sorted(named) == ([8] if top_k == 1 else [6, 8])

@@ -130,21 +130,24 @@ def test_a_reference_without_its_integration_is_refused_by_name(uninterrupted):
         opt.load_state_dict(ref)
 
 
-def test_configurations_that_could_lose_the_last_complete_folder_are_refused(tmp_path):
+def test_save_total_limit_1_is_refused_as_it_could_lose_the_last_complete_folder(tmp_path):
     import gc
-    # save_total_limit=1: Trainer deletes the last complete folder before the new one's
-    # optimizer state could be committed.
+    # Trainer would delete the last complete folder before the new one's optimizer state could
+    # be committed.
     with pytest.raises(ValueError, match="save_total_limit of 2 or more"):
         worker.run(tmp_path / "out", tmp_path / "root", limit=1)
     gc.collect()  # The refused run's checkpointer lets go of the root.
-    # A fresh run into a store that already holds another run's steps.
+
+
+def test_a_fresh_run_into_a_store_holding_another_runs_steps_is_refused(tmp_path):
+    import gc
     import ckpt.torch
     opt = ckpt.torch.StagedAdamW(torch.nn.Linear(2, 2).parameters())
     ck = ckpt.Checkpointer(tmp_path / "used", opt)
     ck.save(3)
     ck.close()
     with pytest.raises(ValueError, match="already holds steps"):
-        worker.run(tmp_path / "out2", tmp_path / "used")
+        worker.run(tmp_path / "out", tmp_path / "used")
     gc.collect()
 
 

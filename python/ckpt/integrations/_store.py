@@ -53,11 +53,14 @@ class StoreKeeper:
         self._current_step = lambda: 0
         self._checkpointer = None
         self._saved = None  # The step saved last (committed or in flight).
+        self._mine = set()  # The steps this keeper saved.
+        self.loaded = None  # The step a reference was last loaded from (a resume's source).
         # Names this keeper's references in this process: one handed back unchanged (accelerate
         # round-trips state_dict() through load_state_dict() to place it on the device) is the
         # state the optimizer holds, with nothing to load.
         self._token = os.urandom(8).hex()
         self.files = {}  # A trainer's checkpoint files and the step each names (Lightning).
+        self.known_steps = set()  # Every step a file seen so far named.
         self.dropped = False  # A file was removed since the last save.
         self._writes = True
 
@@ -69,6 +72,17 @@ class StoreKeeper:
         other = optimizer._layout.get("state_store")
         if other is not None and other is not self:
             raise ValueError("the optimizer already has a ckpt integration attached")
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            # Another fit with a new optimizer: the Checkpointer and the references were the
+            # old one's.
+            self.finalize()
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+                self._checkpointer = None
+            if self.optimizer._layout.get("state_store") is self:
+                del self.optimizer._layout["state_store"]
+            self._saved = None
+            self._token = os.urandom(8).hex()
         self.optimizer, self._current_step = optimizer, current_step
         # Whole state on every rank (no process_group): rank 0 alone writes; the others read.
         self._writes = optimizer._group_handle is not None or _rank() == 0
@@ -84,24 +98,39 @@ class StoreKeeper:
     def load_reference(self, optimizer, state_dict):
         ref = state_dict["ckpt"]
         step = ref.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
-        if ref.get("token") == self._token and step == self._current_step():
-            return  # Our own reference of the state as it is (no step since): nothing to load.
-        saved_in = ref.get("root")
-        if isinstance(saved_in, str) and os.path.isdir(saved_in) and \
-                os.path.realpath(saved_in) != os.path.realpath(self.root):
-            raise ValueError(f"the checkpoint refers to step {step} of the ckpt store {saved_in}, "
-                             f"and this integration keeps {self.root}: give it the store the "
-                             "checkpoint was saved in (a store moved elsewhere is taken where "
-                             "it is given)")
+        sharded = optimizer._group_handle is not None
+        # Our own reference of the state as it is (no step since): nothing to load. With a
+        # sharded optimizer every rank must decide alike (the load is collective).
+        skip = ref.get("token") == self._token and step == self._current_step()
+        if sharded:
+            skip = not optimizer._any_rank(not skip)
+        if skip:
+            return
+        error = None
+        try:
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
+            saved_in = ref.get("root")
+            if isinstance(saved_in, str) and os.path.isdir(saved_in) and \
+                    os.path.realpath(saved_in) != os.path.realpath(self.root):
+                raise ValueError(f"the checkpoint refers to step {step} of the ckpt store "
+                                 f"{saved_in}, and this integration keeps {self.root}: give it "
+                                 "the store the checkpoint was saved in (a store moved "
+                                 "elsewhere is taken where it is given)")
+            if not self.committed(step):
+                raise CkptError(5, f"step {step} of the ckpt store {self.root} was never "
+                                   "committed (the run stopped during its async save): resume "
+                                   "from the integration's last_complete_checkpoint(...), the "
+                                   "newest checkpoint whose optimizer step is")
+        except Exception as e:  # Every rank refuses if any does (the load is collective).
+            error = e
+        if sharded and optimizer._any_rank(error is not None) and error is None:
+            error = ValueError("another rank refused the ckpt reference; nothing was loaded")
+        if error is not None:
+            raise error
         ck = self.checkpointer()
-        if not self.committed(step):
-            raise CkptError(5, f"step {step} of the ckpt store {self.root} was never committed "
-                               "(the run stopped during its async save): resume from the "
-                               "integration's last_complete_checkpoint(...), the newest "
-                               "checkpoint whose optimizer step is")
         ck.load(step)
+        self.loaded = step
         self._saved = step
         if self._writes and ck.latest is not None and step < ck.latest:
             ck.adopt(step)  # The run goes on from here: its next saves must be accepted.
@@ -123,22 +152,57 @@ class StoreKeeper:
         return latest is not None and step <= latest and os.path.isdir(
             os.path.join(self.root, f"step-{step:08d}"))
 
-    def save(self, step, keep=None, sync=False):
-        """Collective on a sharded optimizer. Finalizes the save in flight, retires the
-        committed steps not in `keep` (None: none), and begins the save of `step` (async unless
-        async_save=False or `sync`); nothing when `step` is the one saved last."""
+    def note_file(self, path, step):
+        """A checkpoint file of the trainer's, and the step it names."""
+        self.files[path] = step
+        self.known_steps.add(step)
+
+    def saved_steps(self):
+        """The steps this keeper saved in this process."""
+        return set(self._mine)
+
+    @property
+    def saved_step(self):
+        """The step saved last (committed or in flight), or None."""
+        return self._saved
+
+    def save(self, step, referenced=None, retirable=None, sync=False):
+        """Collective on a sharded optimizer. Finalizes the save in flight, retires what
+        retire_unreferenced(referenced, retirable) does (referenced None: nothing), and begins
+        the save of `step` (async unless async_save=False or `sync`); nothing when `step` is the
+        one saved last."""
         if not self._writes or step == self._saved:
             return
         ck = self.checkpointer()
         if ck.pending is not None:
             ck.pending.finalize()
-        if keep is not None:
-            ck.keep_only(set(keep) | {step})
+        if referenced is not None:
+            self.retire_unreferenced(referenced, retirable)
         if self.async_save and not sync:
             ck.save_async(step)
         else:
             ck.save(step)
         self._saved = step
+        self._mine.add(step)
+
+    def retire_unreferenced(self, referenced, retirable=None):
+        """Retires the committed steps of `retirable` (None: every committed step) that neither
+        `referenced` (the steps the trainer's checkpoints name) nor the resume's source names
+        (unless a checkpoint the trainer integration has seen named it: then it goes with that
+        checkpoint, like any other). REQUIRES: no save in flight."""
+        ck = self._checkpointer
+        if ck is None:
+            return
+        latest = ck.latest
+        committed = {int(n[5:]) for n in os.listdir(self.root)
+                     if n.startswith("step-") and n[5:].isdigit()}
+        committed = {s for s in committed if latest is not None and s <= latest}
+        keep = set(referenced)
+        if self.loaded is not None and self.loaded not in self.known_steps:
+            keep.add(self.loaded)  # Resumed from a checkpoint elsewhere: not ours to judge.
+        doomed = (committed if retirable is None else committed & set(retirable)) - keep
+        if doomed:
+            ck.keep_only(committed - doomed)
 
     def writes(self):
         """This rank saves (every rank of a sharded optimizer; rank 0 otherwise)."""
@@ -147,12 +211,6 @@ class StoreKeeper:
     def idle(self):
         """This rank writes and no save is in flight."""
         return self._writes and (self._checkpointer is None or self._checkpointer.pending is None)
-
-    def keep_only(self, steps):
-        """Retires the committed steps not in `steps` (see Checkpointer.keep_only). REQUIRES:
-        idle() (then no collective is needed: only rank 0 removes)."""
-        if self._checkpointer is not None:
-            self._checkpointer.keep_only(steps)
 
     def finalize_if_written(self):
         """Commits the save in flight if its writer is done (cheap then). With a sharded

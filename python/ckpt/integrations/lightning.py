@@ -51,13 +51,13 @@ class _CkptIO(CheckpointIO):
         self.base.save_checkpoint(checkpoint, path, storage_options=storage_options)
         step = _reference_step(checkpoint)
         if step is not None:
-            self.keeper.files[os.path.abspath(os.fspath(path))] = step
+            self.keeper.note_file(os.path.abspath(os.fspath(path)), step)
 
     def load_checkpoint(self, path, *args, **kwargs):
         checkpoint = self.base.load_checkpoint(path, *args, **kwargs)
         step = _reference_step(checkpoint)
         if step is not None:
-            self.keeper.files[os.path.abspath(os.fspath(path))] = step
+            self.keeper.note_file(os.path.abspath(os.fspath(path)), step)
         return checkpoint
 
     def remove_checkpoint(self, path):
@@ -65,7 +65,7 @@ class _CkptIO(CheckpointIO):
         if path not in self.keeper.files and os.path.isfile(path):
             step = _file_step(path)  # A file of an earlier run: which step it named.
             if step is not None:
-                self.keeper.files[path] = step
+                self.keeper.note_file(path, step)
         self.base.remove_checkpoint(path)
         self.keeper.files.pop(path, None)
         self.keeper.dropped = True
@@ -112,7 +112,7 @@ class CkptCallback(pl.Callback):
                 if path not in self.keeper.files:
                     step = _file_step(path)
                     if step is not None:
-                        self.keeper.files[path] = step
+                        self.keeper.note_file(path, step)
         staged = [o for o in trainer.optimizers if hasattr(o, "_layout")]
         if len(staged) != 1:
             raise ValueError(f"ckpt's Lightning CkptCallback keeps one ckpt.torch.StagedAdamW; "
@@ -120,15 +120,18 @@ class CkptCallback(pl.Callback):
         self.keeper.attach(staged[0], lambda: self._trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        if self.keeper.optimizer is None:
-            return
+        if self.keeper.optimizer is None or trainer.global_step == self.keeper.saved_step:
+            return  # save_last's second file of the step names the same ckpt step.
         retire = self.keeper.dropped
         self.keeper.dropped = False
         # A ModelCheckpoint that keeps one file (or none) removes the previous file right after
-        # writing this one: the step must be committed by then, so the save is synchronous.
-        sync = any(getattr(cb, "save_top_k", -1) in (0, 1) for cb in trainer.checkpoint_callbacks)
+        # writing this one, and trainer.save_checkpoint without one may overwrite the only file:
+        # the step must be committed by then, so the save is synchronous.
+        callbacks = trainer.checkpoint_callbacks
+        sync = not callbacks or any(getattr(cb, "save_top_k", -1) in (0, 1) for cb in callbacks)
         self.keeper.save(trainer.global_step,
-                         keep=set(self.keeper.files.values()) if retire else None, sync=sync)
+                         referenced=set(self.keeper.files.values()) if retire else None,
+                         retirable=self._retirable(), sync=sync)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.keeper.finalize_if_written()
@@ -146,7 +149,12 @@ class CkptCallback(pl.Callback):
         flight, the steps no file names any more go (rank 0, which writes the files, knows)."""
         if self.keeper.dropped and self.keeper.idle():
             self.keeper.dropped = False
-            self.keeper.keep_only(set(self.keeper.files.values()))
+            self.keeper.retire_unreferenced(set(self.keeper.files.values()), self._retirable())
+
+    def _retirable(self):
+        """The steps this callback may retire: those it saved, and those of files it has seen
+        (a file elsewhere, of an earlier run in another directory, is not its to judge)."""
+        return self.keeper.saved_steps() | self.keeper.known_steps
 
 
 def _checkpoint_files(dirpath):

@@ -78,6 +78,7 @@ class CkptCallback(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._step = state.global_step
+        self.keeper.known_steps |= set(_folder_steps(args.output_dir))
         if args.save_total_limit == 1:
             # Trainer removes the previous folder before on_save can begin (let alone commit)
             # the optimizer's save: for that while, no folder could be resumed.
@@ -105,7 +106,18 @@ class CkptCallback(transformers.TrainerCallback):
         self._step = state.global_step
         # The steps the checkpoint folders name after Trainer's rotation (this one's included):
         # every other committed step goes.
-        self.keeper.save(state.global_step, keep=_folder_steps(args.output_dir))
+        folders = _folder_steps(args.output_dir)
+        self.keeper.known_steps |= set(folders)
+        self.keeper.save(state.global_step, referenced=folders)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save:  # save_strategy="epoch" decides here, after on_step_end.
+            self.keeper.finalize()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        # save_strategy="best" decides after evaluating: the previous save must be committed
+        # before a save (and its rotation) may follow.
+        self.keeper.finalize()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.keeper.finalize()
