@@ -127,6 +127,18 @@ std::string Build() {
   CKPT_FUNC(ckpt_blobs_count);
   CKPT_FUNC(ckpt_blobs_get);
   CKPT_FUNC(ckpt_blobs_free);
+  CKPT_FUNC(ckpt_save_begin);
+  CKPT_FUNC(ckpt_save_declare);
+  CKPT_FUNC(ckpt_save_write);
+  CKPT_FUNC(ckpt_save_write_blob);
+  CKPT_FUNC(ckpt_save_commit);
+  CKPT_FUNC(ckpt_save_abort);
+  CKPT_FUNC(ckpt_save_destroy);
+  CKPT_FUNC(ckpt_reader_open);
+  CKPT_FUNC(ckpt_reader_close);
+  CKPT_FUNC(ckpt_reader_tensor);
+  CKPT_FUNC(ckpt_reader_read);
+  CKPT_FUNC(ckpt_reader_blob);
 #undef CKPT_FUNC
 #define CKPT_CONST(c) absl::StrAppend(&out, "const " #c " ", static_cast<long long>(c), "\n")
   CKPT_CONST(CKPT_ABI_VERSION);
@@ -149,6 +161,13 @@ std::string Build() {
   CKPT_CONST(CKPT_F32);
   CKPT_CONST(CKPT_BF16);
   CKPT_CONST(CKPT_F16);
+  CKPT_CONST(CKPT_F64);
+  CKPT_CONST(CKPT_I64);
+  CKPT_CONST(CKPT_I32);
+  CKPT_CONST(CKPT_I16);
+  CKPT_CONST(CKPT_I8);
+  CKPT_CONST(CKPT_U8);
+  CKPT_CONST(CKPT_BOOL);
   CKPT_CONST(CKPT_ENGINE_CPU);
   CKPT_CONST(CKPT_ENGINE_CUDA);
   CKPT_CONST(CKPT_MOMENTS_F32);

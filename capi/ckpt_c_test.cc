@@ -55,8 +55,8 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 44);
-  EXPECT_EQ(constants, 30);
+  EXPECT_EQ(functions, 56);
+  EXPECT_EQ(constants, 37);
   EXPECT_EQ(structs, 6);
 }
 
@@ -224,6 +224,81 @@ TEST(CkptCTest, OpenedCheckpointersLeaveTheWeightsToWriteWeights) {
   ckpt_checkpointer_destroy(ck);
   ckpt_store_close(store);
   ckpt_optimizer_destroy(opt);
+}
+
+// ABI 9: a caller's own tensors and blobs saved as one step and read back by range.
+TEST(CkptCTest, StoreTransactionsAndReadersRoundTripTensorsAndBlobs) {
+  ckpt::testing::ScopedTempDir tmp;
+  ckpt_store* store = nullptr;
+  ASSERT_EQ(ckpt_store_open((tmp.path() + "/root").c_str(), 1, 0, &store), CKPT_OK);
+  ckpt_save* save = nullptr;
+  ASSERT_EQ(ckpt_save_begin(store, 5, nullptr, &save), CKPT_OK) << ckpt_last_error();
+  const uint64_t shape[2] = {2, 3};
+  ASSERT_EQ(ckpt_save_declare(save, "ids", CKPT_I64, shape, 2), CKPT_OK) << ckpt_last_error();
+  EXPECT_EQ(ckpt_save_declare(save, "bad", 10, shape, 2), CKPT_INVALID_ARGUMENT);
+  const int64_t ids[6] = {1, -2, 3, -4, 5, -6};
+  EXPECT_EQ(ckpt_save_write(save, "ids", 0, 4, ids, 3 * sizeof(int64_t)), CKPT_INVALID_ARGUMENT);
+  ASSERT_EQ(ckpt_save_write(save, "ids", 0, 4, ids, 4 * sizeof(int64_t)), CKPT_OK);
+  ASSERT_EQ(ckpt_save_write(save, "ids", 4, 2, ids + 4, 2 * sizeof(int64_t)), CKPT_OK);
+  ASSERT_EQ(ckpt_save_write_blob(save, "meta", "hello", 5), CKPT_OK);
+  ASSERT_EQ(ckpt_save_commit(save), CKPT_OK) << ckpt_last_error();
+  ckpt_save_destroy(save);
+  int has = 0;
+  uint64_t latest = 0;
+  ASSERT_EQ(ckpt_store_latest(store, &has, &latest), CKPT_OK);
+  EXPECT_EQ(latest, 5u);
+
+  ckpt_reader* reader = nullptr;
+  ASSERT_EQ(ckpt_reader_open(store, 5, &reader), CKPT_OK) << ckpt_last_error();
+  int dtype = -1;
+  uint64_t dims[4] = {};
+  size_t ndim = 0;
+  ASSERT_EQ(ckpt_reader_tensor(reader, "ids", &dtype, dims, 4, &ndim), CKPT_OK);
+  EXPECT_EQ(dtype, CKPT_I64);
+  ASSERT_EQ(ndim, 2u);
+  EXPECT_EQ(dims[0], 2u);
+  EXPECT_EQ(dims[1], 3u);
+  EXPECT_EQ(ckpt_reader_tensor(reader, "nope", &dtype, dims, 4, &ndim), CKPT_NOT_FOUND);
+  int64_t back[3] = {};
+  ASSERT_EQ(ckpt_reader_read(reader, "ids", 2, 3, back, sizeof(back)), CKPT_OK);  // Two pieces.
+  EXPECT_EQ(back[0], 3);
+  EXPECT_EQ(back[1], -4);
+  EXPECT_EQ(back[2], 5);
+  EXPECT_EQ(ckpt_reader_read(reader, "ids", 4, 3, back, sizeof(back)), CKPT_INVALID_ARGUMENT);
+  EXPECT_EQ(ckpt_reader_read(reader, "ids", 0, 3, back, 2), CKPT_INVALID_ARGUMENT);
+  size_t len = 0;
+  ASSERT_EQ(ckpt_reader_blob(reader, "meta", 0, nullptr, 0, &len), CKPT_OK);
+  ASSERT_EQ(len, 5u);
+  char text[5] = {};
+  ASSERT_EQ(ckpt_reader_blob(reader, "meta", 0, text, sizeof(text), &len), CKPT_OK);
+  EXPECT_EQ(std::string(text, 5), "hello");
+  EXPECT_EQ(ckpt_reader_blob(reader, "meta", 1, text, sizeof(text), &len), CKPT_NOT_FOUND);
+  ckpt_reader_close(reader);
+
+  // A step that is not newer than LATEST is refused; an aborted or abandoned save publishes
+  // nothing and leaves the store ready for the next.
+  EXPECT_EQ(ckpt_save_begin(store, 5, nullptr, &save), CKPT_FAILED_PRECONDITION);
+  ASSERT_EQ(ckpt_save_begin(store, 6, nullptr, &save), CKPT_OK);
+  ASSERT_EQ(ckpt_save_declare(save, "ids", CKPT_I64, shape, 2), CKPT_OK);
+  ASSERT_EQ(ckpt_save_write(save, "ids", 0, 2, ids, 2 * sizeof(int64_t)), CKPT_OK);
+  ASSERT_EQ(ckpt_save_abort(save), CKPT_OK);
+  ckpt_save_destroy(save);
+  ASSERT_EQ(ckpt_save_begin(store, 7, nullptr, &save), CKPT_OK) << ckpt_last_error();
+  ckpt_save_destroy(save);  // Never committed: aborted.
+  ASSERT_EQ(ckpt_store_latest(store, &has, &latest), CKPT_OK);
+  EXPECT_EQ(latest, 5u);
+  EXPECT_EQ(ckpt_reader_open(store, 6, &reader), CKPT_NOT_FOUND);
+
+  // A step whose pieces do not cover a range: reading it is NOT_FOUND, not zeros.
+  ASSERT_EQ(ckpt_save_begin(store, 8, nullptr, &save), CKPT_OK);
+  ASSERT_EQ(ckpt_save_declare(save, "ids", CKPT_I64, shape, 2), CKPT_OK);
+  ASSERT_EQ(ckpt_save_write(save, "ids", 0, 2, ids, 2 * sizeof(int64_t)), CKPT_OK);
+  ASSERT_EQ(ckpt_save_commit(save), CKPT_OK) << ckpt_last_error();
+  ckpt_save_destroy(save);
+  ASSERT_EQ(ckpt_reader_open(store, 8, &reader), CKPT_OK);
+  EXPECT_EQ(ckpt_reader_read(reader, "ids", 0, 3, back, sizeof(back)), CKPT_NOT_FOUND);
+  ckpt_reader_close(reader);
+  ckpt_store_close(store);
 }
 
 }  // namespace

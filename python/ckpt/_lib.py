@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 OK = 0
 CODE_NAMES = {
@@ -18,6 +18,8 @@ CODE_NAMES = {
     13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS",
 }
 F32, BF16, F16 = 0, 1, 2
+# Store tensors' further dtypes (ABI 9).
+F64, I64, I32, I16, I8, U8, BOOL = 3, 4, 5, 6, 7, 8, 9
 ENGINE_CPU, ENGINE_CUDA = 0, 1
 MOMENTS_F32, MOMENTS_BF16 = 0, 1
 MASTER, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
@@ -30,7 +32,12 @@ class CkptError(Exception):
 
     def __init__(self, code, message):
         self.code = CODE_NAMES.get(code, str(code))
+        self._raw = (code, message)
         super().__init__(f"{self.code}: {message}")
+
+    def __reduce__(self):
+        # Picklable, as torch.distributed sends a rank's exception to the others (DCP does).
+        return (type(self), self._raw)
 
 
 class Param(ctypes.Structure):
@@ -179,6 +186,25 @@ _sig = {
     "ckpt_blobs_get": ([_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_p),
                         ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_blobs_free": ([_p], None),
+    "ckpt_save_begin": ([_p, ctypes.c_uint64, ctypes.POINTER(Coordinator), ctypes.POINTER(_p)],
+                        ctypes.c_int),
+    "ckpt_save_declare": ([_p, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                          ctypes.c_size_t], ctypes.c_int),
+    "ckpt_save_write": ([_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64, _p,
+                        ctypes.c_size_t], ctypes.c_int),
+    "ckpt_save_write_blob": ([_p, ctypes.c_char_p, _p, ctypes.c_size_t], ctypes.c_int),
+    "ckpt_save_commit": ([_p], ctypes.c_int),
+    "ckpt_save_abort": ([_p], ctypes.c_int),
+    "ckpt_save_destroy": ([_p], None),
+    "ckpt_reader_open": ([_p, ctypes.c_uint64, ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_reader_close": ([_p], None),
+    "ckpt_reader_tensor": ([_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int),
+                           ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+                           ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_reader_read": ([_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64, _p,
+                         ctypes.c_size_t], ctypes.c_int),
+    "ckpt_reader_blob": ([_p, ctypes.c_char_p, ctypes.c_uint32, _p, ctypes.c_size_t,
+                         ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
 }
 lib.ckpt_abi_version.argtypes = []
 lib.ckpt_abi_version.restype = ctypes.c_int
@@ -193,7 +219,8 @@ STRUCTS = [("ckpt_param", Param), ("ckpt_group", Group), ("ckpt_piece", Piece),
            ("ckpt_coordinator", Coordinator)]
 CONSTANTS = dict(
     {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_F32": F32, "CKPT_BF16": BF16,
-     "CKPT_F16": F16, "CKPT_ENGINE_CPU": ENGINE_CPU, "CKPT_ENGINE_CUDA": ENGINE_CUDA,
+     "CKPT_F16": F16, "CKPT_F64": F64, "CKPT_I64": I64, "CKPT_I32": I32, "CKPT_I16": I16,
+     "CKPT_I8": I8, "CKPT_U8": U8, "CKPT_BOOL": BOOL, "CKPT_ENGINE_CPU": ENGINE_CPU, "CKPT_ENGINE_CUDA": ENGINE_CUDA,
      "CKPT_MOMENTS_F32": MOMENTS_F32, "CKPT_MOMENTS_BF16": MOMENTS_BF16, "CKPT_MASTER": MASTER,
      "CKPT_EXP_AVG": EXP_AVG, "CKPT_EXP_AVG_SQ": EXP_AVG_SQ,
      "CKPT_MAX_EXP_AVG_SQ": MAX_EXP_AVG_SQ},

@@ -26,6 +26,21 @@ from ._native import Native
 _EXTRA = "python.extra"
 
 
+def hand_back(parts, out, lens):
+    """An all_gather callback's answer: every rank's bytes (`parts`, in rank order) back to back
+    in memory ckpt frees, their lengths in `lens`. 0, or 1 when that memory is not there."""
+    buf = lib.ckpt_alloc(sum(len(p) for p in parts))
+    if not buf:
+        return 1
+    at = 0
+    for r, part in enumerate(parts):
+        ctypes.memmove(buf + at, part, len(part))
+        lens[r] = len(part)
+        at += len(part)
+    out[0] = buf
+    return 0
+
+
 def _torch_coordinator(group):
     """A ckpt coordinator over torch.distributed (gloo or NCCL): all-gathers bytes."""
     import torch.distributed as dist
@@ -37,17 +52,7 @@ def _torch_coordinator(group):
             mine = ctypes.string_at(data, length) if length else b""
             parts = [None] * size
             dist.all_gather_object(parts, mine, group=group)
-            total = sum(len(p) for p in parts)
-            buf = lib.ckpt_alloc(total)
-            if not buf:
-                return 1
-            at = 0
-            for r, part in enumerate(parts):
-                ctypes.memmove(buf + at, part, len(part))
-                lens[r] = len(part)
-                at += len(part)
-            out[0] = buf
-            return 0
+            return hand_back(parts, out, lens)
         except Exception:  # A failed exchange is the vote's error, not a crash of the caller.
             return 1
 

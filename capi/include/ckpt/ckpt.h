@@ -34,8 +34,10 @@ extern "C" {
  * 8 breaks that on purpose for AMSGrad: ckpt_group grows (amsgrad) and
  * ckpt_optimizer_set_param_state takes max_exp_avg_sq; it adds ckpt_store_keep_only and
  * ckpt_store_adopt. A caller built against 7 must be rebuilt: compare ckpt_abi_layout() with
- * the layout you were built for (the Python package does, before any other call). */
-#define CKPT_ABI_VERSION 8
+ * the layout you were built for (the Python package does, before any other call). 9 only adds
+ * store transactions and readers (ckpt_save_*, ckpt_reader_*) and their dtypes: a library of 9
+ * serves callers of 8. */
+#define CKPT_ABI_VERSION 9
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -326,6 +328,62 @@ CKPT_C_EXPORT int ckpt_blobs_count(const ckpt_blobs* blobs, size_t* count);
 CKPT_C_EXPORT int ckpt_blobs_get(const ckpt_blobs* blobs, size_t i, const char** key, const void** value,
                    size_t* len);
 CKPT_C_EXPORT void ckpt_blobs_free(ckpt_blobs* blobs);
+
+/* ---- Store transactions and readers (ABI 9): any trainer's tensors and blobs as one step ----
+ * What the optimizer's checkpointer does for its own state, for any state a caller holds (the
+ * DCP storage layer, python/ckpt/dcp.py): a save writes tensors (name, dtype, global shape) as
+ * pieces of their flat index, and opaque blobs, into a step that is committed on every rank or
+ * on none (the store's save protocol, libckpt/store/transaction.cc and commit.cc); a reader
+ * reads element ranges of a committed step's tensors, checksumming every chunk it touches,
+ * whichever ranks wrote them. Memory is host memory. */
+/* Element types of store tensors; the first three are CKPT_F32, CKPT_BF16 and CKPT_F16. */
+enum { CKPT_F64 = 3, CKPT_I64 = 4, CKPT_I32 = 5, CKPT_I16 = 6, CKPT_I8 = 7, CKPT_U8 = 8,
+       CKPT_BOOL = 9 };
+typedef struct ckpt_save ckpt_save;
+typedef struct ckpt_reader ckpt_reader;
+/* Collective: begins saving `step` (newer than LATEST) on `store` (rank 0: the primary,
+ * writable handle); NULL coordinator: a single process. `coordinator` is copied and its
+ * callbacks must stay callable until the save is destroyed (its commit, abort and destruction
+ * call them). FAILED_PRECONDITION for a step not newer than LATEST or a save in flight. */
+CKPT_C_EXPORT int ckpt_save_begin(ckpt_store* store, uint64_t step,
+                                  const ckpt_coordinator* coordinator, ckpt_save** out);
+/* Declares tensor `name` (dtype CKPT_F32..CKPT_BOOL, global shape of `ndim` dims; 0: a
+ * scalar). Ranks that declare one name must agree (checked at commit). */
+CKPT_C_EXPORT int ckpt_save_declare(ckpt_save* save, const char* name, int dtype,
+                                    const uint64_t* shape, size_t ndim);
+/* Writes elements [begin, begin + count) of a declared tensor from `data` (`bytes` exactly
+ * count elements); returns once the bytes are copied. INVALID_ARGUMENT for a bad range or size
+ * (the save stays usable); an IO error makes this rank vote no at commit. */
+CKPT_C_EXPORT int ckpt_save_write(ckpt_save* save, const char* tensor, uint64_t begin,
+                                  uint64_t count, const void* data, size_t bytes);
+/* Stores `bytes` opaque bytes under `name` (unique per rank). */
+CKPT_C_EXPORT int ckpt_save_write_blob(ckpt_save* save, const char* name, const void* data,
+                                       size_t bytes);
+/* Collective: makes this rank's data durable, votes, and commits on every rank or on none (the
+ * previous checkpoint untouched). OK once LATEST names the step. */
+CKPT_C_EXPORT int ckpt_save_commit(ckpt_save* save);
+/* Collective: votes no; the step is abandoned everywhere and its staging directory removed. */
+CKPT_C_EXPORT int ckpt_save_abort(ckpt_save* save);
+/* Destroys the save; one that neither committed nor aborted aborts first (collective). */
+CKPT_C_EXPORT void ckpt_save_destroy(ckpt_save* save);
+/* Opens committed step `step` of `store` for reading (NOT_FOUND when there is none; DATA_LOSS
+ * naming the file for damage). The store outlives the reader. Reads on one reader may run
+ * concurrently from several threads. */
+CKPT_C_EXPORT int ckpt_reader_open(const ckpt_store* store, uint64_t step, ckpt_reader** out);
+CKPT_C_EXPORT void ckpt_reader_close(ckpt_reader* reader);
+/* Tensor `name`'s dtype and global shape: *ndim its rank; up to `max_ndim` dims are written to
+ * `shape`. NOT_FOUND for an unknown name. */
+CKPT_C_EXPORT int ckpt_reader_tensor(const ckpt_reader* reader, const char* name, int* dtype,
+                                     uint64_t* shape, size_t max_ndim, size_t* ndim);
+/* Reads elements [begin, begin + count) of `tensor` into `out` (`bytes` exactly count
+ * elements), from whichever ranks' pieces hold them. NOT_FOUND when a part of the range was
+ * not saved; DATA_LOSS naming the file, chunk and offset of a chunk that fails its checksum. */
+CKPT_C_EXPORT int ckpt_reader_read(const ckpt_reader* reader, const char* tensor, uint64_t begin,
+                                   uint64_t count, void* out, size_t bytes);
+/* Blob `name` of rank `rank`: *len is its size, and its bytes are copied to `out` when
+ * `capacity` holds them (call with capacity 0 to learn the size). NOT_FOUND when absent. */
+CKPT_C_EXPORT int ckpt_reader_blob(const ckpt_reader* reader, const char* name, uint32_t rank,
+                                   void* out, size_t capacity, size_t* len);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,80 @@
+"""One rank of the DCP storage tests (test_dcp_storage.py): DTensors sharded over gloo, saved
+and loaded through ckpt.dcp. Usage:
+    dcp_worker.py RANK WORLD INIT_FILE ROOT (save STEP | fail STEP | load | kill STEP)
+save: rows Shard(0) and cols Shard(1) (chunks that are not ranges of the flat index), a
+replicated tensor and a Python value, as step STEP. fail: as save, but rank 1's writes raise
+after its first tensor. load: every tensor as Shard(0) at this world size, each rank's shard
+checked against the full tensors. kill: as save, but rank 1 is SIGKILLed after its first tensor
+(rank 0 then sees the job fail)."""
+import datetime
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+import ckpt.dcp
+
+
+def full():
+    g = torch.Generator().manual_seed(3)
+    return {"rows": torch.randn(9, 5, generator=g),
+            "cols": torch.randn(4, 7, generator=g).bfloat16(),
+            "rep": torch.arange(6, dtype=torch.int64) * 7}
+
+
+def main():
+    rank, world, init, root, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], \
+        sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    want = full()
+    if mode in ("save", "fail", "kill"):
+        step = int(sys.argv[6])
+        state = {"model": {"rows": distribute_tensor(want["rows"], mesh, [Shard(0)]),
+                           "cols": distribute_tensor(want["cols"], mesh, [Shard(1)]),
+                           "rep": want["rep"].clone()},
+                 "note": {"text": "saved at world", "world": world}}
+        if mode != "save" and rank == 1:
+            write_items = ckpt.dcp._write_items
+
+            def stop_after_one(save, items, planner, results):
+                tensors = [i for i in items if i.tensor_data is not None]
+                write_items(save, tensors[:1], planner, results)
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError("injected: the disk went away")
+            ckpt.dcp._write_items = stop_after_one
+        try:
+            dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, step=step))
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException.
+            if mode == "save":
+                raise
+            print("refused:", e)
+            assert "injected: the disk went away" in str(e), str(e)
+            assert "DCP rank 1" in str(e), str(e)
+            print("FAILED AS INJECTED")
+    else:
+        state = {"model": {name: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)])
+                           for name, t in want.items()},
+                 "note": {"text": "", "world": 0}}
+        dcp.load(state, storage_reader=ckpt.dcp.StorageReader(root))
+        for name, t in want.items():
+            got = state["model"][name]
+            rows = t.shape[0]
+            per = (rows + world - 1) // world
+            mine = t[rank * per:min(rows, (rank + 1) * per)]
+            assert torch.equal(got.to_local(), mine), name
+        assert state["note"]["text"] == "saved at world", state["note"]
+        print("LOADED", state["note"]["world"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
