@@ -138,6 +138,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_reader_close);
   CKPT_FUNC(ckpt_reader_tensor);
   CKPT_FUNC(ckpt_reader_read);
+  CKPT_FUNC(ckpt_reader_read_many);
   CKPT_FUNC(ckpt_reader_blob);
 #undef CKPT_FUNC
 #define CKPT_CONST(c) absl::StrAppend(&out, "const " #c " ", static_cast<long long>(c), "\n")

@@ -55,7 +55,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 56);
+  EXPECT_EQ(functions, 57);
   EXPECT_EQ(constants, 37);
   EXPECT_EQ(structs, 6);
 }
@@ -265,6 +265,15 @@ TEST(CkptCTest, StoreTransactionsAndReadersRoundTripTensorsAndBlobs) {
   EXPECT_EQ(back[1], -4);
   EXPECT_EQ(back[2], 5);
   EXPECT_EQ(ckpt_reader_read(reader, "ids", 4, 3, back, sizeof(back)), CKPT_INVALID_ARGUMENT);
+  int64_t first[2] = {}, last[1] = {};
+  const char* names[2] = {"ids", "ids"};
+  const uint64_t begins[2] = {0, 5}, counts[2] = {2, 1};
+  void* const outs[2] = {first, last};
+  const size_t sizes[2] = {sizeof(first), sizeof(last)};
+  ASSERT_EQ(ckpt_reader_read_many(reader, 2, names, begins, counts, outs, sizes), CKPT_OK);
+  EXPECT_EQ(first[0], 1);
+  EXPECT_EQ(first[1], -2);
+  EXPECT_EQ(last[0], -6);
   EXPECT_EQ(ckpt_reader_read(reader, "ids", 0, 3, back, 2), CKPT_INVALID_ARGUMENT);
   size_t len = 0;
   ASSERT_EQ(ckpt_reader_blob(reader, "meta", 0, nullptr, 0, &len), CKPT_OK);

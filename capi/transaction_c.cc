@@ -191,6 +191,33 @@ int ckpt_reader_read(const ckpt_reader* reader, const char* tensor, uint64_t beg
   });
 }
 
+int ckpt_reader_read_many(const ckpt_reader* reader, size_t n, const char* const* tensors,
+                          const uint64_t* begins, const uint64_t* counts, void* const* outs,
+                          const size_t* bytes) {
+  return Guard("ckpt_reader_read_many", [&]() -> int {
+    if (reader == nullptr || (n > 0 && (tensors == nullptr || begins == nullptr ||
+                                        counts == nullptr || outs == nullptr ||
+                                        bytes == nullptr))) {
+      return Invalid("NULL argument");
+    }
+    std::vector<ckpt::CheckpointReader::RangeRead> ranges;
+    ranges.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (tensors[i] == nullptr || (bytes[i] > 0 && outs[i] == nullptr)) {
+        return Invalid(absl::StrCat("range ", i, ": tensor or out is NULL"));
+      }
+      absl::StatusOr<const ckpt::formats::TensorInfo*> info =
+          reader->reader->FindTensor(tensors[i]);
+      if (!info.ok()) return Fail(info.status());
+      const absl::Status size = CheckBytes(tensors[i], (*info)->dtype, counts[i], bytes[i]);
+      if (!size.ok()) return Fail(size);
+      ranges.push_back({tensors[i], begins[i], counts[i],
+                        std::span(static_cast<std::byte*>(outs[i]), bytes[i])});
+    }
+    return ckpt::capi::Done(reader->reader->ReadRanges(ranges));
+  });
+}
+
 int ckpt_reader_blob(const ckpt_reader* reader, const char* name, uint32_t rank, void* out,
                      size_t capacity, size_t* len) {
   return Guard("ckpt_reader_blob", [&]() -> int {

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -141,21 +142,31 @@ bool CheckpointReader::Covers(absl::string_view tensor, uint64_t begin, uint64_t
   return at >= begin + count;
 }
 
-absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
+absl::Status CheckpointReader::DeliverChunk(std::span<const ChunkRead* const> reads,
                                             std::span<const std::byte> bytes) const {
-  const formats::DataFileInfo& f = manifest_.files[read.file];
-  const ChunkInfo& c = f.chunks[read.chunk];
+  const ChunkRead& first = *reads.front();
+  const formats::DataFileInfo& f = manifest_.files[first.file];
+  const ChunkInfo& c = f.chunks[first.chunk];
   const std::string path = JoinPath(dir_, f.name);
   if (Checksum(bytes) != c.checksum) {
     return absl::DataLossError(
-        absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset, " fails its checksum"));
+        absl::StrCat(path, ": chunk ", first.chunk, " at offset ", c.offset, " fails its checksum"));
   }
   CKPT_ASSIGN_OR_RETURN(formats::ChunkHeader h, formats::DecodeChunkHeader(bytes, path, c.offset));
   if (h.codec != c.codec || h.raw_bytes != c.raw_bytes || h.stored_bytes != c.stored_bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": chunk ", read.chunk, " at offset ", c.offset,
+    return absl::DataLossError(absl::StrCat(path, ": chunk ", first.chunk, " at offset ", c.offset,
                                             " disagrees with MANIFEST"));
   }
   std::span<const std::byte> payload = bytes.subspan(formats::kChunkHeaderBytes, c.stored_bytes);
+  for (const ChunkRead* read : reads) {
+    CKPT_RETURN_IF_ERROR(CopyOut(*read, payload, path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointReader::CopyOut(const ChunkRead& read, std::span<const std::byte> payload,
+                                       const std::string& path) const {
+  const ChunkInfo& c = manifest_.files[read.file].chunks[read.chunk];
   if (c.codec == formats::Codec::kRaw) {
     std::memcpy(read.out, payload.data() + read.raw_offset, read.length);
     return absl::OkStatus();
@@ -183,19 +194,53 @@ absl::Status CheckpointReader::DeliverChunk(const ChunkRead& read,
 
 // Chunks are read on read_threads I/O threads and checked and copied out on worker threads
 // (libckpt/read_pipeline.h), so the device is kept busy while earlier chunks are checksummed.
+// A chunk is read (and checksummed) once however many of `reads` it serves, and its slices
+// are delivered in order of their offset (a compressed chunk's stream then only goes forward).
 absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
+  std::vector<const ChunkRead*> order;
+  order.reserve(reads.size());
+  for (const ChunkRead& r : reads) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(), [](const ChunkRead* a, const ChunkRead* b) {
+    return std::tie(a->file, a->chunk, a->raw_offset) < std::tie(b->file, b->chunk, b->raw_offset);
+  });
   std::vector<internal::PipelinedRead> ranges;
-  for (const ChunkRead& r : reads) {
-    const ChunkInfo& c = manifest_.files[r.file].chunks[r.chunk];
-    ranges.push_back({files_[r.file].get(), c.offset, formats::ChunkExtentBytes(c.stored_bytes)});
+  std::vector<size_t> group_begin;  // Into `order`; one group per chunk.
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i > 0 && order[i]->file == order[i - 1]->file && order[i]->chunk == order[i - 1]->chunk) {
+      continue;
+    }
+    const ChunkInfo& c = manifest_.files[order[i]->file].chunks[order[i]->chunk];
+    ranges.push_back(
+        {files_[order[i]->file].get(), c.offset, formats::ChunkExtentBytes(c.stored_bytes)});
+    group_begin.push_back(i);
   }
+  group_begin.push_back(order.size());
   return internal::RunReadPipeline(
-      env_, ranges, options_.read_threads,
-      [&](size_t i, std::span<const std::byte> bytes) { return DeliverChunk(reads[i], bytes); });
+      env_, ranges, options_.read_threads, [&](size_t g, std::span<const std::byte> bytes) {
+        return DeliverChunk(std::span<const ChunkRead* const>(order.data() + group_begin[g],
+                                                              group_begin[g + 1] - group_begin[g]),
+                            bytes);
+      });
 }
 
 absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begin, uint64_t count,
                                          std::span<std::byte> out) const {
+  std::vector<ChunkRead> reads;
+  CKPT_RETURN_IF_ERROR(PlanRange(tensor, begin, count, out, &reads));
+  return ReadChunks(reads);
+}
+
+absl::Status CheckpointReader::ReadRanges(std::span<const RangeRead> ranges) const {
+  std::vector<ChunkRead> reads;
+  for (const RangeRead& r : ranges) {
+    CKPT_RETURN_IF_ERROR(PlanRange(r.tensor, r.begin, r.count, r.out, &reads));
+  }
+  return ReadChunks(reads);
+}
+
+absl::Status CheckpointReader::PlanRange(absl::string_view tensor, uint64_t begin, uint64_t count,
+                                         std::span<std::byte> out,
+                                         std::vector<ChunkRead>* reads) const {
   CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* t, FindTensor(tensor));
   const uint32_t index = static_cast<uint32_t>(t - manifest_.tensors.data());
   const uint64_t numel = t->numel();
@@ -216,7 +261,6 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
   }
   std::sort(pieces.begin(), pieces.end(),
             [](const auto* a, const auto* b) { return a->begin < b->begin; });
-  std::vector<ChunkRead> reads;
   uint64_t covered = begin;
   for (const formats::PieceInfo* p : pieces) {
     if (p->begin > covered) break;
@@ -229,8 +273,8 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
       if (chunk_lo >= hi) break;
       const uint64_t a = std::max(lo, chunk_lo);
       const uint64_t b = std::min(hi, chunk_lo + std::min(p->chunk_elems, p->count - offset));
-      reads.push_back({p->file, p->first_chunk + j, (a - chunk_lo) * esize, (b - a) * esize,
-                       out.data() + (a - begin) * esize});
+      reads->push_back({p->file, p->first_chunk + j, (a - chunk_lo) * esize, (b - a) * esize,
+                        out.data() + (a - begin) * esize});
     }
     covered = hi;
   }
@@ -238,7 +282,7 @@ absl::Status CheckpointReader::ReadRange(absl::string_view tensor, uint64_t begi
     return absl::NotFoundError(
         absl::StrCat(dir_, ": no piece holds element ", covered, " of \"", tensor, "\""));
   }
-  return ReadChunks(reads);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> CheckpointReader::ReadBlob(absl::string_view name,

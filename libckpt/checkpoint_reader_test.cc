@@ -247,6 +247,35 @@ TEST_F(CheckpointReaderTest, ACompressedChunkReadInBatchesIsDecodedOnce) {
   EXPECT_EQ((*reader)->decoded_bytes(), 3000u * 4 + 510 * 4 + 210 * 4);
 }
 
+// ReadRanges reads many ranges (of one chunk, of several ranks, given out of order) in one
+// pipeline: each lands where ReadRange would put it, and a compressed chunk serving several
+// ranges is decoded once, front to back, whatever order the ranges came in.
+TEST_F(CheckpointReaderTest, ReadRangesDeliversEachRangeAndDecodesAChunkOnce) {
+  options_.codec = formats::Codec::kZstd;
+  options_.chunk_bytes = 1 << 20;  // Each rank's 1000 floats of "w" are one chunk.
+  CKPT_ASSERT_OK(Save(5));
+  auto reader = Open(5);
+  CKPT_ASSERT_OK(reader);
+  const std::vector<std::pair<uint64_t, uint64_t>> wanted = {
+      {1500, 10}, {1000, 100}, {2990, 10}, {1200, 300}, {0, 1}};
+  std::vector<std::vector<float>> out;
+  std::vector<CheckpointReader::RangeRead> ranges;
+  for (const auto& [begin, count] : wanted) out.emplace_back(count, -1.0f);
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    ranges.push_back({"w", wanted[i].first, wanted[i].second,
+                      std::as_writable_bytes(std::span<float>(out[i]))});
+  }
+  CKPT_ASSERT_OK((*reader)->ReadRanges(ranges));
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    EXPECT_EQ(out[i], Weights(5, wanted[i].first, wanted[i].second)) << "range " << i;
+  }
+  // Rank 1's chunk is decoded up to element 1510 once (not once per range); rank 2's up to its
+  // end and rank 0's for one element.
+  EXPECT_EQ((*reader)->decoded_bytes(), (510u + 1000u + 1u) * 4);
+  ranges.push_back({"nope", 0, 1, {}});
+  EXPECT_THAT((*reader)->ReadRanges(ranges), testing::StatusIs(absl::StatusCode::kNotFound));
+}
+
 // A range streamed in several WritePiece calls, each of whole chunks but the last, is recorded
 // as one piece; a call that does not continue it (another tensor, a gap, a partial chunk
 // before it) starts a new one. Every element reads back either way.

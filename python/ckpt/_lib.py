@@ -203,6 +203,9 @@ _sig = {
                            ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_reader_read": ([_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64, _p,
                          ctypes.c_size_t], ctypes.c_int),
+    "ckpt_reader_read_many": ([_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
+                              ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                              ctypes.POINTER(_p), ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_reader_blob": ([_p, ctypes.c_char_p, ctypes.c_uint32, _p, ctypes.c_size_t,
                          ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
 }

@@ -470,37 +470,65 @@ class _StepReader:
             raise CkptError(12, f"step {self.step}: tensor {name!r} has {ndim.value} dims")
         return _TORCH_DTYPES[dtype.value], [int(d) for d in dims[:ndim.value]]
 
-    def read(self, name, begin, out):
-        """Elements [begin, begin + out.numel()) of tensor `name` into CPU tensor `out`."""
-        count = out.numel()
-        if count:
-            _check_code(lib.ckpt_reader_read(self.native.handle, _lib.encode_text(name, "tensor"),
-                                             begin, count, out.data_ptr(),
-                                             count * out.element_size()),
-                        f"step {self.step}: reading elements [{begin}, {begin + count}) of "
-                        f"tensor {name!r}")
+    def read_many(self, reads):
+        """Every (tensor name, begin, CPU tensor) of `reads`: elements [begin, begin + numel)
+        into the tensor, all in one pipeline of ckpt's reader."""
+        n = len(reads)
+        if n == 0:
+            return
+        names = (ctypes.c_char_p * n)(*[_lib.encode_text(r[0], "tensor") for r in reads])
+        begins = (ctypes.c_uint64 * n)(*[r[1] for r in reads])
+        counts = (ctypes.c_uint64 * n)(*[r[2].numel() for r in reads])
+        outs = (ctypes.c_void_p * n)(*[r[2].data_ptr() for r in reads])
+        sizes = (ctypes.c_size_t * n)(*[r[2].numel() * r[2].element_size() for r in reads])
+        _check_code(lib.ckpt_reader_read_many(self.native.handle, n, names, begins, counts, outs,
+                                              sizes), f"step {self.step}: reading {n} ranges")
 
-    def read_box(self, name, shape, dtype, offsets, sizes, into=None):
-        """The box `offsets`/`sizes` of tensor `name` (of `shape`) as a CPU tensor; read straight
-        into `into` when it is a contiguous CPU tensor of that dtype and box."""
-        direct = (into is not None and into.device.type == "cpu" and into.dtype == dtype
-                  and into.is_contiguous() and list(into.shape) == list(sizes))
-        out = into if direct else torch.empty(sizes, dtype=dtype)
-        flat = out.view(-1)
+
+class _BoxReads:
+    """The boxes of one read_data, gathered into batches of range reads (one ckpt pipeline per
+    batch), then copied into their targets. Memory beyond the targets (boxes whose target is
+    not a contiguous CPU tensor of the stored dtype, and the spans of boxes of many short runs)
+    is bounded per batch."""
+
+    def __init__(self, reader, batch_bytes=1 << 30):
+        self.reader, self.batch_bytes = reader, batch_bytes
+        self.reads, self.after, self.spare = [], [], 0
+
+    def add(self, name, shape, dtype, offsets, sizes, target, done):
+        """Box `offsets`/`sizes` of tensor `name` (of `shape`) into `target`; then done()."""
+        direct = (target.device.type == "cpu" and target.dtype == dtype
+                  and target.is_contiguous() and list(target.shape) == list(sizes))
+        if not direct and list(target.shape) != list(sizes):
+            raise CkptError(3, f"tensor {name!r}: the target holds {list(target.shape)}, the "
+                               f"step {list(sizes)}")
+        out = target if direct else torch.empty(sizes, dtype=dtype)
         runs = _runs(shape, offsets, sizes)
         span = (runs[-1][0] + runs[-1][1] - runs[0][0]) if runs else 0
-        if len(runs) > 64 and (span - flat.numel()) * out.element_size() <= _SPAN_SLACK_BYTES:
+        element = out.element_size()
+        if len(runs) > 64 and (span - out.numel()) * element <= _SPAN_SLACK_BYTES:
             # Many short runs close together: one read of their span, then a strided copy.
             whole = torch.empty(span, dtype=dtype)
-            self.read(name, runs[0][0], whole)
-            strides = _strides(shape)
-            out.copy_(whole.as_strided(sizes, strides[:len(sizes)]))
+            self.reads.append((name, runs[0][0], whole))
+            box = whole.as_strided(sizes, _strides(shape))
+            self.after.append(lambda: (target.copy_(box), done()))
+            self.spare += span * element
         else:
+            flat = out.view(-1)
             at = 0
             for begin, count in runs:
-                self.read(name, begin, flat[at:at + count])
+                self.reads.append((name, begin, flat[at:at + count]))
                 at += count
-        return out, direct
+            self.after.append(done if direct else (lambda: (target.copy_(out), done())))
+            self.spare += 0 if direct else out.numel() * element
+        if self.spare >= self.batch_bytes:
+            self.flush()
+
+    def flush(self):
+        self.reader.read_many(self.reads)
+        for then in self.after:
+            then()
+        self.reads, self.after, self.spare = [], [], 0
 
 
 class StorageReader(_DcpReader):
@@ -573,6 +601,7 @@ class StorageReader(_DcpReader):
     def read_data(self, plan, planner):
         reader = self._open()
         shapes = {}
+        boxes = _BoxReads(reader)
         for item in plan.items:
             where = self._storage_data.get(item.storage_index)
             if where is None:
@@ -589,14 +618,9 @@ class StorageReader(_DcpReader):
             if kind == "piece":
                 offsets = [o + c for o, c in zip(offsets, item.storage_index.offset)]
             target = planner.resolve_tensor(item).detach()
-            box, direct = reader.read_box(name, shape, dtype, offsets, list(item.lengths),
-                                          into=target)
-            if not direct:
-                if list(target.shape) != list(box.shape):
-                    raise CkptError(3, f"{item.storage_index.fqn!r}: the target holds "
-                                       f"{list(target.shape)}, the step {list(box.shape)}")
-                target.copy_(box)
-            planner.commit_tensor(item, target)
+            boxes.add(name, shape, dtype, offsets, list(item.lengths), target,
+                      lambda item=item, target=target: planner.commit_tensor(item, target))
+        boxes.flush()
         future = Future()
         future.set_result(None)
         return future

@@ -1,10 +1,10 @@
 """One rank of the DCP storage tests (test_dcp_storage.py): DTensors sharded over gloo, saved
 and loaded through ckpt.dcp. Usage:
     dcp_worker.py RANK WORLD INIT_FILE ROOT (save STEP | fail STEP | load | kill STEP)
-save: rows Shard(0) and cols Shard(1) (chunks that are not ranges of the flat index), a
+save: rows Shard(0), cols and wide Shard(1) (chunks that are not ranges of the flat index), a
 replicated tensor and a Python value, as step STEP. fail: as save, but rank 1's writes raise
-after its first tensor. load: every tensor as Shard(0) at this world size, each rank's shard
-checked against the full tensors. kill: as save, but rank 1 is SIGKILLed after its first tensor
+after its first tensor. load: every tensor as Shard(0) at this world size (wide as Shard(1)),
+each rank's shard checked against the full tensors. kill: as save, but rank 1 is SIGKILLed after its first tensor
 (rank 0 then sees the job fail)."""
 import datetime
 import os
@@ -23,7 +23,8 @@ def full():
     g = torch.Generator().manual_seed(3)
     return {"rows": torch.randn(9, 5, generator=g),
             "cols": torch.randn(4, 7, generator=g).bfloat16(),
-            "rep": torch.arange(6, dtype=torch.int64) * 7}
+            "rep": torch.arange(6, dtype=torch.int64) * 7,
+            "wide": torch.randn(100, 12, generator=g)}
 
 
 def main():
@@ -38,7 +39,8 @@ def main():
         step = int(sys.argv[6])
         state = {"model": {"rows": distribute_tensor(want["rows"], mesh, [Shard(0)]),
                            "cols": distribute_tensor(want["cols"], mesh, [Shard(1)]),
-                           "rep": want["rep"].clone()},
+                           "rep": want["rep"].clone(),
+                           "wide": distribute_tensor(want["wide"], mesh, [Shard(1)])},
                  "note": {"text": "saved at world", "world": world}}
         if mode != "save" and rank == 1:
             write_items = ckpt.dcp._write_items
@@ -60,15 +62,18 @@ def main():
             assert "DCP rank 1" in str(e), str(e)
             print("FAILED AS INJECTED")
     else:
-        state = {"model": {name: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)])
+        # "wide" by columns again, at another world size: boxes of 100 short runs each.
+        dims = {name: 1 if name == "wide" else 0 for name in want}
+        state = {"model": {name: distribute_tensor(torch.zeros_like(t), mesh, [Shard(dims[name])])
                            for name, t in want.items()},
                  "note": {"text": "", "world": 0}}
         dcp.load(state, storage_reader=ckpt.dcp.StorageReader(root))
         for name, t in want.items():
             got = state["model"][name]
-            rows = t.shape[0]
-            per = (rows + world - 1) // world
-            mine = t[rank * per:min(rows, (rank + 1) * per)]
+            n = t.shape[dims[name]]
+            per = (n + world - 1) // world
+            mine = t.narrow(dims[name], min(n, rank * per), max(0, min(n, (rank + 1) * per) -
+                                                                 min(n, rank * per)))
             assert torch.equal(got.to_local(), mine), name
         assert state["note"]["text"] == "saved at world", state["note"]
         print("LOADED", state["note"]["world"])

@@ -380,6 +380,13 @@ CKPT_C_EXPORT int ckpt_reader_tensor(const ckpt_reader* reader, const char* name
  * not saved; DATA_LOSS naming the file, chunk and offset of a chunk that fails its checksum. */
 CKPT_C_EXPORT int ckpt_reader_read(const ckpt_reader* reader, const char* tensor, uint64_t begin,
                                    uint64_t count, void* out, size_t bytes);
+/* ckpt_reader_read of `n` ranges in one pipeline: every range's reads overlap, and a chunk
+ * serving several ranges is read and checksummed once. The first failure's code; what the
+ * outputs hold after a failure is unspecified. */
+CKPT_C_EXPORT int ckpt_reader_read_many(const ckpt_reader* reader, size_t n,
+                                        const char* const* tensors, const uint64_t* begins,
+                                        const uint64_t* counts, void* const* outs,
+                                        const size_t* bytes);
 /* Blob `name` of rank `rank`: *len is its size, and its bytes are copied to `out` when
  * `capacity` holds them (call with capacity 0 to learn the size). NOT_FOUND when absent. */
 CKPT_C_EXPORT int ckpt_reader_blob(const ckpt_reader* reader, const char* name, uint32_t rank,

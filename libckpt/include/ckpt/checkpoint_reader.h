@@ -48,6 +48,17 @@ class CheckpointReader {
   // `out` is unspecified after a failure.
   absl::Status ReadRange(absl::string_view tensor, uint64_t begin, uint64_t count,
                          std::span<std::byte> out) const;
+  // One range of ReadRanges: elements [begin, begin + count) of `tensor` into `out`.
+  struct RangeRead {
+    std::string tensor;
+    uint64_t begin = 0;
+    uint64_t count = 0;
+    std::span<std::byte> out;
+  };
+  // Reads every range as ReadRange does, all in one pipeline: the reads of every range overlap,
+  // and a chunk that serves several ranges is read and checksummed once. Returns the first
+  // error (each range's as ReadRange's); what any `out` holds after a failure is unspecified.
+  absl::Status ReadRanges(std::span<const RangeRead> ranges) const;
   // Reads a whole blob. kNotFound if rank `rank` stored no blob `name`.
   absl::StatusOr<std::string> ReadBlob(absl::string_view name, uint32_t rank = 0) const;
 
@@ -63,9 +74,17 @@ class CheckpointReader {
   struct ChunkRead;
   struct DecodeCache;
   CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
+  // Appends the chunk reads of ReadRange(tensor, begin, count, out) to `reads`.
+  absl::Status PlanRange(absl::string_view tensor, uint64_t begin, uint64_t count,
+                         std::span<std::byte> out, std::vector<ChunkRead>* reads) const;
   absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
-  // Checks and delivers one chunk whose whole extent is `bytes`.
-  absl::Status DeliverChunk(const ChunkRead& read, std::span<const std::byte> bytes) const;
+  // Checks one chunk whose whole extent is `bytes`, then delivers each of `reads` (all of that
+  // chunk) from it.
+  absl::Status DeliverChunk(std::span<const ChunkRead* const> reads,
+                            std::span<const std::byte> bytes) const;
+  // Delivers one read from its chunk's checked `payload`.
+  absl::Status CopyOut(const ChunkRead& read, std::span<const std::byte> payload,
+                       const std::string& path) const;
 
   const std::string dir_;
   const StoreOptions options_;
