@@ -23,6 +23,9 @@ from test_trainer_generic import REPO, small_data, small_net  # noqa: E402
 # What dcp.save and dcp.load raise: DCP wraps a rank's exception in a CheckpointException (a
 # BaseException) carrying its message.
 REFUSED = (Exception, dcp.api.CheckpointException)
+# CKPT_TEST_DEVICE=cuda (GPU host): the model on the GPU, StagedAdamW's CUDA engine; DCP then
+# saves CUDA tensors and loads into them.
+DEVICE = os.environ.get("CKPT_TEST_DEVICE", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dcp_worker.py")
 
@@ -37,8 +40,8 @@ def tool():
 
 
 def trained(steps=3):
-    x, y = small_data()
-    model = small_net()
+    x, y = (t.to(DEVICE) for t in small_data())
+    model = small_net().to(DEVICE)
     opt = ckpt.torch.StagedAdamW(model.parameters(), lr=1e-2)
 
     def step(m, o, s):
@@ -69,7 +72,8 @@ def test_a_model_and_its_staged_adamw_round_trip_exactly(tmp_path, how):
     assert ckpt.dcp.latest_step(root) == 3
     assert not [e for e in os.listdir(root) if e.startswith(".staging")]
 
-    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                 torch.nn.Linear(16, 1)).to(DEVICE)
     opt2 = ckpt.torch.StagedAdamW(model2.parameters(), lr=1e-2)
     m2, o2 = dcp_sd.get_state_dict(model2, opt2)
     target = {"model": m2, "optim": o2, "extra": {"a/b..c@d": torch.zeros(3, dtype=torch.int64),

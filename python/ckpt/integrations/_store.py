@@ -36,6 +36,17 @@ def step_committed(root, step):
         os.path.join(root, f"step-{step:08d}"))
 
 
+def references_committed(states):
+    """Whether every ckpt reference among the optimizer state dicts `states` (as a trainer's
+    checkpoint holds them) names a committed step: a checkpoint without one is complete as far
+    as ckpt is concerned."""
+    for state in states:
+        ref = state.get("ckpt") if isinstance(state, dict) else None
+        if isinstance(ref, dict) and not step_committed(ref.get("root"), ref.get("step")):
+            return False
+    return True
+
+
 class StoreKeeper:
     """The ckpt store at `root` (created if missing) holding one optimizer's state, one step per
     trainer checkpoint. Attached to the optimizer, it is what the optimizer's state_dict()

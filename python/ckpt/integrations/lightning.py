@@ -37,7 +37,7 @@ except ImportError:  # The standalone package.
     import pytorch_lightning as pl
     from pytorch_lightning.plugins.io import CheckpointIO
 
-from ._store import StoreKeeper, step_committed
+from ._store import StoreKeeper, references_committed
 
 
 class _CkptIO(CheckpointIO):
@@ -175,11 +175,7 @@ def last_complete_checkpoint(dirpath):
         except Exception:  # A torn file is not complete.
             continue
         step = checkpoint.get("global_step", -1)
-        ref = None
-        for state in checkpoint.get("optimizer_states", ()):
-            if isinstance(state, dict) and isinstance(state.get("ckpt"), dict):
-                ref = state["ckpt"]
-        if ref is not None and not step_committed(ref.get("root"), ref.get("step")):
+        if not references_committed(checkpoint.get("optimizer_states", ())):
             continue
         if best is None or step > best[0]:
             best = (step, path)

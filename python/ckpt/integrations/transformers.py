@@ -40,7 +40,7 @@ import re
 
 import transformers
 
-from ._store import StoreKeeper, step_committed
+from ._store import StoreKeeper, references_committed
 
 _FOLDER = re.compile(r"^" + transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 _TRAINER_STATE = "trainer_state.json"
@@ -144,7 +144,6 @@ def last_complete_checkpoint(output_dir):
             saved = torch.load(optimizer, map_location="cpu", weights_only=True)
         except Exception:  # A torn file: this folder is not complete.
             continue
-        ref = saved.get("ckpt") if isinstance(saved, dict) else None
-        if ref is None or step_committed(ref.get("root"), ref.get("step")):
+        if references_committed([saved]):
             return folder
     return None
