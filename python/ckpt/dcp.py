@@ -401,10 +401,52 @@ class StorageWriter(_DcpWriter):
         return None
 
 
-def _write_items(save, items, planner, results):
-    blobs = 0
+def _pinned(nbytes):
+    """Host memory the GPU copies into and out of asynchronously, at the bus's speed."""
+    return torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=True)
+
+
+def _host_items(items, planner):
+    """Yields (item, data) with every tensor on the host. A CUDA tensor is copied into one of
+    two pinned buffers on a side stream, and yielded once the next one's copy has begun: the
+    copy of each tensor overlaps the write of the one before (each buffer is reused two tensors
+    later, after the caller's write of the first returned, which copies its bytes)."""
+    slots, stream, pending = [None, None], None, None
+    turn = 0
     for item in items:
         data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO or data.device.type != "cuda":
+            if pending is not None:
+                pending[2].synchronize()
+                yield pending[0], pending[1]
+                pending = None
+            yield item, data
+            continue
+        tensor = data.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        if slots[turn] is None or slots[turn].numel() < nbytes:
+            slots[turn] = _pinned(nbytes)
+        host = slots[turn][:nbytes].view(tensor.dtype).view(tensor.shape)
+        turn ^= 1
+        if stream is None:
+            stream = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        if pending is not None:
+            pending[2].synchronize()
+            yield pending[0], pending[1]
+        pending = (item, host, copied, tensor)  # The source stays alive until it is copied.
+    if pending is not None:
+        pending[2].synchronize()
+        yield pending[0], pending[1]
+
+
+def _write_items(save, items, planner, results):
+    blobs = 0
+    for item, data in _host_items(items, planner):
         if item.type == WriteItemType.BYTE_IO:
             name = f"dcp.bytes.{blobs}"
             blobs += 1
@@ -489,11 +531,28 @@ class _BoxReads:
     """The boxes of one read_data, gathered into batches of range reads (one ckpt pipeline per
     batch), then copied into their targets. Memory beyond the targets (boxes whose target is
     not a contiguous CPU tensor of the stored dtype, and the spans of boxes of many short runs)
-    is bounded per batch."""
+    is bounded per batch; for targets on a GPU it is one pinned arena, reused batch after batch
+    (the copies to the GPU then run at the bus's speed)."""
 
-    def __init__(self, reader, batch_bytes=1 << 30):
+    def __init__(self, reader, batch_bytes=256 << 20):
         self.reader, self.batch_bytes = reader, batch_bytes
-        self.reads, self.after, self.spare = [], [], 0
+        self.reads, self.copies, self.done = [], [], []
+        self.spare = 0
+        self.arena, self.used = None, 0
+
+    def _temp(self, numel, dtype, gpu):
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if not gpu:
+            return torch.empty(numel, dtype=dtype)
+        if nbytes > self.batch_bytes:
+            return _pinned(nbytes)[:nbytes].view(dtype)
+        if self.used + nbytes > self.batch_bytes:
+            self.flush()
+        if self.arena is None:
+            self.arena = _pinned(self.batch_bytes)
+        at = self.used
+        self.used += (nbytes + 63) // 64 * 64
+        return self.arena[at:at + nbytes].view(dtype)
 
     def add(self, name, shape, dtype, offsets, sizes, target, done):
         """Box `offsets`/`sizes` of tensor `name` (of `shape`) into `target`; then done()."""
@@ -502,33 +561,42 @@ class _BoxReads:
         if not direct and list(target.shape) != list(sizes):
             raise CkptError(3, f"tensor {name!r}: the target holds {list(target.shape)}, the "
                                f"step {list(sizes)}")
-        out = target if direct else torch.empty(sizes, dtype=dtype)
+        gpu = target.device.type == "cuda"
         runs = _runs(shape, offsets, sizes)
         span = (runs[-1][0] + runs[-1][1] - runs[0][0]) if runs else 0
-        element = out.element_size()
-        if len(runs) > 64 and (span - out.numel()) * element <= _SPAN_SLACK_BYTES:
+        element = torch.empty((), dtype=dtype).element_size()
+        if len(runs) > 64 and (span - _numel(sizes)) * element <= _SPAN_SLACK_BYTES:
             # Many short runs close together: one read of their span, then a strided copy.
-            whole = torch.empty(span, dtype=dtype)
+            whole = self._temp(span, dtype, gpu)
             self.reads.append((name, runs[0][0], whole))
-            box = whole.as_strided(sizes, _strides(shape))
-            self.after.append(lambda: (target.copy_(box), done()))
+            self.copies.append((target, whole.as_strided(sizes, _strides(shape))))
             self.spare += span * element
         else:
+            out = target if direct else self._temp(_numel(sizes), dtype, gpu).view(sizes)
             flat = out.view(-1)
             at = 0
             for begin, count in runs:
                 self.reads.append((name, begin, flat[at:at + count]))
                 at += count
-            self.after.append(done if direct else (lambda: (target.copy_(out), done())))
-            self.spare += 0 if direct else out.numel() * element
+            if not direct:
+                self.copies.append((target, out))
+                self.spare += out.numel() * element
+        self.done.append(done)
         if self.spare >= self.batch_bytes:
             self.flush()
 
     def flush(self):
         self.reader.read_many(self.reads)
-        for then in self.after:
+        gpu = False
+        for target, box in self.copies:
+            gpu |= target.device.type == "cuda"
+            target.copy_(box, non_blocking=box.is_pinned())
+        if gpu:
+            torch.cuda.synchronize()  # The arena is reused, and done() sees the data in place.
+        for then in self.done:
             then()
-        self.reads, self.after, self.spare = [], [], 0
+        self.reads, self.copies, self.done = [], [], []
+        self.spare = self.used = 0
 
 
 class StorageReader(_DcpReader):
