@@ -91,7 +91,7 @@ def test_a_model_and_its_staged_adamw_round_trip_exactly(tmp_path, how):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
-def test_the_step_is_a_ckpt_step_that_verifies_and_inspects(tmp_path):
+def test_the_step_is_a_ckpt_step_that_verifies_inspects_and_diffs(tmp_path):
     root = str(tmp_path / "root")
     model, _, _ = trained(1)
     dcp.save({"model": model.state_dict()},
@@ -101,6 +101,16 @@ def test_the_step_is_a_ckpt_step_that_verifies_and_inspects(tmp_path):
     shown = subprocess.run([tool(), "inspect", root], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "model.0.weight" in shown.stdout and "dcp.metadata" in shown.stdout, shown.stdout
+    # The same weights in another root compare equal; a changed one differs, by name.
+    other = str(tmp_path / "other")
+    dcp.save({"model": model.state_dict()}, storage_writer=ckpt.dcp.StorageWriter(other, 1))
+    same = subprocess.run([tool(), "diff", root, other], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    with torch.no_grad():
+        model[0].bias[3] += 1
+    dcp.save({"model": model.state_dict()}, storage_writer=ckpt.dcp.StorageWriter(other, 2))
+    changed = subprocess.run([tool(), "diff", root, other], capture_output=True, text=True)
+    assert changed.returncode == 1 and "model.0.bias" in changed.stdout, changed.stdout
     # A step is saved once: saving it again is refused (LATEST already names it).
     with pytest.raises(REFUSED, match="not newer than LATEST"):
         dcp.save({"model": model.state_dict()}, storage_writer=ckpt.dcp.StorageWriter(root, 12))
