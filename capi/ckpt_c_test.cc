@@ -279,6 +279,7 @@ TEST(CkptCTest, StoreTransactionsAndReadersRoundTripTensorsAndBlobs) {
   ASSERT_EQ(ckpt_reader_blob(reader, "meta", 0, nullptr, 0, &len), CKPT_OK);
   ASSERT_EQ(len, 5u);
   char text[5] = {};
+  EXPECT_EQ(ckpt_reader_blob(reader, "meta", 0, text, 4, &len), CKPT_OUT_OF_RANGE);
   ASSERT_EQ(ckpt_reader_blob(reader, "meta", 0, text, sizeof(text), &len), CKPT_OK);
   EXPECT_EQ(std::string(text, 5), "hello");
   EXPECT_EQ(ckpt_reader_blob(reader, "meta", 1, text, sizeof(text), &len), CKPT_NOT_FOUND);

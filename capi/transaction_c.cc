@@ -225,7 +225,13 @@ int ckpt_reader_blob(const ckpt_reader* reader, const char* name, uint32_t rank,
     absl::StatusOr<std::string> blob = reader->reader->ReadBlob(name, rank);
     if (!blob.ok()) return Fail(blob.status());
     *len = blob->size();
-    if (out != nullptr && capacity >= blob->size()) std::memcpy(out, blob->data(), blob->size());
+    if (out == nullptr || capacity == 0) return CKPT_OK;  // Asked for the size only.
+    if (capacity < blob->size()) {
+      return Fail(absl::OutOfRangeError(absl::StrCat("blob \"", name, "\" holds ", blob->size(),
+                                                     " bytes, more than the ", capacity,
+                                                     " given")));
+    }
+    std::memcpy(out, blob->data(), blob->size());
     return CKPT_OK;
   });
 }

@@ -46,6 +46,7 @@ import io
 import os
 import pickle
 import re
+import threading
 import weakref
 
 import torch
@@ -278,6 +279,11 @@ class StorageWriter(_DcpWriter):
         self._store = None
         self._save = None
         self._use_collectives = True
+        # A save is in progress from the coordinator's begin (step 2) to its finish (step 4),
+        # and on any rank while its writes run (step 3), possibly in dcp.async_save's thread:
+        # another save through this writer meanwhile is refused, not allowed to free its handles.
+        self._lock = threading.Lock()
+        self._writing = 0
         finalizer = weakref.finalize(self, StorageWriter._release, self.__dict__)
         finalizer.atexit = False
 
@@ -291,11 +297,27 @@ class StorageWriter(_DcpWriter):
             store.close()
 
     def close(self):
-        """Abandons a save DCP did not finish and lets go of the store (its LOCK)."""
-        StorageWriter._release(self.__dict__)
+        """Abandons a save DCP did not finish (it skips finish when a rank fails before its
+        writes: call close() after a failed dcp.save to let go of the store's LOCK at once) and
+        lets go of the store. Waits for writes running in another thread."""
+        with self._lock:
+            if self._writing:
+                raise RuntimeError("ckpt.dcp.StorageWriter: a save is writing through this "
+                                   "writer in another thread (dcp.async_save); wait for it")
+            StorageWriter._release(self.__dict__)
+
+    def _idle(self):
+        with self._lock:
+            if self._writing or self._save is not None:
+                step = self._save.step if self._save is not None else self.step
+                raise RuntimeError(
+                    f"ckpt.dcp.StorageWriter: the save of step {step} through this writer has "
+                    "not finished (an async save still running, or a save that failed before "
+                    "its finish: then call close()); use one writer per save in flight")
+            StorageWriter._release(self.__dict__)
 
     def reset(self, checkpoint_id=None):
-        self.close()
+        self._idle()
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             root, step = split_checkpoint_id(checkpoint_id)
@@ -311,9 +333,15 @@ class StorageWriter(_DcpWriter):
             return False
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
-        self.close()
+        self._idle()
         self.is_coordinator = is_coordinator
         self._use_collectives = kwargs.get("use_collectives", True)
+        dist = torch.distributed
+        if not self._use_collectives and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            # Each rank would commit its own chunks as the whole step.
+            raise ValueError("ckpt.dcp.StorageWriter commits one step for the whole job: it "
+                             "needs DCP's collectives (use_collectives=True)")
 
     def prepare_local_plan(self, plan):
         # Step 1.
@@ -324,13 +352,15 @@ class StorageWriter(_DcpWriter):
         if self.root is None or self.step is None:
             raise ValueError("ckpt.dcp.StorageWriter needs a root and a step: pass them, or a "
                              "checkpoint_id naming <root>/step-<N>")
-        if len(plans) > 1 and not self._use_collectives:
-            raise ValueError("ckpt.dcp.StorageWriter commits one step for the whole job: it "
-                             "needs DCP's collectives (use_collectives=True)")
+        if not all(getattr(p, "usable", True) for p in plans):
+            # DCP would replay a cached plan, carrying an earlier save's begin message.
+            raise ValueError("ckpt.dcp.StorageWriter needs every save planned afresh: a "
+                             "planner with enable_plan_caching=True replays an earlier save's "
+                             "plan")
         size = len(plans)
         me = next((i for i, p in enumerate(plans)
                    if isinstance(p.storage_data, dict) and p.storage_data.get("coordinator")), 0)
-        self.close()
+        self._idle()
         self._store = _open_store(self.root, True, keep_last=self.keep_last,
                                   keep_every=self.keep_every)
         self._save = _Save(self._store, self.step, 0, size)
@@ -340,14 +370,29 @@ class StorageWriter(_DcpWriter):
 
     def write_data(self, plan, planner):
         # Step 3.
+        with self._lock:
+            self._writing += 1
+        try:
+            results = self._write(plan, planner)
+        finally:
+            with self._lock:
+                self._writing -= 1
+        future = Future()
+        future.set_result(results)
+        return future
+
+    def _write(self, plan, planner):
         where = plan.storage_data
         results, error = [], None
         save = self._save
         try:
             if not isinstance(where, dict) or "rank" not in where:
                 raise RuntimeError("this DCP plan was not prepared by ckpt.dcp.StorageWriter")
+            if self.step is not None and where["step"] != self.step:
+                raise RuntimeError(f"this rank's writer saves step {self.step}, the "
+                                   f"coordinator's step {where['step']}")
             if where["rank"] != 0:
-                self.close()
+                StorageWriter._release(self.__dict__)
                 self._store = _open_store(self.root, False)
                 save = _Save(self._store, where["step"], where["rank"], where["size"],
                              where["begin"])
@@ -360,13 +405,11 @@ class StorageWriter(_DcpWriter):
                 vote = save.vote()
             except Exception as e:
                 error = error or f"{type(e).__name__}: {e}"
-            self.close()
+            StorageWriter._release(self.__dict__)
         rank = where.get("rank") if isinstance(where, dict) else None
         results.append(WriteResult(index=_VOTE_INDEX, size_in_bytes=0,
                                    storage_data=(rank, vote, error)))
-        future = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def finish(self, metadata, results):
         # Step 4.
@@ -395,7 +438,8 @@ class StorageWriter(_DcpWriter):
             self._save = None
             save.commit([votes[r] for r in range(1, save.size)])
         finally:
-            self.close()
+            with self._lock:
+                StorageWriter._release(self.__dict__)
 
     def storage_meta(self):
         return None
@@ -587,12 +631,13 @@ class _BoxReads:
 
     def flush(self):
         self.reader.read_many(self.reads)
-        gpu = False
+        devices = set()
         for target, box in self.copies:
-            gpu |= target.device.type == "cuda"
+            if target.device.type == "cuda":
+                devices.add(target.device)
             target.copy_(box, non_blocking=box.is_pinned())
-        if gpu:
-            torch.cuda.synchronize()  # The arena is reused, and done() sees the data in place.
+        for device in devices:
+            torch.cuda.synchronize(device)  # The arena is reused; done() sees the data in place.
         for then in self.done:
             then()
         self.reads, self.copies, self.done = [], [], []

@@ -1,12 +1,15 @@
 """One rank of the DCP storage tests (test_dcp_storage.py): DTensors sharded over gloo, saved
 and loaded through ckpt.dcp. Usage:
-    dcp_worker.py RANK WORLD INIT_FILE ROOT (save STEP | fail STEP | load | kill STEP)
+    dcp_worker.py RANK WORLD INIT_FILE ROOT (save STEP | fail STEP | load | kill STEP |
+                                             nocoll STEP)
 save: rows Shard(0), cols and wide Shard(1) (chunks that are not ranges of the flat index), a
 replicated tensor and a Python value, as step STEP. fail: as save, but rank 1's writes raise
 after its first tensor. load: every tensor as Shard(0) at this world size (wide as Shard(1)),
 each rank's shard checked against the full tensors. kill: as save, but rank 1 is SIGKILLed after its first tensor
-(rank 0 then sees the job fail)."""
+(rank 0 then sees the job fail). nocoll: dcp.save(use_collectives=False), which every
+rank must refuse."""
 import datetime
+import inspect
 import os
 import signal
 import sys
@@ -35,7 +38,18 @@ def main():
                             timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
     want = full()
-    if mode in ("save", "fail", "kill"):
+    if mode == "nocoll" and "use_collectives" not in inspect.signature(dcp.save).parameters:
+        print("REFUSED WITHOUT COLLECTIVES (this torch's dcp.save always uses them)")
+    elif mode == "nocoll":
+        # Each rank would save its chunks alone as the whole step: refused on every rank.
+        state = {"rows": distribute_tensor(want["rows"], mesh, [Shard(0)])}
+        try:
+            dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, step=int(sys.argv[6])),
+                     use_collectives=False)
+        except (Exception, dcp.api.CheckpointException) as e:
+            assert "needs DCP's collectives" in str(e), str(e)
+            print("REFUSED WITHOUT COLLECTIVES")
+    elif mode in ("save", "fail", "kill"):
         step = int(sys.argv[6])
         state = {"model": {"rows": distribute_tensor(want["rows"], mesh, [Shard(0)]),
                            "cols": distribute_tensor(want["cols"], mesh, [Shard(1)]),

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -139,6 +140,51 @@ def test_an_unstorable_dtype_is_refused_by_name_and_publishes_nothing(tmp_path):
     assert not [e for e in os.listdir(root) if e.startswith(".staging")]
 
 
+def test_a_caching_planner_is_refused_by_name_and_publishes_nothing(tmp_path):
+    root = str(tmp_path / "root")
+    planner = dcp.DefaultSavePlanner(enable_plan_caching=True) \
+        if "enable_plan_caching" in dcp.DefaultSavePlanner.__init__.__code__.co_varnames \
+        else pytest.skip("this torch's DefaultSavePlanner caches no plans")
+    weights = {"w": torch.randn(4)}
+    dcp.save(weights, storage_writer=ckpt.dcp.StorageWriter(root, step=1), planner=planner)
+    with pytest.raises(REFUSED, match="enable_plan_caching"):
+        dcp.save(weights, storage_writer=ckpt.dcp.StorageWriter(root, step=2), planner=planner)
+    assert ckpt.dcp.latest_step(root) == 1
+    assert not [e for e in os.listdir(root) if e.startswith(".staging")]
+
+
+def test_a_writer_serves_one_save_at_a_time(tmp_path, monkeypatch):
+    if not hasattr(dcp, "async_save"):
+        pytest.skip("this torch has no dcp.async_save")
+    root = str(tmp_path / "root")
+    writer = ckpt.dcp.StorageWriter(root, step=1)
+    weights = {"w": torch.randn(64)}
+    writing, release = threading.Event(), threading.Event()
+    write_items = ckpt.dcp._write_items
+
+    def held(*args):
+        writing.set()
+        release.wait(60)
+        write_items(*args)
+    monkeypatch.setattr(ckpt.dcp, "_write_items", held)
+    pending = dcp.async_save(weights, storage_writer=writer)
+    pending = getattr(pending, "upload_completion", pending)
+    assert writing.wait(60)
+    # The async save is writing through `writer`: a second save through it, or closing it,
+    # is refused instead of freeing the handles the first one uses.
+    writer.step = 2
+    with pytest.raises(REFUSED, match="not finished|another thread"):
+        dcp.save(weights, storage_writer=writer)
+    with pytest.raises(RuntimeError, match="another thread"):
+        writer.close()
+    release.set()
+    pending.result()
+    assert ckpt.dcp.latest_step(root) == 1
+    monkeypatch.setattr(ckpt.dcp, "_write_items", write_items)
+    dcp.save(weights, storage_writer=writer)  # Once it finished, the writer saves again.
+    assert ckpt.dcp.latest_step(root) == 2
+
+
 KILLED_SAVE = r"""
 import os, signal, sys, torch
 import torch.distributed.checkpoint as dcp
@@ -198,6 +244,13 @@ def test_two_ranks_save_and_one_and_three_ranks_load(tmp_path):
         assert torch.equal(state["model"][name], t), name
     shown = subprocess.run([tool(), "verify", root], capture_output=True, text=True)
     assert shown.returncode == 0, shown.stdout + shown.stderr
+
+
+def test_ranks_saving_without_collectives_are_refused(tmp_path):
+    root = str(tmp_path / "root")
+    for r, (code, out) in enumerate(launch(2, tmp_path, "nocoll", root, "nocoll", "1")):
+        assert code == 0 and "REFUSED WITHOUT COLLECTIVES" in out, f"rank {r}:\n{out}"
+    assert ckpt.dcp.latest_step(root) is None
 
 
 @pytest.mark.parametrize("mode", ["fail", "kill"])

@@ -72,3 +72,34 @@ def test_a_run_killed_during_an_async_save_resumes_from_the_last_complete_folder
             resume=os.path.join(checkpoints, "checkpoint_2"))
     resumed, _ = run(tmp_path / "r", root, kind, 8, save_every=0, resume=folder)
     assert all(torch.equal(a, b) for a, b in zip(params, resumed))
+
+
+def test_two_optimizers_keep_their_own_steps_in_their_own_stores(tmp_path):
+    import accelerate
+    from accelerate.utils import ProjectConfiguration
+
+    import ckpt.torch
+    from ckpt.integrations.accelerate import attach
+    acc = accelerate.Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path / "p"), automatic_checkpoint_naming=True, total_limit=2))
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    a, b, opt_a, opt_b = acc.prepare(a, b, ckpt.torch.StagedAdamW(a.parameters(), lr=1e-2),
+                                     ckpt.torch.StagedAdamW(b.parameters(), lr=1e-2))
+    keepers = [attach(acc, opt_a, str(tmp_path / "sa")), attach(acc, opt_b, str(tmp_path / "sb"))]
+    for step in range(1, 9):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+        acc.backward(b(a(x)).sum())
+        opt_a.step()  # Every step.
+        if step % 2 == 0:
+            opt_b.step()  # Every other step: its step count is half of a's.
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        if step % 2 == 0:
+            acc.save_state()
+    for keeper in keepers:
+        keeper.close()
+    folders = [tmp_path / "p" / "checkpoints" / f for f in ("checkpoint_2", "checkpoint_3")]
+    for name, store, steps in (("optimizer.bin", "sa", [6, 8]), ("optimizer_1.bin", "sb", [3, 4])):
+        assert [torch.load(f / name, weights_only=True)["ckpt"]["step"] for f in folders] == steps
+        assert store_steps(str(tmp_path / store)) == steps, store

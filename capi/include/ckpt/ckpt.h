@@ -387,8 +387,9 @@ CKPT_C_EXPORT int ckpt_reader_read_many(const ckpt_reader* reader, size_t n,
                                         const char* const* tensors, const uint64_t* begins,
                                         const uint64_t* counts, void* const* outs,
                                         const size_t* bytes);
-/* Blob `name` of rank `rank`: *len is its size, and its bytes are copied to `out` when
- * `capacity` holds them (call with capacity 0 to learn the size). NOT_FOUND when absent. */
+/* Blob `name` of rank `rank`: *len is its size, and its bytes are copied to `out` (call with
+ * out NULL or capacity 0 to learn the size only; OUT_OF_RANGE, copying nothing, when
+ * `capacity` is smaller than the blob). NOT_FOUND when absent. */
 CKPT_C_EXPORT int ckpt_reader_blob(const ckpt_reader* reader, const char* name, uint32_t rank,
                                    void* out, size_t capacity, size_t* len);
 

@@ -28,8 +28,8 @@ The protocol, for save_state() at optimizer step N:
 4. The save commits after a later optimizer step once its writer is done (a step post-hook),
    at the next save_state, or at keeper.finalize() / keeper.close(). Until then the folder is
    incomplete: a run killed meanwhile leaves a folder whose step N is not committed.
-5. Resume: last_complete_checkpoint(dir) names the newest folder whose RNG state is written and
-   whose optimizer step is committed; load_state(folder) loads optimizer.bin, whose reference
+5. Resume: last_complete_checkpoint(dir) names the newest folder whose RNG state (and custom
+   objects' files, when told how many) is written and whose optimizer step is committed; load_state(folder) loads optimizer.bin, whose reference
    loads step N through ckpt.Checkpointer (exactly; an older step than LATEST is adopted so the
    run's next saves are accepted).
 
@@ -46,8 +46,14 @@ from ._store import StoreKeeper, references_committed
 __all__ = ["attach", "last_complete_checkpoint", "AccelerateKeeper"]
 
 _FOLDER = re.compile(r"checkpoint_(\d+)")
-_OPTIMIZER = "optimizer.bin"
-_LAST_FILE = "random_states_0.pkl"  # What save_accelerator_state writes last (rank 0).
+_OPTIMIZERS = re.compile(r"optimizer(_\d+)?\.bin")
+# What save_accelerator_state writes last (rank 0); custom objects come after it.
+_RNG_FILE = "random_states_0.pkl"
+
+
+def _optimizer_file(index):
+    # Accelerate's names: optimizer.bin, optimizer_1.bin, ...
+    return "optimizer.bin" if index == 0 else f"optimizer_{index}.bin"
 
 
 def _folders(directory):
@@ -59,15 +65,24 @@ def _folders(directory):
     return [path for _, path in sorted(found)]
 
 
-def _reference_step(folder):
-    """The ckpt step folder's optimizer.bin refers to, or None (absent, torn, not a reference)."""
+def _load(path):
+    """A saved optimizer file's contents, or None (absent or torn)."""
     try:
-        saved = torch.load(os.path.join(folder, _OPTIMIZER), map_location="cpu",
-                           weights_only=True)
-    except Exception:  # Absent or torn: it names nothing.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # Absent or torn: it holds nothing.
         return None
+
+
+def _reference_step(folder, index, root):
+    """The step of the ckpt store at `root` that optimizer `index`'s file in `folder` refers
+    to, or None (absent, torn, not a reference, or a reference to another store)."""
+    saved = _load(os.path.join(folder, _optimizer_file(index)))
     ref = saved.get("ckpt") if isinstance(saved, dict) else None
-    step = ref.get("step") if isinstance(ref, dict) else None
+    if not isinstance(ref, dict) or not isinstance(ref.get("root"), str):
+        return None
+    if os.path.realpath(ref["root"]) != os.path.realpath(root):
+        return None
+    step = ref.get("step")
     return step if isinstance(step, int) else None
 
 
@@ -87,6 +102,13 @@ class AccelerateKeeper:
         self.keeper = StoreKeeper(root, async_save=async_save, **checkpointer_options)
         self.keeper.attach(opt, lambda: _optimizer_step(opt))
         self.optimizer = opt
+        # Which of the accelerator's optimizers this is: its file is optimizer_<index>.bin.
+        self.index = next((i for i, o in enumerate(accelerator._optimizers)
+                           if getattr(o, "optimizer", o) is opt), None)
+        if self.index is None:
+            self.keeper.close()
+            raise ValueError("attach the optimizer accelerator.prepare() returned (or its "
+                             "StagedAdamW): this one is not among the accelerator's optimizers")
         self._handles = [
             accelerator.register_save_state_pre_hook(self._before_save),
             opt.register_step_post_hook(lambda *_: self.keeper.finalize_if_written()),
@@ -111,7 +133,7 @@ class AccelerateKeeper:
         if directory is not None:
             referenced = set()
             for folder in _folders(directory):
-                named = _reference_step(folder)
+                named = _reference_step(folder, self.index, self.keeper.root)
                 if named is not None:
                     referenced.add(named)
                     self.keeper.note_file(folder, named)
@@ -142,18 +164,19 @@ def attach(accelerator, optimizer, root, *, async_save=True, **checkpointer_opti
                             **checkpointer_options)
 
 
-def last_complete_checkpoint(directory):
+def last_complete_checkpoint(directory, custom_objects=0):
     """The newest checkpoint_<i> folder of `directory` (accelerate's project_dir/checkpoints)
-    that a resume can use, or None: its last file (the RNG state) is written, and when its
-    optimizer.bin refers to a ckpt step, that step is committed."""
+    that a resume can use, or None: its RNG state is written (and the files of the first
+    `custom_objects` objects registered with register_for_checkpointing, which accelerate
+    writes after it), and every optimizer file that refers to a ckpt step names a committed
+    one."""
     for folder in reversed(_folders(directory)):
-        if not os.path.isfile(os.path.join(folder, _LAST_FILE)):
+        wanted = [_RNG_FILE] + [f"custom_checkpoint_{i}.pkl" for i in range(custom_objects)]
+        if not all(os.path.isfile(os.path.join(folder, name)) and
+                   os.path.getsize(os.path.join(folder, name)) > 0 for name in wanted):
             continue
-        try:
-            saved = torch.load(os.path.join(folder, _OPTIMIZER), map_location="cpu",
-                               weights_only=True)
-        except Exception:  # Absent or torn: this folder is not complete.
-            continue
-        if references_committed([saved]):
+        files = [name for name in os.listdir(folder) if _OPTIMIZERS.fullmatch(name)]
+        saved = [_load(os.path.join(folder, name)) for name in files]
+        if files and all(s is not None for s in saved) and references_committed(saved):
             return folder
     return None
