@@ -122,6 +122,13 @@ struct ExportHfArgs {
 };
 int RunExportHf(const ExportHfArgs& args);
 
+struct BenchStartupArgs {
+  uint64_t params = 0;
+  std::string engine = "cpu";  // cpu or cuda.
+  bool json = false;
+};
+int RunBenchStartup(const BenchStartupArgs& args);
+
 struct BenchReshardArgs {
   std::string dir;
   uint64_t params = 0;

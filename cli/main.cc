@@ -201,6 +201,16 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, 256));
   bench_reshard_cmd->add_flag("--json", bench_reshard.json, "Print one JSON object");
 
+  BenchStartupArgs bench_startup;
+  CLI::App* startup_cmd = bench_cmd->add_subcommand(
+      "startup", "Building a StagedAdamW against the host's first-touch and pinning rates");
+  startup_cmd->add_option("--params", bench_startup.params, "Parameters (BF16 weights)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX / 16));
+  startup_cmd->add_option("--engine", bench_startup.engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  startup_cmd->add_flag("--json", bench_startup.json, "Print one JSON object");
+
   BenchCkptArgs bench_ckpt;
   CLI::App* ckpt_cmd = bench_cmd->add_subcommand(
       "ckpt", "Save and load optimizer state through Checkpointer against O_DIRECT bounds");
@@ -355,6 +365,7 @@ int main(int argc, char** argv) {
   if (adamw_cmd->parsed()) return RunBenchAdamw(bench_adamw);
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
   if (bench_reshard_cmd->parsed()) return RunBenchReshard(bench_reshard);
+  if (startup_cmd->parsed()) return RunBenchStartup(bench_startup);
   if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);
   std::cerr << app.help();
   return kExitUsage;

@@ -26,11 +26,11 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngine(const StagedAdam
 namespace internal {
 
 #if !CKPT_HAVE_CUDA
-absl::StatusOr<void*> AllocatePinned(size_t bytes) {
+absl::Status RegisterPinned(void*, size_t bytes) {
   return absl::UnimplementedError(
       absl::StrCat("pinned host memory (", bytes, " bytes) needs a CUDA build"));
 }
-void FreePinned(void*) {}
+void UnregisterPinned(void*) {}
 #endif
 
 }  // namespace internal

@@ -11,9 +11,9 @@ namespace ckpt::optimizer::internal {
 
 // Move-only. Memory is page-aligned plus `stagger` bytes, so that slabs of equal size do not
 // start at the same offset within a page (equal alignment makes the three streams of one
-// update alias in the L1 cache and costs up to 2.4x on an EPYC). Zero-filled. With `pinned`,
-// the pages come from cudaHostAlloc (CUDA builds) so the GPU can DMA them; otherwise from
-// aligned_alloc.
+// update alias in the L1 cache and costs up to 2.4x on an EPYC). Zero-filled, by every core at
+// once (ZeroInParallel). With `pinned`, the pages are then registered with CUDA (CUDA builds)
+// so the GPU can DMA them.
 // The stagger between the slabs (master 0, exp_avg 1x, exp_avg_sq 2x).
 inline constexpr size_t kSlabStagger = 1024 + 64;
 
@@ -43,10 +43,15 @@ class HostBuffer {
   bool pinned_ = false;
 };
 
-// Pinned host memory (CUDA builds only): defined in optimizer/cuda/pinned.cc, or returns
-// kUnimplemented. Freed with FreePinned.
-absl::StatusOr<void*> AllocatePinned(size_t bytes);
-void FreePinned(void* p);
+// Zero-fills [base, base + bytes) on up to every core, in chunks: the first touch of each page
+// (the kernel allocating it) then runs in parallel.
+void ZeroInParallel(void* base, size_t bytes);
+
+// Pins host memory already allocated (and touched) for DMA, and unpins it (CUDA builds only:
+// optimizer/cuda/cuda_engine.cc; otherwise RegisterPinned returns kUnimplemented).
+// kResourceExhausted when the driver cannot pin that much.
+absl::Status RegisterPinned(void* base, size_t bytes);
+void UnregisterPinned(void* base);
 
 }  // namespace ckpt::optimizer::internal
 

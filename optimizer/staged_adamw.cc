@@ -5,7 +5,9 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +16,7 @@
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
+#include "optimizer/thread_pool.h"
 #include "optimizer/unit_fence.h"
 
 namespace ckpt::optimizer {
@@ -219,14 +222,24 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
         opt->slabs_->max_exp_avg_sq,
         internal::HostBuffer::Create(size * moment_bytes, 3 * internal::kSlabStagger, pinned));
   }
-  const std::span<float> master = opt->mutable_master();
+  // The first copy of the weights into the masters, on every core: (piece, block) tasks.
+  constexpr uint64_t kBlock = uint64_t{1} << 22;
+  std::vector<std::pair<size_t, uint64_t>> tasks;
   for (size_t k = 0; k < opt->piece_dtypes_.size(); ++k) {
-    const uint64_t at = opt->piece_starts_[k], n = opt->piece_starts_[k + 1] - at;
-    formats::Convert(opt->piece_dtypes_[k],
-                     model_weights.subspan(opt->piece_bytes_[k],
-                                           n * formats::DTypeSize(opt->piece_dtypes_[k])),
-                     DType::kF32, std::as_writable_bytes(master.subspan(at, n)));
+    const uint64_t n = opt->piece_starts_[k + 1] - opt->piece_starts_[k];
+    for (uint64_t b = 0; b < n; b += kBlock) tasks.emplace_back(k, b);
   }
+  const std::span<float> master = opt->mutable_master();
+  internal::ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  pool.ParallelFor(tasks.size(), [&](size_t t) {
+    const auto [k, b] = tasks[t];
+    const uint64_t at = opt->piece_starts_[k] + b;
+    const uint64_t n = std::min(kBlock, opt->piece_starts_[k + 1] - at);
+    const size_t esize = formats::DTypeSize(opt->piece_dtypes_[k]);
+    formats::Convert(opt->piece_dtypes_[k],
+                     model_weights.subspan(opt->piece_bytes_[k] + b * esize, n * esize),
+                     DType::kF32, std::as_writable_bytes(master.subspan(at, n)));
+  });
   return opt;
 }
 

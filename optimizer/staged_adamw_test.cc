@@ -11,6 +11,7 @@
 
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
+#include "optimizer/host_buffer.h"
 #include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
@@ -779,4 +780,36 @@ TEST(UnitTest, UnitsAreBoundedAndNeverCrossGroups) {
 }
 
 }  // namespace
+// Start-up runs on every core: slabs are zero-filled in 64 MiB chunks by a pool, and the
+// weights are copied into the masters in blocks of 2^22 elements. A buffer of several chunks
+// is zero everywhere, and masters across block and piece edges equal the weights converted.
+TEST(StartupTest, SlabsAreZeroAndMastersEqualTheWeightsAcrossBlocks) {
+  absl::StatusOr<internal::HostBuffer> big =
+      internal::HostBuffer::Create((size_t{200} << 20) + 12345, internal::kSlabStagger, false);
+  CKPT_ASSERT_OK(big);
+  const std::byte* p = big->data();
+  size_t nonzero = 0;
+  for (size_t i = 0; i < big->size(); i += 4093) nonzero += p[i] != std::byte{0};
+  nonzero += p[big->size() - 1] != std::byte{0};
+  EXPECT_EQ(nonzero, 0u);
+
+  const uint64_t n = (uint64_t{1} << 22) * 2 + 1001;  // Three blocks, the last partial.
+  StagedAdamWOptions o;
+  o.params = {{"a", {n}, DType::kBF16, 0}, {"b", {7}, DType::kBF16, 0}};
+  o.groups = {ParamGroup{}};
+  o.pieces = {{0, 0, n}, {1, 0, 7}};
+  std::vector<uint16_t> weights(n + 7);
+  for (uint64_t i = 0; i < weights.size(); ++i) {
+    weights[i] = FloatToBf16(static_cast<float>(i % 9973) * 0.25f - 7.0f);
+  }
+  absl::StatusOr<std::unique_ptr<StagedAdamW>> opt =
+      StagedAdamW::Create(o, std::as_bytes(std::span(weights)));
+  CKPT_ASSERT_OK(opt);
+  const std::span<const float> master = (*opt)->master();
+  ASSERT_EQ(master.size(), weights.size());
+  for (uint64_t i = 0; i < weights.size(); ++i) {
+    ASSERT_EQ(master[i], Bf16ToFloat(weights[i])) << "element " << i;
+  }
+}
+
 }  // namespace ckpt::optimizer

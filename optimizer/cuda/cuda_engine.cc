@@ -416,12 +416,11 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
   return std::unique_ptr<internal::Engine>(std::move(engine));
 }
 
-absl::StatusOr<void*> AllocatePinned(size_t bytes) {
-  void* p = nullptr;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
-  return p;
+absl::Status RegisterPinned(void* base, size_t bytes) {
+  CKPT_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable));
+  return absl::OkStatus();
 }
 
-void FreePinned(void* p) { cudaFreeHost(p); }
+void UnregisterPinned(void* base) { cudaHostUnregister(base); }
 
 }  // namespace ckpt::optimizer::internal
