@@ -88,6 +88,14 @@ def split_checkpoint_id(checkpoint_id):
     return head or ".", int(match.group(1))
 
 
+def _names_a_step(checkpoint_id):
+    """DCP's validate_checkpoint_id, for the writer and the reader: an id naming a step."""
+    try:
+        return split_checkpoint_id(checkpoint_id)[1] is not None
+    except TypeError:
+        return False
+
+
 def latest_step(root):
     """The step LATEST of store `root` names (what a resume loads), or None when nothing is
     committed there (or there is no store)."""
@@ -325,12 +333,7 @@ class StorageWriter(_DcpWriter):
             if step is not None:
                 self.step = step
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        try:
-            return split_checkpoint_id(checkpoint_id)[1] is not None
-        except TypeError:
-            return False
+    validate_checkpoint_id = classmethod(lambda cls, checkpoint_id: _names_a_step(checkpoint_id))
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
         self._idle()
@@ -670,12 +673,7 @@ class StorageReader(_DcpReader):
             self.checkpoint_id = checkpoint_id
             self.root, self.step = split_checkpoint_id(checkpoint_id)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        try:
-            return split_checkpoint_id(checkpoint_id)[1] is not None
-        except TypeError:
-            return False
+    validate_checkpoint_id = classmethod(lambda cls, checkpoint_id: _names_a_step(checkpoint_id))
 
     def _open(self):
         if self._reader is not None:
