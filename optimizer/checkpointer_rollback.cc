@@ -216,8 +216,11 @@ absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
                                     absl::string_view what, bool* undo_spilled,
                                     bool* undo_derived) {
   // Step 2.
-  absl::StatusOr<std::unique_ptr<Undo>> undo = FixUndoSource(exclude);
-  absl::Status fixed = undo.ok() ? absl::OkStatus() : undo.status();
+  // A load under an open overlapped step would change the state its speculation started from.
+  absl::Status fixed = optimizer_->CheckNoOverlap(what);
+  absl::StatusOr<std::unique_ptr<Undo>> undo =
+      fixed.ok() ? FixUndoSource(exclude) : absl::StatusOr<std::unique_ptr<Undo>>(fixed);
+  if (fixed.ok() && !undo.ok()) fixed = undo.status();
   auto remove_spill = [&] {
     if (undo.ok()) RemoveSpill(**undo);
   };

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -37,32 +38,47 @@ class CpuEngine : public internal::Engine {
         if (k == nullptr) return absl::InvalidArgumentError("unsupported grad or model dtype");
       }
     }
-    const std::vector<Task> tasks = Tasks(args, units, plan, slabs,
-                                          internal::TaskElems(elements, pool_.size()),
-                                          ElementBytes(args.grad_dtype));
+    const uint64_t task_elems = internal::TaskElems(elements, pool_.size());
+    const size_t gsize = ElementBytes(args.grad_dtype);
     StepReport report;
     if (args.check_finite) {
-      CheckFinite(args, tasks, &report);
+      CheckFinite(args, Tasks(args, units, plan, slabs, task_elems, gsize), &report);
       if (report.nonfinite > 0) {
         report.skipped = true;
         return report;
       }
     }
+    // Out of place, skipped runs make tasks too: their state is copied across.
+    const std::vector<Task> tasks =
+        Tasks(args, units, plan, slabs, task_elems, gsize, slabs.out_of_place());
     const size_t msize = MomentBytes(slabs.moment_dtype);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
+      const bool has_max = slabs.max_exp_avg_sq != nullptr;
+      if (t.constants == StepPlan::kSkipped) {
+        CopyAcross(slabs, t.offset, t.count, msize, has_max);
+        return;
+      }
       const StepConstants& c = plan.constants[t.constants];
       // A group without amsgrad leaves max_exp_avg_sq alone (zero, as torch keeps none).
-      const bool ams = c.amsgrad && slabs.max_exp_avg_sq != nullptr;
-      KernelArgs a{slabs.master + t.offset,
-                   slabs.exp_avg + t.offset * msize,
-                   slabs.exp_avg_sq + t.offset * msize,
-                   ams ? slabs.max_exp_avg_sq + t.offset * msize : nullptr,
+      const bool ams = c.amsgrad && has_max;
+      if (!ams && has_max && slabs.out_of_place()) {
+        std::memcpy(slabs.max_exp_avg_sq_out + t.offset * msize,
+                    slabs.max_exp_avg_sq + t.offset * msize, t.count * msize);
+      }
+      KernelArgs a{slabs.dest_master() + t.offset,
+                   slabs.dest_exp_avg() + t.offset * msize,
+                   slabs.dest_exp_avg_sq() + t.offset * msize,
+                   ams ? slabs.dest_max_exp_avg_sq() + t.offset * msize : nullptr,
                    t.grads,
                    t.params,
                    t.count,
                    args.grad_scale,
-                   c};
+                   c,
+                   slabs.master + t.offset,
+                   slabs.exp_avg + t.offset * msize,
+                   slabs.exp_avg_sq + t.offset * msize,
+                   ams ? slabs.max_exp_avg_sq + t.offset * msize : nullptr};
       kernels[ams ? 1 : 0][KernelIndex(t.dtype)](a);
     }, Participants());
     return report;
@@ -109,7 +125,7 @@ class CpuEngine : public internal::Engine {
  private:
   // A run of at most TaskElems elements of one unit that reads its gradients and writes its
   // weights contiguously, with one entry of the step's plan and one model dtype
-  // (ForEachSegment); skipped pieces make no tasks.
+  // (ForEachSegment); skipped pieces make none (but see Tasks' `with_skipped`).
   struct Task {
     uint64_t offset, count;
     uint32_t constants;  // Index into StepPlan::constants.
@@ -122,16 +138,34 @@ class CpuEngine : public internal::Engine {
     return d == formats::DType::kF32 ? 0 : d == formats::DType::kBF16 ? 1 : 2;
   }
 
+  // An out-of-place pass's copy of a skipped run: its state as it is, into the destination.
+  static void CopyAcross(const SlabView& slabs, uint64_t offset, uint64_t count, size_t msize,
+                         bool has_max) {
+    std::memcpy(slabs.master_out + offset, slabs.master + offset, count * 4);
+    std::memcpy(slabs.exp_avg_out + offset * msize, slabs.exp_avg + offset * msize,
+                count * msize);
+    std::memcpy(slabs.exp_avg_sq_out + offset * msize, slabs.exp_avg_sq + offset * msize,
+                count * msize);
+    if (has_max) {
+      std::memcpy(slabs.max_exp_avg_sq_out + offset * msize,
+                  slabs.max_exp_avg_sq + offset * msize, count * msize);
+    }
+  }
+
+  // `with_skipped`: skipped runs make tasks too (constants kSkipped, no buffers).
   static std::vector<Task> Tasks(const StepArgs& args, const std::vector<Unit>& units,
                                  const StepPlan& plan, const SlabView& slabs,
-                                 uint64_t task_elems, size_t gsize) {
+                                 uint64_t task_elems, size_t gsize, bool with_skipped = false) {
     std::vector<Task> tasks;
     for (const Unit& u : units) {
       ForEachSegment(
           args, slabs, plan, u.offset, u.count, gsize,
           [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
               uint32_t c, formats::DType dtype) {
-            if (c == StepPlan::kSkipped) return;
+            if (c == StepPlan::kSkipped) {
+              if (with_skipped) tasks.push_back({offset, count, c, dtype, nullptr, nullptr});
+              return;
+            }
             const size_t psize = ElementBytes(dtype);
             for (uint64_t d = 0; d < count; d += task_elems) {
               tasks.push_back({offset + d, std::min(task_elems, count - d), c, dtype,

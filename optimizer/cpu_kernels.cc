@@ -69,11 +69,15 @@ constexpr size_t kStreamBytes = D == DType::kF32 ? 4 : 2;
 
 template <DType G, DType M, bool A = false>
 inline void PrefetchStreams(const KernelArgs& a, size_t i) {
-  PrefetchLine(reinterpret_cast<const char*>(a.master + i));
+  // The math kernels' `a` has its sources set (WithSources); the memory-only ones run in place.
+  PrefetchLine(reinterpret_cast<const char*>((a.master_in ? a.master_in : a.master) + i));
   if (M == DType::kF32 || i % 32 == 0) {
-    PrefetchLine(static_cast<const char*>(a.exp_avg) + i * kStreamBytes<M>);
-    PrefetchLine(static_cast<const char*>(a.exp_avg_sq) + i * kStreamBytes<M>);
-    if constexpr (A) PrefetchLine(static_cast<const char*>(a.max_exp_avg_sq) + i * kStreamBytes<M>);
+    PrefetchLine(static_cast<const char*>(a.exp_avg_in ? a.exp_avg_in : a.exp_avg) +
+                 i * kStreamBytes<M>);
+    PrefetchLine(static_cast<const char*>(a.exp_avg_sq_in ? a.exp_avg_sq_in : a.exp_avg_sq) +
+                 i * kStreamBytes<M>);
+    if constexpr (A)
+      PrefetchLine(static_cast<const char*>(a.max_exp_avg_sq_in) + i * kStreamBytes<M>);
   }
   if (G == DType::kF32 || i % 32 == 0) {
     PrefetchLine(static_cast<const char*>(a.grads) + i * kStreamBytes<G>);
@@ -88,12 +92,12 @@ inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
   const StepConstants& c = a.c;
   for (size_t i = begin; i < end; ++i) {
     const float g = LoadGrad<G>(a.grads, i) * a.grad_scale;
-    float p = a.master[i] * c.decay;
-    const float m = c.beta1 * LoadGrad<M>(a.exp_avg, i) + c.omb1 * g;
-    const float v = c.beta2 * LoadGrad<M>(a.exp_avg_sq, i) + c.omb2 * (g * g);
+    float p = a.master_in[i] * c.decay;
+    const float m = c.beta1 * LoadGrad<M>(a.exp_avg_in, i) + c.omb1 * g;
+    const float v = c.beta2 * LoadGrad<M>(a.exp_avg_sq_in, i) + c.omb2 * (g * g);
     float d = v;  // What the denominator takes the root of.
     if constexpr (A) {
-      const float x = LoadGrad<M>(a.max_exp_avg_sq, i);
+      const float x = LoadGrad<M>(a.max_exp_avg_sq_in, i);
       d = (v > x || v != v) ? v : x;  // NOLINT: v != v is the NaN test.
       StoreParam<M>(a.max_exp_avg_sq, i, d);
     }
@@ -106,7 +110,8 @@ inline void ScalarRange(const KernelArgs& a, size_t begin, size_t end) {
 }
 
 template <DType G, DType P, DType M, bool A>
-void ScalarKernel(const KernelArgs& a) {
+void ScalarKernel(const KernelArgs& args) {
+  const KernelArgs a = WithSources(args);
   ScalarRange<G, P, M, A>(a, 0, a.n);
 }
 
@@ -168,7 +173,8 @@ __attribute__((target("avx2,f16c"))) inline void StoreParam8(void* p, size_t i, 
 }
 
 template <DType G, DType P, DType M, bool kMath, bool A>
-__attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
+__attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& args) {
+  const KernelArgs a = WithSources(args);
   const StepConstants& c = a.c;
   const __m256 scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(c.decay);
   const __m256 b1 = _mm256_set1_ps(c.beta1), b2 = _mm256_set1_ps(c.beta2);
@@ -181,13 +187,13 @@ __attribute__((target("avx2,f16c"))) void Avx2Loop(const KernelArgs& a) {
     const __m256 g = _mm256_mul_ps(LoadGrad8<G>(a.grads, i), scale);
     __m256 p, m, v;
     if constexpr (kMath) {
-      p = _mm256_mul_ps(_mm256_loadu_ps(a.master + i), decay);
-      m = _mm256_add_ps(_mm256_mul_ps(b1, LoadGrad8<M>(a.exp_avg, i)), _mm256_mul_ps(omb1, g));
-      v = _mm256_add_ps(_mm256_mul_ps(b2, LoadGrad8<M>(a.exp_avg_sq, i)),
+      p = _mm256_mul_ps(_mm256_loadu_ps(a.master_in + i), decay);
+      m = _mm256_add_ps(_mm256_mul_ps(b1, LoadGrad8<M>(a.exp_avg_in, i)), _mm256_mul_ps(omb1, g));
+      v = _mm256_add_ps(_mm256_mul_ps(b2, LoadGrad8<M>(a.exp_avg_sq_in, i)),
                         _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
       __m256 d = v;
       if constexpr (A) {
-        const __m256 x = LoadGrad8<M>(a.max_exp_avg_sq, i);
+        const __m256 x = LoadGrad8<M>(a.max_exp_avg_sq_in, i);
         const __m256 take_v =
             _mm256_or_ps(_mm256_cmp_ps(v, x, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         d = _mm256_blendv_ps(x, v, take_v);
@@ -287,13 +293,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
   const __m512 g = _mm512_mul_ps(LoadGrad16<G>(a.grads, i), k.scale);
   __m512 p, m, v;
   if constexpr (kMath) {
-    p = _mm512_mul_ps(_mm512_loadu_ps(a.master + i), k.decay);
-    m = _mm512_add_ps(_mm512_mul_ps(k.b1, LoadGrad16<M>(a.exp_avg, i)), _mm512_mul_ps(k.omb1, g));
-    v = _mm512_add_ps(_mm512_mul_ps(k.b2, LoadGrad16<M>(a.exp_avg_sq, i)),
+    p = _mm512_mul_ps(_mm512_loadu_ps(a.master_in + i), k.decay);
+    m = _mm512_add_ps(_mm512_mul_ps(k.b1, LoadGrad16<M>(a.exp_avg_in, i)),
+                      _mm512_mul_ps(k.omb1, g));
+    v = _mm512_add_ps(_mm512_mul_ps(k.b2, LoadGrad16<M>(a.exp_avg_sq_in, i)),
                       _mm512_mul_ps(k.omb2, _mm512_mul_ps(g, g)));
     __m512 d = v;
     if constexpr (A) {
-      const __m512 x = LoadGrad16<M>(a.max_exp_avg_sq, i);
+      const __m512 x = LoadGrad16<M>(a.max_exp_avg_sq_in, i);
       const __mmask16 take_v =
           _mm512_cmp_ps_mask(v, x, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       d = _mm512_mask_blend_ps(take_v, x, v);
@@ -317,7 +324,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void 
 // destination line (2 of the 32 bytes a BF16 step moves per parameter). Two blocks per
 // iteration, their prefetches first: +2-4 % on the H200 host (lab, 1e9 parameters, two passes).
 template <DType G, DType P, DType M, bool kStream, bool kMath, bool A>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const KernelArgs& a) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void Avx512Loop(const KernelArgs& args) {
+  const KernelArgs a = WithSources(args);
   const StepConstants& c = a.c;
   const Avx512Constants k{
       _mm512_set1_ps(a.grad_scale), _mm512_set1_ps(c.decay),    _mm512_set1_ps(c.beta1),
@@ -484,6 +492,15 @@ KernelFn Select(const KernelTable& scalar, const KernelTable& avx2, const Kernel
 }
 
 }  // namespace
+
+KernelArgs WithSources(const KernelArgs& a) {
+  KernelArgs r = a;
+  if (r.master_in == nullptr) r.master_in = r.master;
+  if (r.exp_avg_in == nullptr) r.exp_avg_in = r.exp_avg;
+  if (r.exp_avg_sq_in == nullptr) r.exp_avg_sq_in = r.exp_avg_sq;
+  if (r.max_exp_avg_sq_in == nullptr) r.max_exp_avg_sq_in = r.max_exp_avg_sq;
+  return r;
+}
 
 KernelFn SelectKernel(CpuIsa isa, DType grad, DType param, MomentDType moments, bool amsgrad) {
   const int a = amsgrad ? 1 : 0;

@@ -29,7 +29,17 @@ struct KernelArgs {
   size_t n;
   float grad_scale;
   StepConstants c;
+  // Where the state is read: null reads it where it is written (in place). Set by an
+  // out-of-place pass (an overlapped step writes the spare side, docs/design/overlap.md);
+  // `master` and the moments above are then only written. The math kernels honour these; the
+  // benchmark's memory-only kernels run in place.
+  const float* master_in = nullptr;
+  const void* exp_avg_in = nullptr;
+  const void* exp_avg_sq_in = nullptr;
+  const void* max_exp_avg_sq_in = nullptr;
 };
+// `a` with every null source pointer set to its destination.
+KernelArgs WithSources(const KernelArgs& a);
 
 using KernelFn = void (*)(const KernelArgs&);
 

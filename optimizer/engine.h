@@ -46,6 +46,23 @@ struct SlabView {
   // flat model-weight buffer (StagedAdamW::weight_bytes()), then that buffer's size.
   std::span<const formats::DType> piece_dtypes;
   std::span<const uint64_t> piece_bytes;
+  // Where a Step writes the state: null writes it in place (where it is read, above). Set for an
+  // out-of-place pass (an overlapped step writes the spare side, docs/design/overlap.md); every
+  // element of the pass's units is then written there, skipped runs and AMSGrad's slab of groups
+  // without amsgrad copied across as they are.
+  float* master_out = nullptr;
+  std::byte* exp_avg_out = nullptr;
+  std::byte* exp_avg_sq_out = nullptr;
+  std::byte* max_exp_avg_sq_out = nullptr;
+  bool out_of_place() const { return master_out != nullptr; }
+  float* dest_master() const { return master_out != nullptr ? master_out : master; }
+  std::byte* dest_exp_avg() const { return master_out != nullptr ? exp_avg_out : exp_avg; }
+  std::byte* dest_exp_avg_sq() const {
+    return master_out != nullptr ? exp_avg_sq_out : exp_avg_sq;
+  }
+  std::byte* dest_max_exp_avg_sq() const {
+    return master_out != nullptr ? max_exp_avg_sq_out : max_exp_avg_sq;
+  }
 };
 
 // What one Step applies to each piece (StagedAdamW::Step plans it): the constants of each
@@ -56,6 +73,10 @@ struct StepPlan {
   static constexpr uint32_t kSkipped = ~uint32_t{0};
   std::vector<StepConstants> constants;
   std::vector<uint32_t> piece_constants;  // One per piece.
+  // A later Step call of one step whose units differ from the earlier calls' (an overlapped
+  // step's batches): the CUDA engine's copy-ins need not wait again for the copy-outs before
+  // the step, which the first call's already wait for.
+  bool continues = false;
 };
 
 // Calls fn(offset, count, grads, params, constants, dtype) for each run of slab elements
@@ -136,6 +157,10 @@ class Engine {
   virtual absl::Status WriteWeights(const SlabView& slabs, const std::vector<Unit>& units,
                                     const StepArgs& dest,
                                     const std::optional<CudaStreamView>& stream) = 0;
+  // Orders everything queued next after every update and weight write queued so far, whatever
+  // slot ran it (an overlapped step that redoes or restores units it speculated); no-op for the
+  // CPU engine.
+  virtual absl::Status Barrier() { return absl::OkStatus(); }
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }

@@ -16,6 +16,7 @@
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
+#include "optimizer/slabs.h"
 #include "optimizer/thread_pool.h"
 #include "optimizer/unit_fence.h"
 
@@ -23,10 +24,6 @@ namespace ckpt::optimizer {
 
 using formats::DType;
 
-struct StagedAdamW::Slabs {
-  internal::HostBuffer master, exp_avg, exp_avg_sq;
-  internal::HostBuffer max_exp_avg_sq;  // Allocated only with has_max_exp_avg_sq().
-};
 
 StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
   const double b1 = g.beta1, b2 = g.beta2;
@@ -248,6 +245,7 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
                                     const std::vector<Piece>& pieces,
                                     std::span<const std::byte> weights) {
   CKPT_RETURN_IF_ERROR(CheckClean("add parameters"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("add parameters"));
   if (fence_ != nullptr) {
     return absl::FailedPreconditionError(
         "add parameters: an async save is in flight (its writer reads the slabs); finalize it "
@@ -322,6 +320,7 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
   CKPT_RETURN_IF_ERROR(engine_->Synchronize());
   engine_ = std::move(next->engine_);
   slabs_ = std::move(next->slabs_);
+  spare_.reset();  // The next overlapped step allocates one of the grown size.
   options_ = std::move(next->options_);
   size_ = next->size_;
   units_ = std::move(next->units_);
@@ -465,6 +464,7 @@ absl::Status StagedAdamW::WriteModelWeights(std::span<const PieceBuffers> pieces
 absl::Status StagedAdamW::WriteWeightsTo(const StepArgs& where,
                                          const std::optional<CudaStreamView>& stream) {
   CKPT_RETURN_IF_ERROR(CheckClean("write the model weights"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("write the model weights"));
   if (size_ == 0) return absl::OkStatus();
   if (stream.has_value() && options_.engine == EngineKind::kCpu) {
     return absl::InvalidArgumentError(
@@ -473,10 +473,7 @@ absl::Status StagedAdamW::WriteWeightsTo(const StepArgs& where,
   return engine_->WriteWeights(View(), units_, where, stream);
 }
 
-absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
-  CKPT_RETURN_IF_ERROR(CheckClean("step"));
-  ++state_version_;
-  moments_untouched_ = false;
+absl::Status StagedAdamW::ValidateStepArgs(const StepArgs& args) {
   if (!SupportedFloat(args.grad_dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported gradient dtype ", formats::DTypeName(args.grad_dtype)));
@@ -498,14 +495,17 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   }
   if (!std::isfinite(args.grad_scale))
     return absl::InvalidArgumentError("gradient scale is not finite");
-  // The plan: per piece, the constants of its parameter's group at the parameter's own next
-  // step, each distinct (group, step) pair computed once.
-  auto stepped = [&](uint32_t param) { return args.stepped.empty() || args.stepped[param] != 0; };
+  return absl::OkStatus();
+}
+
+StepPlan StagedAdamW::PlanStep(const StepArgs& args) const {
+  // Per piece, the constants of its parameter's group at the parameter's own next step, each
+  // distinct (group, step) pair computed once.
   StepPlan plan;
   std::map<std::pair<uint32_t, uint64_t>, uint32_t> index;
   plan.piece_constants.reserve(options_.pieces.size());
   for (const Piece& piece : options_.pieces) {
-    if (!stepped(piece.param)) {
+    if (!args.stepped.empty() && args.stepped[piece.param] == 0) {
       plan.piece_constants.push_back(StepPlan::kSkipped);
       continue;
     }
@@ -515,13 +515,25 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
     if (added) plan.constants.push_back(ComputeStepConstants(options_.groups[group], t));
     plan.piece_constants.push_back(it->second);
   }
-  CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, plan));
-  if (!report.skipped) {
-    for (uint32_t i = 0; i < param_steps_.size(); ++i) {
-      if (stepped(i)) ++param_steps_[i];
-    }
-    SyncGroupSteps();
+  return plan;
+}
+
+void StagedAdamW::AdvanceSteps(const StepArgs& args) {
+  for (uint32_t i = 0; i < param_steps_.size(); ++i) {
+    if (args.stepped.empty() || args.stepped[i] != 0) ++param_steps_[i];
   }
+  SyncGroupSteps();
+}
+
+absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
+  CKPT_RETURN_IF_ERROR(CheckClean("step"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("step"));
+  ++state_version_;
+  moments_untouched_ = false;
+  CKPT_RETURN_IF_ERROR(ValidateStepArgs(args));
+  const StepPlan plan = PlanStep(args);
+  CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, plan));
+  if (!report.skipped) AdvanceSteps(args);
   return report;
 }
 
@@ -599,7 +611,10 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
   return absl::OkStatus();
 }
 
-absl::Status StagedAdamW::ReleaseDevice() { return engine_->Release(); }
+absl::Status StagedAdamW::ReleaseDevice() {
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("release the device"));
+  return engine_->Release();
+}
 absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
 absl::Status StagedAdamW::Synchronize() { return engine_->Synchronize(); }
 
@@ -640,6 +655,7 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
                                    std::span<const uint64_t> param_steps,
                                    std::span<const float> max_exp_avg_sq) {
   CKPT_RETURN_IF_ERROR(CheckClean("set the state"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("set the state"));
   if (fence_ != nullptr) {
     return absl::FailedPreconditionError(
         "set the state: an async save is in flight (its writer reads the slabs); finalize it "
@@ -700,6 +716,7 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
 
 absl::Status StagedAdamW::SetMasters(uint64_t offset, std::span<const float> values) {
   CKPT_RETURN_IF_ERROR(CheckClean("set masters"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("set masters"));
   if (offset > size_ || values.size() > size_ - offset) {
     return absl::InvalidArgumentError(absl::StrCat("set masters: elements [", offset, ", +",
                                                    values.size(), ") are outside the ", size_,

@@ -142,7 +142,7 @@ class CudaEngine : public internal::Engine {
     }
     const size_t gsize = formats::DTypeSize(args.grad_dtype);
     const size_t mbytes = MomentBytes(moments_);
-    CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
+    if (!plan.continues) CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
     size_t k = 0;  // Units sent to the slots so far.
     for (const Unit& u : units) {
       // A unit whose pieces all have no gradient this step is neither copied nor updated.
@@ -156,6 +156,11 @@ class CudaEngine : public internal::Engine {
       std::byte* m = slabs.exp_avg + u.offset * mbytes;
       std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
       std::byte* x = max_slab_ ? slabs.max_exp_avg_sq + u.offset * mbytes : nullptr;
+      // Where the copy-out goes: the same slabs, or the spare side of an out-of-place pass.
+      float* master_dest = slabs.dest_master() + u.offset;
+      std::byte* m_dest = slabs.dest_exp_avg() + u.offset * mbytes;
+      std::byte* v_dest = slabs.dest_exp_avg_sq() + u.offset * mbytes;
+      std::byte* x_dest = max_slab_ ? slabs.dest_max_exp_avg_sq() + u.offset * mbytes : nullptr;
       // 1. Copy-in.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
@@ -213,14 +218,14 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
       // 3. Copy-out.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4,
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master_dest, s.master_out.data(), u.count * 4,
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m, s.m_out.data(), u.count * mbytes,
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_dest, s.m_out.data(), u.count * mbytes,
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v, s.v_out.data(), u.count * mbytes,
+      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v_dest, s.v_out.data(), u.count * mbytes,
                                                 cudaMemcpyDeviceToHost, s.d2h.get()));
       if (max_slab_) {
-        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x, s.x_out.data(), u.count * mbytes,
+        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_dest, s.x_out.data(), u.count * mbytes,
                                                   cudaMemcpyDeviceToHost, s.d2h.get()));
       }
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
@@ -289,6 +294,14 @@ class CudaEngine : public internal::Engine {
     // a unit, in whichever slot a fenced step puts it, waits for that.
     for (Slot& s : slots_)
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), done_.get(), 0));
+    return absl::OkStatus();
+  }
+
+  absl::Status Barrier() override {
+    if (slots_.empty()) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
+    for (Slot& s : slots_)
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), done_.get(), 0));
     return absl::OkStatus();
   }
 

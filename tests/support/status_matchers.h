@@ -27,6 +27,15 @@ MATCHER_P(StatusIs, code, "has status code " + ::testing::PrintToString(code)) {
   return s.code() == code;
 }
 
+// The code, and a message that contains `text`.
+MATCHER_P2(StatusIsWith, code, text,
+           "has status code " + ::testing::PrintToString(code) + " and a message containing " +
+               ::testing::PrintToString(text)) {
+  const absl::Status& s = GetStatus(arg);
+  *result_listener << "status is " << s;
+  return s.code() == code && s.message().find(text) != absl::string_view::npos;
+}
+
 }  // namespace ckpt::testing
 
 #define CKPT_ASSERT_OK(expr)                      \

@@ -116,6 +116,10 @@ struct StepReport {
   // CUDA engine: recorded after the last write of `params` (the caller's stream already waits
   // on it; for other streams). Owned by the optimizer, valid until the next Step or Release.
   CUevent_st* done = nullptr;
+  // An overlapped step (StagedAdamW::Overlap): units updated during backward, and whether that
+  // speculation held (was committed) or was redone (or undone, for a skipped step).
+  uint64_t speculated_units = 0;
+  bool speculation_held = false;
 };
 
 // Where the optimizer stands with respect to loads (DESIGN.md §5): kClean steps; kLoading is a
@@ -155,6 +159,55 @@ class StagedAdamW {
   // Increments the step count of every parameter stepped (StepArgs::stepped), unless the step
   // was skipped for non-finite gradients.
   absl::StatusOr<StepReport> Step(const StepArgs& args);
+
+  // An overlapped step (docs/design/overlap.md): the update of each unit starts as soon as the
+  // gradients of its parameters are final, while backward goes on, and the result is bit for bit
+  // the result of Step with Finish's arguments. Units are updated speculatively, with the scale
+  // BeginOverlap was given, from the current state into a spare copy of the slabs (allocated at
+  // the first overlapped step: the state is then held twice in host memory); Finish commits them
+  // when its arguments agree (same scale, same constants for their parameters, not skipped) and
+  // redoes the step otherwise. Move-only; one open at a time. Destroyed without Finish, it
+  // abandons the step: the state is as before, and the weights written meanwhile are rewritten
+  // from it.
+  class Overlap {
+   public:
+    Overlap(Overlap&& other) noexcept;
+    Overlap& operator=(Overlap&&) = delete;
+    ~Overlap();
+    // The gradients of these pieces (indices into options().pieces) are final: every unit whose
+    // pieces are all released is updated now (CUDA engine: queued after the work on
+    // BeginOverlap's stream so far; the host does not wait). `buffers`: one per piece when
+    // BeginOverlap was given no buffers (each piece's own gradient and weights, as
+    // StepArgs::pieces holds them), none otherwise. A unit is not updated here while an async
+    // save's fence is installed, or without speculation (BeginOverlap): Finish does it.
+    // kInvalidArgument for a piece out of range or a null or misaligned buffer;
+    // kFailedPrecondition for a piece released twice (a second backward before the step:
+    // gradient accumulation must release only in its last micro-batch), which abandons the
+    // step.
+    absl::Status Release(std::span<const uint32_t> pieces,
+                         std::span<const PieceBuffers> buffers = {});
+    // Ends the step with its final arguments (same buffers as BeginOverlap's; grad_scale,
+    // check_finite and stepped as Step takes them): the same result and report as
+    // Step(args), with speculated_units and speculation_held set. On an error the state is as
+    // before the step.
+    absl::StatusOr<StepReport> Finish(const StepArgs& args);
+
+   private:
+    friend class StagedAdamW;
+    explicit Overlap(StagedAdamW* optimizer) : optimizer_(optimizer) {}
+    StagedAdamW* optimizer_;  // nullptr once finished or moved from.
+  };
+  // Opens an overlapped step. `args`: the buffers of the step (pieces or flat; or none at all,
+  // when each piece's come with Release), the gradient dtype, the stream, and the scale to
+  // speculate with (the one the step will have unless clipping fires: 1, or the GradScaler's
+  // inverse scale); check_finite and stepped are Finish's. The optimizer must outlive the
+  // Overlap. `speculate` false updates nothing before Finish (which then runs Step): no spare
+  // copy. kFailedPrecondition when not kClean or an overlap is open; kResourceExhausted when the
+  // spare copy cannot be allocated; kInvalidArgument as Step.
+  absl::StatusOr<Overlap> BeginOverlap(const StepArgs& args, bool speculate = true);
+  bool overlap_open() const { return overlap_ != nullptr; }
+  // Host bytes of the spare copy (0 until an overlapped step speculates).
+  uint64_t spare_bytes() const;
 
   // Writes the model weights, which are always the masters rounded to the model dtype (nearest
   // even): size() elements in slab order, as Step writes StepArgs::params. What a trainer calls
@@ -200,6 +253,8 @@ class StagedAdamW {
   Lifecycle lifecycle() const { return lifecycle_; }
   // OK when kClean; otherwise kFailedPrecondition saying why `what` cannot run now.
   absl::Status CheckClean(absl::string_view what) const;
+  // OK unless an overlapped step is open (BeginOverlap): kFailedPrecondition naming `what`.
+  absl::Status CheckNoOverlap(absl::string_view what) const;
 
   // A load being applied (DESIGN.md §5): the one way the lifecycle changes. BeginLoad() makes
   // it kLoading (Step, SetGroup and saves refuse meanwhile); the scope ends with exactly one of
@@ -363,7 +418,24 @@ class StagedAdamW {
                                  std::optional<formats::DType> grad_dtype,
                                  std::span<const uint8_t> stepped, absl::string_view what) const;
   absl::Status WriteWeightsTo(const StepArgs& where, const std::optional<CudaStreamView>& stream);
+  // Step's checks of `args`, and its plan (each stepped piece's constants at its parameter's
+  // next step count).
+  absl::Status ValidateStepArgs(const StepArgs& args);
+  StepPlan PlanStep(const StepArgs& args) const;
+  // After a step that was not skipped: the step counts of the parameters `args` stepped.
+  void AdvanceSteps(const StepArgs& args);
+  // The open overlap's end without commit: the weights its speculated units wrote are
+  // rewritten from the current side; the overlap is closed.
+  absl::Status AbandonOverlap();
+  absl::Status SpeculateReady();
+  absl::StatusOr<StepReport> FinishOverlap(const StepArgs& args);
+
   std::unique_ptr<Slabs> slabs_;
+  // The other side of the slabs, which an overlapped step writes and then swaps with slabs_
+  // (docs/design/overlap.md); null until the first speculating overlap.
+  std::unique_ptr<Slabs> spare_;
+  struct OverlapState;
+  std::unique_ptr<OverlapState> overlap_;  // The open overlapped step, if any.
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 
   // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.

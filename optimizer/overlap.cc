@@ -1,0 +1,375 @@
+// The overlapped step (docs/design/overlap.md): units updated while backward goes on, bit for
+// bit the plain Step.
+//
+// 1. Begin: record the speculative arguments (buffers, gradient dtype, stream, scale) and the
+//    plan with every piece stepped at its parameter's next step count; per unit, how many of its
+//    pieces are unreleased. No state changes. Why: nothing may change before the step is known.
+// 2. Release(pieces): mark them released (twice is an undeclared second backward: abandon, as
+//    8); a unit whose pieces are all released is ready.
+// 3. Speculate the ready units unless a fence is installed or speculation is off: current side
+//    -> spare side, with the speculative arguments, weights written. Why the spare side: the
+//    current side must stay the state before the step until Finish says the guess held.
+// 4. Finish(args): plan as Step; the finite check over every stepped gradient when asked. The
+//    guess held when not skipped, the scale is bitwise the same and every speculated piece has
+//    the same constants and buffers.
+// 5. Held: the other active units current -> spare (through the fence when one is installed);
+//    units with nothing stepped copied across on the host; swap the sides; advance the counts.
+// 6. Skipped: rewrite the speculated units' weights from the current side (as they were).
+// 7. Not held otherwise: order after every speculated write (Barrier), then Step in place on the
+//    current side, untouched by speculation, with the final arguments (every weight rewritten).
+// 8. Abandoned: as 6, without a report.
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
+#include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/engine.h"
+#include "optimizer/host_buffer.h"
+#include "optimizer/slabs.h"
+#include "optimizer/unit_fence.h"
+
+namespace ckpt::optimizer {
+
+
+namespace {
+
+bool SameConstants(const StepConstants& a, const StepConstants& b) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  return bits(a.beta1) == bits(b.beta1) && bits(a.beta2) == bits(b.beta2) &&
+         bits(a.eps) == bits(b.eps) && bits(a.decay) == bits(b.decay) &&
+         bits(a.omb1) == bits(b.omb1) && bits(a.omb2) == bits(b.omb2) &&
+         bits(a.step_size) == bits(b.step_size) && bits(a.bc2_sqrt) == bits(b.bc2_sqrt) &&
+         a.amsgrad == b.amsgrad;
+}
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+bool Aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+}  // namespace
+
+absl::Status StagedAdamW::CheckNoOverlap(absl::string_view what) const {
+  if (overlap_ == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cannot ", what, " while an overlapped step is open (finish it with Overlap::Finish)"));
+}
+
+uint64_t StagedAdamW::spare_bytes() const {
+  if (spare_ == nullptr) return 0;
+  return spare_->master.size() + spare_->exp_avg.size() + spare_->exp_avg_sq.size() +
+         spare_->max_exp_avg_sq.size();
+}
+
+absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& args,
+                                                             bool speculate) {
+  CKPT_RETURN_IF_ERROR(CheckClean("step"));
+  CKPT_RETURN_IF_ERROR(CheckNoOverlap("begin an overlapped step"));
+  auto state = std::make_unique<OverlapState>();
+  state->args = args;
+  state->args.check_finite = false;
+  state->args.stepped = {};
+  state->pieces_mode = args.pieces.empty() && args.grads == nullptr && args.params == nullptr;
+  if (state->pieces_mode) {
+    state->buffers.assign(options_.pieces.size(), PieceBuffers{});
+    // Validated as a flat step would be, with stand-in buffers; the pieces' come with Release.
+    StepArgs check = state->args;
+    alignas(16) static const std::byte kStandIn[16] = {};
+    check.grads = kStandIn;
+    check.params = const_cast<std::byte*>(kStandIn);
+    CKPT_RETURN_IF_ERROR(ValidateStepArgs(check));
+  } else {
+    if (!args.pieces.empty()) {
+      state->buffers.assign(args.pieces.begin(), args.pieces.end());
+      state->args.pieces = state->buffers;
+    }
+    CKPT_RETURN_IF_ERROR(ValidateStepArgs(state->args));
+  }
+  if (engine_->wants_pinned_slabs() && !args.stream.has_value()) {
+    return absl::InvalidArgumentError(
+        "the CUDA engine needs the caller's stream (StepArgs::stream)");
+  }
+  state->speculate = speculate && size_ > 0;
+  if (state->speculate && spare_ == nullptr) {
+    // The spare side: the slabs' sizes, pinned like them.
+    const bool pinned = engine_->wants_pinned_slabs();
+    auto spare = std::make_unique<Slabs>();
+    CKPT_ASSIGN_OR_RETURN(spare->master, internal::HostBuffer::Create(size_ * 4, 0, pinned));
+    CKPT_ASSIGN_OR_RETURN(spare->exp_avg, internal::HostBuffer::Create(
+                                              size_ * moment_bytes(), internal::kSlabStagger,
+                                              pinned));
+    CKPT_ASSIGN_OR_RETURN(spare->exp_avg_sq,
+                          internal::HostBuffer::Create(size_ * moment_bytes(),
+                                                       2 * internal::kSlabStagger, pinned));
+    if (has_max_) {
+      CKPT_ASSIGN_OR_RETURN(spare->max_exp_avg_sq,
+                            internal::HostBuffer::Create(size_ * moment_bytes(),
+                                                         3 * internal::kSlabStagger, pinned));
+    }
+    spare_ = std::move(spare);
+  }
+  state->plan = PlanStep(state->args);
+  state->piece_units.resize(options_.pieces.size());
+  state->pending.assign(units_.size(), 0);
+  state->released.assign(options_.pieces.size(), 0);
+  state->speculated.assign(units_.size(), 0);
+  // Units and pieces both lie in slab order: walk them together.
+  size_t u = 0;
+  for (size_t k = 0; k < options_.pieces.size(); ++k) {
+    const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
+    while (u < units_.size() && units_[u].offset + units_[u].count <= begin) ++u;
+    for (size_t v = u; v < units_.size() && units_[v].offset < end; ++v) {
+      state->piece_units[k].push_back(static_cast<uint32_t>(v));
+      ++state->pending[v];
+    }
+  }
+  overlap_ = std::move(state);
+  return Overlap(this);
+}
+
+StagedAdamW::Overlap::Overlap(Overlap&& other) noexcept
+    : optimizer_(std::exchange(other.optimizer_, nullptr)) {}
+
+StagedAdamW::Overlap::~Overlap() {
+  if (optimizer_ != nullptr) optimizer_->AbandonOverlap().IgnoreError();  // Step 8.
+}
+
+absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
+                                           std::span<const PieceBuffers> buffers) {
+  if (optimizer_ == nullptr)
+    return absl::FailedPreconditionError("release: the overlapped step is closed");
+  StagedAdamW& opt = *optimizer_;
+  OverlapState& st = *opt.overlap_;
+  const size_t gsize = formats::DTypeSize(st.args.grad_dtype);
+  if (st.pieces_mode ? buffers.size() != pieces.size() : !buffers.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "release: ", buffers.size(), " buffers for ", pieces.size(), " pieces (",
+        st.pieces_mode ? "one per piece" : "none: the step's buffers are flat", ")"));
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const uint32_t k = pieces[i];
+    if (k >= st.released.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("release: piece ", k, " does not exist (",
+                                                     st.released.size(), " pieces)"));
+    }
+    if (st.pieces_mode) {
+      const PieceBuffers& b = buffers[i];
+      if (b.grads == nullptr || b.params == nullptr || !Aligned(b.grads, gsize) ||
+          !Aligned(b.params, formats::DTypeSize(opt.piece_dtypes_[k]))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("release: piece ", k, " (\"",
+                         opt.options_.params[opt.options_.pieces[k].param].name,
+                         "\"): null or misaligned gradient or parameter buffer"));
+      }
+    }
+  }
+  // Step 2.
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const uint32_t k = pieces[i];
+    if (st.released[k] != 0) {
+      const std::string name = opt.options_.params[opt.options_.pieces[k].param].name;
+      absl::Status undone = opt.AbandonOverlap();
+      optimizer_ = nullptr;
+      CKPT_RETURN_IF_ERROR(undone);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the gradient of \"", name,
+          "\" was released twice in one step: a second backward before the step (with gradient "
+          "accumulation, release only in the last micro-batch); the step is abandoned and the "
+          "weights are the masters again"));
+    }
+    st.released[k] = 1;
+    if (st.pieces_mode) st.buffers[k] = buffers[i];
+    for (uint32_t u : st.piece_units[k]) {
+      if (--st.pending[u] == 0) st.ready.push_back(u);
+    }
+  }
+  // Step 3.
+  return opt.SpeculateReady();
+}
+
+absl::Status StagedAdamW::SpeculateReady() {
+  OverlapState& st = *overlap_;
+  if (!st.speculate || fence_ != nullptr || st.ready.empty()) return absl::OkStatus();
+  if (st.pieces_mode) st.args.pieces = st.buffers;
+  std::vector<Unit> batch;
+  for (uint32_t u : st.ready) batch.push_back(units_[u]);
+  SlabView view = View();
+  view.master_out = reinterpret_cast<float*>(spare_->master.data());
+  view.exp_avg_out = spare_->exp_avg.data();
+  view.exp_avg_sq_out = spare_->exp_avg_sq.data();
+  view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
+  st.plan.continues = st.speculated_units > 0;
+  CKPT_ASSIGN_OR_RETURN(StepReport part, engine_->Step(st.args, batch, st.plan, view, size_));
+  (void)part;
+  for (uint32_t u : st.ready) st.speculated[u] = 1;
+  st.speculated_units += st.ready.size();
+  st.ready.clear();
+  return absl::OkStatus();
+}
+
+absl::Status StagedAdamW::AbandonOverlap() {
+  std::unique_ptr<OverlapState> st = std::move(overlap_);
+  if (st == nullptr || st->speculated_units == 0) return absl::OkStatus();
+  // Steps 6 and 8: what the speculated units wrote into the weights goes back to the masters
+  // rounded, after every speculated write.
+  if (st->pieces_mode) st->args.pieces = st->buffers;
+  std::vector<Unit> units;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (st->speculated[u] != 0) units.push_back(units_[u]);
+  }
+  CKPT_RETURN_IF_ERROR(engine_->Barrier());
+  return engine_->WriteWeights(View(), units, st->args, st->args.stream);
+}
+
+absl::StatusOr<StepReport> StagedAdamW::Overlap::Finish(const StepArgs& args) {
+  if (optimizer_ == nullptr)
+    return absl::FailedPreconditionError("finish: the overlapped step is closed");
+  StagedAdamW* opt = std::exchange(optimizer_, nullptr);
+  absl::StatusOr<StepReport> report = opt->FinishOverlap(args);
+  if (!report.ok() && opt->overlap_ != nullptr) {
+    // Failed before anything was committed: as if abandoned (step 8).
+    opt->AbandonOverlap().IgnoreError();
+  }
+  return report;
+}
+
+absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
+  CKPT_RETURN_IF_ERROR(CheckClean("step"));
+  CKPT_RETURN_IF_ERROR(ValidateStepArgs(args));
+  OverlapState& st = *overlap_;
+  ++state_version_;
+  moments_untouched_ = false;
+  // Step 4.
+  const StepPlan plan = PlanStep(args);
+  const SlabView current = View();
+  StepReport report;
+  report.speculated_units = st.speculated_units;
+  if (args.check_finite) {
+    CKPT_ASSIGN_OR_RETURN(StepReport checked,
+                          engine_->CheckFinite(args, units_, plan, current, size_));
+    if (checked.skipped) {
+      // Step 6.
+      CKPT_RETURN_IF_ERROR(AbandonOverlap());
+      checked.speculated_units = report.speculated_units;
+      return checked;
+    }
+  }
+  bool held = st.speculated_units > 0 && SameBits(args.grad_scale, st.args.grad_scale) &&
+              args.grad_dtype == st.args.grad_dtype;
+  // The same buffers: per piece, or the same flat pair.
+  const bool by_piece = !st.buffers.empty();
+  if (held && by_piece == args.pieces.empty()) held = false;
+  if (held && !by_piece && (args.grads != st.args.grads || args.params != st.args.params))
+    held = false;
+  for (size_t k = 0; held && k < options_.pieces.size(); ++k) {
+    bool in_speculated = false;
+    for (uint32_t u : st.piece_units[k]) in_speculated |= st.speculated[u] != 0;
+    if (!in_speculated) continue;
+    const uint32_t c = plan.piece_constants[k];
+    held = c != StepPlan::kSkipped &&
+           SameConstants(plan.constants[c], st.plan.constants[st.plan.piece_constants[k]]);
+    if (held && !args.pieces.empty()) {
+      held = args.pieces[k].grads == st.buffers[k].grads &&
+             args.pieces[k].params == st.buffers[k].params;
+    }
+  }
+  if (!held) {
+    // Step 7 (or a step with nothing speculated): Step in place on the untouched current side.
+    if (st.speculated_units > 0) {
+      CKPT_RETURN_IF_ERROR(engine_->Barrier());
+      // The step rewrites every stepped piece's weights; those of speculated pieces it does not
+      // step go back to the masters rounded.
+      std::vector<Unit> unstepped;
+      for (size_t k = 0; k < options_.pieces.size(); ++k) {
+        if (plan.piece_constants[k] != StepPlan::kSkipped) continue;
+        for (uint32_t u : st.piece_units[k]) {
+          if (st.speculated[u] == 0) continue;
+          const uint64_t begin = std::max(piece_starts_[k], units_[u].offset);
+          const uint64_t end = std::min(piece_starts_[k + 1], units_[u].offset + units_[u].count);
+          unstepped.push_back(Unit{begin, end - begin, units_[u].group});
+        }
+      }
+      if (!unstepped.empty()) {
+        if (st.pieces_mode) st.args.pieces = st.buffers;
+        CKPT_RETURN_IF_ERROR(engine_->WriteWeights(current, unstepped, st.args, st.args.stream));
+      }
+    }
+    overlap_.reset();
+    StepArgs unchecked = args;
+    unchecked.check_finite = false;  // Checked above.
+    CKPT_ASSIGN_OR_RETURN(StepReport stepped, StepUnits(unchecked, plan));
+    AdvanceSteps(args);
+    stepped.speculated_units = report.speculated_units;
+    return stepped;
+  }
+  // Step 5: the other units into the spare side; units with nothing stepped copied across.
+  SlabView into = current;
+  into.master_out = reinterpret_cast<float*>(spare_->master.data());
+  into.exp_avg_out = spare_->exp_avg.data();
+  into.exp_avg_sq_out = spare_->exp_avg_sq.data();
+  into.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
+  std::vector<size_t> rest;
+  std::vector<size_t> idle;  // Units with no stepped piece.
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (st.speculated[u] != 0) continue;
+    bool active = false;
+    ForEachSegment(args, current, plan, units_[u].offset, units_[u].count, 0,
+                   [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c,
+                       formats::DType) { active |= c != StepPlan::kSkipped; });
+    (active ? rest : idle).push_back(u);
+  }
+  StepArgs unchecked = args;
+  unchecked.check_finite = false;
+  StepPlan rest_plan = plan;
+  rest_plan.continues = true;  // After the speculated batches of this step.
+  std::vector<bool> done(units_.size(), true);
+  for (size_t u : rest) done[u] = false;
+  std::vector<size_t> ready;
+  std::vector<Unit> batch;
+  for (size_t left = rest.size(); left > 0; left -= ready.size()) {
+    ready.clear();
+    if (fence_ != nullptr) {
+      fence_->Acquire(done, &ready);
+    } else {
+      ready = rest;
+    }
+    batch.clear();
+    for (size_t i : ready) {
+      batch.push_back(units_[i]);
+      done[i] = true;
+    }
+    CKPT_ASSIGN_OR_RETURN(StepReport part, engine_->Step(unchecked, batch, rest_plan, into, size_));
+    report.done = part.done;
+  }
+  if (!idle.empty()) {
+    // Nothing of these is queued anywhere in this step; earlier steps' copies may still read
+    // or write either side.
+    CKPT_RETURN_IF_ERROR(engine_->Synchronize());
+    const size_t mb = moment_bytes();
+    for (size_t u : idle) {
+      const uint64_t at = units_[u].offset, n = units_[u].count;
+      std::memcpy(into.master_out + at, current.master + at, n * 4);
+      std::memcpy(into.exp_avg_out + at * mb, current.exp_avg + at * mb, n * mb);
+      std::memcpy(into.exp_avg_sq_out + at * mb, current.exp_avg_sq + at * mb, n * mb);
+      if (has_max_)
+        std::memcpy(into.max_exp_avg_sq_out + at * mb, current.max_exp_avg_sq + at * mb, n * mb);
+    }
+  }
+  CKPT_RETURN_IF_ERROR(engine_->Barrier());
+  CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+  // The sides swap: the spare side is this step's state.
+  std::swap(slabs_, spare_);
+  overlap_.reset();
+  AdvanceSteps(args);
+  report.speculation_held = true;
+  return report;
+}
+
+}  // namespace ckpt::optimizer
