@@ -136,6 +136,11 @@ std::string Build() {
   CKPT_FUNC(ckpt_save_destroy);
   CKPT_FUNC(ckpt_reader_open);
   CKPT_FUNC(ckpt_reader_close);
+  CKPT_FUNC(ckpt_overlap_begin);
+  CKPT_FUNC(ckpt_overlap_release);
+  CKPT_FUNC(ckpt_overlap_invalidate);
+  CKPT_FUNC(ckpt_overlap_finish);
+  CKPT_FUNC(ckpt_overlap_destroy);
   CKPT_FUNC(ckpt_reader_tensor);
   CKPT_FUNC(ckpt_reader_read);
   CKPT_FUNC(ckpt_reader_read_many);

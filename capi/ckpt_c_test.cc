@@ -55,7 +55,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 57);
+  EXPECT_EQ(functions, 62);
   EXPECT_EQ(constants, 37);
   EXPECT_EQ(structs, 6);
 }
@@ -177,6 +177,67 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ckpt_checkpointer_destroy(ck);
   ckpt_store_close(store);
   ckpt_optimizer_destroy(opt);
+}
+
+// ABI 10: an overlapped step through the ABI gives the bits of ckpt_optimizer_step_masked, held
+// or redone; a piece released twice is refused and the step abandoned.
+TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
+  const uint64_t shape_a[1] = {300}, shape_b[1] = {70};
+  ckpt_param params[2] = {{"a", shape_a, 1, CKPT_F32, 0}, {"b", shape_b, 1, CKPT_F32, 0}};
+  ckpt_group group = {0.01, 0.9, 0.999, 1e-8, 0.1, 0, 0};
+  ckpt_piece pieces[2] = {{0, 0, 300}, {1, 0, 70}};
+  std::vector<float> init(370);
+  for (size_t i = 0; i < init.size(); ++i) init[i] = 0.01f * static_cast<float>(i % 17) - 0.05f;
+  ckpt_optimizer* plain = nullptr;
+  ckpt_optimizer* overlapped = nullptr;
+  for (ckpt_optimizer** o : {&plain, &overlapped}) {
+    ASSERT_EQ(ckpt_optimizer_create(params, 2, &group, 1, pieces, 2, nullptr, init.data(),
+                                    init.size() * 4, o),
+              CKPT_OK)
+        << ckpt_last_error();
+  }
+  std::vector<float> wp = init, wo = init, g(370);
+  const uint8_t stepped[2] = {1, 1};
+  for (int s = 0; s < 3; ++s) {
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.003f * static_cast<float>((i * (s + 3)) % 29) - 0.04f;
+    const float scale = s == 1 ? 0.5f : 1.0f;  // Clipping fires at step 1.
+    const void* pg[2] = {g.data(), g.data() + 300};
+    void* pp[2] = {wp.data(), wp.data() + 300};
+    void* po[2] = {wo.data(), wo.data() + 300};
+    ASSERT_EQ(ckpt_optimizer_step_masked(plain, pg, pp, 2, stepped, 2, CKPT_F32, scale, 0,
+                                         nullptr, nullptr),
+              CKPT_OK);
+    ckpt_overlap* ov = nullptr;
+    ASSERT_EQ(ckpt_overlap_begin(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov), CKPT_OK)
+        << ckpt_last_error();
+    const uint32_t order[2] = {1, 0};
+    const void* rg[2] = {pg[1], pg[0]};
+    void* rp[2] = {po[1], po[0]};
+    ASSERT_EQ(ckpt_overlap_release(ov, order, rg, rp, 2), CKPT_OK) << ckpt_last_error();
+    int skipped = -1, held = -1;
+    uint64_t speculated = 0;
+    ASSERT_EQ(ckpt_overlap_finish(ov, pg, po, 2, stepped, 2, CKPT_F32, scale, 0, nullptr,
+                                  &skipped, &speculated, &held),
+              CKPT_OK)
+        << ckpt_last_error();
+    ckpt_overlap_destroy(ov);
+    EXPECT_EQ(skipped, 0);
+    EXPECT_GT(speculated, 0u);
+    EXPECT_EQ(held, s == 1 ? 0 : 1);
+    EXPECT_EQ(0, std::memcmp(wp.data(), wo.data(), wp.size() * 4)) << "step " << s;
+  }
+  ckpt_overlap* ov = nullptr;
+  ASSERT_EQ(ckpt_overlap_begin(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov), CKPT_OK);
+  const uint32_t piece = 1;
+  const void* rg[1] = {g.data() + 300};
+  void* rp[1] = {wo.data() + 300};
+  ASSERT_EQ(ckpt_overlap_release(ov, &piece, rg, rp, 1), CKPT_OK);
+  EXPECT_EQ(ckpt_overlap_release(ov, &piece, rg, rp, 1), CKPT_FAILED_PRECONDITION);
+  EXPECT_NE(std::string(ckpt_last_error()).find("released twice"), std::string::npos);
+  ckpt_overlap_destroy(ov);
+  EXPECT_EQ(0, std::memcmp(wp.data(), wo.data(), wp.size() * 4));  // Put back.
+  ckpt_optimizer_destroy(plain);
+  ckpt_optimizer_destroy(overlapped);
 }
 
 // ABI 6: a checkpointer opened without a weight buffer changes the optimizer's state only; the

@@ -242,6 +242,79 @@ int ckpt_optimizer_step_masked(ckpt_optimizer* o, const void* const* grads, void
                     grad_dtype, grad_scale, check_finite, stream, skipped);
 }
 
+struct ckpt_overlap {
+  std::optional<opt::StagedAdamW::Overlap> overlap;
+};
+
+int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void* stream,
+                       int speculate, ckpt_overlap** out) {
+  return Guard("ckpt_overlap_begin", [&]() -> int {
+    if (o == nullptr || out == nullptr) return Invalid("optimizer or out is NULL");
+    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+    if (!gd.ok()) return Fail(gd.status());
+    opt::StepArgs args;
+    args.grad_dtype = *gd;
+    args.grad_scale = grad_scale;
+    args.stream = CallerStream(stream);
+    absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, speculate != 0);
+    if (!ov.ok()) return Fail(ov.status());
+    auto handle = std::make_unique<ckpt_overlap>();
+    handle->overlap.emplace(std::move(*ov));
+    *out = handle.release();
+    return CKPT_OK;
+  });
+}
+
+int ckpt_overlap_release(ckpt_overlap* ov, const uint32_t* pieces, const void* const* grads,
+                         void* const* params, size_t n) {
+  return Guard("ckpt_overlap_release", [&]() -> int {
+    if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
+    if (n > 0 && (pieces == nullptr || grads == nullptr || params == nullptr))
+      return Invalid("pieces, grads or params is NULL");
+    std::vector<opt::PieceBuffers> buffers(n);
+    for (size_t i = 0; i < n; ++i) buffers[i] = {grads[i], params[i]};
+    return Done(ov->overlap->Release(std::span<const uint32_t>(pieces, n), buffers));
+  });
+}
+
+int ckpt_overlap_invalidate(ckpt_overlap* ov) {
+  if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
+  ov->overlap->Invalidate();
+  return CKPT_OK;
+}
+
+int ckpt_overlap_finish(ckpt_overlap* ov, const void* const* grads, void* const* params,
+                        size_t npieces, const uint8_t* stepped, size_t nparams, int grad_dtype,
+                        float grad_scale, int check_finite, void* stream, int* skipped,
+                        uint64_t* speculated, int* held) {
+  return Guard("ckpt_overlap_finish", [&]() -> int {
+    if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
+    if (npieces > 0 && (grads == nullptr || params == nullptr))
+      return Invalid("grads or params is NULL");
+    if (nparams > 0 && stepped == nullptr) return Invalid("stepped is NULL");
+    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+    if (!gd.ok()) return Fail(gd.status());
+    std::vector<opt::PieceBuffers> buffers(npieces);
+    for (size_t k = 0; k < npieces; ++k) buffers[k] = {grads[k], params[k]};
+    opt::StepArgs args;
+    args.grad_dtype = *gd;
+    args.grad_scale = grad_scale;
+    args.check_finite = check_finite != 0;
+    args.pieces = buffers;
+    args.stepped = std::span<const uint8_t>(stepped, nparams);
+    args.stream = CallerStream(stream);
+    absl::StatusOr<opt::StepReport> r = ov->overlap->Finish(args);
+    ov->overlap.reset();
+    if (!r.ok()) return Fail(r.status());
+    if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
+    if (speculated != nullptr) *speculated = r->speculated_units;
+    if (held != nullptr) *held = r->speculation_held ? 1 : 0;
+    return CKPT_OK;
+  });
+}
+
+void ckpt_overlap_destroy(ckpt_overlap* ov) { delete ov; }
+
 int ckpt_optimizer_write_piece_weights(ckpt_optimizer* o, void* const* params, size_t npieces,
                                        int on_device, void* stream) {
   return Guard("ckpt_optimizer_write_piece_weights", [&]() -> int {

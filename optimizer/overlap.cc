@@ -10,8 +10,8 @@
 //    -> spare side, with the speculative arguments, weights written. Why the spare side: the
 //    current side must stay the state before the step until Finish says the guess held.
 // 4. Finish(args): plan as Step; the finite check over every stepped gradient when asked. The
-//    guess held when not skipped, the scale is bitwise the same and every speculated piece has
-//    the same constants and buffers.
+//    guess held when not skipped, not invalidated (a released gradient changed in place), the
+//    scale is bitwise the same and every speculated piece has the same constants and buffers.
 // 5. Held: the other active units current -> spare (through the fence when one is installed);
 //    units with nothing stepped copied across on the host; swap the sides; advance the counts.
 // 6. Skipped: rewrite the speculated units' weights from the current side (as they were).
@@ -228,6 +228,10 @@ absl::Status StagedAdamW::AbandonOverlap() {
   return engine_->WriteWeights(View(), units, st->args, st->args.stream);
 }
 
+void StagedAdamW::Overlap::Invalidate() {
+  if (optimizer_ != nullptr) optimizer_->overlap_->invalidated = true;
+}
+
 absl::StatusOr<StepReport> StagedAdamW::Overlap::Finish(const StepArgs& args) {
   if (optimizer_ == nullptr)
     return absl::FailedPreconditionError("finish: the overlapped step is closed");
@@ -261,7 +265,8 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
       return checked;
     }
   }
-  bool held = st.speculated_units > 0 && SameBits(args.grad_scale, st.args.grad_scale) &&
+  bool held = st.speculated_units > 0 && !st.invalidated &&
+              SameBits(args.grad_scale, st.args.grad_scale) &&
               args.grad_dtype == st.args.grad_dtype;
   // The same buffers: per piece, or the same flat pair.
   const bool by_piece = !st.buffers.empty();

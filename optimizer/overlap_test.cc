@@ -238,6 +238,31 @@ TEST_P(OverlapTest, AReleasedParameterThatIsNotSteppedRedoesTheStep) {
   ExpectSame(plain_, overlapped_);
 }
 
+TEST_P(OverlapTest, GradientsChangedInPlaceAfterReleaseRedoTheStep) {
+  // torch's clip_grad_norm_ multiplies the gradients in place: the caller says so.
+  FillGradients(plain_, overlapped_, 0);
+  StepArgs begin;
+  begin.grad_dtype = DType::kF32;
+  auto overlap = overlapped_.opt->BeginOverlap(begin);
+  ASSERT_THAT(overlap, IsOk());
+  const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
+  for (uint32_t k : BackwardOrder(buffers.size()))
+    ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
+  for (Model* m : {&plain_, &overlapped_}) {
+    for (auto& g : m->grads) {
+      for (float& x : g) x *= 0.25f;
+    }
+  }
+  overlap->Invalidate();
+  StepArgs final_args = Final(1.0f);
+  final_args.pieces = buffers;
+  auto report = overlap->Finish(final_args);
+  ASSERT_THAT(report, IsOk());
+  EXPECT_FALSE(report->speculation_held);
+  ASSERT_THAT(Plain(plain_, Final(1.0f)), IsOk());
+  ExpectSame(plain_, overlapped_);
+}
+
 TEST_P(OverlapTest, ALearningRateChangedBeforeFinishRedoesTheStep) {
   FillGradients(plain_, overlapped_, 0);
   ParamGroup g = options_.groups[1];

@@ -29,6 +29,7 @@ struct StagedAdamW::OverlapState {
   std::vector<uint8_t> speculated;          // Per unit.
   std::vector<uint32_t> ready;              // Ready units not yet speculated.
   uint64_t speculated_units = 0;
+  bool invalidated = false;  // Overlap::Invalidate: the speculation cannot hold.
 };
 
 }  // namespace ckpt::optimizer

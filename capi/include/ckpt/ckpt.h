@@ -36,8 +36,8 @@ extern "C" {
  * ckpt_store_adopt. A caller built against 7 must be rebuilt: compare ckpt_abi_layout() with
  * the layout you were built for (the Python package does, before any other call). 9 only adds
  * store transactions and readers (ckpt_save_*, ckpt_reader_*) and their dtypes: a library of 9
- * serves callers of 8. */
-#define CKPT_ABI_VERSION 9
+ * serves callers of 8. 10 only adds the overlapped step (ckpt_overlap_*). */
+#define CKPT_ABI_VERSION 10
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -173,6 +173,35 @@ CKPT_C_EXPORT int ckpt_optimizer_step_masked(ckpt_optimizer* opt, const void* co
                                              const uint8_t* stepped, size_t nparams,
                                              int grad_dtype, float grad_scale, int check_finite,
                                              void* stream, int* skipped);
+/* (ABI 10) The overlapped step (docs/design/overlap.md): each unit is updated as soon as the
+ * gradients of its pieces are final, while backward goes on, bit for bit as
+ * ckpt_optimizer_step_masked with the arguments of ckpt_overlap_finish. Units are updated
+ * speculatively with `grad_scale` (the step's unless clipping fires) from the state into a spare
+ * copy (allocated at the first speculating step: the state is then held twice in host memory);
+ * finish commits them when its arguments agree and redoes the step otherwise. speculate 0
+ * updates nothing before finish. `stream`: the CUDA engine's caller stream (the backward's). */
+typedef struct ckpt_overlap ckpt_overlap;
+CKPT_C_EXPORT int ckpt_overlap_begin(ckpt_optimizer* opt, int grad_dtype, float grad_scale,
+                                     void* stream, int speculate, ckpt_overlap** out);
+/* The gradients of pieces pieces[0 .. n) are final: grads[i] and params[i] are piece
+ * pieces[i]'s own buffers. A piece released twice (a second backward before the step) fails
+ * with CKPT_FAILED_PRECONDITION and abandons the step (the weights written are put back). */
+CKPT_C_EXPORT int ckpt_overlap_release(ckpt_overlap* ov, const uint32_t* pieces,
+                                       const void* const* grads, void* const* params, size_t n);
+/* A released gradient changed after its release (an in-place clip or unscale): finish redoes
+ * the step. */
+CKPT_C_EXPORT int ckpt_overlap_invalidate(ckpt_overlap* ov);
+/* Ends the step as ckpt_optimizer_step_masked with these arguments would have run it.
+ * *speculated: units updated before finish; *held: 1 when that speculation was committed. On
+ * an error the state is as before the step. The overlap is closed either way (destroy it). */
+CKPT_C_EXPORT int ckpt_overlap_finish(ckpt_overlap* ov, const void* const* grads,
+                                      void* const* params, size_t npieces,
+                                      const uint8_t* stepped, size_t nparams, int grad_dtype,
+                                      float grad_scale, int check_finite, void* stream,
+                                      int* skipped, uint64_t* speculated, int* held);
+/* Frees the handle; an overlap not finished is abandoned (the state as before the step, the
+ * weights written put back). NULL is a no-op. The optimizer must outlive its overlap. */
+CKPT_C_EXPORT void ckpt_overlap_destroy(ckpt_overlap* ov);
 /* (ABI 7) ckpt_optimizer_write_weights into each piece's own buffer: params[k] holds piece
  * k's elements (in its parameter's dtype), for the `npieces` pieces of the optimizer. */
 CKPT_C_EXPORT int ckpt_optimizer_write_piece_weights(ckpt_optimizer* opt, void* const* params,

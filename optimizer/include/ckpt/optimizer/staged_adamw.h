@@ -186,6 +186,9 @@ class StagedAdamW {
     // step.
     absl::Status Release(std::span<const uint32_t> pieces,
                          std::span<const PieceBuffers> buffers = {});
+    // A released gradient changed after its Release (an in-place clip or unscale of the
+    // gradients): Finish redoes the step, whatever its arguments.
+    void Invalidate();
     // Ends the step with its final arguments (same buffers as BeginOverlap's; grad_scale,
     // check_finite and stepped as Step takes them): the same result and report as
     // Step(args), with speculated_units and speculation_held set. On an error the state is as
