@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 OK = 0
 CODE_NAMES = {
@@ -135,6 +135,16 @@ _sig = {
                                     _p, ctypes.c_size_t, ctypes.c_int, ctypes.c_float,
                                     ctypes.c_int, _p, ctypes.POINTER(ctypes.c_int)],
                                    ctypes.c_int),
+    "ckpt_overlap_begin": ([_p, ctypes.c_int, ctypes.c_float, _p, ctypes.c_int,
+                            ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_overlap_release": ([_p, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(_p),
+                              ctypes.POINTER(_p), ctypes.c_size_t], ctypes.c_int),
+    "ckpt_overlap_invalidate": ([_p], ctypes.c_int),
+    "ckpt_overlap_finish": ([_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_size_t, _p,
+                             ctypes.c_size_t, ctypes.c_int, ctypes.c_float, ctypes.c_int, _p,
+                             ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                             ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_overlap_destroy": ([_p], None),
     "ckpt_optimizer_param_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
                                    ctypes.c_int),
     "ckpt_optimizer_set_param_state": ([_p, _p, _p, _p, _p, ctypes.c_uint64,

@@ -8,7 +8,9 @@ torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters a
 step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
 """
 import bisect
+import contextlib
 import ctypes
+import functools
 import weakref
 
 import torch
@@ -135,6 +137,29 @@ def _shared(key):
                     lambda self, value: self._layout.__setitem__(key, value))
 
 
+class _OverlapRun:
+    """The overlapped step's mutable state, one object shared by wrappers that copy the
+    optimizer's __dict__: the open ckpt_overlap (a Native child of the optimizer's), each
+    released parameter's gradient version, and the step's clipping coefficient."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self.native = None
+        self.released = {}  # Parameter index -> its gradient's _version when released.
+        self.failed = False  # This backward cannot overlap: the step runs plainly.
+        self.depth = 0  # Open accumulating() blocks.
+        self.coef = None  # clip_grad_norm's coefficient (a tensor), for the next step.
+        self.last = None  # (units speculated, speculation held) of the last overlapped step.
+        self.hooks = []
+
+
+def _gradient_ready(ref, index, param):
+    """A parameter's post-accumulate-grad hook: its gradient is final for this backward."""
+    opt = ref()
+    if opt is not None:
+        opt._release(index, param)
+
+
 class StagedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, as torch.optim.AdamW) with ckpt's staged state.
 
@@ -150,6 +175,11 @@ class StagedAdamW(torch.optim.Optimizer):
       `bucket_elems` elements (0: 40M) give it, steps only those, and the ranks then exchange
       the updated parameters; with reduce_grads the gradients are first averaged over the
       group in FP32 (leave it off when DDP already averaged them).
+    overlap: update each parameter's state as soon as backward has finished its gradient, while
+      backward goes on (torch >= 2.1; one process, no process_group), bit for bit the plain
+      step: see docs/design/overlap.md and docs/python.md. Clip with `clip_grad_norm` (which
+      leaves the gradients as they are) rather than torch's clip_grad_norm_, and wrap every
+      micro-batch but the last of an accumulation in `with opt.accumulating():`.
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
     (they choose torch's implementation), maximize (per group), amsgrad (per group;
     ckpt keeps max_exp_avg_sq once some group of the constructor or of add_param_group has
@@ -170,7 +200,8 @@ class StagedAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, moments="f32", threads=0, unit_bytes=0,
-                 process_group=None, bucket_elems=0, reduce_grads=True, **torch_options):
+                 process_group=None, bucket_elems=0, reduce_grads=True, overlap=False,
+                 **torch_options):
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not _is_number(value) or float(value) < 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
@@ -328,6 +359,20 @@ class StagedAdamW(torch.optim.Optimizer):
         # __dict__ share it, and it is freed when the last of them goes, or by close().
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
         self._max_slab = any(g.get("amsgrad", False) for g in self.param_groups)
+        self._ov = _OverlapRun(bool(overlap))
+        if overlap:
+            if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+                self.close()
+                raise NotImplementedError(
+                    f"overlap=True needs post-accumulate-grad hooks (torch >= 2.1); this is "
+                    f"torch {torch.__version__}")
+            if process_group is not None:
+                self.close()
+                raise NotImplementedError("overlap=True with a process_group is not supported "
+                                          "yet")
+            ref = weakref.ref(self)
+            self._ov.hooks = [p.register_post_accumulate_grad_hook(
+                functools.partial(_gradient_ready, ref, i)) for i, p in enumerate(plist)]
         self._note_versions()
 
     @staticmethod
@@ -441,12 +486,151 @@ class StagedAdamW(torch.optim.Optimizer):
             self._dtype, self._grad_dtype = None, torch.float32
         self._cache.clear()
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward inside this block releases nothing to an overlapped step: wrap every
+        micro-batch of a gradient accumulation but the last (its gradients are not final, and
+        the next micro-batch's forward must see the weights as they are)."""
+        self._ov.depth += 1
+        try:
+            yield
+        finally:
+            self._ov.depth -= 1
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm, norm_type=2.0):
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters, applied by the next
+        step() as a factor of its gradient scale instead of in place: the gradients are left as
+        they are, so an overlapped step's speculation holds whenever clipping does not fire.
+        Returns the total norm (a tensor, as torch). The norm of each gradient is taken in FP32,
+        then the norm of those norms; the coefficient is max_norm / (norm + 1e-6), at most 1.
+        A non-finite norm leaves the gradients unscaled (torch would make every one NaN)."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            self._ov.coef = None
+            return torch.tensor(0.0)
+        norm_type = float(norm_type)
+        device = grads[0].device
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
+                 for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        self._ov.coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        return total
+
+    def _take_coef(self):
+        """The clipping coefficient for this step (1.0 without clip_grad_norm), as a float."""
+        coef, self._ov.coef = self._ov.coef, None
+        if coef is None:
+            return 1.0
+        value = float(coef.item())
+        return value if value == value and value not in (float("inf"), float("-inf")) else 1.0
+
+    def _fast(self, p, g):
+        """Whether ckpt reads this gradient and writes this parameter where they are (the
+        overlapped step's condition; the plain step converts and stages the others)."""
+        return (g.dtype is self._grad_dtype and g.is_contiguous() and g.device == self._device
+                and p.device == self._device and p.is_contiguous())
+
+    def _release(self, index, p):
+        """The post-accumulate-grad hook's work: parameter `index`'s gradient is final."""
+        run = self._ov
+        if run.depth > 0 or run.failed or self._native is None or self._native.closed:
+            return
+        g = p.grad
+        if g is None or not self._fast(p, g):
+            self._drop_overlap()
+            run.failed = True
+            return
+        if run.native is None:
+            scale, flip = self._grad_scale()
+            if flip:
+                run.failed = True
+                return
+            handle = self._push_groups()  # Hyper-parameters and edited parameters, first.
+            out = ctypes.c_void_p()
+            check(lib.ckpt_overlap_begin(handle, _DTYPES[self._grad_dtype], scale,
+                                         self._stream(), 1, ctypes.byref(out)))
+            run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
+                                parents=(self._native,))
+        try:
+            check(lib.ckpt_overlap_release(
+                run.native.handle, (ctypes.c_uint32 * 1)(index), (ctypes.c_void_p * 1)(g.data_ptr()),
+                (ctypes.c_void_p * 1)(p.data_ptr()), 1))
+        except CkptError:
+            self._drop_overlap()  # Abandoned by ckpt: the weights are the masters again.
+            raise
+        run.released[index] = g._version
+
+    def _drop_overlap(self):
+        """Abandons the open overlapped step, if any: the state stays as before the step and
+        the weights it wrote are rewritten from the masters."""
+        run = self._ov
+        native, run.native, run.released = run.native, None, {}
+        if native is not None:
+            native.close()
+
+    def _stream(self):
+        if self._device.type == "cuda":
+            return torch.cuda.current_stream(self._device).cuda_stream
+        return None
+
+    def _finish_overlap(self, coef):
+        """Ends the open overlapped step as the plain step would run. False when it cannot (a
+        gradient ckpt would have to convert, a maximize mix, nothing to step): the overlap is
+        abandoned and the plain step runs."""
+        run = self._ov
+        native, released = run.native, run.released
+        run.native, run.released = None, {}
+        try:
+            grad_of = [p.grad for p in self._params]
+            stepped = [g is not None for g in grad_of]
+            scale, flip = self._grad_scale()
+            if (not any(stepped) or flip or
+                    not all(self._fast(p, g) for p, g in zip(self._params, grad_of)
+                            if g is not None)):
+                return False
+            handle = self._live()
+            for gi, g in enumerate(self.param_groups):  # A scheduler may have run since.
+                self._check_group(g)
+                check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
+            if any(grad_of[i] is None or grad_of[i]._version != v for i, v in released.items()):
+                check(lib.ckpt_overlap_invalidate(native.handle))  # Changed in place since.
+            self._cache.clear()
+            self._layout.pop("consolidated", None)
+            n = len(self._params)
+            grads = (ctypes.c_void_p * n)(*[g.data_ptr() if g is not None else None
+                                            for g in grad_of])
+            params = (ctypes.c_void_p * n)(*[p.data_ptr() if g is not None else None
+                                             for p, g in zip(self._params, grad_of)])
+            skipped, held = ctypes.c_int(0), ctypes.c_int(0)
+            speculated = ctypes.c_uint64(0)
+            check(lib.ckpt_overlap_finish(
+                native.handle, grads, params, n, (ctypes.c_uint8 * n)(*stepped), n,
+                _DTYPES[self._grad_dtype], scale * coef, 0, self._stream(),
+                ctypes.byref(skipped), ctypes.byref(speculated), ctypes.byref(held)))
+            run.last = (speculated.value, bool(held.value))
+            return True
+        finally:
+            native.close()
+
+    @property
+    def last_overlap(self):
+        """(units updated during backward, whether that speculation held) of the last overlapped
+        step, or None when the last step ran plainly."""
+        return self._ov.last
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        coef = self._take_coef()
+        run = self._ov
+        run.failed = False
+        run.last = None
+        if run.native is not None and self._finish_overlap(coef):
+            return loss
         # As torch: a parameter whose .grad is None is not stepped (nor decayed), and its own
         # step count does not advance; a step in which none has a gradient changes nothing.
         grad_of = [p.grad for p in self._params]
@@ -458,6 +642,7 @@ class StagedAdamW(torch.optim.Optimizer):
             return loss
         handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
         scale, flip = self._grad_scale()
+        scale *= coef
         self._cache.clear()
         self._layout.pop("consolidated", None)
         stream = None
