@@ -605,6 +605,102 @@ TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
   cudaStreamDestroy(stream);
 }
 
+// The overlapped step on the CUDA engine (device piece buffers, backward's order), against
+// plain steps of the CPU engine on host buffers: speculation held, clipping that fires (redo),
+// a NaN in the last piece released (skip, weights put back), every bit the same.
+class CudaOverlapTest : public ::testing::TestWithParam<MomentDType> {};
+
+TEST_P(CudaOverlapTest, OverlappedStepsMatchPlainStepsOfTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, GetParam(), 64 << 10);
+  StagedAdamWOptions c = Options(EngineKind::kCpu, GetParam(), 64 << 10);
+  const uint64_t n = Size(o);
+  const std::vector<std::byte> init = Encode(Random(n, 1, 1.0f), DType::kBF16);
+  auto gpu = StagedAdamW::Create(o, init);
+  auto cpu = StagedAdamW::Create(c, init);
+  CKPT_ASSERT_OK(gpu);
+  CKPT_ASSERT_OK(cpu);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  std::vector<void*> dgrads, dparams;
+  std::vector<PieceBuffers> dbuf, hbuf;
+  std::vector<std::vector<float>> hgrads;
+  std::vector<std::vector<std::byte>> hparams;
+  uint64_t at = 0;
+  for (const Piece& p : o.pieces) {
+    void* g = nullptr;
+    void* w = nullptr;
+    ASSERT_EQ(cudaMalloc(&g, p.count * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&w, p.count * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(w, init.data() + at * 2, p.count * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    dgrads.push_back(g);
+    dparams.push_back(w);
+    dbuf.push_back({g, w});
+    hgrads.emplace_back(p.count);
+    hparams.emplace_back(init.begin() + static_cast<ptrdiff_t>(at * 2),
+                         init.begin() + static_cast<ptrdiff_t>((at + p.count) * 2));
+    at += p.count;
+  }
+  for (size_t k = 0; k < hgrads.size(); ++k) hbuf.push_back({hgrads[k].data(), hparams[k].data()});
+  const float final_scale[] = {0.75f, 0.3f, 0.75f, 0.75f, 0.75f};
+  for (int s = 0; s < 5; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    if (s == 3) g[7] = NAN;  // In piece 0, which backward releases last.
+    at = 0;
+    for (size_t k = 0; k < o.pieces.size(); ++k) {
+      std::copy(g.begin() + static_cast<ptrdiff_t>(at),
+                g.begin() + static_cast<ptrdiff_t>(at + o.pieces[k].count), hgrads[k].begin());
+      ASSERT_EQ(cudaMemcpyAsync(dgrads[k], hgrads[k].data(), o.pieces[k].count * 4,
+                                cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+      at += o.pieces[k].count;
+    }
+    StepArgs args;
+    args.grad_dtype = DType::kF32;
+    args.grad_scale = final_scale[s];
+    args.check_finite = true;
+    args.pieces = hbuf;
+    auto plain = (*cpu)->Step(args);
+    CKPT_ASSERT_OK(plain);
+    StepArgs begin;
+    begin.grad_dtype = DType::kF32;
+    begin.grad_scale = 0.75f;
+    begin.stream = view;
+    auto overlap = (*gpu)->BeginOverlap(begin);
+    CKPT_ASSERT_OK(overlap);
+    for (uint32_t k : {2u, 1u, 0u}) CKPT_ASSERT_OK(overlap->Release({&k, 1}, {&dbuf[k], 1}));
+    args.pieces = dbuf;
+    args.stream = view;
+    auto report = overlap->Finish(args);
+    CKPT_ASSERT_OK(report);
+    EXPECT_EQ(report->skipped, plain->skipped) << "step " << s;
+    EXPECT_EQ(report->speculation_held, final_scale[s] == 0.75f && !plain->skipped);
+    EXPECT_EQ(report->speculated_units, (*gpu)->units().size());
+    for (size_t k = 0; k < o.pieces.size(); ++k) {
+      std::vector<std::byte> got(o.pieces[k].count * 2);
+      ASSERT_EQ(cudaMemcpyAsync(got.data(), dparams[k], got.size(), cudaMemcpyDeviceToHost,
+                                stream),
+                cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(got, hparams[k]) << "step " << s << " piece " << k;
+    }
+    CKPT_ASSERT_OK((*gpu)->Synchronize());
+    EXPECT_EQ(std::memcmp((*gpu)->master().data(), (*cpu)->master().data(), 4 * n), 0);
+    EXPECT_EQ(std::memcmp((*gpu)->exp_avg_sq_bytes().data(), (*cpu)->exp_avg_sq_bytes().data(),
+                          (*cpu)->exp_avg_sq_bytes().size()),
+              0);
+    EXPECT_EQ((*gpu)->param_steps(), (*cpu)->param_steps());
+  }
+  for (void* p : dgrads) cudaFree(p);
+  for (void* p : dparams) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, CudaOverlapTest,
+                         ::testing::Values(MomentDType::kF32, MomentDType::kBF16));
+
 uint64_t DeviceUsed() {
   size_t free = 0, total = 0;
   cudaMemGetInfo(&free, &total);

@@ -1,0 +1,205 @@
+"""A training step (forward, backward, optimizer step) of a BF16 Llama on one GPU: torch's fused
+AdamW on FP32 master weights (the peer: every byte of optimizer state on the GPU) against
+ckpt.torch.StagedAdamW on the CUDA engine, plain (the step after backward) and overlapped (each
+parameter's update streamed from its post-accumulate-grad hook while backward goes on), with F32
+and BF16 moments, with and without gradient clipping at 1.0. Prints each run's step time and
+peak GPU memory, and both against the torch row of the same clipping (the goals of #24:
+overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the memory).
+
+The model is transformers' LlamaForCausalLM when transformers imports (hidden 1024, 24 layers,
+16 heads, MLP 2560, vocab 32000: 355M parameters), else a plain torch decoder of the same shape.
+ckpt's device buffers live outside torch's caching allocator: they are measured from the
+driver's free memory around the optimizer's construction and added to torch's peak.
+
+    CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/train_step.py \\
+        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--only ckpt-overlap]
+"""
+import argparse
+import gc
+import time
+
+import torch
+
+import ckpt.torch
+
+
+def llama(args):
+    torch.manual_seed(0)
+    try:
+        import transformers
+        config = transformers.LlamaConfig(
+            hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+            num_key_value_heads=16, intermediate_size=args.mlp, vocab_size=args.vocab,
+            max_position_embeddings=args.seq, tie_word_embeddings=False)
+        net = transformers.LlamaForCausalLM(config)
+        kind = "transformers LlamaForCausalLM"
+    except ImportError:
+        net, kind = Decoder(args), "torch decoder (transformers absent)"
+    return net.to(device="cuda", dtype=torch.bfloat16), kind
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h, mlp):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(h), torch.nn.RMSNorm(h)
+        self.qkv, self.o = torch.nn.Linear(h, 3 * h, bias=False), torch.nn.Linear(h, h, bias=False)
+        self.gate_up = torch.nn.Linear(h, 2 * mlp, bias=False)
+        self.down = torch.nn.Linear(mlp, h, bias=False)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, 16, h // 16).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, h))
+        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(g) * u)
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.embed = torch.nn.Embedding(args.vocab, args.hidden)
+        self.layers = torch.nn.ModuleList(Block(args.hidden, args.mlp) for _ in range(args.layers))
+        self.norm = torch.nn.RMSNorm(args.hidden)
+        self.head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x)).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 labels[:, 1:].reshape(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+class TorchMasters:
+    """torch.optim.AdamW(fused=True) on FP32 masters of the BF16 model: the gradients are
+    widened into the masters' .grad, the masters stepped, then rounded into the model."""
+
+    def __init__(self, net, clip):
+        self.params = list(net.parameters())
+        self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=1e-4, weight_decay=0.1, fused=True)
+        self.clip = clip
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
+        self.opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+        for m in self.masters:
+            m.grad = None
+
+
+class Ckpt:
+    def __init__(self, net, clip, moments, overlap):
+        self.opt = ckpt.torch.StagedAdamW(net.named_parameters(), lr=1e-4, weight_decay=0.1,
+                                          moments=moments, overlap=overlap)
+        self.clip = clip
+        self.held = 0
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self):
+        if self.clip:
+            self.opt.clip_grad_norm(1.0)
+        self.opt.step()
+        last = self.opt.last_overlap
+        self.held += bool(last and last[1])
+
+
+def run(name, args, clip):
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    net, kind = llama(args)
+    free_before, _ = torch.cuda.mem_get_info()
+    allocated_before = torch.cuda.memory_allocated()
+    if name == "torch-fused":
+        opt = TorchMasters(net, clip)
+    else:
+        _, moments, mode = name.split("-")
+        opt = Ckpt(net, clip, moments, mode == "overlap")
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    outside = 0 if name == "torch-fused" else max(
+        0, (free_before - free_after) - (torch.cuda.memory_allocated() - allocated_before))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+
+    def step():
+        opt.zero_grad()
+        net(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) * 1e3 / args.steps
+    peak = torch.cuda.max_memory_allocated() + outside
+    held = getattr(opt, "held", None)
+    if isinstance(opt, Ckpt):
+        opt.opt.close()
+    del opt, net, ids
+    params = args.params
+    return ms, peak, kind, params, held
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--mlp", type=int, default=2560)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--only", action="append", default=None,
+                    help="run only these rows (torch-fused, ckpt-f32-plain, ckpt-f32-overlap, "
+                         "ckpt-bf16-plain, ckpt-bf16-overlap); torch-fused always runs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/train_step.py needs a CUDA device")
+    net, _ = llama(args)
+    args.params = sum(p.numel() for p in net.parameters())
+    del net
+    rows = ["torch-fused", "ckpt-f32-plain", "ckpt-f32-overlap", "ckpt-bf16-plain",
+            "ckpt-bf16-overlap"]
+    if args.only:
+        rows = ["torch-fused"] + [r for r in rows[1:] if r in args.only]
+    print(f"# {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
+          f"{args.steps} timed steps after {args.warmup}")
+    for clip in (False, True):
+        base = None
+        for name in rows:
+            ms, peak, kind, params, held = run(name, args, clip)
+            if base is None:
+                base = (ms, peak)
+                print(f"# model: {kind}, {params / 1e6:.0f}M parameters; clipping "
+                      f"{'at 1.0' if clip else 'off'}")
+                print(f"{'optimizer':20} {'step ms':>9} {'x torch':>8} {'peak GiB':>9} "
+                      f"{'x torch':>8}  speculation held")
+            note = "" if held is None or "overlap" not in name else \
+                f"  {held}/{args.steps + args.warmup}"
+            print(f"{name:20} {ms:9.1f} {ms / base[0]:8.2f} {peak / 2 ** 30:9.2f} "
+                  f"{peak / base[1]:8.2f}{note}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
