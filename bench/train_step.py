@@ -4,7 +4,10 @@ ckpt.torch.StagedAdamW on the CUDA engine, plain (the step after backward) and o
 parameter's update streamed from its post-accumulate-grad hook while backward goes on), with F32
 and BF16 moments, with and without gradient clipping at 1.0. Prints each run's step time and
 peak GPU memory, and both against the torch row of the same clipping (the goals of #24:
-overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the memory).
+overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the memory), and
+the time against its bound measured in the same run: the larger of forward + backward alone and
+the state's bytes over PCIe (12 B/param each way with F32 moments, 8 with BF16) at the rate
+pinned copies reach with both directions busy.
 
 The model is transformers' LlamaForCausalLM when transformers imports (hidden 1024, 24 layers,
 16 heads, MLP 2560, vocab 32000: 355M parameters), else a plain torch decoder of the same shape.
@@ -12,7 +15,7 @@ ckpt's device buffers live outside torch's caching allocator: they are measured 
 driver's free memory around the optimizer's construction and added to torch's peak.
 
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/train_step.py \\
-        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--only ckpt-overlap]
+        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--max-norm 1.0] [--only ckpt-f32-overlap]
 """
 import argparse
 import gc
@@ -92,12 +95,26 @@ class TorchMasters:
         for m, p in zip(self.masters, self.params):
             m.grad = p.grad.float()
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.masters, 1.0)
+            torch.nn.utils.clip_grad_norm_(self.masters, self.clip)
         self.opt.step()
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.masters)
         for m in self.masters:
             m.grad = None
+
+
+class NoStep:
+    """Forward and backward only: the compute an optimizer step can hide behind."""
+
+    def __init__(self, net):
+        self.params = list(net.parameters())
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        pass
 
 
 class Ckpt:
@@ -112,10 +129,36 @@ class Ckpt:
 
     def step(self):
         if self.clip:
-            self.opt.clip_grad_norm(1.0)
+            self.opt.clip_grad_norm(self.clip)
         self.opt.step()
         last = self.opt.last_overlap
         self.held += bool(last and last[1])
+
+
+def pcie_rates(nbytes=1 << 30):
+    """Host-to-device and device-to-host GB/s of pinned memory, both directions at once (as the
+    streamed step moves its state)."""
+    host_in = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    host_out = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    best = (0.0, 0.0)
+    for _ in range(3):
+        torch.cuda.synchronize()
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        with torch.cuda.stream(s1):
+            e[0].record()
+            dev_in.copy_(host_in, non_blocking=True)
+            e[1].record()
+        with torch.cuda.stream(s2):
+            e[2].record()
+            host_out.copy_(dev_out, non_blocking=True)
+            e[3].record()
+        torch.cuda.synchronize()
+        rate = (nbytes / e[0].elapsed_time(e[1]) / 1e6, nbytes / e[2].elapsed_time(e[3]) / 1e6)
+        best = max(best, rate, key=min)
+    return best
 
 
 def run(name, args, clip):
@@ -127,12 +170,14 @@ def run(name, args, clip):
     allocated_before = torch.cuda.memory_allocated()
     if name == "torch-fused":
         opt = TorchMasters(net, clip)
+    elif name == "no-step":
+        opt = NoStep(net)
     else:
         _, moments, mode = name.split("-")
         opt = Ckpt(net, clip, moments, mode == "overlap")
     torch.cuda.synchronize()
     free_after, _ = torch.cuda.mem_get_info()
-    outside = 0 if name == "torch-fused" else max(
+    outside = 0 if name in ("torch-fused", "no-step") else max(
         0, (free_before - free_after) - (torch.cuda.memory_allocated() - allocated_before))
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
@@ -170,6 +215,8 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-norm", type=float, default=1.0,
+                    help="the clipped runs' max_norm (clip_grad_norm_ / clip_grad_norm)")
     ap.add_argument("--only", action="append", default=None,
                     help="run only these rows (torch-fused, ckpt-f32-plain, ckpt-f32-overlap, "
                          "ckpt-bf16-plain, ckpt-bf16-overlap); torch-fused always runs")
@@ -185,19 +232,32 @@ def main():
         rows = ["torch-fused"] + [r for r in rows[1:] if r in args.only]
     print(f"# {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
           f"{args.steps} timed steps after {args.warmup}")
-    for clip in (False, True):
+    h2d, d2h = pcie_rates()
+    compute_ms = run("no-step", args, 0.0)[0]
+    print(f"# forward + backward alone: {compute_ms:.1f} ms; PCIe with both directions busy: "
+          f"{h2d:.1f} GB/s in, {d2h:.1f} GB/s out")
+    # The streamed step moves the masters and both moments in and out: 12 B/param each way with
+    # F32 moments, 8 with BF16. No schedule beats the larger of that and the compute.
+    bounds = {}
+    for moments, per_param in (("f32", 12), ("bf16", 8)):
+        pcie_ms = args.params * per_param / min(h2d, d2h) / 1e6
+        bounds[moments] = max(compute_ms, pcie_ms)
+        print(f"# bound, {moments} moments: max(compute {compute_ms:.1f}, state over PCIe "
+              f"{pcie_ms:.1f}) = {bounds[moments]:.1f} ms")
+    for clip in (0.0, args.max_norm):
         base = None
         for name in rows:
             ms, peak, kind, params, held = run(name, args, clip)
             if base is None:
                 base = (ms, peak)
                 print(f"# model: {kind}, {params / 1e6:.0f}M parameters; clipping "
-                      f"{'at 1.0' if clip else 'off'}")
-                print(f"{'optimizer':20} {'step ms':>9} {'x torch':>8} {'peak GiB':>9} "
-                      f"{'x torch':>8}  speculation held")
+                      f"{f'at {clip:g}' if clip else 'off'}")
+                print(f"{'optimizer':20} {'step ms':>9} {'x torch':>8} {'x bound':>8} "
+                      f"{'peak GiB':>9} {'x torch':>8}  speculation held")
+            bound = "" if name == "torch-fused" else f"{ms / bounds[name.split('-')[1]]:8.2f}"
             note = "" if held is None or "overlap" not in name else \
                 f"  {held}/{args.steps + args.warmup}"
-            print(f"{name:20} {ms:9.1f} {ms / base[0]:8.2f} {peak / 2 ** 30:9.2f} "
+            print(f"{name:20} {ms:9.1f} {ms / base[0]:8.2f} {bound:>8} {peak / 2 ** 30:9.2f} "
                   f"{peak / base[1]:8.2f}{note}", flush=True)
 
 

@@ -2,7 +2,8 @@
 //
 // Each of `slot_count` slots owns device buffers for one unit's state twice over (the kernel
 // reads the "in" copy and writes the "out" copy) and three streams: copy-in, compute, copy-out.
-// The k-th unit of a Step call runs in slot k % S:
+// The k-th unit of a Step call runs in slot (first + k) % S, `first` the slot after the previous
+// call's last (an overlapped step makes many calls of a unit or two):
 // 0. once per call, each copy-in stream waits for every slot's last copy-out (d2h_done): a unit
 //    may run in another slot than in the previous call (a fenced step passes its units in
 //    batches), so this orders its copy-in after its previous copy-out whichever slot ran it.
@@ -108,6 +109,7 @@ class CudaEngine : public internal::Engine {
     if (join_.valid())
       status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
+    next_slot_ = 0;
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
     done_ = CudaEvent();
@@ -151,7 +153,7 @@ class CudaEngine : public internal::Engine {
                      [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c,
                          formats::DType) { active |= c != StepPlan::kSkipped; });
       if (!active) continue;
-      Slot& s = slots_[k % slots_.size()];
+      Slot& s = slots_[(next_slot_ + k) % slots_.size()];
       float* master = slabs.master + u.offset;
       std::byte* m = slabs.exp_avg + u.offset * mbytes;
       std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
@@ -231,6 +233,9 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
       ++k;
     }
+    // The next call goes on from the next slot: an overlapped step's calls of one unit each
+    // would otherwise all run in slot 0, each waiting for the one before.
+    next_slot_ = (next_slot_ + k) % slots_.size();
     // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
     // has (Synchronize waits for those).
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
@@ -268,7 +273,7 @@ class CudaEngine : public internal::Engine {
     CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = units[k];
-      Slot& s = slots_[k % slots_.size()];
+      Slot& s = slots_[(next_slot_ + k) % slots_.size()];
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), slabs.master + u.offset,
                                                 u.count * 4, cudaMemcpyHostToDevice, s.h2d.get()));
@@ -288,6 +293,7 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(launched);
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
     }
+    next_slot_ = (next_slot_ + units.size()) % slots_.size();
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(caller, done_.get(), 0));
     // The masters copied in above are read until the kernels ran: a later step's copy-out of
@@ -404,6 +410,7 @@ class CudaEngine : public internal::Engine {
   const MomentDType moments_;
   const bool max_slab_;
   uint64_t device_bytes_ = 0;
+  size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;
   CudaEvent grads_ready_, done_;
   CudaStream join_;

@@ -150,6 +150,11 @@ class _OverlapRun:
         self.depth = 0  # Open accumulating() blocks.
         self.coef = None  # clip_grad_norm's coefficient (a tensor), for the next step.
         self.last = None  # (units speculated, speculation held) of the last overlapped step.
+        # Whether the next overlapped step speculates: not after a step whose speculation could
+        # not have held (clipping fired, gradients changed in place), so that a run where
+        # clipping fires every step pays no speculation it throws away; again after one where
+        # it would have held.
+        self.speculate = True
         self.hooks = []
 
 
@@ -549,7 +554,7 @@ class StagedAdamW(torch.optim.Optimizer):
             handle = self._push_groups()  # Hyper-parameters and edited parameters, first.
             out = ctypes.c_void_p()
             check(lib.ckpt_overlap_begin(handle, _DTYPES[self._grad_dtype], scale,
-                                         self._stream(), 1, ctypes.byref(out)))
+                                         self._stream(), int(run.speculate), ctypes.byref(out)))
             run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
                                 parents=(self._native,))
         try:
@@ -593,8 +598,11 @@ class StagedAdamW(torch.optim.Optimizer):
             for gi, g in enumerate(self.param_groups):  # A scheduler may have run since.
                 self._check_group(g)
                 check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
-            if any(grad_of[i] is None or grad_of[i]._version != v for i, v in released.items()):
+            changed = any(grad_of[i] is None or grad_of[i]._version != v
+                          for i, v in released.items())
+            if changed:
                 check(lib.ckpt_overlap_invalidate(native.handle))  # Changed in place since.
+            run.speculate = coef == 1.0 and not changed
             self._cache.clear()
             self._layout.pop("consolidated", None)
             n = len(self._params)
