@@ -182,20 +182,37 @@ def run(name, args, clip):
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
 
-    def step():
+    marks = []  # Per timed step: events before forward, after forward, after backward, after.
+
+    def step(timed):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
         opt.zero_grad()
-        net(input_ids=ids, labels=ids).loss.backward()
+        if e:
+            e[0].record()
+        loss = net(input_ids=ids, labels=ids).loss
+        if e:
+            e[1].record()
+        loss.backward()
+        if e:
+            e[2].record()
         opt.step()
+        if e:
+            e[3].record()
+            marks.append(e)
 
     for _ in range(args.warmup):
-        step()
+        step(False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
-        step()
+        step(args.phases)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1e3 / args.steps
+    if marks:
+        phase = [sum(e[i].elapsed_time(e[i + 1]) for e in marks) / len(marks) for i in range(3)]
+        print(f"#   {name}: forward {phase[0]:.1f} ms, backward {phase[1]:.1f} ms, step "
+              f"{phase[2]:.1f} ms (GPU time between the stream's marks)")
     peak = torch.cuda.max_memory_allocated() + outside
     held = getattr(opt, "held", None)
     if isinstance(opt, Ckpt):
@@ -215,6 +232,8 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each run's forward, backward and step time")
     ap.add_argument("--max-norm", type=float, default=1.0,
                     help="the clipped runs' max_norm (clip_grad_norm_ / clip_grad_norm)")
     ap.add_argument("--only", action="append", default=None,

@@ -138,6 +138,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_reader_close);
   CKPT_FUNC(ckpt_overlap_begin);
   CKPT_FUNC(ckpt_overlap_release);
+  CKPT_FUNC(ckpt_overlap_drain);
   CKPT_FUNC(ckpt_overlap_invalidate);
   CKPT_FUNC(ckpt_overlap_finish);
   CKPT_FUNC(ckpt_overlap_destroy);

@@ -277,6 +277,12 @@ int ckpt_overlap_release(ckpt_overlap* ov, const uint32_t* pieces, const void* c
   });
 }
 
+int ckpt_overlap_drain(ckpt_overlap* ov) {
+  if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
+  ov->overlap->Drain();
+  return CKPT_OK;
+}
+
 int ckpt_overlap_invalidate(ckpt_overlap* ov) {
   if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
   ov->overlap->Invalidate();

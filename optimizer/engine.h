@@ -161,6 +161,9 @@ class Engine {
   // slot ran it (an overlapped step that redoes or restores units it speculated); no-op for the
   // CPU engine.
   virtual absl::Status Barrier() { return absl::OkStatus(); }
+  // Makes the calling thread ready to call the engine (CUDA: the engine's device current): what
+  // an overlapped step's feeder thread does first.
+  virtual absl::Status BindThread() { return absl::OkStatus(); }
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }

@@ -8,8 +8,10 @@
 //    8); a unit whose pieces are all released is ready.
 // 3. Speculate the ready units unless a fence is installed or speculation is off: current side
 //    -> spare side, with the speculative arguments, weights written. Why the spare side: the
-//    current side must stay the state before the step until Finish says the guess held.
-// 4. Finish(args): plan as Step; the finite check over every stepped gradient when asked. The
+//    current side must stay the state before the step until Finish says the guess held. A
+//    feeder thread runs the engine; Release only queues. Why: the engine's calls (a dozen CUDA
+//    calls per unit, or the CPU update itself) would otherwise hold up backward's own thread.
+// 4. Finish(args): stop the feeder (units it has not taken are Finish's); plan as Step; the finite check over every stepped gradient when asked. The
 //    guess held when not skipped, not invalidated (a released gradient changed in place), the
 //    scale is bitwise the same and every speculated piece has the same constants and buffers.
 // 5. Held: the other active units current -> spare (through the fence when one is installed);
@@ -20,6 +22,8 @@
 // 8. Abandoned: as 6, without a report.
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -130,7 +134,10 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
       ++state->pending[v];
     }
   }
+  if (state->pieces_mode) state->args.pieces = state->buffers;
+  state->fenced = fence_ != nullptr;
   overlap_ = std::move(state);
+  if (overlap_->speculate) overlap_->feeder = std::thread([this] { Feed(); });
   return Overlap(this);
 }
 
@@ -186,40 +193,100 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
     }
     st.released[k] = 1;
     if (st.pieces_mode) st.buffers[k] = buffers[i];
+  }
+  // Step 3: the units now ready go to the feeder (buffers written above happen before its
+  // reads: the queue's mutex orders them).
+  std::vector<uint32_t> ready;
+  for (uint32_t k : pieces) {
     for (uint32_t u : st.piece_units[k]) {
-      if (--st.pending[u] == 0) st.ready.push_back(u);
+      if (--st.pending[u] == 0) ready.push_back(u);
     }
   }
-  // Step 3.
-  return opt.SpeculateReady();
+  if (ready.empty() || !st.feeder.joinable()) return absl::OkStatus();
+  absl::Status failed;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    failed = st.error;
+    if (!st.fenced) st.queue.insert(st.queue.end(), ready.begin(), ready.end());
+  }
+  st.cv.notify_one();
+  return failed;  // A failure of the feeder's, as soon as it is known.
 }
 
-absl::Status StagedAdamW::SpeculateReady() {
+void StagedAdamW::Feed() {
   OverlapState& st = *overlap_;
-  if (!st.speculate || fence_ != nullptr || st.ready.empty()) return absl::OkStatus();
-  if (st.pieces_mode) st.args.pieces = st.buffers;
-  std::vector<Unit> batch;
-  for (uint32_t u : st.ready) batch.push_back(units_[u]);
   SlabView view = View();
   view.master_out = reinterpret_cast<float*>(spare_->master.data());
   view.exp_avg_out = spare_->exp_avg.data();
   view.exp_avg_sq_out = spare_->exp_avg_sq.data();
   view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
-  st.plan.continues = st.speculated_units > 0;
-  CKPT_ASSIGN_OR_RETURN(StepReport part, engine_->Step(st.args, batch, st.plan, view, size_));
-  (void)part;
-  for (uint32_t u : st.ready) st.speculated[u] = 1;
-  st.speculated_units += st.ready.size();
-  st.ready.clear();
-  return absl::OkStatus();
+  std::vector<uint32_t> ready;
+  std::vector<Unit> batch;
+  if (absl::Status bound = engine_->BindThread(); !bound.ok()) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.error = bound;
+    return;
+  }
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(st.mu);
+      st.cv.wait(lock, [&] { return st.stop || !st.queue.empty(); });
+      if (st.stop) return;  // What is left, Finish does.
+      ready.assign(st.queue.begin(), st.queue.end());
+      st.queue.clear();
+      if (st.fenced) {  // Finish passes them through the fence.
+        st.cv.notify_all();
+        continue;
+      }
+      st.busy = true;
+    }
+    batch.clear();
+    for (uint32_t u : ready) batch.push_back(units_[u]);
+    absl::Status status;
+    {
+      std::lock_guard<std::mutex> engine(st.engine_mu);
+      st.plan.continues = st.speculated_units > 0;
+      status = engine_->Step(st.args, batch, st.plan, view, size_).status();
+    }
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.busy = false;
+    st.cv.notify_all();
+    if (!status.ok()) {
+      // Units of a failed batch may be half queued: the step is abandoned.
+      if (st.error.ok()) st.error = status;
+      return;
+    }
+    for (uint32_t u : ready) st.speculated[u] = 1;
+    st.speculated_units += ready.size();
+  }
+}
+
+void StagedAdamW::Overlap::Drain() {
+  if (optimizer_ == nullptr) return;
+  OverlapState& st = *optimizer_->overlap_;
+  if (!st.feeder.joinable()) return;
+  std::unique_lock<std::mutex> lock(st.mu);
+  st.cv.wait(lock, [&] { return (st.queue.empty() && !st.busy) || !st.error.ok(); });
+}
+
+void StagedAdamW::StopFeeder() {
+  OverlapState& st = *overlap_;
+  if (!st.feeder.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.stop = true;
+  }
+  st.cv.notify_one();
+  st.feeder.join();
 }
 
 absl::Status StagedAdamW::AbandonOverlap() {
+  if (overlap_ == nullptr) return absl::OkStatus();
+  StopFeeder();
   std::unique_ptr<OverlapState> st = std::move(overlap_);
-  if (st == nullptr || st->speculated_units == 0) return absl::OkStatus();
+  if (st->speculated_units == 0) return absl::OkStatus();
   // Steps 6 and 8: what the speculated units wrote into the weights goes back to the masters
   // rounded, after every speculated write.
-  if (st->pieces_mode) st->args.pieces = st->buffers;
   std::vector<Unit> units;
   for (size_t u = 0; u < units_.size(); ++u) {
     if (st->speculated[u] != 0) units.push_back(units_[u]);
@@ -247,7 +314,10 @@ absl::StatusOr<StepReport> StagedAdamW::Overlap::Finish(const StepArgs& args) {
 absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
   CKPT_RETURN_IF_ERROR(CheckClean("step"));
   CKPT_RETURN_IF_ERROR(ValidateStepArgs(args));
+  StopFeeder();  // Units it has not taken yet are this function's.
   OverlapState& st = *overlap_;
+  if (!st.error.ok()) return st.error;  // Abandoned by Finish.
+  st.plan.continues = false;
   ++state_version_;
   moments_untouched_ = false;
   // Step 4.
@@ -302,7 +372,6 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
         }
       }
       if (!unstepped.empty()) {
-        if (st.pieces_mode) st.args.pieces = st.buffers;
         CKPT_RETURN_IF_ERROR(engine_->WriteWeights(current, unstepped, st.args, st.args.stream));
       }
     }

@@ -4,8 +4,14 @@
 #define CKPT_OPTIMIZER_SLABS_H_
 
 #include "ckpt/optimizer/staged_adamw.h"
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <vector>
+
+#include "absl/status/status.h"
 
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
@@ -27,9 +33,20 @@ struct StagedAdamW::OverlapState {
   std::vector<uint32_t> pending;            // Per unit: pieces not yet released.
   std::vector<uint8_t> released;            // Per piece.
   std::vector<uint8_t> speculated;          // Per unit.
-  std::vector<uint32_t> ready;              // Ready units not yet speculated.
-  uint64_t speculated_units = 0;
+  uint64_t speculated_units = 0;            // Written by the feeder; read after it joined.
   bool invalidated = false;  // Overlap::Invalidate: the speculation cannot hold.
+
+  // The feeder (optimizer/overlap.cc): a thread that runs the engine over the ready units, so
+  // that Release (called from backward) only queues them. Finish and abandon stop and join it.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<uint32_t> queue;  // Ready units not yet speculated (mu).
+  bool stop = false;           // (mu)
+  bool busy = false;           // The feeder is running a batch (mu).
+  bool fenced = false;         // An async save's fence is installed: no more speculation (mu).
+  absl::Status error;          // The feeder's first failure (mu).
+  std::mutex engine_mu;        // Held by whoever calls the engine while the feeder lives.
+  std::thread feeder;
 };
 
 }  // namespace ckpt::optimizer

@@ -392,6 +392,11 @@ void StagedAdamW::LoadScope::Poison(std::string why) {
 }
 
 StagedAdamW::FenceScope StagedAdamW::InstallFence(internal::UnitFence* fence) {
+  if (overlap_ != nullptr) {
+    // The open overlapped step's feeder speculates nothing more (docs/design/overlap.md).
+    std::lock_guard<std::mutex> lock(overlap_->mu);
+    overlap_->fenced = true;
+  }
   fence_ = fence;
   return FenceScope(this);
 }
@@ -616,7 +621,13 @@ absl::Status StagedAdamW::ReleaseDevice() {
   return engine_->Release();
 }
 absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
-absl::Status StagedAdamW::Synchronize() { return engine_->Synchronize(); }
+absl::Status StagedAdamW::Synchronize() {
+  if (overlap_ != nullptr) {  // The feeder may be in the engine.
+    std::lock_guard<std::mutex> lock(overlap_->engine_mu);
+    return engine_->Synchronize();
+  }
+  return engine_->Synchronize();
+}
 
 absl::StatusOr<CudaStreamView> CudaStreamView::Of(CUstream_st* stream) {
   if (stream == nullptr) {

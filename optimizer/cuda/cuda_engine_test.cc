@@ -671,6 +671,7 @@ TEST_P(CudaOverlapTest, OverlappedStepsMatchPlainStepsOfTheCpuEngine) {
     auto overlap = (*gpu)->BeginOverlap(begin);
     CKPT_ASSERT_OK(overlap);
     for (uint32_t k : {2u, 1u, 0u}) CKPT_ASSERT_OK(overlap->Release({&k, 1}, {&dbuf[k], 1}));
+    overlap->Drain();
     args.pieces = dbuf;
     args.stream = view;
     auto report = overlap->Finish(args);

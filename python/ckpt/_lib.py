@@ -139,6 +139,7 @@ _sig = {
                             ctypes.POINTER(_p)], ctypes.c_int),
     "ckpt_overlap_release": ([_p, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(_p),
                               ctypes.POINTER(_p), ctypes.c_size_t], ctypes.c_int),
+    "ckpt_overlap_drain": ([_p], ctypes.c_int),
     "ckpt_overlap_invalidate": ([_p], ctypes.c_int),
     "ckpt_overlap_finish": ([_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_size_t, _p,
                              ctypes.c_size_t, ctypes.c_int, ctypes.c_float, ctypes.c_int, _p,

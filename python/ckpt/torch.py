@@ -566,6 +566,12 @@ class StagedAdamW(torch.optim.Optimizer):
             raise
         run.released[index] = g._version
 
+    def _drain_overlap(self):
+        """Waits until ckpt has updated every parameter released so far (tests: the step
+        then finds them all speculated)."""
+        if self._ov.native is not None:
+            check(lib.ckpt_overlap_drain(self._ov.native.handle))
+
     def _drop_overlap(self):
         """Abandons the open overlapped step, if any: the state stays as before the step and
         the weights it wrote are rewritten from the masters."""

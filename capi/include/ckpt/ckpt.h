@@ -188,6 +188,9 @@ CKPT_C_EXPORT int ckpt_overlap_begin(ckpt_optimizer* opt, int grad_dtype, float 
  * with CKPT_FAILED_PRECONDITION and abandons the step (the weights written are put back). */
 CKPT_C_EXPORT int ckpt_overlap_release(ckpt_overlap* ov, const uint32_t* pieces,
                                        const void* const* grads, void* const* params, size_t n);
+/* Blocks until every piece released so far has been updated (queued, on the CUDA engine): a
+ * thread of the library's runs the updates, and finish does what it has not taken yet itself. */
+CKPT_C_EXPORT int ckpt_overlap_drain(ckpt_overlap* ov);
 /* A released gradient changed after its release (an in-place clip or unscale): finish redoes
  * the step. */
 CKPT_C_EXPORT int ckpt_overlap_invalidate(ckpt_overlap* ov);

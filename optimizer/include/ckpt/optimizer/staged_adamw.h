@@ -186,6 +186,10 @@ class StagedAdamW {
     // step.
     absl::Status Release(std::span<const uint32_t> pieces,
                          std::span<const PieceBuffers> buffers = {});
+    // Blocks until every unit released so far has been updated (queued, for the CUDA engine)
+    // or left to Finish by a fence: Finish does not wait for them, it updates what is left
+    // itself. For tests and for callers that want speculation done before Finish.
+    void Drain();
     // A released gradient changed after its Release (an in-place clip or unscale of the
     // gradients): Finish redoes the step, whatever its arguments.
     void Invalidate();
@@ -430,7 +434,9 @@ class StagedAdamW {
   // The open overlap's end without commit: the weights its speculated units wrote are
   // rewritten from the current side; the overlap is closed.
   absl::Status AbandonOverlap();
-  absl::Status SpeculateReady();
+  // The feeder thread's loop, and stopping it (joined; what it has not taken stays queued).
+  void Feed();
+  void StopFeeder();
   absl::StatusOr<StepReport> FinishOverlap(const StepArgs& args);
 
   std::unique_ptr<Slabs> slabs_;
