@@ -8,9 +8,10 @@
 //    8); a unit whose pieces are all released is ready.
 // 3. Speculate the ready units unless a fence is installed or speculation is off: current side
 //    -> spare side, with the speculative arguments, weights written. Why the spare side: the
-//    current side must stay the state before the step until Finish says the guess held. A
-//    feeder thread runs the engine; Release only queues. Why: the engine's calls (a dozen CUDA
-//    calls per unit, or the CPU update itself) would otherwise hold up backward's own thread.
+//    current side must stay the state before the step until Finish says the guess held. The
+//    CPU engine's update runs on a feeder thread (Release only queues), so that backward's own
+//    thread goes on; the CUDA engine only queues device work, from the releasing thread (a
+//    second thread's CUDA calls contend with backward's in the driver).
 // 4. Finish(args): stop the feeder (units it has not taken are Finish's); plan as Step; the finite check over every stepped gradient when asked. The
 //    guess held when not skipped, not invalidated (a released gradient changed in place), the
 //    scale is bitwise the same and every speculated piece has the same constants and buffers.
@@ -137,7 +138,8 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
   if (state->pieces_mode) state->args.pieces = state->buffers;
   state->fenced = fence_ != nullptr;
   overlap_ = std::move(state);
-  if (overlap_->speculate) overlap_->feeder = std::thread([this] { Feed(); });
+  if (overlap_->speculate && !engine_->queues_only())
+    overlap_->feeder = std::thread([this] { Feed(); });
   return Overlap(this);
 }
 
@@ -202,7 +204,13 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
       if (--st.pending[u] == 0) ready.push_back(u);
     }
   }
-  if (ready.empty() || !st.feeder.joinable()) return absl::OkStatus();
+  if (ready.empty() || !st.speculate) return absl::OkStatus();
+  if (!st.feeder.joinable()) {
+    // An engine that only queues (CUDA): queued from here, after the work on the caller's
+    // stream so far. An async save's fence: left to Finish.
+    if (opt.fence_ != nullptr) return absl::OkStatus();
+    return opt.SpeculateNow(ready);
+  }
   absl::Status failed;
   {
     std::lock_guard<std::mutex> lock(st.mu);
@@ -267,6 +275,26 @@ void StagedAdamW::Overlap::Drain() {
   if (!st.feeder.joinable()) return;
   std::unique_lock<std::mutex> lock(st.mu);
   st.cv.wait(lock, [&] { return (st.queue.empty() && !st.busy) || !st.error.ok(); });
+}
+
+absl::Status StagedAdamW::SpeculateNow(const std::vector<uint32_t>& ready) {
+  OverlapState& st = *overlap_;
+  std::vector<Unit> batch;
+  for (uint32_t u : ready) batch.push_back(units_[u]);
+  SlabView view = View();
+  view.master_out = reinterpret_cast<float*>(spare_->master.data());
+  view.exp_avg_out = spare_->exp_avg.data();
+  view.exp_avg_sq_out = spare_->exp_avg_sq.data();
+  view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
+  st.plan.continues = st.speculated_units > 0;
+  absl::Status status = engine_->Step(st.args, batch, st.plan, view, size_).status();
+  if (!status.ok()) {
+    st.error = status;  // Finish abandons the step.
+    return status;
+  }
+  for (uint32_t u : ready) st.speculated[u] = 1;
+  st.speculated_units += ready.size();
+  return absl::OkStatus();
 }
 
 void StagedAdamW::StopFeeder() {

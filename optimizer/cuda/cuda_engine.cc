@@ -304,6 +304,8 @@ class CudaEngine : public internal::Engine {
     return absl::OkStatus();
   }
 
+  bool queues_only() const override { return true; }
+
   absl::Status BindThread() override {
     CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     return absl::OkStatus();

@@ -437,6 +437,8 @@ class StagedAdamW {
   // The feeder thread's loop, and stopping it (joined; what it has not taken stays queued).
   void Feed();
   void StopFeeder();
+  // Step 3 on the releasing thread (an engine that only queues).
+  absl::Status SpeculateNow(const std::vector<uint32_t>& ready);
   absl::StatusOr<StepReport> FinishOverlap(const StepArgs& args);
 
   std::unique_ptr<Slabs> slabs_;
