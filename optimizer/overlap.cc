@@ -217,7 +217,7 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
     failed = st.error;
     if (!st.fenced) st.queue.insert(st.queue.end(), ready.begin(), ready.end());
   }
-  st.cv.notify_one();
+  st.cv.notify_all();  // Drain waits on it too.
   return failed;  // A failure of the feeder's, as soon as it is known.
 }
 
@@ -304,7 +304,7 @@ void StagedAdamW::StopFeeder() {
     std::lock_guard<std::mutex> lock(st.mu);
     st.stop = true;
   }
-  st.cv.notify_one();
+  st.cv.notify_all();
   st.feeder.join();
 }
 
@@ -357,8 +357,9 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
     CKPT_ASSIGN_OR_RETURN(StepReport checked,
                           engine_->CheckFinite(args, units_, plan, current, size_));
     if (checked.skipped) {
-      // Step 6.
+      // Step 6; and Finish's stream (if not Begin's) after the weights put back.
       CKPT_RETURN_IF_ERROR(AbandonOverlap());
+      CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
       checked.speculated_units = report.speculated_units;
       return checked;
     }

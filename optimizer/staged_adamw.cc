@@ -149,7 +149,11 @@ bool Aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 }  // namespace
 
 StagedAdamW::StagedAdamW() = default;
-StagedAdamW::~StagedAdamW() = default;
+StagedAdamW::~StagedAdamW() {
+  // An overlapped step still open: its feeder stops and the weights it wrote go back, before
+  // the engine and the slabs go.
+  if (overlap_ != nullptr) AbandonOverlap().IgnoreError();
+}
 
 absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::Create(
     StagedAdamWOptions options, std::span<const std::byte> model_weights) {

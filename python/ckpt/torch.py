@@ -11,6 +11,7 @@ import bisect
 import contextlib
 import ctypes
 import functools
+import warnings
 import weakref
 
 import torch
@@ -149,6 +150,10 @@ class _OverlapRun:
         self.failed = False  # This backward cannot overlap: the step runs plainly.
         self.depth = 0  # Open accumulating() blocks.
         self.coef = None  # clip_grad_norm's coefficient (a tensor), for the next step.
+        # The released parameters and gradients, alive until the step ends: ckpt reads them
+        # after Release (the CPU engine's feeder thread, the CUDA engine's queued kernels).
+        self.keep = []
+        self.stream = None  # The CUDA stream the overlap began on.
         self.last = None  # (units speculated, speculation held) of the last overlapped step.
         # Whether the next overlapped step speculates: not after a step whose speculation could
         # not have held (clipping fired, gradients changed in place), so that a run where
@@ -491,6 +496,21 @@ class StagedAdamW(torch.optim.Optimizer):
             self._dtype, self._grad_dtype = None, torch.float32
         self._cache.clear()
 
+    def zero_grad(self, set_to_none=None):
+        """torch's zero_grad (set_to_none: torch's default when not given). An overlapped step
+        still open (its step() was skipped, as GradScaler skips a step whose gradients
+        overflowed) is abandoned first: the weights it wrote during backward go back to the
+        masters before the next forward reads them."""
+        run = getattr(self, "_ov", None)
+        if run is not None:
+            if run.native is not None:
+                self._drop_overlap()
+            run.failed = False
+        if set_to_none is None:
+            super().zero_grad()
+        else:
+            super().zero_grad(set_to_none=set_to_none)
+
     @contextlib.contextmanager
     def accumulating(self):
         """Backward inside this block releases nothing to an overlapped step: wrap every
@@ -553,10 +573,27 @@ class StagedAdamW(torch.optim.Optimizer):
                 return
             handle = self._push_groups()  # Hyper-parameters and edited parameters, first.
             out = ctypes.c_void_p()
-            check(lib.ckpt_overlap_begin(handle, _DTYPES[self._grad_dtype], scale,
-                                         self._stream(), int(run.speculate), ctypes.byref(out)))
+            run.stream = torch.cuda.current_stream(self._device) \
+                if self._device.type == "cuda" else None
+            try:
+                check(lib.ckpt_overlap_begin(
+                    handle, _DTYPES[self._grad_dtype], scale,
+                    run.stream.cuda_stream if run.stream is not None else None,
+                    int(run.speculate), ctypes.byref(out)))
+            except CkptError as e:
+                # E.g. no host memory for the spare side: this step runs plainly, the next
+                # ones overlap without speculating.
+                warnings.warn(f"ckpt: the overlapped step could not begin ({e}); stepping "
+                              "plainly, without speculation from now on")
+                run.failed, run.speculate = True, False
+                return
             run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
                                 parents=(self._native,))
+        if run.stream is not None:
+            here = torch.cuda.current_stream(self._device)
+            if here != run.stream:  # This gradient was made on another stream.
+                run.stream.wait_stream(here)
+        run.keep.append((p, g))
         try:
             check(lib.ckpt_overlap_release(
                 run.native.handle, (ctypes.c_uint32 * 1)(index), (ctypes.c_void_p * 1)(g.data_ptr()),
@@ -579,6 +616,7 @@ class StagedAdamW(torch.optim.Optimizer):
         native, run.native, run.released = run.native, None, {}
         if native is not None:
             native.close()
+        run.keep = []
 
     def _stream(self):
         if self._device.type == "cuda":
@@ -592,6 +630,7 @@ class StagedAdamW(torch.optim.Optimizer):
         run = self._ov
         native, released = run.native, run.released
         run.native, run.released = None, {}
+        keep, run.keep = run.keep, []  # Alive until the overlap is closed (finally).
         try:
             grad_of = [p.grad for p in self._params]
             stepped = [g is not None for g in grad_of]
@@ -626,6 +665,7 @@ class StagedAdamW(torch.optim.Optimizer):
             return True
         finally:
             native.close()
+            del keep
 
     @property
     def last_overlap(self):

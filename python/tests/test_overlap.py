@@ -135,6 +135,28 @@ def test_an_undeclared_second_backward_is_refused_and_the_weights_put_back():
 
 
 @needs_hooks
+def test_a_skipped_step_is_abandoned_by_zero_grad():
+    # As GradScaler skips opt.step() when the gradients overflowed: the weights written during
+    # backward go back before the next forward, and the next step is the plain one's.
+    a, b = pair()
+    before = {n: p.detach().clone() for n, p in b[0].named_parameters()}
+    backward(b[0], 0)
+    b[1]._drain_overlap()
+    assert any(not torch.equal(before[n], p) for n, p in b[0].named_parameters())
+    b[1].zero_grad()
+    for n, p in b[0].named_parameters():
+        assert torch.equal(before[n], p), n
+    for m, opt in (a, b):
+        opt.zero_grad()
+        backward(m, 1)
+        if opt is b[1]:
+            opt._drain_overlap()
+        opt.step()
+    assert b[1].last_overlap[1] is True
+    same_bits(a, b)
+
+
+@needs_hooks
 def test_a_parameter_without_a_gradient_is_left_alone():
     a, b = pair()
     for step in range(3):
