@@ -155,11 +155,13 @@ class _OverlapRun:
         self.keep = []
         self.stream = None  # The CUDA stream the overlap began on.
         self.last = None  # (units speculated, speculation held) of the last overlapped step.
-        # Whether the next overlapped step speculates: not after a step whose speculation could
-        # not have held (clipping fired, gradients changed in place), so that a run where
-        # clipping fires every step pays no speculation it throws away; again after one where
-        # it would have held.
+        # Whether the next step overlaps: not after a step whose speculation could not have
+        # held (clipping fired, gradients changed in place), so that a run where clipping
+        # fires every step pays nothing for it (its hooks return at once and the step runs
+        # plainly); again after a plain step whose clipping did not fire, unless the last
+        # overlapped step found its gradients changed in place (torch's clip_grad_norm_).
         self.speculate = True
+        self.in_place = False
         self.hooks = []
 
 
@@ -559,8 +561,9 @@ class StagedAdamW(torch.optim.Optimizer):
     def _release(self, index, p):
         """The post-accumulate-grad hook's work: parameter `index`'s gradient is final."""
         run = self._ov
-        if run.depth > 0 or run.failed or self._native is None or self._native.closed:
-            return
+        if (not run.enabled or not run.speculate or run.depth > 0 or run.failed or
+                self._native is None or self._native.closed):
+            return  # This step runs plainly.
         g = p.grad
         if g is None or not self._fast(p, g):
             self._drop_overlap()
@@ -584,8 +587,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 # E.g. no host memory for the spare side: this step runs plainly, the next
                 # ones overlap without speculating.
                 warnings.warn(f"ckpt: the overlapped step could not begin ({e}); stepping "
-                              "plainly, without speculation from now on")
-                run.failed, run.speculate = True, False
+                              "plainly from now on")
+                run.failed, run.enabled = True, False
                 return
             run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
                                 parents=(self._native,))
@@ -648,6 +651,7 @@ class StagedAdamW(torch.optim.Optimizer):
             if changed:
                 check(lib.ckpt_overlap_invalidate(native.handle))  # Changed in place since.
             run.speculate = coef == 1.0 and not changed
+            run.in_place = changed
             self._cache.clear()
             self._layout.pop("consolidated", None)
             n = len(self._params)
@@ -685,6 +689,8 @@ class StagedAdamW(torch.optim.Optimizer):
         run.last = None
         if run.native is not None and self._finish_overlap(coef):
             return loss
+        if run.enabled and run.native is None:
+            run.speculate = coef == 1.0 and not run.in_place
         # As torch: a parameter whose .grad is None is not stepped (nor decayed), and its own
         # step count does not advance; a step in which none has a gradient changes nothing.
         grad_of = [p.grad for p in self._params]
