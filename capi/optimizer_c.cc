@@ -193,28 +193,42 @@ int ckpt_optimizer_write_weights(ckpt_optimizer* o, void* dest, int on_device, v
 
 namespace {
 
+// The StepArgs of a step on each piece's own buffers, from the C arguments (a masked step's,
+// an overlapped step's finish); `buffers` receives the pointers and must outlive the result.
+absl::StatusOr<opt::StepArgs> PieceStepArgs(const void* const* grads, void* const* params,
+                                            size_t npieces, const uint8_t* stepped,
+                                            size_t nparams, int grad_dtype, float grad_scale,
+                                            int check_finite, void* stream,
+                                            std::vector<opt::PieceBuffers>* buffers) {
+  if (npieces > 0 && (grads == nullptr || params == nullptr))
+    return absl::InvalidArgumentError("grads or params is NULL");
+  if (nparams > 0 && stepped == nullptr) return absl::InvalidArgumentError("stepped is NULL");
+  absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+  if (!gd.ok()) return gd.status();
+  buffers->resize(npieces);
+  for (size_t k = 0; k < npieces; ++k) (*buffers)[k] = {grads[k], params[k]};
+  opt::StepArgs args;
+  args.grad_dtype = *gd;
+  args.grad_scale = grad_scale;
+  args.check_finite = check_finite != 0;
+  args.pieces = *buffers;
+  args.stepped = std::span<const uint8_t>(stepped, nparams);
+  args.stream = CallerStream(stream);
+  return args;
+}
+
 int StepPieces(const char* what, ckpt_optimizer* o, const void* const* grads,
                void* const* params, size_t npieces, const uint8_t* stepped, size_t nparams,
                int grad_dtype, float grad_scale, int check_finite, void* stream, int* skipped) {
   return Guard(what, [&]() -> int {
     if (o == nullptr) return Invalid("optimizer is NULL");
-    if (npieces > 0 && (grads == nullptr || params == nullptr)) {
-      return Invalid("grads or params is NULL");
-    }
-    if (nparams > 0 && stepped == nullptr) return Invalid("stepped is NULL");
-    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
-    if (!gd.ok()) return Fail(gd.status());
-    std::vector<opt::PieceBuffers> buffers(npieces);
-    for (size_t k = 0; k < npieces; ++k) buffers[k] = {grads[k], params[k]};
-    opt::StepArgs args;
-    args.grad_dtype = *gd;
-    args.grad_scale = grad_scale;
-    args.check_finite = check_finite != 0;
-    args.pieces = buffers;
-    args.stepped = std::span<const uint8_t>(stepped, nparams);
+    std::vector<opt::PieceBuffers> buffers;
+    absl::StatusOr<opt::StepArgs> args =
+        PieceStepArgs(grads, params, npieces, stepped, nparams, grad_dtype, grad_scale,
+                      check_finite, stream, &buffers);
+    if (!args.ok()) return Fail(args.status());
     if (npieces == 0 && o->opt->size() > 0) return Invalid("no piece buffers");
-    args.stream = CallerStream(stream);
-    absl::StatusOr<opt::StepReport> r = o->opt->Step(args);
+    absl::StatusOr<opt::StepReport> r = o->opt->Step(*args);
     if (!r.ok()) return Fail(r.status());
     if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
     return CKPT_OK;
@@ -295,21 +309,12 @@ int ckpt_overlap_finish(ckpt_overlap* ov, const void* const* grads, void* const*
                         uint64_t* speculated, int* held) {
   return Guard("ckpt_overlap_finish", [&]() -> int {
     if (ov == nullptr || !ov->overlap.has_value()) return Invalid("overlap is NULL or closed");
-    if (npieces > 0 && (grads == nullptr || params == nullptr))
-      return Invalid("grads or params is NULL");
-    if (nparams > 0 && stepped == nullptr) return Invalid("stepped is NULL");
-    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
-    if (!gd.ok()) return Fail(gd.status());
-    std::vector<opt::PieceBuffers> buffers(npieces);
-    for (size_t k = 0; k < npieces; ++k) buffers[k] = {grads[k], params[k]};
-    opt::StepArgs args;
-    args.grad_dtype = *gd;
-    args.grad_scale = grad_scale;
-    args.check_finite = check_finite != 0;
-    args.pieces = buffers;
-    args.stepped = std::span<const uint8_t>(stepped, nparams);
-    args.stream = CallerStream(stream);
-    absl::StatusOr<opt::StepReport> r = ov->overlap->Finish(args);
+    std::vector<opt::PieceBuffers> buffers;
+    absl::StatusOr<opt::StepArgs> args =
+        PieceStepArgs(grads, params, npieces, stepped, nparams, grad_dtype, grad_scale,
+                      check_finite, stream, &buffers);
+    if (!args.ok()) return Fail(args.status());
+    absl::StatusOr<opt::StepReport> r = ov->overlap->Finish(*args);
     ov->overlap.reset();
     if (!r.ok()) return Fail(r.status());
     if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;

@@ -138,6 +138,20 @@ absl::StatusOr<StepReport> Overlapped(Model& m, float speculated_scale, StepArgs
   return overlap.Finish(final_args);
 }
 
+// An overlapped step of `m` opened with scale 1 and every piece released in backward's order;
+// drained, so that every unit is speculated, unless `drain` is false.
+absl::StatusOr<StagedAdamW::Overlap> OpenAndRelease(Model& m, bool drain = true) {
+  StepArgs begin;
+  begin.grad_dtype = DType::kF32;
+  CKPT_ASSIGN_OR_RETURN(StagedAdamW::Overlap overlap, m.opt->BeginOverlap(begin));
+  const std::vector<PieceBuffers> buffers = m.Buffers();
+  for (uint32_t k : BackwardOrder(buffers.size())) {
+    CKPT_RETURN_IF_ERROR(overlap.Release({&k, 1}, {&buffers[k], 1}));
+  }
+  if (drain) overlap.Drain();
+  return overlap;
+}
+
 absl::StatusOr<StepReport> Plain(Model& m, StepArgs args) {
   const std::vector<PieceBuffers> buffers = m.Buffers();
   args.pieces = buffers;
@@ -175,13 +189,9 @@ TEST_P(OverlapTest, FinishRacingTheFeederGivesTheSameBits) {
     FillGradients(plain_, overlapped_, s);
     const float scale = s % 3 == 2 ? 0.6f : 1.0f;
     ASSERT_THAT(Plain(plain_, Final(scale)), IsOk());
-    StepArgs begin;
-    begin.grad_dtype = DType::kF32;
-    auto overlap = overlapped_.opt->BeginOverlap(begin);
+    auto overlap = OpenAndRelease(overlapped_, /*drain=*/false);
     ASSERT_THAT(overlap, IsOk());
     const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
-    for (uint32_t k : BackwardOrder(buffers.size()))
-      ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
     StepArgs final_args = Final(scale);
     final_args.pieces = buffers;
     ASSERT_THAT(overlap->Finish(final_args), IsOk());
@@ -262,14 +272,9 @@ TEST_P(OverlapTest, AReleasedParameterThatIsNotSteppedRedoesTheStep) {
 TEST_P(OverlapTest, GradientsChangedInPlaceAfterReleaseRedoTheStep) {
   // torch's clip_grad_norm_ multiplies the gradients in place: the caller says so.
   FillGradients(plain_, overlapped_, 0);
-  StepArgs begin;
-  begin.grad_dtype = DType::kF32;
-  auto overlap = overlapped_.opt->BeginOverlap(begin);
+  auto overlap = OpenAndRelease(overlapped_);
   ASSERT_THAT(overlap, IsOk());
   const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
-  for (uint32_t k : BackwardOrder(buffers.size()))
-    ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
-  overlap->Drain();
   for (Model* m : {&plain_, &overlapped_}) {
     for (auto& g : m->grads) {
       for (float& x : g) x *= 0.25f;
@@ -291,14 +296,9 @@ TEST_P(OverlapTest, ALearningRateChangedBeforeFinishRedoesTheStep) {
   g.lr = 7e-3;
   ASSERT_THAT(plain_.opt->SetGroup(1, g), IsOk());
   ASSERT_THAT(Plain(plain_, Final(1.0f)), IsOk());
-  StepArgs begin;
-  begin.grad_dtype = DType::kF32;
-  auto overlap = overlapped_.opt->BeginOverlap(begin);
+  auto overlap = OpenAndRelease(overlapped_);
   ASSERT_THAT(overlap, IsOk());
   const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
-  for (uint32_t k : BackwardOrder(buffers.size()))
-    ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
-  overlap->Drain();
   ASSERT_THAT(overlapped_.opt->SetGroup(1, g), IsOk());  // A scheduler between backward and step.
   StepArgs final_args = Final(1.0f);
   final_args.pieces = buffers;
@@ -310,14 +310,9 @@ TEST_P(OverlapTest, ALearningRateChangedBeforeFinishRedoesTheStep) {
 
 TEST_P(OverlapTest, ASecondBackwardIsRefusedAndTheWeightsAreTheMastersAgain) {
   FillGradients(plain_, overlapped_, 0);
-  StepArgs begin;
-  begin.grad_dtype = DType::kF32;
-  auto overlap = overlapped_.opt->BeginOverlap(begin);
+  auto overlap = OpenAndRelease(overlapped_);
   ASSERT_THAT(overlap, IsOk());
   const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
-  for (uint32_t k : BackwardOrder(buffers.size()))
-    ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
-  overlap->Drain();
   EXPECT_FALSE(plain_.weights == overlapped_.weights);  // Speculation wrote them.
   uint32_t again = 3;
   EXPECT_THAT(overlap->Release({&again, 1}, {&buffers[again], 1}),

@@ -45,6 +45,18 @@ def backward(m, step, scale=1.0):
     loss.backward()
 
 
+def step_both(a, b, step, run=backward):
+    """One training step of the plain pair `a` and the overlapped pair `b`: zero_grad,
+    run(model, step) for the gradients, and the step; `b`'s speculation drained first, so that
+    every released unit counts as speculated."""
+    for m, opt in (a, b):
+        opt.zero_grad()
+        run(m, step)
+        if opt is b[1]:
+            opt._drain_overlap()
+        opt.step()
+
+
 def same_bits(a, b):
     (ma, oa), (mb, ob) = a, b
     for (name, pa), (_, pb) in zip(ma.named_parameters(), mb.named_parameters()):
@@ -103,15 +115,14 @@ def test_torchs_in_place_clipping_is_seen_and_the_step_redone():
 @needs_hooks
 def test_accumulation_releases_only_the_last_micro_batch():
     a, b = pair()
+    def micro_batches(m, step):
+        opt = a[1] if m is a[0] else b[1]
+        with opt.accumulating():
+            backward(m, 2 * step, 0.5)
+        backward(m, 2 * step + 1, 0.5)
+
     for step in range(3):
-        for m, opt in (a, b):
-            opt.zero_grad()
-            with opt.accumulating():
-                backward(m, 2 * step, 0.5)
-            backward(m, 2 * step + 1, 0.5)
-            if opt is b[1]:
-                opt._drain_overlap()
-            opt.step()
+        step_both(a, b, step, micro_batches)
         assert b[1].last_overlap[1] is True
         same_bits(a, b)
 
@@ -129,12 +140,7 @@ def test_an_undeclared_second_backward_is_refused_and_the_weights_put_back():
     for n, p in b[0].named_parameters():
         assert torch.equal(before[n], p), n
     # Nothing was stepped; the optimizer goes on from the state it had.
-    for m, opt in (a, b):
-        opt.zero_grad()
-        backward(m, 2)
-        if opt is b[1]:
-            opt._drain_overlap()
-        opt.step()
+    step_both(a, b, 2)
     assert b[1].last_overlap[1] is True
     same_bits(a, b)
 
@@ -151,12 +157,7 @@ def test_a_skipped_step_is_abandoned_by_zero_grad():
     b[1].zero_grad()
     for n, p in b[0].named_parameters():
         assert torch.equal(before[n], p), n
-    for m, opt in (a, b):
-        opt.zero_grad()
-        backward(m, 1)
-        if opt is b[1]:
-            opt._drain_overlap()
-        opt.step()
+    step_both(a, b, 1)
     assert b[1].last_overlap[1] is True
     same_bits(a, b)
 
@@ -164,16 +165,14 @@ def test_a_skipped_step_is_abandoned_by_zero_grad():
 @needs_hooks
 def test_a_parameter_without_a_gradient_is_left_alone():
     a, b = pair()
+    def skipping_a_layer(m, step):
+        x, y = batch(step)
+        h = m[0](x)  # The second Linear layer (m[3]) gets no gradient.
+        out = m[5](m[2](m[1](h)).narrow(1, 0, 40))
+        torch.nn.functional.cross_entropy(out.float(), y).backward()
+
     for step in range(3):
-        for m, opt in (a, b):
-            opt.zero_grad()
-            x, y = batch(step)
-            h = m[0](x)  # The second Linear layer (m[3]) gets no gradient.
-            out = m[5](m[2](m[1](h)).narrow(1, 0, 40))
-            torch.nn.functional.cross_entropy(out.float(), y).backward()
-            if opt is b[1]:
-                opt._drain_overlap()
-            opt.step()
+        step_both(a, b, step, skipping_a_layer)
         assert b[1].last_overlap[1] is True
         same_bits(a, b)
     assert b[1].param_steps()[3:5] == [0, 0]  # 3.weight and 3.bias.
@@ -183,10 +182,7 @@ def test_a_parameter_without_a_gradient_is_left_alone():
 def test_a_checkpoint_after_overlapped_steps_is_the_plain_ones(tmp_path):
     a, b = pair()
     for step in range(3):
-        for m, opt in (a, b):
-            opt.zero_grad()
-            backward(m, step)
-            opt.step()
+        step_both(a, b, step)
     ck = ckpt.Checkpointer(tmp_path / "over", b[1])
     ck.save(3)
     ck.close()
