@@ -165,9 +165,6 @@ class Engine {
   // calls it from the releasing thread itself, since a second thread making CUDA calls beside
   // backward's contends with it in the driver (measured: backward 38 -> 65 ms at 355M).
   virtual bool queues_only() const { return false; }
-  // Makes the calling thread ready to call the engine (CUDA: the engine's device current): what
-  // an overlapped step's feeder thread does first.
-  virtual absl::Status BindThread() { return absl::OkStatus(); }
   // Cores a step leaves to other work (an async save's writer) from now on; CPU engine only.
   virtual void SetSpareCores(int cores) { (void)cores; }
   virtual absl::Status Release() { return absl::OkStatus(); }

@@ -230,11 +230,6 @@ void StagedAdamW::Feed() {
   view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
   std::vector<uint32_t> ready;
   std::vector<Unit> batch;
-  if (absl::Status bound = engine_->BindThread(); !bound.ok()) {
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.error = bound;
-    return;
-  }
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(st.mu);
@@ -345,7 +340,6 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
   StopFeeder();  // Units it has not taken yet are this function's.
   OverlapState& st = *overlap_;
   if (!st.error.ok()) return st.error;  // Abandoned by Finish.
-  st.plan.continues = false;
   ++state_version_;
   moments_untouched_ = false;
   // Step 4.

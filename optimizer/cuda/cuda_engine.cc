@@ -62,7 +62,6 @@ class CudaEngine : public internal::Engine {
 
   absl::Status Restore() override {
     if (!slots_.empty()) return absl::OkStatus();
-    CKPT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device_));
     const size_t mbytes = MomentBytes(moments_);
     std::vector<Slot> slots(static_cast<size_t>(slot_count_));
     for (Slot& s : slots) {
@@ -306,11 +305,6 @@ class CudaEngine : public internal::Engine {
 
   bool queues_only() const override { return true; }
 
-  absl::Status BindThread() override {
-    CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return absl::OkStatus();
-  }
-
   absl::Status Barrier() override {
     if (slots_.empty()) return absl::OkStatus();
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
@@ -419,7 +413,6 @@ class CudaEngine : public internal::Engine {
   const bool max_slab_;
   uint64_t device_bytes_ = 0;
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
-  int device_ = 0;        // The device current when the slots were made.
   DeviceBuffer counter_;
   CudaEvent grads_ready_, done_;
   CudaStream join_;

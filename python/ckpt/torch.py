@@ -582,10 +582,10 @@ class StagedAdamW(torch.optim.Optimizer):
                 check(lib.ckpt_overlap_begin(
                     handle, _DTYPES[self._grad_dtype], scale,
                     run.stream.cuda_stream if run.stream is not None else None,
-                    int(run.speculate), ctypes.byref(out)))
+                    1, ctypes.byref(out)))  # Speculate: a step that would not, runs plainly.
             except CkptError as e:
-                # E.g. no host memory for the spare side: this step runs plainly, the next
-                # ones overlap without speculating.
+                # E.g. no host memory for the spare side: this step and the next ones run
+                # plainly.
                 warnings.warn(f"ckpt: the overlapped step could not begin ({e}); stepping "
                               "plainly from now on")
                 run.failed, run.enabled = True, False
