@@ -161,6 +161,20 @@ struct BenchAdamwArgs {
   bool json = false;
 };
 int RunBenchAdamw(const BenchAdamwArgs& args);
+
+struct BenchOverlapArgs {
+  uint64_t params = 1 << 26;
+  int buckets = 24;
+  double backward_ms = 50;
+  std::string engine = "cpu";   // cpu or cuda.
+  std::string moments = "F32";  // F32 or BF16.
+  int threads = 0;              // CPU engine; 0: every core.
+  uint64_t unit_bytes = 0;      // 0: the optimizer's default.
+  int steps = 3;
+  bool clip_fires = false;
+  bool json = false;
+};
+int RunBenchOverlap(const BenchOverlapArgs& args);
 // The CUDA half of bench adamw (bench_adamw_cuda.cc): kUnimplemented or kFailedPrecondition
 // when no engine can be made.
 absl::StatusOr<nlohmann::json> BenchAdamwCuda(const BenchAdamwArgs& args);

@@ -211,6 +211,33 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   startup_cmd->add_flag("--json", bench_startup.json, "Print one JSON object");
 
+  BenchOverlapArgs bench_overlap;
+  CLI::App* overlap_cmd = bench_cmd->add_subcommand(
+      "overlap",
+      "An overlapped step behind a synthetic backward against the plain step and the bound");
+  overlap_cmd->add_option("--params", bench_overlap.params, "Parameters (BF16 weights)")
+      ->check(WholeNumber(1, UINT64_MAX / 32));
+  overlap_cmd->add_option("--buckets", bench_overlap.buckets,
+                          "Layers of the backward, each released when done (default 24)")
+      ->check(WholeNumber(1, 100000));
+  overlap_cmd->add_option("--backward-ms", bench_overlap.backward_ms,
+                          "The whole synthetic backward in ms (default 50)")
+      ->check(CLI::Range(0.001, 1e6));
+  overlap_cmd->add_option("--engine", bench_overlap.engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  overlap_cmd->add_option("--moments", bench_overlap.moments, "F32 (default) or BF16")
+      ->check(CLI::IsMember({"F32", "BF16"}));
+  overlap_cmd->add_option("--threads", bench_overlap.threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
+  overlap_cmd->add_option("--unit-bytes", bench_overlap.unit_bytes,
+                          "The optimizer's unit (0: its default, 8 MiB)")
+      ->check(WholeNumber(0, uint64_t{1} << 40));
+  overlap_cmd->add_option("--steps", bench_overlap.steps, "Timed steps of each kind (best is reported)")
+      ->check(WholeNumber(1, 1000));
+  overlap_cmd->add_flag("--clip-fires", bench_overlap.clip_fires,
+                        "Finish with another scale than the speculation's: the step is redone");
+  overlap_cmd->add_flag("--json", bench_overlap.json, "Print one JSON object");
+
   BenchCkptArgs bench_ckpt;
   CLI::App* ckpt_cmd = bench_cmd->add_subcommand(
       "ckpt", "Save and load optimizer state through Checkpointer against O_DIRECT bounds");
@@ -366,6 +393,7 @@ int main(int argc, char** argv) {
   if (ckpt_cmd->parsed()) return RunBenchCkpt(bench_ckpt);
   if (bench_reshard_cmd->parsed()) return RunBenchReshard(bench_reshard);
   if (startup_cmd->parsed()) return RunBenchStartup(bench_startup);
+  if (overlap_cmd->parsed()) return RunBenchOverlap(bench_overlap);
   if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);
   std::cerr << app.help();
   return kExitUsage;

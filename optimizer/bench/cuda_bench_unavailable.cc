@@ -14,4 +14,9 @@ absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 }
 
+absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t) {
+  return absl::UnimplementedError(
+      "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
+}
+
 }  // namespace ckpt::optimizer

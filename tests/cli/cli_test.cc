@@ -147,6 +147,43 @@ TEST_F(CliTest, BenchAdamwCpuReportsRateBoundAndRatio) {
   EXPECT_EQ(RunTool("bench adamw --params 0").exit_code, 2);  // A usage error.
 }
 
+TEST_F(CliTest, BenchOverlapHidesTheStepBehindTheBackwardAndReportsItsBound) {
+  const std::string common =
+      "bench overlap --params 400000 --buckets 8 --backward-ms 16 --unit-bytes 65536 --threads 2 "
+      "--steps 1 --json";
+  Result r = RunTool(common);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  // Units of 16384 parameters finish during the backward and the speculation holds.
+  EXPECT_GT(j["speculated_units"].get<uint64_t>(), 0u);
+  EXPECT_TRUE(j["speculation_held"].get<bool>());
+  const double backward = j["backward_seconds"].get<double>();
+  const double step_bound = j["step_bound_seconds"].get<double>();
+  EXPECT_GE(backward, 0.016);
+  EXPECT_DOUBLE_EQ(step_bound, 400000 * 30.0 / (j["bound_gbps"].get<double>() * 1e9));
+  EXPECT_DOUBLE_EQ(j["bound_seconds"].get<double>(),
+                   std::max(backward + step_bound / 8, backward / 8 + step_bound));
+  EXPECT_DOUBLE_EQ(j["exposed_seconds"].get<double>(),
+                   j["overlap_seconds"].get<double>() - backward);
+  EXPECT_DOUBLE_EQ(j["ratio"].get<double>(),
+                   j["overlap_seconds"].get<double>() / j["bound_seconds"].get<double>());
+
+  // Clipping that fires: the speculation is redone, and BF16 moments count 8 fewer bytes.
+  Result clip = RunTool(common + " --clip-fires --moments BF16");
+  ASSERT_EQ(clip.exit_code, 0) << clip.output;
+  nlohmann::json c = nlohmann::json::parse(clip.output);
+  EXPECT_FALSE(c["speculation_held"].get<bool>());
+  EXPECT_DOUBLE_EQ(c["bytes_per_param"].get<double>(), 22.0);
+
+  EXPECT_EQ(RunTool("bench overlap --params 3 --buckets 4").exit_code, 2);
+  EXPECT_EQ(RunTool("bench overlap --params 100 --backward-ms 0").exit_code, 2);
+  // Without a device (or CUDA), the CUDA engine says why and fails.
+  Result cuda = RunTool("bench overlap --params 1000 --engine cuda --steps 1");
+  if (cuda.exit_code != 0) {
+    EXPECT_THAT(cuda.output, HasSubstr("CUDA"));
+  }
+}
+
 TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
   // FP32 gradients: 30 bytes per parameter with FP32 moments, 22 with BF16 ones; 16-bit
   // gradients 2 fewer. The bound is the triad bandwidth over exactly those bytes.

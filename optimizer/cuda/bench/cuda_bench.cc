@@ -9,6 +9,7 @@
 #include "ckpt/bench/adamw_bench.h"
 #include "ckpt/formats/float_convert.h"
 // The CUDA half of ckpt-tool bench adamw and bench async-save (ckpt/bench/adamw_bench.h).
+#include "optimizer/cuda/bench/spin_kernel.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/host_buffer.h"
@@ -78,6 +79,11 @@ class CudaStepBuffers : public DeviceStepBuffers {
     a.stream = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream_.get())).value();
     return a;
   }
+  absl::Status Busy(double seconds) override {
+    CKPT_CUDA_RETURN_IF_ERROR(
+        internal::LaunchSpin(stream_.get(), static_cast<uint64_t>(seconds * 1e9)));
+    return absl::OkStatus();
+  }
   absl::Status WaitFor(CUevent_st* done) override {
     if (done != nullptr) {
       CKPT_CUDA_RETURN_IF_ERROR(
@@ -97,6 +103,12 @@ class CudaStepBuffers : public DeviceStepBuffers {
 absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t params,
                                                                         float grad) {
   return CudaStepBuffers::Create(params, grad);
+}
+
+absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t bytes) {
+  DuplexRates r;
+  CKPT_RETURN_IF_ERROR(MeasureDuplex(bytes, &r.h2d_gbps, &r.d2h_gbps));
+  return r;
 }
 
 absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int steps,

@@ -53,9 +53,21 @@ class DeviceStepBuffers {
   virtual StepArgs args() = 0;
   // Waits for `done` (a StepReport's; the stream already waits on it) and for the stream.
   virtual absl::Status WaitFor(CUevent_st* done) = 0;
+  // Queues `seconds` of work on the stream (one thread spinning on the GPU's clock, the SMs
+  // left free) and returns at once: a synthetic backward's layer (bench overlap).
+  virtual absl::Status Busy(double seconds) = 0;
 };
 absl::StatusOr<std::unique_ptr<DeviceStepBuffers>> NewDeviceStepBuffers(uint64_t params,
                                                                         float grad);
+
+// PCIe rates with `bytes` going host-to-device and device-to-host at the same time between
+// pinned host and device buffers (64 MiB copies, best of 3), in GB/s each way, as
+// RunCudaStepBenchmark measures its bound. kUnimplemented without CUDA.
+struct DuplexRates {
+  double h2d_gbps = 0;
+  double d2h_gbps = 0;
+};
+absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t bytes);
 
 }  // namespace ckpt::optimizer
 
@@ -63,6 +75,8 @@ namespace ckpt::bench {
 
 using optimizer::CudaStepBenchmark;
 using optimizer::DeviceStepBuffers;
+using optimizer::DuplexRates;
+using optimizer::MeasurePcieDuplex;
 using optimizer::NewDeviceStepBuffers;
 using optimizer::RunCudaStepBenchmark;
 

@@ -1,0 +1,70 @@
+// ckpt-tool bench overlap: how much of the optimizer step an overlapped step hides behind a
+// synthetic backward, against the plain step and the bound of the same run. The measuring is
+// ckpt::bench::RunOverlapBench (optimizer/bench); this file prints.
+#include <iostream>
+
+#include "absl/strings/str_format.h"
+#include "ckpt/bench/overlap_bench.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+
+int RunBenchOverlap(const BenchOverlapArgs& args) {
+  bench::OverlapBenchOptions o;
+  o.params = args.params;
+  o.buckets = args.buckets;
+  o.backward_seconds = args.backward_ms / 1e3;
+  o.engine = args.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
+  o.moments = args.moments == "BF16" ? optimizer::MomentDType::kBF16 : optimizer::MomentDType::kF32;
+  o.threads = args.threads;
+  o.unit_bytes = args.unit_bytes;
+  o.steps = args.steps;
+  o.clip_fires = args.clip_fires;
+  absl::StatusOr<bench::OverlapFigures> f = bench::RunOverlapBench(o);
+  if (!f.ok()) return ReportError("bench overlap", f.status());
+  // The optimizer time a training step still waits for: the step minus its backward.
+  const double plain_exposed = f->plain_seconds - f->backward_seconds;
+  const double exposed = f->overlap_seconds - f->backward_seconds;
+  const double ratio = f->overlap_seconds / f->bound_seconds;
+  if (args.json) {
+    PrintJson({{"params", args.params},
+               {"buckets", args.buckets},
+               {"engine", f->engine},
+               {"moments", args.moments},
+               {"clip_fires", args.clip_fires},
+               {"backward_seconds", f->backward_seconds},
+               {"plain_seconds", f->plain_seconds},
+               {"overlap_seconds", f->overlap_seconds},
+               {"plain_exposed_seconds", plain_exposed},
+               {"exposed_seconds", exposed},
+               {"step_bound_seconds", f->step_bound_seconds},
+               {"bound_gbps", f->bound_gbps},
+               {"bytes_per_param", f->bytes_per_param},
+               {"bound_seconds", f->bound_seconds},
+               {"ratio", ratio},
+               {"speculated_units", f->speculated_units},
+               {"speculation_held", f->speculation_held},
+               {"device_bytes", f->device_bytes}});
+    return kExitOk;
+  }
+  const bool cuda = o.engine == optimizer::EngineKind::kCuda;
+  std::cout << absl::StrFormat(
+      "StagedAdamW of %d parameters in %d buckets, %s, %s moments%s\n"
+      "backward alone %8.2f ms\n"
+      "plain          %8.2f ms   optimizer exposed %8.2f ms\n"
+      "overlapped     %8.2f ms   optimizer exposed %8.2f ms   (%d units during backward, %s)\n"
+      "bound          %8.2f ms   the step alone at the bound %.2f ms (%s %.1f GB/s, %.0f B/param"
+      "%s)\n"
+      "overlapped / bound %.2f   plain / bound %.2f\n",
+      args.params, args.buckets, f->engine, args.moments,
+      args.clip_fires ? ", clipping fires" : "", f->backward_seconds * 1e3, f->plain_seconds * 1e3,
+      plain_exposed * 1e3, f->overlap_seconds * 1e3, exposed * 1e3, f->speculated_units,
+      f->speculation_held ? "held" : "redone", f->bound_seconds * 1e3,
+      f->step_bound_seconds * 1e3, cuda ? "duplex PCIe, slower direction" : "host memory triad",
+      f->bound_gbps, f->bytes_per_param, cuda ? " each way" : "", ratio,
+      f->plain_seconds / f->bound_seconds);
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli
