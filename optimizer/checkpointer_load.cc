@@ -71,7 +71,14 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
   }
   std::vector<ParamGroup> out;
   for (const formats::OptimizerRecordGroup& g : record.groups) {
-    ParamGroup p{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad};
+    ParamGroup p;  // The record holds AdamW groups only: Muon's are not saved yet.
+    p.lr = g.lr;
+    p.beta1 = g.beta1;
+    p.beta2 = g.beta2;
+    p.eps = g.eps;
+    p.weight_decay = g.weight_decay;
+    p.step = g.step;
+    p.amsgrad = g.amsgrad;
     CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
     out.push_back(p);
   }
@@ -249,6 +256,7 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
 
 absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  CKPT_RETURN_IF_ERROR(NoMuon("load"));
   // LATEST as rank 0 reads it; a damaged LATEST (a read-only handle runs no recovery) leaves
   // every step a candidate.
   absl::StatusOr<uint64_t> latest = AgreeOnLatest(store_->env(), store_->root());
@@ -311,6 +319,7 @@ void Checkpointer::SetAsideSkipped(const std::vector<uint64_t>& steps,
 
 absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
+  CKPT_RETURN_IF_ERROR(NoMuon("load"));
   // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
   // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
   if (!step.has_value()) {

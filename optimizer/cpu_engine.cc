@@ -11,6 +11,7 @@
 #include "ckpt/formats/convert.h"
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
+#include "optimizer/muon.h"
 #include "optimizer/thread_pool.h"
 
 namespace ckpt::optimizer {
@@ -48,9 +49,15 @@ class CpuEngine : public internal::Engine {
         return report;
       }
     }
-    // Out of place, skipped runs make tasks too: their state is copied across.
+    // Out of place, skipped runs make tasks too: their state is copied across. Muon's matrices
+    // are stepped after the elementwise units, whole.
+    std::vector<Unit> elementwise, matrices;
+    for (const Unit& u : units) (u.rows == 0 ? elementwise : matrices).push_back(u);
+    if (!matrices.empty() && slabs.out_of_place()) {
+      return absl::InternalError("an out-of-place pass over Muon matrices");  // BeginOverlap refuses.
+    }
     const std::vector<Task> tasks =
-        Tasks(args, units, plan, slabs, task_elems, gsize, slabs.out_of_place());
+        Tasks(args, elementwise, plan, slabs, task_elems, gsize, slabs.out_of_place());
     const size_t msize = MomentBytes(slabs.moment_dtype);
     pool_.ParallelFor(tasks.size(), [&](size_t i) {
       const Task& t = tasks[i];
@@ -81,6 +88,7 @@ class CpuEngine : public internal::Engine {
                    ams ? slabs.max_exp_avg_sq + t.offset * msize : nullptr};
       kernels[ams ? 1 : 0][KernelIndex(t.dtype)](a);
     }, Participants());
+    StepMatrices(args, matrices, plan, slabs, gsize);
     return report;
   }
 
@@ -193,11 +201,39 @@ class CpuEngine : public internal::Engine {
     });
   }
 
+  // Muon's units, one whole matrix each, one after another: each product of its
+  // orthogonalisation runs on OpenBLAS's threads.
+  void StepMatrices(const StepArgs& args, const std::vector<Unit>& matrices, const StepPlan& plan,
+                    const SlabView& slabs, size_t gsize) {
+    const size_t msize = MomentBytes(slabs.moment_dtype);
+    for (const Unit& u : matrices) {
+      ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
+                     [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
+                         uint32_t c, formats::DType dtype) {
+                       if (c == StepPlan::kSkipped) return;
+                       internal::MuonMatrixArgs m{slabs.master + offset,
+                                                  slabs.master + offset,
+                                                  slabs.exp_avg + offset * msize,
+                                                  slabs.exp_avg + offset * msize,
+                                                  slabs.moment_dtype,
+                                                  grads,
+                                                  args.grad_dtype,
+                                                  args.grad_scale,
+                                                  params,
+                                                  dtype,
+                                                  u.rows,
+                                                  count / u.rows};
+                       internal::MuonStepMatrix(m, plan.constants[c].muon, muon_scratch_);
+                     });
+    }
+  }
+
   // Threads a step runs on: the pool, less the cores it leaves spare (at least one).
   int Participants() const { return std::max(1, pool_.size() - spare_); }
 
   const CpuIsa isa_;
   internal::ThreadPool pool_;
+  internal::MuonScratch muon_scratch_;
   int spare_ = 0;
 };
 

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/muon.h"
 
 namespace ckpt::optimizer {
 
@@ -25,6 +26,10 @@ struct StepConstants {
   // AMSGrad: x = max(x, v) (NaN from either side wins, as torch.maximum), and the denominator
   // uses x in place of v. Only where the slabs hold max_exp_avg_sq (SlabView).
   bool amsgrad;
+  // A Muon group's (Algorithm::kMuon): its units are whole matrices (Unit::rows), stepped with
+  // `muon`; the AdamW constants above are unused.
+  bool is_muon = false;
+  internal::MuonConstants muon{};
 };
 StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
 // OK when every hyper-parameter of `group` is in range; kInvalidArgument naming group `index`,

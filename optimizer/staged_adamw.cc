@@ -39,6 +39,8 @@ StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
   c.step_size = static_cast<float>(g.lr / bc1);
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.amsgrad = g.amsgrad;
+  c.is_muon = g.algorithm == Algorithm::kMuon;
+  if (c.is_muon) c.muon = internal::ComputeMuonConstants(g);
   return c;
 }
 
@@ -61,6 +63,23 @@ absl::Status ValidateHyperParameters(const ParamGroup& g, size_t index) {
   if (!(g.eps >= 0) || !std::isfinite(g.eps)) return bad("eps", g.eps);
   if (!(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
     return bad("weight_decay", g.weight_decay);
+  }
+  if (g.algorithm == Algorithm::kMuon) {
+    const MuonParams& m = g.muon;
+    if (!(m.momentum >= 0) || !std::isfinite(m.momentum)) return bad("momentum", m.momentum);
+    for (auto [what, value] : {std::pair{"ns_a", m.ns_a}, {"ns_b", m.ns_b}, {"ns_c", m.ns_c}}) {
+      if (!std::isfinite(value)) return bad(what, value);
+    }
+    if (m.ns_steps >= 100) return bad("ns_steps", m.ns_steps);
+    if (m.adjust_lr != MuonLrAdjust::kOriginal && m.adjust_lr != MuonLrAdjust::kMatchRmsAdamW) {
+      return bad("adjust_lr", static_cast<double>(m.adjust_lr));
+    }
+    if (g.amsgrad) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param group ", index, ": amsgrad is AdamW's; a Muon group has none"));
+    }
+  } else if (g.algorithm != Algorithm::kAdamW) {
+    return bad("algorithm", static_cast<double>(g.algorithm));
   }
   return absl::OkStatus();
 }
@@ -124,15 +143,53 @@ absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
   return total;
 }
 
+// A Muon group's parameters are matrices, and this rank holds each of them whole: its
+// orthogonalisation needs all of it (docs/design/muon.md).
+absl::Status ValidateMuon(const StagedAdamWOptions& o) {
+  auto muon = [&](uint32_t param) {
+    return o.groups[o.params[param].group].algorithm == Algorithm::kMuon;
+  };
+  for (uint32_t i = 0; i < o.params.size(); ++i) {
+    if (muon(i) && o.params[i].shape.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("param \"", o.params[i].name, "\" is in Muon group ", o.params[i].group,
+                       " but has ", o.params[i].shape.size(),
+                       " dimensions: Muon steps 2-D matrices only (step the others with AdamW)"));
+    }
+  }
+  bool any = false;
+  for (const Piece& p : o.pieces) {
+    if (!muon(p.param)) continue;
+    any = true;
+    if (p.begin != 0 || p.count != o.params[p.param].numel()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
+          "\" is part of a Muon matrix: a rank holds each Muon matrix whole"));
+    }
+  }
+  if (any && o.engine == EngineKind::kCuda) {
+    return absl::UnimplementedError(
+        "Muon groups run on the CPU engine for now (the CUDA engine's Muon is next, "
+        "docs/design/muon.md)");
+  }
+  return absl::OkStatus();
+}
+
 std::vector<Unit> BuildUnits(const StagedAdamWOptions& o) {
   const uint64_t unit_elems = std::max<uint64_t>(16, o.unit_bytes / 4);
   std::vector<Unit> units;
   uint64_t offset = 0;
   for (const Piece& p : o.pieces) {
     const uint32_t group = o.params[p.param].group;
+    if (o.groups[group].algorithm == Algorithm::kMuon) {  // One whole matrix.
+      units.push_back({offset, p.count, group, o.params[p.param].shape[0]});
+      offset += p.count;
+      continue;
+    }
     uint64_t left = p.count;
     while (left > 0) {
-      if (units.empty() || units.back().group != group || units.back().count == unit_elems) {
+      if (units.empty() || units.back().group != group || units.back().count == unit_elems ||
+          units.back().rows != 0) {
         units.push_back({offset, 0, group});
       }
       const uint64_t n = std::min(left, unit_elems - units.back().count);
@@ -165,6 +222,7 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
   CKPT_RETURN_IF_ERROR(ValidateGroups(options));
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
+  CKPT_RETURN_IF_ERROR(ValidateMuon(options));
   if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
   std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
   // Where each piece lies in the slabs and in a flat model-weight buffer: back to back, each
@@ -600,6 +658,11 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const St
   return report;
 }
 
+bool StagedAdamW::has_muon() const {
+  return std::any_of(options_.groups.begin(), options_.groups.end(),
+                     [](const ParamGroup& g) { return g.algorithm == Algorithm::kMuon; });
+}
+
 absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
   if (index >= options_.groups.size()) {
     return absl::InvalidArgumentError(
@@ -611,6 +674,10 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
     return absl::FailedPreconditionError(absl::StrCat(
         "param group ", index, ": amsgrad needs the max_exp_avg_sq slab, which this optimizer "
         "does not have: build it with amsgrad set in some group"));
+  }
+  if (group.algorithm != options_.groups[index].algorithm) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "param group ", index, ": its algorithm (AdamW or Muon) is fixed when it is added"));
   }
   ++state_version_;
   ParamGroup& g = options_.groups[index];

@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libabsl-dev liburing-dev libzstd-dev libcli11-dev
       libopenmpi-dev openmpi-bin
-      libxxhash-dev libre2-dev nlohmann-json3-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev
+      libxxhash-dev libre2-dev libopenblas-dev nlohmann-json3-dev libgtest-dev libgmock-dev clang libclang-rt-14-dev
       python3-torch python3-pytest python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do

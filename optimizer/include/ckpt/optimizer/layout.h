@@ -22,9 +22,34 @@ struct ParamSpec {
   uint64_t numel() const;
 };
 
-// AdamW hyper-parameters of one group, kept in double as torch keeps Python floats: each step's
+// The update rule of a param group (docs/design/muon.md).
+enum class Algorithm : uint8_t {
+  kAdamW,  // torch.optim.AdamW.
+  kMuon,   // torch.optim.Muon: 2-D parameters only, each stepped whole.
+};
+
+// Muon's learning-rate adjustment by matrix shape (torch's adjust_lr_fn), for an A x B matrix:
+// lr * sqrt(max(1, A / B)) ("original", torch's default) or lr * 0.2 * sqrt(max(A, B))
+// ("match_rms_adamw").
+enum class MuonLrAdjust : uint8_t { kOriginal, kMatchRmsAdamW };
+
+// Muon's own hyper-parameters (torch.optim.Muon's defaults); lr, weight_decay and eps are the
+// group's. The momentum buffer is buf.lerp_(grad, 1 - momentum), AdamW's exp_avg with
+// beta1 = momentum, and lives where exp_avg does.
+struct MuonParams {
+  double momentum = 0.95;
+  bool nesterov = true;
+  double ns_a = 3.4445, ns_b = -4.7750, ns_c = 2.0315;  // Newton-Schulz coefficients.
+  uint32_t ns_steps = 5;                                // Fewer than 100, as torch.
+  MuonLrAdjust adjust_lr = MuonLrAdjust::kOriginal;
+  friend bool operator==(const MuonParams&, const MuonParams&) = default;
+};
+
+// Hyper-parameters of one group, kept in double as torch keeps Python floats: each step's
 // constants (1 - beta, bias corrections, lr * weight_decay) are derived from them in double and
 // rounded to float once (with beta2 = 0.999 held as a float, 1 - beta2 would be off by 1.3e-5).
+// AdamW's by default; `algorithm` kMuon steps the group with Muon (`muon`, and lr, eps and
+// weight_decay; beta1, beta2 and amsgrad unused).
 struct ParamGroup {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -36,6 +61,8 @@ struct ParamGroup {
   // kept per element as max_exp_avg_sq (a fourth slab, which exists once any group of the
   // optimizer asks for it).
   bool amsgrad = false;
+  Algorithm algorithm = Algorithm::kAdamW;
+  MuonParams muon{};
 };
 
 // Elements [begin, begin + count) of params[param], in row-major flat order.

@@ -55,6 +55,9 @@ struct Unit {
   uint64_t offset = 0;  // In elements, into the slabs and the flat buffers.
   uint64_t count = 0;
   uint32_t group = 0;
+  // A Muon group's unit is one whole matrix of `rows` x (count / rows), row-major; 0 for the
+  // units of elementwise groups (AdamW).
+  uint64_t rows = 0;
 };
 
 // The caller's CUDA stream for a Step on the CUDA engine: the stream that produced the
@@ -348,6 +351,8 @@ class StagedAdamW {
   // or AddParams. Its elements are zero for parameters whose group does not use it; every
   // parameter's is saved in checkpoints (optimizer.max_exp_avg_sq.<name>).
   bool has_max_exp_avg_sq() const { return has_max_; }
+  // Some param group steps with Muon (ParamGroup::algorithm; docs/design/muon.md).
+  bool has_muon() const;
   // Read-only views of the slabs, in slab order. exp_avg() and exp_avg_sq() view FP32 moments
   // and are empty in MomentDType::kBF16; the *_bytes() views hold size() * moment_bytes()
   // bytes in either mode (max_exp_avg_sq_bytes(): none without has_max_exp_avg_sq()). CUDA

@@ -1,0 +1,158 @@
+// Muon on the CPU (optimizer/muon.h).
+#include "optimizer/muon.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <span>
+
+#include "ckpt/formats/convert.h"
+#include "ckpt/formats/float_convert.h"
+
+namespace ckpt::optimizer::internal {
+namespace {
+
+float RoundBf16(float x) { return formats::Bf16ToFloat(formats::FloatToBf16(x)); }
+
+void RoundAllBf16(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
+}
+
+// torch's lerp: self + w * (end - self) for |w| < 0.5, else end - (end - self) * (1 - w); its
+// vectorized CPU kernel fuses each into one FMA.
+float Lerp(float self, float end, float w) {
+  return std::fabs(w) < 0.5f ? std::fma(w, end - self, self) : std::fma(w - 1.0f, end - self, end);
+}
+
+float ReadElement(const std::byte* base, formats::DType dtype, size_t i) {
+  switch (dtype) {
+    case formats::DType::kF32: {
+      float v;
+      std::memcpy(&v, base + i * 4, 4);
+      return v;
+    }
+    case formats::DType::kBF16: {
+      uint16_t h;
+      std::memcpy(&h, base + i * 2, 2);
+      return formats::Bf16ToFloat(h);
+    }
+    default: {
+      uint16_t h;
+      std::memcpy(&h, base + i * 2, 2);
+      return formats::HalfToFloat(h);
+    }
+  }
+}
+
+}  // namespace
+
+MuonConstants ComputeMuonConstants(const ParamGroup& g) {
+  MuonConstants k;
+  k.lerp_weight = static_cast<float>(1.0 - g.muon.momentum);
+  k.nesterov_weight = static_cast<float>(g.muon.momentum);
+  k.nesterov = g.muon.nesterov;
+  k.decay = static_cast<float>(1.0 - g.lr * g.weight_decay);
+  k.lr = g.lr;
+  k.adjust = g.muon.adjust_lr;
+  k.a = static_cast<float>(g.muon.ns_a);
+  k.b = static_cast<float>(g.muon.ns_b);
+  k.c = static_cast<float>(g.muon.ns_c);
+  k.eps = static_cast<float>(g.eps);
+  k.ns_steps = g.muon.ns_steps;
+  return k;
+}
+
+float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols) {
+  const auto a = static_cast<double>(rows), b = static_cast<double>(cols);
+  const double ratio = k.adjust == MuonLrAdjust::kOriginal ? std::sqrt(std::max(1.0, a / b))
+                                                           : 0.2 * std::sqrt(std::max(a, b));
+  return static_cast<float>(k.lr * ratio);
+}
+
+void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConstants& k,
+                  MuonScratch& s, float* out) {
+  // X is m x n with m <= n: the matrix, or its transpose when it has more rows than columns.
+  const bool transpose = rows > cols;
+  const auto m = static_cast<int>(transpose ? cols : rows);
+  const auto n = static_cast<int>(transpose ? rows : cols);
+  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
+  const size_t mm = static_cast<size_t>(m) * static_cast<size_t>(m);
+  s.x.resize(mn);
+  s.y.resize(mn);
+  s.gram.resize(mm);
+  s.poly.resize(mm);
+  float* x = s.x.data();
+  float* y = s.y.data();
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < cols; ++c) {
+      const float v = RoundBf16(u[r * cols + c]);
+      if (transpose) {
+        x[c * rows + r] = v;
+      } else {
+        x[r * cols + c] = v;
+      }
+    }
+  }
+  // X / max(|X|_F, eps): torch's BF16 norm (accumulated wider, rounded to BF16), clamped, and a
+  // BF16 division.
+  double sq = 0;
+  for (size_t i = 0; i < mn; ++i) sq += static_cast<double>(x[i]) * x[i];
+  const float norm = std::max(RoundBf16(static_cast<float>(std::sqrt(sq))), RoundBf16(k.eps));
+  for (size_t i = 0; i < mn; ++i) x[i] = RoundBf16(x[i] / norm);
+  for (uint32_t step = 0; step < k.ns_steps; ++step) {
+    float* gram = s.gram.data();
+    float* poly = s.poly.data();
+    // G = X X^T.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, m, n, 1.0f, x, n, x, n, 0.0f, gram, m);
+    RoundAllBf16(gram, mm);
+    // H = b G + c G G (torch.addmm(G, G, G, beta=b, alpha=c)).
+    std::memcpy(poly, gram, mm * 4);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, k.c, gram, m, gram, m, k.b,
+                poly, m);
+    RoundAllBf16(poly, mm);
+    // X = a X + H X (torch.addmm(X, H, X, beta=a)).
+    std::memcpy(y, x, mn * 4);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0f, poly, m, x, n, k.a, y,
+                n);
+    RoundAllBf16(y, mn);
+    std::swap(x, y);
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < cols; ++c) {
+      out[r * cols + c] = transpose ? x[c * rows + r] : x[r * cols + c];
+    }
+  }
+}
+
+void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& s) {
+  const size_t n = a.rows * a.cols;
+  // The update u, then its orthogonalisation, in one buffer of the scratch's.
+  std::vector<float>& update = s.update;
+  update.resize(n);
+  const bool bf16 = a.moment_dtype == MomentDType::kBF16;
+  for (size_t i = 0; i < n; ++i) {
+    const float g = ReadElement(a.grads, a.grad_dtype, i) * a.grad_scale;
+    const float buf_in = bf16 ? ReadElement(a.momentum_in, formats::DType::kBF16, i)
+                              : ReadElement(a.momentum_in, formats::DType::kF32, i);
+    const float buf = Lerp(buf_in, g, k.lerp_weight);
+    if (bf16) {
+      const uint16_t h = formats::FloatToBf16(buf);
+      std::memcpy(a.momentum + i * 2, &h, 2);
+    } else {
+      std::memcpy(a.momentum + i * 4, &buf, 4);
+    }
+    update[i] = k.nesterov ? Lerp(g, buf, k.nesterov_weight) : buf;
+  }
+  NewtonSchulz(update.data(), a.rows, a.cols, k, s, update.data());
+  const float neg_lr = -MuonAdjustedLr(k, a.rows, a.cols);
+  for (size_t i = 0; i < n; ++i) {
+    // p.mul_(1 - lr * wd), then p.add_(O, alpha=-lr'), which torch fuses into one FMA.
+    a.master[i] = std::fma(update[i], neg_lr, a.master_in[i] * k.decay);
+  }
+  formats::Convert(formats::DType::kF32, std::as_bytes(std::span(a.master, n)), a.param_dtype,
+                   std::span(a.params, n * formats::DTypeSize(a.param_dtype)));
+}
+
+}  // namespace ckpt::optimizer::internal
