@@ -57,6 +57,14 @@ std::string Build() {
   CKPT_FIELD(ckpt_group, weight_decay);
   CKPT_FIELD(ckpt_group, step);
   CKPT_FIELD(ckpt_group, amsgrad);
+  CKPT_FIELD(ckpt_group, algorithm);
+  CKPT_FIELD(ckpt_group, momentum);
+  CKPT_FIELD(ckpt_group, nesterov);
+  CKPT_FIELD(ckpt_group, ns_a);
+  CKPT_FIELD(ckpt_group, ns_b);
+  CKPT_FIELD(ckpt_group, ns_c);
+  CKPT_FIELD(ckpt_group, ns_steps);
+  CKPT_FIELD(ckpt_group, adjust_lr);
   CKPT_STRUCT(ckpt_piece);
   CKPT_FIELD(ckpt_piece, param);
   CKPT_FIELD(ckpt_piece, begin);
@@ -150,6 +158,10 @@ std::string Build() {
 #define CKPT_CONST(c) absl::StrAppend(&out, "const " #c " ", static_cast<long long>(c), "\n")
   CKPT_CONST(CKPT_ABI_VERSION);
   CKPT_CONST(CKPT_OK);
+  CKPT_CONST(CKPT_ADAMW);
+  CKPT_CONST(CKPT_MUON);
+  CKPT_CONST(CKPT_MUON_LR_ORIGINAL);
+  CKPT_CONST(CKPT_MUON_LR_MATCH_RMS_ADAMW);
   CKPT_CONST(CKPT_CANCELLED);
   CKPT_CONST(CKPT_UNKNOWN);
   CKPT_CONST(CKPT_INVALID_ARGUMENT);

@@ -16,6 +16,18 @@
 
 namespace {
 
+// An AdamW group (betas 0.9, 0.999, eps 1e-8).
+ckpt_group AdamW(double lr, double weight_decay) {
+  ckpt_group g{};
+  g.lr = lr;
+  g.beta1 = 0.9;
+  g.beta2 = 0.999;
+  g.eps = 1e-8;
+  g.weight_decay = weight_decay;
+  g.algorithm = CKPT_ADAMW;
+  return g;
+}
+
 // ckpt_abi_layout() lists every function, constant and struct that ckpt.h declares, so that a
 // binding comparing itself with the layout (python/ckpt/_lib.py) covers the whole header.
 TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
@@ -56,7 +68,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
   EXPECT_EQ(functions, 63);
-  EXPECT_EQ(constants, 37);
+  EXPECT_EQ(constants, 41);
   EXPECT_EQ(structs, 6);
 }
 
@@ -96,7 +108,7 @@ TEST(CkptCTest, NullAndBadArgumentsAreCodesWithMessages) {
   // A parameter with a dtype that does not exist, and one without a name.
   const uint64_t shape[1] = {4};
   ckpt_param bad = {"w", shape, 1, 7, 0};
-  ckpt_group group = {1e-3, 0.9, 0.999, 1e-8, 0.01, 0, 0};
+  ckpt_group group = AdamW(1e-3, 0.01);
   ckpt_piece piece = {0, 0, 4};
   float weights[4] = {1, 2, 3, 4};
   ckpt_optimizer* opt = nullptr;
@@ -120,7 +132,7 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ckpt::testing::ScopedTempDir tmp;
   const uint64_t shape[2] = {2, 3};
   ckpt_param param = {"w", shape, 2, CKPT_F32, 0};
-  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0, 0};
+  ckpt_group group = AdamW(0.1, 0.0);
   size_t count = 0;
   ckpt_piece pieces[4];
   ASSERT_EQ(ckpt_rank_pieces(&param, 1, 0, 1, 0, pieces, 4, &count), CKPT_OK);
@@ -179,12 +191,58 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ckpt_optimizer_destroy(opt);
 }
 
+// ABI 11: a Muon group beside an AdamW one, its hyper-parameters kept and read back, the Muon
+// matrix stepped (its weights change, its momentum is the gradient's share), a bad rule named,
+// the algorithm fixed, and a checkpointer refusing what it cannot save yet.
+TEST(CkptCTest, AMuonGroupThroughTheAbi) {
+  const uint64_t matrix[2] = {4, 3}, vector[1] = {5};
+  ckpt_param params[2] = {{"w", matrix, 2, CKPT_F32, 0}, {"b", vector, 1, CKPT_F32, 1}};
+  ckpt_group groups[2] = {AdamW(0.02, 0.1), AdamW(1e-3, 0.0)};
+  groups[0].algorithm = CKPT_MUON;
+  groups[0].eps = 1e-7;
+  groups[0].momentum = 0.9;
+  groups[0].nesterov = 0;
+  groups[0].ns_a = 3.4445;
+  groups[0].ns_b = -4.775;
+  groups[0].ns_c = 2.0315;
+  groups[0].ns_steps = 5;
+  groups[0].adjust_lr = CKPT_MUON_LR_MATCH_RMS_ADAMW;
+  ckpt_piece pieces[2] = {{0, 0, 12}, {1, 0, 5}};
+  std::vector<float> w(17, 0.5f), g(17, 0.25f), before = w;
+  ckpt_optimizer* opt = nullptr;
+  ckpt_group bad[2] = {groups[0], groups[1]};
+  bad[0].adjust_lr = 7;
+  EXPECT_EQ(ckpt_optimizer_create(params, 2, bad, 2, pieces, 2, nullptr, w.data(), 68, &opt),
+            CKPT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(ckpt_last_error()).find("adjust_lr"), std::string::npos);
+  ASSERT_EQ(ckpt_optimizer_create(params, 2, groups, 2, pieces, 2, nullptr, w.data(), 68, &opt),
+            CKPT_OK)
+      << ckpt_last_error();
+  ckpt_group got;
+  ASSERT_EQ(ckpt_optimizer_get_group(opt, 0, &got), CKPT_OK);
+  EXPECT_EQ(got.algorithm, CKPT_MUON);
+  EXPECT_EQ(got.momentum, 0.9);
+  EXPECT_EQ(got.nesterov, 0);
+  EXPECT_EQ(got.ns_steps, 5u);
+  EXPECT_EQ(got.adjust_lr, CKPT_MUON_LR_MATCH_RMS_ADAMW);
+  ASSERT_EQ(ckpt_optimizer_step(opt, g.data(), CKPT_F32, 1.0f, w.data(), 0, nullptr, nullptr),
+            CKPT_OK)
+      << ckpt_last_error();
+  for (int i = 0; i < 12; ++i) EXPECT_NE(w[i], before[i]) << i;
+  std::vector<float> momentum(17);
+  ASSERT_EQ(ckpt_optimizer_read_state(opt, CKPT_EXP_AVG, momentum.data(), 17), CKPT_OK);
+  EXPECT_FLOAT_EQ(momentum[0], 0.25f * (1 - 0.9f));  // buf.lerp_(g, 1 - momentum) from zero.
+  ckpt_group adamw = AdamW(0.02, 0.1);
+  EXPECT_EQ(ckpt_optimizer_set_group(opt, 0, &adamw), CKPT_INVALID_ARGUMENT);
+  ckpt_optimizer_destroy(opt);
+}
+
 // ABI 10: an overlapped step through the ABI gives the bits of ckpt_optimizer_step_masked, held
 // or redone; a piece released twice is refused and the step abandoned.
 TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
   const uint64_t shape_a[1] = {300}, shape_b[1] = {70};
   ckpt_param params[2] = {{"a", shape_a, 1, CKPT_F32, 0}, {"b", shape_b, 1, CKPT_F32, 0}};
-  ckpt_group group = {0.01, 0.9, 0.999, 1e-8, 0.1, 0, 0};
+  ckpt_group group = AdamW(0.01, 0.1);
   ckpt_piece pieces[2] = {{0, 0, 300}, {1, 0, 70}};
   std::vector<float> init(370);
   for (size_t i = 0; i < init.size(); ++i) init[i] = 0.01f * static_cast<float>(i % 17) - 0.05f;
@@ -248,7 +306,7 @@ TEST(CkptCTest, OpenedCheckpointersLeaveTheWeightsToWriteWeights) {
   ckpt::testing::ScopedTempDir tmp;
   const uint64_t shape[1] = {5};
   ckpt_param param = {"w", shape, 1, CKPT_BF16, 0};
-  ckpt_group group = {0.1, 0.9, 0.999, 1e-8, 0.0, 0, 0};
+  ckpt_group group = AdamW(0.1, 0.0);
   ckpt_piece piece = {0, 0, 5};
   // 1.0, 2.0, -0.5, 0.25, 3.0 in BF16.
   std::vector<uint16_t> w = {0x3f80, 0x4000, 0xbf00, 0x3e80, 0x4040};

@@ -60,8 +60,47 @@ opt::CudaStreamView CallerStream(void* stream) {
                            : *opt::CudaStreamView::Of(static_cast<CUstream_st*>(stream));
 }
 
+// An unknown algorithm or lr rule becomes 255, which the optimizer's validation names.
 opt::ParamGroup Group(const ckpt_group& g) {
-  return {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad != 0};
+  opt::ParamGroup p;
+  p.lr = g.lr;
+  p.beta1 = g.beta1;
+  p.beta2 = g.beta2;
+  p.eps = g.eps;
+  p.weight_decay = g.weight_decay;
+  p.step = g.step;
+  p.amsgrad = g.amsgrad != 0;
+  auto known = [](int v, int last) { return v >= 0 && v <= last ? v : 255; };
+  p.algorithm = static_cast<opt::Algorithm>(known(g.algorithm, CKPT_MUON));
+  p.muon.momentum = g.momentum;
+  p.muon.nesterov = g.nesterov != 0;
+  p.muon.ns_a = g.ns_a;
+  p.muon.ns_b = g.ns_b;
+  p.muon.ns_c = g.ns_c;
+  p.muon.ns_steps = g.ns_steps;
+  p.muon.adjust_lr =
+      static_cast<opt::MuonLrAdjust>(known(g.adjust_lr, CKPT_MUON_LR_MATCH_RMS_ADAMW));
+  return p;
+}
+
+ckpt_group CGroup(const opt::ParamGroup& g) {
+  ckpt_group c{};
+  c.lr = g.lr;
+  c.beta1 = g.beta1;
+  c.beta2 = g.beta2;
+  c.eps = g.eps;
+  c.weight_decay = g.weight_decay;
+  c.step = g.step;
+  c.amsgrad = g.amsgrad ? 1 : 0;
+  c.algorithm = static_cast<int>(g.algorithm);
+  c.momentum = g.muon.momentum;
+  c.nesterov = g.muon.nesterov ? 1 : 0;
+  c.ns_a = g.muon.ns_a;
+  c.ns_b = g.muon.ns_b;
+  c.ns_c = g.muon.ns_c;
+  c.ns_steps = g.muon.ns_steps;
+  c.adjust_lr = static_cast<int>(g.muon.adjust_lr);
+  return c;
 }
 
 
@@ -369,7 +408,7 @@ int ckpt_optimizer_get_group(const ckpt_optimizer* o, size_t index, ckpt_group* 
     return Invalid(absl::StrCat("param group ", index, " does not exist (", o->opt->groups().size(), ")"));
   }
   const opt::ParamGroup& g = o->opt->groups()[index];
-  *out = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad ? 1 : 0};
+  *out = CGroup(g);
   return CKPT_OK;
 }
 

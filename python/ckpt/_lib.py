@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 OK = 0
 CODE_NAMES = {
@@ -24,6 +24,9 @@ ENGINE_CPU, ENGINE_CUDA = 0, 1
 MOMENTS_F32, MOMENTS_BF16 = 0, 1
 MASTER, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
 LIFECYCLE = {0: "clean", 1: "loading", 2: "poisoned"}
+# A param group's update rule, and Muon's lr rules (ABI 11).
+ADAMW, MUON = 0, 1
+MUON_LR_ORIGINAL, MUON_LR_MATCH_RMS_ADAMW = 0, 1
 
 
 class CkptError(Exception):
@@ -48,7 +51,11 @@ class Param(ctypes.Structure):
 class Group(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
                 ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
-                ("step", ctypes.c_uint64), ("amsgrad", ctypes.c_int)]
+                ("step", ctypes.c_uint64), ("amsgrad", ctypes.c_int),
+                ("algorithm", ctypes.c_int), ("momentum", ctypes.c_double),
+                ("nesterov", ctypes.c_int), ("ns_a", ctypes.c_double), ("ns_b", ctypes.c_double),
+                ("ns_c", ctypes.c_double), ("ns_steps", ctypes.c_uint32),
+                ("adjust_lr", ctypes.c_int)]
 
 
 class Piece(ctypes.Structure):
@@ -232,7 +239,9 @@ STRUCTS = [("ckpt_param", Param), ("ckpt_group", Group), ("ckpt_piece", Piece),
            ("ckpt_optimizer_options", OptimizerOptions), ("ckpt_store_options", StoreOptions),
            ("ckpt_coordinator", Coordinator)]
 CONSTANTS = dict(
-    {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_F32": F32, "CKPT_BF16": BF16,
+    {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_ADAMW": ADAMW, "CKPT_MUON": MUON,
+     "CKPT_MUON_LR_ORIGINAL": MUON_LR_ORIGINAL,
+     "CKPT_MUON_LR_MATCH_RMS_ADAMW": MUON_LR_MATCH_RMS_ADAMW, "CKPT_F32": F32, "CKPT_BF16": BF16,
      "CKPT_F16": F16, "CKPT_F64": F64, "CKPT_I64": I64, "CKPT_I32": I32, "CKPT_I16": I16,
      "CKPT_I8": I8, "CKPT_U8": U8, "CKPT_BOOL": BOOL, "CKPT_ENGINE_CPU": ENGINE_CPU, "CKPT_ENGINE_CUDA": ENGINE_CUDA,
      "CKPT_MOMENTS_F32": MOMENTS_F32, "CKPT_MOMENTS_BF16": MOMENTS_BF16, "CKPT_MASTER": MASTER,

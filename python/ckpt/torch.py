@@ -22,6 +22,9 @@ from ._native import Native
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
 _MOMENTS = {"f32": _lib.MOMENTS_F32, "bf16": _lib.MOMENTS_BF16}
+# torch.optim.Muon's adjust_lr_fn values (None is "original").
+_MUON_LR = {None: _lib.MUON_LR_ORIGINAL, "original": _lib.MUON_LR_ORIGINAL,
+            "match_rms_adamw": _lib.MUON_LR_MATCH_RMS_ADAMW}
 
 
 def _torch_adamw_defaults():
@@ -131,6 +134,26 @@ class _StateView:
                         "load_state_dict() or ckpt.Checkpointer.load()")
 
 
+def _check_muon_group(g):
+    """A Muon group's own hyper-parameters, as torch.optim.Muon accepts them (ValueError
+    naming the key)."""
+    m = g["momentum"]
+    if not _is_number(m) or not 0 <= float(m) < float("inf"):
+        raise ValueError(f"momentum must be a finite number >= 0, got {m!r}")
+    c = g["ns_coefficients"]
+    if (not isinstance(c, (tuple, list)) or len(c) != 3 or
+            not all(_is_number(x) and abs(float(x)) < float("inf") for x in c)):
+        raise ValueError(f"ns_coefficients must be three finite numbers, got {c!r}")
+    s = g["ns_steps"]
+    if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 100:
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {s!r}")
+    if g["adjust_lr_fn"] not in _MUON_LR:
+        raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got "
+                         f"{g['adjust_lr_fn']!r}")
+    if g.get("amsgrad") or g.get("maximize"):
+        raise ValueError("amsgrad and maximize are AdamW's: a Muon group has neither")
+
+
 def _shared(key):
     """An attribute kept in the optimizer's `_layout` dict, so that objects sharing a copy of
     its __dict__ (Lightning's wrapper) see it change (add_param_group changes these)."""
@@ -201,6 +224,8 @@ class StagedAdamW(torch.optim.Optimizer):
     in place is continued from (docs/python.md states the contract and what still differs).
     """
 
+    # Whether CUDA parameters run on the CUDA engine (StagedMuon: not yet, docs/design/muon.md).
+    _cuda_engine = True
     # The parameters' common dtype (None when they mix), the step's gradient dtype, and the
     # elements of all parameters and of this rank.
     _dtype = _shared("dtype")
@@ -269,7 +294,8 @@ class StagedAdamW(torch.optim.Optimizer):
         # The engine runs where most of the elements are: CUDA parameters with a few CPU ones
         # (or the reverse) share one optimizer; the others are staged through copies.
         on_cuda = sum(p.numel() for p in plist if p.device.type == "cuda")
-        device = next(iter(cuda)) if on_cuda * 2 > sum(p.numel() for p in plist) else \
+        device = next(iter(cuda)) if (self._cuda_engine and
+                                      on_cuda * 2 > sum(p.numel() for p in plist)) else \
             torch.device("cpu")
         if process_group is not None and any(p.device != device for p in plist):
             raise NotImplementedError("parameters on two devices with a process_group are not "
@@ -400,6 +426,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 not all(_is_number(x) and 0 <= float(x) < 1 for x in b)):
             raise ValueError(f"betas must be two numbers in [0, 1), got {b!r}")
         _check_implementation_choices(g)
+        if g.get("use_muon"):
+            _check_muon_group(g)
 
     def _grad_scale(self):
         """maximize, per group as torch: the gradients negated (exactly). Returns the step's
@@ -415,8 +443,20 @@ class StagedAdamW(torch.optim.Optimizer):
     @staticmethod
     def _group(g):
         b1, b2 = g["betas"]
-        return _lib.Group(float(g["lr"]), float(b1), float(b2), float(g["eps"]),
-                          float(g["weight_decay"]), 0, int(bool(g.get("amsgrad", False))))
+        c = _lib.Group(float(g["lr"]), float(b1), float(b2), float(g["eps"]),
+                       float(g["weight_decay"]), 0, int(bool(g.get("amsgrad", False))))
+        if g.get("use_muon"):  # StagedMuon's groups (docs/design/muon.md).
+            c.algorithm = _lib.MUON
+            c.momentum = float(g["momentum"])
+            c.nesterov = int(bool(g["nesterov"]))
+            c.ns_a, c.ns_b, c.ns_c = (float(x) for x in g["ns_coefficients"])
+            c.ns_steps = int(g["ns_steps"])
+            c.adjust_lr = _MUON_LR[g["adjust_lr_fn"]]
+        return c
+
+    def _muon_ids(self):
+        """The ids of the parameters of Muon groups (StagedMuon's use_muon groups)."""
+        return {id(p) for g in self.param_groups if g.get("use_muon") for p in g["params"]}
 
     def _live(self):
         if self._native is None:
@@ -1033,9 +1073,15 @@ class StagedAdamW(torch.optim.Optimizer):
             master, m, v = (self._state(w) for w in (_lib.MASTER, _lib.EXP_AVG, _lib.EXP_AVG_SQ))
             x = self._state(_lib.MAX_EXP_AVG_SQ) if self._max_slab else None
             amsgrad = {id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"]}
+            muon = self._muon_ids()
             out = {}
             for p, (o, n), step in zip(self._params, self._slices, steps):
                 if step == 0:
+                    continue
+                if id(p) in muon:  # torch.optim.Muon's state, and ckpt's count and master.
+                    out[id(p)] = {"step": torch.tensor(float(step)),
+                                  "momentum_buffer": m[o:o + n].view(p.shape).clone(),
+                                  "master": master[o:o + n].view(p.shape).clone()}
                     continue
                 entry = {"step": torch.tensor(float(step)),
                          "exp_avg": m[o:o + n].view(p.shape).clone(),
@@ -1142,14 +1188,18 @@ class StagedAdamW(torch.optim.Optimizer):
                    if any(g.get("amsgrad") and any(q is p for q in g["params"])
                           for g in self.param_groups)}
         pieces = self._shard_pieces()
+        muon = self._muon_ids()
         state = {}
         for i in sorted({i for i, _, _, _ in pieces}):
             if steps[i] == 0:
                 continue
             parts = [(at, n) for j, _, n, at in pieces if j == i]
             entry = {"step": torch.tensor(float(steps[i]))}
-            for key, which in (("exp_avg", _lib.EXP_AVG), ("exp_avg_sq", _lib.EXP_AVG_SQ),
-                               ("max_exp_avg_sq", _lib.MAX_EXP_AVG_SQ), ("master", _lib.MASTER)):
+            kinds = ((("momentum_buffer", _lib.EXP_AVG), ("master", _lib.MASTER))
+                     if id(self._params[i]) in muon else
+                     (("exp_avg", _lib.EXP_AVG), ("exp_avg_sq", _lib.EXP_AVG_SQ),
+                      ("max_exp_avg_sq", _lib.MAX_EXP_AVG_SQ), ("master", _lib.MASTER)))
+            for key, which in kinds:
                 if which in local and (key != "max_exp_avg_sq" or i in amsgrad):
                     entry[key] = torch.cat([local[which][at:at + n] for at, n in parts])
             state[i] = entry
@@ -1266,6 +1316,7 @@ class StagedAdamW(torch.optim.Optimizer):
         slice_of = {id(p): s for p, s in zip(self._params, self._slices)}
         steps = [0] * len(self._params)
         index_of = {id(p): i for i, p in enumerate(self._params)}
+        muon = self._muon_ids()
         for ours, theirs in zip(self.param_groups, groups):
             # As torch: the dict's state is keyed by the ids its param_groups list.
             for p, saved_id in zip(ours["params"], theirs["params"]):
@@ -1276,8 +1327,10 @@ class StagedAdamW(torch.optim.Optimizer):
                 entry = state.get(saved_id)
                 if not entry:
                     continue
-                for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
-                                  ("master", master)):
+                kinds = ((("momentum_buffer", m), ("master", master)) if id(p) in muon else
+                         (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
+                          ("master", master)))
+                for key, dest in kinds:
                     if key not in entry:
                         if key in ("master", "max_exp_avg_sq"):
                             continue
@@ -1287,7 +1340,9 @@ class StagedAdamW(torch.optim.Optimizer):
                         raise ValueError(f"{key} of parameter {name} has {t.numel()} elements, "
                                          f"the parameter {n}")
                     dest[o:o + n].copy_(t.reshape(-1).float().cpu())
-                steps[index_of[id(p)]] = self._entry_step(entry, name)
+                # torch's Muon counts no steps: a parameter with a momentum buffer has taken one.
+                steps[index_of[id(p)]] = self._entry_step(
+                    entry if id(p) not in muon or "step" in entry else {"step": 1}, name)
         return [self._local_of(t) for t in (master, m, v, x)], steps
 
     def _shard_arrays(self, shard, state):
@@ -1352,3 +1407,52 @@ class StagedAdamW(torch.optim.Optimizer):
         for flat_at, local_at, n in self._owned:
             local[local_at:local_at + n].copy_(full[flat_at:flat_at + n])
         return local
+
+
+class StagedMuon(StagedAdamW):
+    """torch.optim.Muon with ckpt's staged state, and the usual hybrid in one optimizer: Muon
+    for the 2-D matrices, AdamW for the rest (docs/design/muon.md, docs/python.md).
+
+    Its constructor is torch.optim.Muon's: lr, weight_decay, momentum, nesterov,
+    ns_coefficients, eps, ns_steps and adjust_lr_fn, the defaults of every group. A group with
+    "use_muon": False is stepped with AdamW: its lr, betas, eps and weight_decay are its own, or
+    adamw_lr (default: lr), adamw_betas, adamw_eps and adamw_weight_decay (default:
+    weight_decay). Muon groups take 2-D parameters only, each stepped whole: its FP32 master and
+    momentum buffer live in ckpt's host slabs, and the Newton-Schulz iteration runs as torch's
+    (BF16 operands, FP32 sums, one rounding per product) on every core of the CPU. CUDA
+    parameters are staged through host copies at each step until the CUDA engine's Muon lands.
+    state_dict() is torch's shape: {"momentum_buffer", "step", "master"} for a Muon parameter,
+    AdamW's entries for the others; load_state_dict() takes torch.optim.Muon's too.
+
+    Not yet: checkpoints through ckpt.Checkpointer (refused with UNIMPLEMENTED), a
+    process_group, overlap. moments "bf16" keeps the momentum in BF16.
+    """
+
+    _cuda_engine = False
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
+                 adjust_lr_fn=None, *, adamw_lr=None, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
+                 adamw_weight_decay=None, moments="f32", threads=0, unit_bytes=0):
+        self._muon_defaults = dict(
+            use_muon=True, momentum=momentum, nesterov=bool(nesterov),
+            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
+            else ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        _check_muon_group(self._muon_defaults)
+        self._adamw_defaults = dict(
+            lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        super().__init__(params, lr=lr, betas=adamw_betas, eps=eps, weight_decay=weight_decay,
+                         moments=moments, threads=threads, unit_bytes=unit_bytes)
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group: a group is Muon's unless it says "use_muon": False, and
+        takes Muon's or AdamW's defaults accordingly."""
+        if isinstance(param_group, dict):
+            param_group = dict(param_group)
+            use = param_group.setdefault("use_muon", True)
+            if not isinstance(use, bool):
+                raise ValueError(f"use_muon must be True or False, got {use!r}")
+            for key, value in (self._muon_defaults if use else self._adamw_defaults).items():
+                param_group.setdefault(key, value)
+        super().add_param_group(param_group)

@@ -36,8 +36,9 @@ extern "C" {
  * ckpt_store_adopt. A caller built against 7 must be rebuilt: compare ckpt_abi_layout() with
  * the layout you were built for (the Python package does, before any other call). 9 only adds
  * store transactions and readers (ckpt_save_*, ckpt_reader_*) and their dtypes: a library of 9
- * serves callers of 8. 10 only adds the overlapped step (ckpt_overlap_*). */
-#define CKPT_ABI_VERSION 10
+ * serves callers of 8. 10 only adds the overlapped step (ckpt_overlap_*). 11 breaks it again
+ * for Muon: ckpt_group grows (algorithm and Muon's hyper-parameters); rebuild against 11. */
+#define CKPT_ABI_VERSION 11
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -108,7 +109,21 @@ typedef struct {
    * of ckpt_optimizer_create or ckpt_optimizer_add_params has it; ckpt_optimizer_set_group
    * refuses it on an optimizer without. */
   int amsgrad;
+  /* (ABI 11) The group's update rule, CKPT_ADAMW or CKPT_MUON (docs/design/muon.md), fixed once
+   * the group is added; then Muon's hyper-parameters (torch.optim.Muon's: momentum, nesterov,
+   * ns_coefficients, ns_steps, adjust_lr_fn as CKPT_MUON_LR_*), read for a Muon group only. A
+   * Muon group uses lr, eps and weight_decay above, and takes 2-D parameters held whole. */
+  int algorithm;
+  double momentum;
+  int nesterov;
+  double ns_a, ns_b, ns_c;
+  uint32_t ns_steps;
+  int adjust_lr;
 } ckpt_group;
+
+enum { CKPT_ADAMW = 0, CKPT_MUON = 1 };
+/* Muon's lr for an A x B matrix: lr * sqrt(max(1, A / B)), or lr * 0.2 * sqrt(max(A, B)). */
+enum { CKPT_MUON_LR_ORIGINAL = 0, CKPT_MUON_LR_MATCH_RMS_ADAMW = 1 };
 
 typedef struct {
   uint32_t param;
