@@ -16,6 +16,45 @@ using nlohmann::json;
 
 constexpr int kMaxDepth = 8;
 
+// A group's "algorithm" and, for Muon, its hyper-parameters; nullopt for AdamW's.
+template <typename Bad>
+absl::StatusOr<std::optional<OptimizerRecordMuon>> ParseMuon(const json& g, size_t index,
+                                                             const Bad& bad) {
+  const std::string at = absl::StrCat("group ", index);
+  if (!g.contains("algorithm")) return std::nullopt;
+  if (!g["algorithm"].is_string()) return bad(at + " has an algorithm that is not a string");
+  const std::string algorithm = g["algorithm"].get<std::string>();
+  if (algorithm == kAlgorithmAdamW) return std::nullopt;
+  if (algorithm != kAlgorithmMuon) {
+    return bad(absl::StrCat(at, " has algorithm \"", algorithm, "\" (adamw or muon)"));
+  }
+  OptimizerRecordMuon m;
+  if (!g.contains("momentum") || !g["momentum"].is_number()) return bad(at + " lacks momentum");
+  m.momentum = g["momentum"].get<double>();
+  if (!g.contains("nesterov") || !g["nesterov"].is_boolean()) return bad(at + " lacks nesterov");
+  m.nesterov = g["nesterov"].get<bool>();
+  const json* c = g.contains("ns_coefficients") ? &g["ns_coefficients"] : nullptr;
+  if (c == nullptr || !c->is_array() || c->size() != 3 || !(*c)[0].is_number() ||
+      !(*c)[1].is_number() || !(*c)[2].is_number()) {
+    return bad(at + " lacks three ns_coefficients");
+  }
+  m.ns_a = (*c)[0].get<double>();
+  m.ns_b = (*c)[1].get<double>();
+  m.ns_c = (*c)[2].get<double>();
+  if (!g.contains("ns_steps") || !g["ns_steps"].is_number_unsigned() ||
+      g["ns_steps"].get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
+    return bad(at + " lacks ns_steps");
+  }
+  m.ns_steps = g["ns_steps"].get<uint32_t>();
+  if (!g.contains("adjust_lr") || !g["adjust_lr"].is_string() ||
+      (g["adjust_lr"] != kMuonLrOriginal && g["adjust_lr"] != kMuonLrMatchRmsAdamW)) {
+    return bad(absl::StrCat(at, " lacks adjust_lr (", kMuonLrOriginal, " or ",
+                            kMuonLrMatchRmsAdamW, ")"));
+  }
+  m.adjust_lr = g["adjust_lr"].get<std::string>();
+  return m;
+}
+
 }  // namespace
 
 std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
@@ -31,7 +70,8 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
       own_steps = true;
     }
   }
-  bool amsgrad = false;
+  bool amsgrad = false, muon = false;
+  for (const OptimizerRecordGroup& g : record.groups) muon |= g.muon.has_value();
   for (const OptimizerRecordGroup& g : record.groups) {
     groups.push_back({{"lr", g.lr},
                       {"beta1", g.beta1},
@@ -43,9 +83,18 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
       groups.back()["amsgrad"] = true;
       amsgrad = true;
     }
+    if (muon) groups.back()["algorithm"] = g.muon.has_value() ? kAlgorithmMuon : kAlgorithmAdamW;
+    if (g.muon.has_value()) {
+      const OptimizerRecordMuon& m = *g.muon;
+      groups.back()["momentum"] = m.momentum;
+      groups.back()["nesterov"] = m.nesterov;
+      groups.back()["ns_coefficients"] = {m.ns_a, m.ns_b, m.ns_c};
+      groups.back()["ns_steps"] = m.ns_steps;
+      groups.back()["adjust_lr"] = m.adjust_lr;
+    }
   }
   return json{{"format", kOptimizerRecordFormat},
-              {"version", amsgrad ? 3 : own_steps ? 2 : 1},
+              {"version", muon ? 4 : amsgrad ? 3 : own_steps ? 2 : 1},
               {"kind", record.kind},
               {"moment_dtype", std::string(DTypeName(record.moment_dtype))},
               {"world_size", record.world_size},
@@ -124,6 +173,7 @@ absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
       }
       group.amsgrad = g["amsgrad"].get<bool>();
     }
+    CKPT_ASSIGN_OR_RETURN(group.muon, ParseMuon(g, out.groups.size(), bad));
     out.groups.push_back(group);
   }
   if (!root.contains("params") || !root["params"].is_array()) return bad("has no params");

@@ -74,7 +74,7 @@ TEST(OptimizerRecordTest, EveryMalformedFieldIsDataLossNamingIt) {
     EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
   }
   EXPECT_THAT(ParseOptimizerRecord("[1,2", "x"), StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(damaged("\"version\":1", "\"version\":4"),
+  EXPECT_THAT(damaged("\"version\":1", "\"version\":5"),
               StatusIs(absl::StatusCode::kUnimplemented));
   EXPECT_THAT(damaged("\"group\":1", "\"group\":1,\"step\":-1"),
               StatusIs(absl::StatusCode::kDataLoss));
@@ -110,6 +110,41 @@ TEST(OptimizerRecordTest, AmsgradGroupsRoundTripAsVersionThree) {
   const absl::Status s = ParseOptimizerRecord(bad, "x").status();
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_THAT(s.message(), HasSubstr("group 1 has an amsgrad that is not a bool"));
+}
+
+TEST(OptimizerRecordTest, MuonGroupsRoundTripAsVersionFourEveryGroupSayingItsAlgorithm) {
+  OptimizerRecord record = Sample();
+  record.kind = kOptimizerKindMuon;
+  record.groups[0].muon = OptimizerRecordMuon{0.95, true, 3.4445, -4.775, 2.0315, 5,
+                                              kMuonLrMatchRmsAdamW};
+  const std::string text = EncodeOptimizerRecord(record);
+  EXPECT_THAT(text, HasSubstr("\"version\":4"));
+  EXPECT_THAT(text, HasSubstr("\"algorithm\":\"muon\""));
+  EXPECT_THAT(text, HasSubstr("\"algorithm\":\"adamw\""));
+  EXPECT_THAT(text, HasSubstr("\"ns_coefficients\":[3.4445,-4.775,2.0315]"));
+  absl::StatusOr<OptimizerRecord> parsed = ParseOptimizerRecord(text, "x");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_EQ(*parsed, record);
+  EXPECT_FALSE(parsed->groups[1].muon.has_value());
+  struct Case {
+    std::string from, to, names;
+  };
+  const std::vector<Case> cases = {
+      {"\"algorithm\":\"muon\"", "\"algorithm\":\"sgd\"", "group 0 has algorithm \"sgd\""},
+      {"\"algorithm\":\"muon\"", "\"algorithm\":1", "group 0 has an algorithm that is not"},
+      {"\"nesterov\":true", "\"nesterov\":1", "group 0 lacks nesterov"},
+      {"[3.4445,-4.775,2.0315]", "[3.4445,-4.775]", "group 0 lacks three ns_coefficients"},
+      {"\"ns_steps\":5", "\"ns_steps\":-5", "group 0 lacks ns_steps"},
+      {"\"match_rms_adamw\"", "\"fast\"", "group 0 lacks adjust_lr"},
+      {"\"momentum\":0.95", "\"momentum\":null", "group 0 lacks momentum"},
+  };
+  for (const Case& c : cases) {
+    std::string bad = text;
+    bad.replace(bad.find(c.from), c.from.size(), c.to);
+    const absl::Status s = ParseOptimizerRecord(bad, "x").status();
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss)) << c.to;
+    EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
+  }
 }
 
 }  // namespace

@@ -70,13 +70,6 @@ absl::Status Checkpointer::NoSaveInFlight(absl::string_view what) const {
                                                     " is in flight; Finalize() it first"));
 }
 
-absl::Status Checkpointer::NoMuon(absl::string_view what) const {
-  if (!optimizer_->has_muon()) return absl::OkStatus();
-  return absl::UnimplementedError(
-      absl::StrCat(what, ": the optimizer has a Muon group, and checkpoints of Muon state are not "
-                         "built yet (docs/design/muon.md)"));
-}
-
 bool PendingSave::writer_done() const {
   return finalized_ || owner_->in_flight_ == nullptr || owner_->in_flight_->save->writer_done();
 }
@@ -134,7 +127,6 @@ absl::StatusOr<std::unique_ptr<SaveTransaction>> Checkpointer::BeginSave(uint64_
   // Every rank is in the same place with its async saves (they are collective), so this
   // refusal needs no vote.
   CKPT_RETURN_IF_ERROR(NoSaveInFlight(what));
-  CKPT_RETURN_IF_ERROR(NoMuon(what));
   absl::Status ready = optimizer_->CheckClean("save");
   if (ready.ok()) ready = optimizer_->Synchronize();
   CKPT_RETURN_IF_ERROR(Vote(ready));

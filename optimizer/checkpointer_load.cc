@@ -49,17 +49,38 @@ using internal::ListNames;
 using internal::StateKind;
 using internal::StateLayout;
 
-// The step's optimizer record (formats/optimizer_record.h), of an AdamW optimizer.
+// The step's optimizer record (formats/optimizer_record.h), of ckpt's optimizer (AdamW
+// groups, and Muon's).
 absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& reader,
                                                     absl::string_view where) {
   CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kOptimizerRecordBlob, 0));
   CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record,
                         formats::ParseOptimizerRecord(text, where));
-  if (record.kind != formats::kOptimizerKindAdamW) {
+  if (record.kind != formats::kOptimizerKindAdamW && record.kind != formats::kOptimizerKindMuon) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, " holds the state of a \"", record.kind, "\" optimizer, not AdamW's"));
+        where, " holds the state of a \"", record.kind, "\" optimizer, not AdamW's or Muon's"));
   }
   return record;
+}
+
+const char* AlgorithmName(bool muon) { return muon ? "Muon" : "AdamW"; }
+
+// Refuses a record whose groups step with another algorithm than this optimizer's: AdamW's
+// moments are no Muon momentum, nor the reverse.
+absl::Status CheckAlgorithms(const formats::OptimizerRecord& record,
+                             const std::vector<ParamGroup>& groups, absl::string_view where) {
+  for (size_t g = 0; g < groups.size() && g < record.groups.size(); ++g) {
+    const bool saved = record.groups[g].muon.has_value();
+    const bool here = groups[g].algorithm == Algorithm::kMuon;
+    if (saved != here) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": param group ", g, " is ", AlgorithmName(saved), "'s in the checkpoint and ",
+          AlgorithmName(here), "'s here, and its state does not carry over; nothing was loaded. "
+          "To keep the weights and start the optimizer afresh, load the model alone "
+          "(Checkpointer::LoadModel; Python: Checkpointer.load_model)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The record's groups, validated, as this optimizer's `expected` groups.
@@ -71,7 +92,7 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
   }
   std::vector<ParamGroup> out;
   for (const formats::OptimizerRecordGroup& g : record.groups) {
-    ParamGroup p;  // The record holds AdamW groups only: Muon's are not saved yet.
+    ParamGroup p;
     p.lr = g.lr;
     p.beta1 = g.beta1;
     p.beta2 = g.beta2;
@@ -79,6 +100,13 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
     p.weight_decay = g.weight_decay;
     p.step = g.step;
     p.amsgrad = g.amsgrad;
+    if (g.muon.has_value()) {
+      const formats::OptimizerRecordMuon& m = *g.muon;
+      p.algorithm = Algorithm::kMuon;
+      p.muon = {m.momentum, m.nesterov, m.ns_a, m.ns_b, m.ns_c, m.ns_steps,
+                m.adjust_lr == formats::kMuonLrOriginal ? MuonLrAdjust::kOriginal
+                                                        : MuonLrAdjust::kMatchRmsAdamW};
+    }
     CKPT_RETURN_IF_ERROR(ValidateHyperParameters(p, out.size()));
     out.push_back(p);
   }
@@ -131,11 +159,15 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   const std::string where = absl::StrCat("step ", m.step);
   std::map<std::string, uint32_t> index;
   for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+  // Groups of another algorithm first: that, not the tensors it makes differ, is what to say.
+  if (absl::StatusOr<formats::OptimizerRecord> early = ReadRecord(reader, where); early.ok()) {
+    CKPT_RETURN_IF_ERROR(CheckAlgorithms(*early, o.groups, where));
+  }
   std::set<std::string> expected;
   std::vector<std::string> missing, extra;
   const StateLayout layout = StateLayout::Of(*optimizer_);
   for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (StateKind kind : layout.kinds()) expected.insert(layout.name(p, kind));
+    for (StateKind kind : layout.kinds(p)) expected.insert(layout.name(p, kind));
   }
   for (const std::string& name : expected) {
     if (!index.count(name)) missing.push_back(name);
@@ -166,9 +198,9 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
                                      ListNames(extra))));
   }
   // The moments may be stored as F32 or BF16 (a load converts them), both alike.
-  const DType moments = m.tensors[index[layout.name(0, StateKind::kExpAvg)]].dtype;
+  const DType moments = m.tensors[index[layout.name(0, layout.kinds(0)[2])]].dtype;
   for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (StateKind kind : layout.kinds()) {
+    for (StateKind kind : layout.kinds(p)) {
       const bool moment = internal::IsMoment(kind);
       const DType want = moment ? moments : layout.dtype(kind, p);
       const std::string& name = layout.name(p, kind);
@@ -183,7 +215,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
     }
   }
   for (const Piece& piece : o.pieces) {
-    for (StateKind kind : layout.kinds()) {
+    for (StateKind kind : layout.kinds(piece.param)) {
       const std::string& name = layout.name(piece.param, kind);
       if (!reader.Covers(name, piece.begin, piece.count)) {
         return absl::InvalidArgumentError(
@@ -256,7 +288,6 @@ absl::StatusOr<LoadReport> Checkpointer::Load(std::optional<uint64_t> step, Blob
 
 absl::StatusOr<LoadReport> Checkpointer::LoadNewestIntact(Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
-  CKPT_RETURN_IF_ERROR(NoMuon("load"));
   // LATEST as rank 0 reads it; a damaged LATEST (a read-only handle runs no recovery) leaves
   // every step a candidate.
   absl::StatusOr<uint64_t> latest = AgreeOnLatest(store_->env(), store_->root());
@@ -319,7 +350,6 @@ void Checkpointer::SetAsideSkipped(const std::vector<uint64_t>& steps,
 
 absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, Blobs* blobs) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("load"));
-  CKPT_RETURN_IF_ERROR(NoMuon("load"));
   // Step 1. LATEST is read afresh (another handle may have committed since this one opened) by
   // rank 0 alone and broadcast, so no rank can load another step from a stale cache.
   if (!step.has_value()) {
@@ -335,9 +365,9 @@ absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, 
   LoadReport report;
   report.step = (*reader)->manifest().step;
   report.saved_world_size = (*reader)->manifest().world_size;
+  const StateLayout layout = StateLayout::Of(*optimizer_);
   absl::StatusOr<const formats::TensorInfo*> moments =
-      (*reader)->FindTensor(
-          internal::StateTensorName(StateKind::kExpAvg, optimizer_->options().params[0].name));
+      (*reader)->FindTensor(layout.name(0, layout.kinds(0)[2]));
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   Blobs loaded;
   CKPT_RETURN_IF_ERROR(Transact(

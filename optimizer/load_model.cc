@@ -145,7 +145,6 @@ absl::StatusOr<Mapping> MapNames(const TensorSource& source, const std::vector<P
 absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& source,
                                                         const ModelLoadOptions& options) {
   CKPT_RETURN_IF_ERROR(NoSaveInFlight("model load"));
-  CKPT_RETURN_IF_ERROR(NoMuon("model load"));
   Env* env = store_->env();
   ModelLoadReport report;
   // Step M1. What the source is, and which step of a ckpt root (agreed by every rank).

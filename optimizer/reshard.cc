@@ -73,7 +73,12 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       const formats::TensorInfo& t = m.tensors[found->second];
       plan.params.push_back({name, t.shape, t.dtype, p.group});
       std::vector<uint32_t> tensors;
-      for (internal::StateKind kind : internal::kAmsgradKinds) {
+      // A Muon group's parameters keep their momentum, AdamW's their moments.
+      const std::span<const internal::StateKind> kinds =
+          parsed.groups[p.group].muon.has_value()
+              ? std::span<const internal::StateKind>(internal::kMuonKinds)
+              : std::span<const internal::StateKind>(internal::kAmsgradKinds);
+      for (internal::StateKind kind : kinds) {
         const std::string tensor = internal::StateTensorName(kind, name);
         auto state = index.find(tensor);
         // AMSGrad's maximum is there when the optimizer kept one (for every parameter alike).

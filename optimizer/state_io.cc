@@ -21,14 +21,14 @@ constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 // The weights' bytes are the masters' for F32 weights (the one kind the masters equal).
 const std::byte* KindBytes(const StateBytes& from, StateKind kind) {
   return kind == StateKind::kMaster || kind == StateKind::kWeights ? from.master
-         : kind == StateKind::kExpAvg                               ? from.exp_avg
+         : kind == StateKind::kExpAvg || kind == StateKind::kMomentum ? from.exp_avg
          : kind == StateKind::kExpAvgSq                             ? from.exp_avg_sq
                                                                     : from.max_exp_avg_sq;
 }
 
 std::byte* KindBytes(const MutableStateBytes& to, StateKind kind) {
-  return kind == StateKind::kMaster     ? to.master
-         : kind == StateKind::kExpAvg   ? to.exp_avg
+  return kind == StateKind::kMaster                                  ? to.master
+         : kind == StateKind::kExpAvg || kind == StateKind::kMomentum ? to.exp_avg
          : kind == StateKind::kExpAvgSq ? to.exp_avg_sq
                                         : to.max_exp_avg_sq;
 }
@@ -63,7 +63,7 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
     const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
     const uint64_t block =
         chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
-    for (StateKind kind : layout.kinds()) {
+    for (StateKind kind : layout.kinds(run.param)) {
       const std::string& name = layout.name(run.param, kind);
       if (kind != StateKind::kWeights || model == DType::kF32) {
         const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
@@ -111,7 +111,7 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
       rounded = out;
       used += out.size();
     }
-    for (StateKind kind : layout.kinds()) {
+    for (StateKind kind : layout.kinds(run.param)) {
       const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
       const std::span<const std::byte> bytes =
           kind == StateKind::kWeights
@@ -128,7 +128,7 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
                        const MutableStateBytes& to) {
   std::vector<std::byte> batch;
   for (const StateRun& run : layout.Runs()) {
-    for (StateKind kind : layout.kinds()) {
+    for (StateKind kind : layout.kinds(run.param)) {
       if (kind == StateKind::kWeights) continue;  // The masters rounded, written by the caller.
       const std::string& name = layout.name(run.param, kind);
       CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(name));

@@ -22,16 +22,19 @@ std::string StateTensorName(StateKind kind, absl::string_view param) {
       return absl::StrCat("optimizer.exp_avg_sq.", param);
     case StateKind::kMaxExpAvgSq:
       return absl::StrCat("optimizer.max_exp_avg_sq.", param);
+    case StateKind::kMomentum:
+      return absl::StrCat("optimizer.momentum.", param);
   }
   return std::string(param);  // Unreachable: the switch names every kind.
 }
 
 StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType moment,
-                         bool max_exp_avg_sq)
+                         bool max_exp_avg_sq, std::vector<bool> muon)
     : params_(std::move(params)),
       pieces_(std::move(pieces)),
       moment_(moment),
-      max_exp_avg_sq_(max_exp_avg_sq) {
+      max_exp_avg_sq_(max_exp_avg_sq),
+      muon_(std::move(muon)) {
   piece_offset_.reserve(pieces_.size() + 1);
   for (const Piece& p : pieces_) {
     piece_offset_.push_back(size_);
@@ -41,13 +44,22 @@ StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> piece
   names_.reserve(params_.size());
   for (const ParamSpec& p : params_) {
     std::vector<std::string>& names = names_.emplace_back();
-    for (StateKind kind : kinds()) names.push_back(StateTensorName(kind, p.name));
+    for (size_t kind = 0; kind < kStateKinds; ++kind) {
+      names.push_back(StateTensorName(static_cast<StateKind>(kind), p.name));
+    }
   }
 }
 
 StateLayout StateLayout::Of(const StagedAdamW& opt) {
+  std::vector<bool> muon;
+  if (opt.has_muon()) {
+    for (const ParamSpec& p : opt.options().params) {
+      muon.push_back(opt.groups()[p.group].algorithm == Algorithm::kMuon);
+    }
+  }
   return StateLayout(opt.options().params, opt.options().pieces,
-                     MomentDTypeOf(opt.options().moment_dtype), opt.has_max_exp_avg_sq());
+                     MomentDTypeOf(opt.options().moment_dtype), opt.has_max_exp_avg_sq(),
+                     std::move(muon));
 }
 
 DType StateLayout::dtype(StateKind kind, uint32_t param) const {
@@ -63,6 +75,7 @@ DType StateLayout::dtype(StateKind kind) const {
     case StateKind::kExpAvg:
     case StateKind::kExpAvgSq:
     case StateKind::kMaxExpAvgSq:
+    case StateKind::kMomentum:
       return moment_;
   }
   return DType::kF32;  // Unreachable.
@@ -72,7 +85,7 @@ std::vector<TensorSpec> StateLayout::Declarations() const {
   std::vector<TensorSpec> out;
   out.reserve(params_.size() * kinds().size());
   for (uint32_t p = 0; p < params_.size(); ++p) {
-    for (StateKind kind : kinds()) {
+    for (StateKind kind : kinds(p)) {
       out.push_back({name(p, kind), dtype(kind, p), params_[p].shape});
     }
   }
@@ -102,6 +115,9 @@ std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          int world_size) {
   formats::OptimizerRecord record;
   record.kind = formats::kOptimizerKindAdamW;
+  for (const ParamGroup& g : groups) {
+    if (g.algorithm == Algorithm::kMuon) record.kind = formats::kOptimizerKindMuon;
+  }
   record.moment_dtype = MomentDTypeOf(moments);
   record.world_size = static_cast<uint32_t>(world_size);
   bool together = true;  // Every parameter at its group's step count.
@@ -114,7 +130,15 @@ std::string LayoutRecord(const std::vector<ParamSpec>& params,
     for (size_t i = 0; i < params.size(); ++i) record.params[i].step = param_steps[i];
   }
   for (const ParamGroup& g : groups) {
-    record.groups.push_back({g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad});
+    formats::OptimizerRecordGroup& r = record.groups.emplace_back();
+    r = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad, std::nullopt};
+    if (g.algorithm == Algorithm::kMuon) {
+      const MuonParams& m = g.muon;
+      r.muon = formats::OptimizerRecordMuon{
+          m.momentum, m.nesterov, m.ns_a, m.ns_b, m.ns_c, m.ns_steps,
+          m.adjust_lr == MuonLrAdjust::kOriginal ? formats::kMuonLrOriginal
+                                                 : formats::kMuonLrMatchRmsAdamW};
+    }
   }
   return formats::EncodeOptimizerRecord(record);
 }

@@ -2,7 +2,8 @@
 // of ckpt/optimizer/checkpointer.h). Per parameter a fixed list of state tensors (AdamW: the
 // weights under the parameter's own name, then optimizer.master.<name>, optimizer.exp_avg.<name>
 // and optimizer.exp_avg_sq.<name>, and optimizer.max_exp_avg_sq.<name> when the optimizer keeps
-// AMSGrad's maximum; DESIGN.md §12 leaves room for Muon's momentum), their dtypes and declarations, and a rank's pieces as runs of slab
+// AMSGrad's maximum; a Muon parameter's are its weights, master and optimizer.momentum.<name>,
+// docs/design/muon.md), their dtypes and declarations, and a rank's pieces as runs of slab
 // elements. Save, the async writer, the undo spill, restore, the model-only load, reshard and
 // export all ask it instead of computing names or offsets themselves. Immutable once built;
 // safe for concurrent use.
@@ -26,7 +27,9 @@ inline constexpr char kTrainerPrefix[] = "trainer.";
 inline constexpr char kOptimizerPrefix[] = "optimizer.";
 
 // A state tensor of a parameter. The weights are the masters rounded to the model dtype.
-enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq };
+// kMomentum is a Muon parameter's momentum buffer, kept where exp_avg is (the same EMA).
+enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentum };
+inline constexpr size_t kStateKinds = 6;
 
 // The kinds AdamW keeps per parameter, in the order they are declared and written; with
 // AMSGrad's maximum (StagedAdamW::has_max_exp_avg_sq()) the second list.
@@ -35,10 +38,13 @@ inline constexpr StateKind kAdamWKinds[] = {StateKind::kWeights, StateKind::kMas
 inline constexpr StateKind kAmsgradKinds[] = {StateKind::kWeights, StateKind::kMaster,
                                               StateKind::kExpAvg, StateKind::kExpAvgSq,
                                               StateKind::kMaxExpAvgSq};
+// The kinds a Muon parameter keeps.
+inline constexpr StateKind kMuonKinds[] = {StateKind::kWeights, StateKind::kMaster,
+                                           StateKind::kMomentum};
 // True for the kinds stored in the moments' dtype.
 inline bool IsMoment(StateKind kind) {
   return kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq ||
-         kind == StateKind::kMaxExpAvgSq;
+         kind == StateKind::kMaxExpAvgSq || kind == StateKind::kMomentum;
 }
 
 // The name of `param`'s tensor of `kind` in a step: the parameter's own name for the weights,
@@ -61,20 +67,28 @@ struct StateRun {
 
 class StateLayout {
  public:
-  // AdamW's state of the parameters `params` (whose weights are each of its own dtype), of
-  // which this rank holds `pieces` back to back in its slabs; `max_exp_avg_sq`: with AMSGrad's
-  // maximum. REQUIRES: every piece names a parameter of `params`.
+  // The state of the parameters `params` (whose weights are each of its own dtype), of which
+  // this rank holds `pieces` back to back in its slabs; `max_exp_avg_sq`: with AMSGrad's
+  // maximum; `muon`: per parameter, whether it is a Muon group's (empty: none is).
+  // REQUIRES: every piece names a parameter of `params`; `muon` empty or one per parameter.
   StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType moment,
-              bool max_exp_avg_sq = false);
+              bool max_exp_avg_sq = false, std::vector<bool> muon = {});
   static StateLayout Of(const StagedAdamW& opt);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const std::vector<Piece>& pieces() const { return pieces_; }
   uint64_t size() const { return size_; }  // Slab elements: the pieces' counts added up.
+  // The kinds of an AdamW parameter.
   std::span<const StateKind> kinds() const {
     if (max_exp_avg_sq_) return kAmsgradKinds;
     return kAdamWKinds;
   }
+  // The kinds of parameter `param`: Muon's or AdamW's.
+  std::span<const StateKind> kinds(uint32_t param) const {
+    if (!muon_.empty() && muon_[param]) return kMuonKinds;
+    return kinds();
+  }
+  bool is_muon(uint32_t param) const { return !muon_.empty() && muon_[param]; }
   bool has_max_exp_avg_sq() const { return max_exp_avg_sq_; }
   // The dtype of `param`'s tensor of `kind`: its own for the weights, F32 for the masters, the
   // moments' for the moments.
@@ -84,7 +98,7 @@ class StateLayout {
   const std::string& name(uint32_t param, StateKind kind) const {
     return names_[param][static_cast<size_t>(kind)];
   }
-  // Every state tensor of every parameter: per parameter, its kinds in order.
+  // Every state tensor of every parameter: per parameter, its kinds(param) in order.
   std::vector<TensorSpec> Declarations() const;
   // The runs of slab elements [begin, begin + count), in slab order: a piece cut at `begin`
   // and `begin + count`. REQUIRES: begin + count <= size().
@@ -98,13 +112,14 @@ class StateLayout {
   uint64_t size_ = 0;
   formats::DType moment_;
   bool max_exp_avg_sq_;
-  std::vector<std::vector<std::string>> names_;  // By parameter, then kind.
+  std::vector<bool> muon_;
+  std::vector<std::vector<std::string>> names_;  // By parameter, then kind (every kind).
 };
 
-// The optimizer record (formats/optimizer_record.h) of AdamW state saved by `world_size`
-// ranks: the parameters (name, shape, model dtype, group, and each one's step count when some
-// differs from its group's), the groups (hyper-parameters in double and step counters) and the
-// moments' dtype.
+// The optimizer record (formats/optimizer_record.h) of the state saved by `world_size` ranks:
+// the parameters (name, shape, model dtype, group, and each one's step count when some differs
+// from its group's), the groups (hyper-parameters in double, step counters, and Muon's when the
+// group is Muon's: kind "muon", version 4) and the moments' dtype.
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          const std::vector<ParamGroup>& groups,
                          const std::vector<uint64_t>& param_steps, MomentDType moments,

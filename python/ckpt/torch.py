@@ -1012,6 +1012,12 @@ class StagedAdamW(torch.optim.Optimizer):
             g["lr"], g["betas"], g["eps"], g["weight_decay"] = (
                 c.lr, (c.beta1, c.beta2), c.eps, c.weight_decay)
             g["amsgrad"] = bool(c.amsgrad)
+            if c.algorithm == _lib.MUON:
+                g["momentum"], g["nesterov"] = c.momentum, bool(c.nesterov)
+                g["ns_coefficients"] = (c.ns_a, c.ns_b, c.ns_c)
+                g["ns_steps"] = c.ns_steps
+                g["adjust_lr_fn"] = ("match_rms_adamw" if c.adjust_lr ==
+                                     _lib.MUON_LR_MATCH_RMS_ADAMW else g.get("adjust_lr_fn"))
 
     def _publish_weights(self):
         """After a load (which changes ckpt's masters only): the parameters become the masters
@@ -1424,8 +1430,10 @@ class StagedMuon(StagedAdamW):
     state_dict() is torch's shape: {"momentum_buffer", "step", "master"} for a Muon parameter,
     AdamW's entries for the others; load_state_dict() takes torch.optim.Muon's too.
 
-    Not yet: checkpoints through ckpt.Checkpointer (refused with UNIMPLEMENTED), a
-    process_group, overlap. moments "bf16" keeps the momentum in BF16.
+    ckpt.Checkpointer saves and loads it as StagedAdamW (a Muon parameter's step holds its
+    master and optimizer.momentum.<name>); a checkpoint whose groups step with another algorithm
+    is refused (load_model keeps the weights alone). Not yet: a process_group, overlap.
+    moments "bf16" keeps the momentum in BF16.
     """
 
     _cuda_engine = False

@@ -225,7 +225,7 @@ def test_state_dicts_go_both_ways_with_torch_optim_muon():
         opt.close()
 
 
-def test_refusals_name_what_is_wrong_or_not_built_yet(tmp_path):
+def test_refusals_name_what_is_wrong():
     vector = torch.zeros(5, requires_grad=True, device=DEVICE)
     with pytest.raises(CkptError, match=r"Muon steps 2-D matrices only"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True, device=DEVICE), vector])
@@ -233,10 +233,55 @@ def test_refusals_name_what_is_wrong_or_not_built_yet(tmp_path):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True)], ns_steps=100)
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True)], adjust_lr_fn="fast")
-    w = torch.zeros(4, 4, requires_grad=True, device=DEVICE)
-    opt = ckpt.torch.StagedMuon([{"params": [w]}, {"params": [vector], "use_muon": False}])
-    ck = ckpt.Checkpointer(str(tmp_path / "run"), opt)
-    with pytest.raises(CkptError, match="UNIMPLEMENTED.*Muon"):
-        ck.save(1)
-    ck.close()
-    opt.close()
+    with pytest.raises(ValueError, match="use_muon"):
+        ckpt.torch.StagedMuon([{"params": [torch.zeros(4, 4, requires_grad=True)],
+                                "use_muon": 1}])
+
+
+def steps(opt, params, seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+        opt.step()
+
+
+def test_a_checkpointed_hybrid_resumes_bit_for_bit(tmp_path):
+    a, b = hybrid_model(0), hybrid_model(1)  # b starts elsewhere: the load must set it.
+    opt_a = ckpt.torch.StagedMuon([{"params": split(a)[0]},
+                                   {"params": split(a)[1], "use_muon": False}],
+                                  lr=0.02, adamw_lr=3e-3, threads=2, adjust_lr_fn="match_rms_adamw")
+    opt_b = ckpt.torch.StagedMuon([{"params": split(b)[0]},
+                                   {"params": split(b)[1], "use_muon": False}],
+                                  lr=0.5, momentum=0.5, adamw_lr=1e-4, threads=2)
+    ck_a = ckpt.Checkpointer(str(tmp_path / "run"), opt_a)
+    params_a = [p for _, p in a.named_parameters()]
+    params_b = [p for _, p in b.named_parameters()]
+    steps(opt_a, params_a, 1, 2)
+    ck_a.save(2)
+    pending = ck_a.save_async(3)  # The same state again, written while the steps go on.
+    steps(opt_a, params_a, 2, 2)
+    pending.finalize()
+    ck_a.close()  # One store handle per root in a process.
+    ck_b = ckpt.Checkpointer(str(tmp_path / "run"), opt_b)
+    ck_b.load(3)
+    assert opt_b.param_groups[0]["momentum"] == 0.95
+    assert opt_b.param_groups[0]["lr"] == 0.02
+    assert opt_b.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    assert opt_b.param_groups[1]["lr"] == 3e-3
+    steps(opt_b, params_b, 2, 2)
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+    for p, q in zip(split(a)[0], split(b)[0]):
+        assert torch.equal(opt_a.state[p[1]]["momentum_buffer"],
+                           opt_b.state[q[1]]["momentum_buffer"])
+    ck_b.close()
+    # An AdamW optimizer over the same parameters refuses the step by group.
+    c = hybrid_model(0)
+    adamw = ckpt.torch.StagedAdamW(c.named_parameters(), lr=1e-3)
+    ck_c = ckpt.Checkpointer(str(tmp_path / "run"), adamw)
+    with pytest.raises(CkptError, match="Muon's in the checkpoint and AdamW's here"):
+        ck_c.load(3)
+    ck_c.close()
+    for opt in (opt_a, opt_b, adamw):
+        opt.close()

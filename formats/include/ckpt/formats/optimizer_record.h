@@ -22,11 +22,20 @@ inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
 // Version 2 adds a parameter's own "step", written only when some parameter's step count
 // differs from its group's (version 1 readers would otherwise misread those counts). Version 3
 // adds a group's "amsgrad", written only when some group uses it (its steps hold
-// optimizer.max_exp_avg_sq.* tensors older readers do not know).
-inline constexpr int kOptimizerRecordVersion = 3;
+// optimizer.max_exp_avg_sq.* tensors older readers do not know). Version 4 adds a group's
+// "algorithm" and Muon's hyper-parameters, written when some group is Muon's (its steps hold
+// optimizer.momentum.* tensors and no second moments for Muon's parameters).
+inline constexpr int kOptimizerRecordVersion = 4;
 // The optimizer kinds a record may name; a record without "kind" (written before kinds were
-// recorded) is AdamW's.
+// recorded) is AdamW's. "muon": some group is Muon's (the others AdamW's, each group saying
+// which).
 inline constexpr char kOptimizerKindAdamW[] = "adamw";
+inline constexpr char kOptimizerKindMuon[] = "muon";
+// A group's "algorithm" (version 4), and a Muon group's "adjust_lr".
+inline constexpr char kAlgorithmAdamW[] = "adamw";
+inline constexpr char kAlgorithmMuon[] = "muon";
+inline constexpr char kMuonLrOriginal[] = "original";
+inline constexpr char kMuonLrMatchRmsAdamW[] = "match_rms_adamw";
 // Bounds a reader holds a record to (a record is read whole into memory).
 inline constexpr uint64_t kMaxOptimizerRecordBytes = uint64_t{256} << 20;
 
@@ -41,10 +50,21 @@ struct OptimizerRecordParam {
   bool operator==(const OptimizerRecordParam&) const = default;
 };
 
+// A Muon group's own hyper-parameters (torch.optim.Muon's).
+struct OptimizerRecordMuon {
+  double momentum = 0;
+  bool nesterov = false;
+  double ns_a = 0, ns_b = 0, ns_c = 0;
+  uint32_t ns_steps = 0;
+  std::string adjust_lr = kMuonLrOriginal;  // kMuonLrOriginal or kMuonLrMatchRmsAdamW.
+  bool operator==(const OptimizerRecordMuon&) const = default;
+};
+
 struct OptimizerRecordGroup {
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   uint64_t step = 0;  // The largest step count of the group's parameters.
   bool amsgrad = false;
+  std::optional<OptimizerRecordMuon> muon{};  // Set: a Muon group (version 4).
   bool operator==(const OptimizerRecordGroup&) const = default;
 };
 
@@ -59,8 +79,10 @@ struct OptimizerRecord {
 
 // JSON, one line: {"format":"ckpt-optimizer","version":1,"kind":...,"moment_dtype":...,
 // "world_size":...,"params":[{"name","shape","dtype","group"}...],"groups":[{"lr","beta1",
-// "beta2","eps","weight_decay","step"[,"amsgrad"]}...]}; version 2 when some parameter has its
-// own "step", 3 when some group has "amsgrad": true.
+// "beta2","eps","weight_decay","step"[,"amsgrad"][,"algorithm"[,"momentum","nesterov",
+// "ns_coefficients","ns_steps","adjust_lr"]]}...]}; version 2 when some parameter has its own
+// "step", 3 when some group has "amsgrad": true, 4 when some group is Muon's (every group then
+// says its "algorithm").
 // Doubles round-trip exactly.
 std::string EncodeOptimizerRecord(const OptimizerRecord& record);
 

@@ -219,8 +219,6 @@ class Checkpointer {
   Checkpointer(StagedAdamW* optimizer, CheckpointStore* store, Coordinator* coordinator,
                CheckpointerOptions options);
   absl::Status NoSaveInFlight(absl::string_view what) const;
-  // kUnimplemented while the optimizer has a Muon group: its checkpoints are not built yet.
-  absl::Status NoMuon(absl::string_view what) const;
   // Save's steps 1 and 2 (SaveAsync's A1): refusals voted on, then the store's transaction.
   absl::StatusOr<std::unique_ptr<SaveTransaction>> BeginSave(uint64_t step,
                                                              absl::string_view what);
