@@ -97,6 +97,10 @@ def main():
                    help="cpu (ckpt's CPU engine) or cuda (the model on the GPU, ckpt's CUDA "
                         "engine streaming the state from host memory)")
     p.add_argument("--dump", help="write the final state here (torch.save) for comparison")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw (StagedAdamW), or muon (StagedMuon: Muon for the blocks' "
+                        "matrices at lr --muon-lr, AdamW for the embeddings, head and norms)")
+    p.add_argument("--muon-lr", type=float, default=0.02)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,9 +109,18 @@ def main():
     model = GPT(args.dim, args.layers, args.heads, args.context).to(args.device)
     decay = [(n, q) for n, q in model.named_parameters() if q.dim() >= 2]
     plain = [(n, q) for n, q in model.named_parameters() if q.dim() < 2]
-    opt = ckpt.torch.StagedAdamW([{"params": decay, "weight_decay": 0.1},
-                                  {"params": plain, "weight_decay": 0.0}],
-                                 lr=args.lr, betas=(0.9, 0.95), threads=args.threads)
+    if args.optimizer == "muon":  # The usual split: Muon for the hidden matrices only.
+        hidden = [(n, q) for n, q in decay if n.startswith("blocks.")]
+        others = [(n, q) for n, q in decay if not n.startswith("blocks.")]
+        opt = ckpt.torch.StagedMuon([{"params": hidden},
+                                     {"params": others, "use_muon": False, "weight_decay": 0.1},
+                                     {"params": plain, "use_muon": False, "weight_decay": 0.0}],
+                                    lr=args.muon_lr, weight_decay=0.1, adamw_lr=args.lr,
+                                    adamw_betas=(0.9, 0.95), threads=args.threads)
+    else:
+        opt = ckpt.torch.StagedAdamW([{"params": decay, "weight_decay": 0.1},
+                                      {"params": plain, "weight_decay": 0.0}],
+                                     lr=args.lr, betas=(0.9, 0.95), threads=args.threads)
     warmup = max(1, args.steps // 10)
 
     def schedule(s):  # Linear warmup, then cosine to 10%.
@@ -129,7 +142,7 @@ def main():
               f"{opt.param_groups[0]['lr']:.3e}", flush=True)
     else:
         print(f"GPT: {nparams} parameters ({args.layers} layers, dim {args.dim}), "
-              f"{len(data)} bytes of licence text, StagedAdamW (ckpt), async saves every "
+              f"{len(data)} bytes of licence text, {type(opt).__name__} (ckpt), async saves every "
               f"{args.save_every} steps", flush=True)
     pending = None
     start = time.time()

@@ -1,10 +1,12 @@
 """The Python training demo killed with SIGKILL while an async save is in flight resumes from
 LATEST in a fresh process and ends bit for bit where an uninterrupted run ends: parameters,
 masters, both moments, the LR scheduler, the RNG and every group's step."""
+import functools
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -12,7 +14,7 @@ DEMO = os.path.join(REPO, "demo", "python", "train_gpt.py")
 SMALL = ["--steps", "24", "--save-every", "5", "--dim", "64", "--layers", "2", "--threads", "2"]
 
 
-def run(*args):
+def run_with(*args):
     return subprocess.run([sys.executable, DEMO, *SMALL, *args], capture_output=True, text=True,
                           env=dict(os.environ))
 
@@ -21,7 +23,9 @@ def bits(t):
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
-def test_killed_during_an_async_save_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer,groups", [("adamw", 2), ("muon", 3)])
+def test_killed_during_an_async_save_resumes_bit_exactly(tmp_path, optimizer, groups):
+    run = functools.partial(run_with, "--optimizer", optimizer)
     crashed = run("--out", str(tmp_path / "run"), "--crash-at", "17")
     assert crashed.returncode == -9, crashed.stdout + crashed.stderr
     assert "killed while its async save is in flight" in crashed.stdout
@@ -36,4 +40,4 @@ def test_killed_during_an_async_save_resumes_bit_exactly(tmp_path):
             assert torch.equal(bits(a[kind][name]), bits(b[kind][name])), f"{kind} {name}"
     assert a["sched"] == b["sched"]
     assert torch.equal(a["rng"], b["rng"])
-    assert a["group_steps"] == b["group_steps"] == [24, 24]
+    assert a["group_steps"] == b["group_steps"] == [24] * groups
