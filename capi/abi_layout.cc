@@ -96,6 +96,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_last_error);
   CKPT_FUNC(ckpt_alloc);
   CKPT_FUNC(ckpt_rank_pieces);
+  CKPT_FUNC(ckpt_rank_pieces_keeping_whole);
   CKPT_FUNC(ckpt_optimizer_create);
   CKPT_FUNC(ckpt_optimizer_destroy);
   CKPT_FUNC(ckpt_optimizer_size);

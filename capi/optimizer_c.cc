@@ -128,6 +128,30 @@ int ckpt_rank_pieces(const ckpt_param* params, size_t nparams, uint64_t bucket_e
   });
 }
 
+int ckpt_rank_pieces_keeping_whole(const ckpt_param* params, size_t nparams,
+                                   const uint8_t* whole, uint64_t bucket_elems, int dp, int rank,
+                                   ckpt_piece* out, size_t capacity, size_t* count) {
+  return Guard("ckpt_rank_pieces_keeping_whole", [&]() -> int {
+    if (count == nullptr || (capacity > 0 && out == nullptr)) return Invalid("out or count is NULL");
+    if (nparams > 0 && whole == nullptr) return Invalid("whole is NULL");
+    if (dp < 1 || rank < 0 || rank >= dp) return Invalid(absl::StrCat("rank ", rank, " of ", dp));
+    absl::StatusOr<std::vector<opt::ParamSpec>> specs = Params(params, nparams);
+    if (!specs.ok()) return Fail(specs.status());
+    opt::BucketOptions b;
+    if (bucket_elems > 0) b.bucket_elems = bucket_elems;
+    std::vector<bool> flags(whole, whole + nparams);
+    absl::StatusOr<std::vector<std::vector<opt::Piece>>> ranks =
+        opt::RankPiecesKeepingWhole(*specs, flags, b, dp);
+    if (!ranks.ok()) return Fail(ranks.status());
+    const std::vector<opt::Piece>& mine = (*ranks)[rank];
+    *count = mine.size();
+    for (size_t i = 0; i < mine.size() && i < capacity; ++i) {
+      out[i] = {mine[i].param, mine[i].begin, mine[i].count};
+    }
+    return CKPT_OK;
+  });
+}
+
 int ckpt_optimizer_create(const ckpt_param* params, size_t nparams, const ckpt_group* groups,
                           size_t ngroups, const ckpt_piece* pieces, size_t npieces,
                           const ckpt_optimizer_options* options, const void* weights,

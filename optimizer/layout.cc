@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "ckpt/base/status_macros.h"
 
 namespace ckpt::optimizer {
 
@@ -51,6 +52,45 @@ std::vector<std::vector<Piece>> RankPieces(const std::vector<Bucket>& buckets, i
         if (a < z) out[static_cast<size_t>(r)].push_back({b.entries[e].param, a - start, z - a});
       }
     }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::vector<Piece>>> RankPiecesKeepingWhole(
+    const std::vector<ParamSpec>& params, const std::vector<bool>& whole,
+    const BucketOptions& options, int dp_size) {
+  if (whole.size() != params.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(whole.size(), " whole flags for ",
+                                                   params.size(), " parameters"));
+  }
+  std::vector<ParamSpec> cut;
+  std::vector<uint32_t> index_of_cut;  // Into `params`.
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    if (!whole[i]) {
+      cut.push_back(params[i]);
+      index_of_cut.push_back(i);
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<Bucket> buckets, BuildBuckets(cut, options, dp_size));
+  std::vector<std::vector<Piece>> out = RankPieces(buckets, dp_size);
+  std::vector<uint64_t> load(out.size(), 0);
+  for (size_t r = 0; r < out.size(); ++r) {
+    for (Piece& p : out[r]) {
+      p.param = index_of_cut[p.param];
+      load[r] += p.count;
+    }
+  }
+  std::vector<uint32_t> order;
+  for (uint32_t i = 0; i < params.size(); ++i) {
+    if (whole[i]) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return params[a].numel() > params[b].numel();
+  });
+  for (uint32_t i : order) {
+    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    out[r].push_back({i, 0, params[i].numel()});
+    load[r] += params[i].numel();
   }
   return out;
 }

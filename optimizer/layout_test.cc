@@ -91,5 +91,53 @@ TEST(LayoutTest, BadOptionsAreRefused) {
               testing::StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
+// Muon's matrices lie whole on one rank each, the largest first onto the least loaded; the
+// other parameters are cut as RankPieces cuts them, and every element has one owner.
+TEST(LayoutTest, WholeParametersGoWholeToTheLeastLoadedRank) {
+  const std::vector<ParamSpec> params = {{"embed", {1000}},  {"w1", {64, 64}}, {"norm", {37}},
+                                         {"w2", {32, 64}},   {"w3", {64, 64}}, {"head", {2000}},
+                                         {"w4", {16, 16}}};
+  const std::vector<bool> whole = {false, true, false, true, true, false, true};
+  for (int dp : {1, 2, 3, 5}) {
+    SCOPED_TRACE(dp);
+    auto ranks = RankPiecesKeepingWhole(params, whole, {.bucket_elems = 1500, .pad_to = 8}, dp);
+    CKPT_ASSERT_OK(ranks);
+    ASSERT_EQ(ranks->size(), static_cast<size_t>(dp));
+    ExpectExactCover(params, *ranks);
+    std::vector<uint64_t> load(dp, 0);
+    for (int r = 0; r < dp; ++r) {
+      bool seen_whole = false;
+      for (const Piece& p : (*ranks)[r]) {
+        load[r] += p.count;
+        if (whole[p.param]) {
+          EXPECT_EQ(p.begin, 0u);
+          EXPECT_EQ(p.count, params[p.param].numel()) << params[p.param].name;
+          seen_whole = true;
+        } else {
+          EXPECT_FALSE(seen_whole) << "cut pieces come first";
+        }
+      }
+    }
+    // Greedy largest-first: no rank holds more than the least loaded one plus the largest matrix.
+    EXPECT_LE(*std::max_element(load.begin(), load.end()),
+              *std::min_element(load.begin(), load.end()) + 4096);
+  }
+  // The cut parameters are cut exactly as RankPieces cuts them alone.
+  auto ranks = RankPiecesKeepingWhole(params, whole, {.bucket_elems = 1500, .pad_to = 8}, 2);
+  CKPT_ASSERT_OK(ranks);
+  auto cut_buckets = BuildBuckets({params[0], params[2], params[5]},
+                                  {.bucket_elems = 1500, .pad_to = 8}, 2);
+  CKPT_ASSERT_OK(cut_buckets);
+  const std::vector<std::vector<Piece>> cut = RankPieces(*cut_buckets, 2);
+  const uint32_t back[] = {0, 2, 5};
+  for (int r = 0; r < 2; ++r) {
+    for (size_t k = 0; k < cut[r].size(); ++k) {
+      EXPECT_EQ((*ranks)[r][k], (Piece{back[cut[r][k].param], cut[r][k].begin, cut[r][k].count}));
+    }
+  }
+  EXPECT_THAT(RankPiecesKeepingWhole(params, {true}, {}, 2),
+              testing::StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 }  // namespace
 }  // namespace ckpt::optimizer

@@ -339,11 +339,21 @@ class StagedAdamW(torch.optim.Optimizer):
             import torch.distributed as dist
             rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
             count = ctypes.c_size_t()
-            check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, None, 0,
-                                       ctypes.byref(count)))
+            muon = {id(p) for g in self.param_groups if g.get("use_muon") for p in g["params"]}
+            if muon:  # Each Muon matrix whole on one rank (docs/design/muon.md).
+                whole = (ctypes.c_uint8 * len(plist))(*[int(id(p) in muon) for p in plist])
+
+                def rank_pieces(out, capacity):
+                    check(lib.ckpt_rank_pieces_keeping_whole(
+                        specs, len(plist), whole, bucket_elems, world, rank, out, capacity,
+                        ctypes.byref(count)))
+            else:
+                def rank_pieces(out, capacity):
+                    check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, out,
+                                               capacity, ctypes.byref(count)))
+            rank_pieces(None, 0)
             pieces = (_lib.Piece * max(1, count.value))()
-            check(lib.ckpt_rank_pieces(specs, len(plist), bucket_elems, world, rank, pieces,
-                                       count.value, ctypes.byref(count)))
+            rank_pieces(pieces, count.value)
             npieces = count.value
             # (offset in the flat order, offset in this rank's slabs, count) per piece.
             self._owned = []
@@ -1432,8 +1442,10 @@ class StagedMuon(StagedAdamW):
 
     ckpt.Checkpointer saves and loads it as StagedAdamW (a Muon parameter's step holds its
     master and optimizer.momentum.<name>); a checkpoint whose groups step with another algorithm
-    is refused (load_model keeps the weights alone). Not yet: a process_group, overlap.
-    moments "bf16" keeps the momentum in BF16.
+    is refused (load_model keeps the weights alone). process_group, bucket_elems and
+    reduce_grads are StagedAdamW's, but each Muon matrix lies whole on one rank (the largest
+    first, onto the rank with the fewest elements). Not yet: overlap. moments "bf16" keeps the
+    momentum in BF16.
     """
 
     _cuda_engine = False
@@ -1441,7 +1453,8 @@ class StagedMuon(StagedAdamW):
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                  adjust_lr_fn=None, *, adamw_lr=None, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
-                 adamw_weight_decay=None, moments="f32", threads=0, unit_bytes=0):
+                 adamw_weight_decay=None, moments="f32", threads=0, unit_bytes=0,
+                 process_group=None, bucket_elems=0, reduce_grads=True):
         self._muon_defaults = dict(
             use_muon=True, momentum=momentum, nesterov=bool(nesterov),
             ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
@@ -1451,7 +1464,9 @@ class StagedMuon(StagedAdamW):
             lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
             weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
         super().__init__(params, lr=lr, betas=adamw_betas, eps=eps, weight_decay=weight_decay,
-                         moments=moments, threads=threads, unit_bytes=unit_bytes)
+                         moments=moments, threads=threads, unit_bytes=unit_bytes,
+                         process_group=process_group, bucket_elems=bucket_elems,
+                         reduce_grads=reduce_grads)
 
     def add_param_group(self, param_group):
         """torch's add_param_group: a group is Muon's unless it says "use_muon": False, and

@@ -1,7 +1,8 @@
 """One rank of the data-parallel test (test_distributed.py): trains the TinyGPT of
 test_torch_optimizer.py on its shard of each step's batch with a sharded StagedAdamW over gloo,
 saving or resuming through ckpt.Checkpointer. Usage:
-    dp_worker.py RANK WORLD INIT_FILE ROOT (train FIRST LAST | resume LAST) [DUMP]"""
+    dp_worker.py RANK WORLD INIT_FILE ROOT (train FIRST LAST | resume LAST) [DUMP]
+CKPT_TEST_OPT=muon trains with StagedMuon instead."""
 import datetime
 import os
 import sys
@@ -12,7 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt  # noqa: E402
 import ckpt.torch  # noqa: E402
-from test_torch_optimizer import TinyGPT, groups, shard_loss  # noqa: E402
+from test_torch_optimizer import TinyGPT, groups, muon_groups, shard_loss  # noqa: E402
 
 
 def main():
@@ -25,8 +26,16 @@ def main():
     model = TinyGPT()
     if os.environ.get("CKPT_TEST_DTYPE") == "bf16":
         model.to(torch.bfloat16)
-    opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, process_group=dist.group.WORLD,
-                                 bucket_elems=5000, threads=1)
+    muon = os.environ.get("CKPT_TEST_OPT") == "muon"
+    if muon:
+        # StagedMuon, each rank with the whole batch's gradient (no reduction): every DP size
+        # then steps the same bits (test_distributed.py).
+        opt = ckpt.torch.StagedMuon(muon_groups(model), lr=0.02, adamw_lr=3e-3,
+                                    process_group=dist.group.WORLD, bucket_elems=5000,
+                                    reduce_grads=False, threads=1)
+    else:
+        opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, process_group=dist.group.WORLD,
+                                     bucket_elems=5000, threads=1)
     ck = ckpt.Checkpointer(root, opt)
     if phase == "train":
         first, last = int(sys.argv[6]), int(sys.argv[7])
@@ -35,7 +44,7 @@ def main():
         first, last = extra["next_step"], int(sys.argv[6])
     for step in range(first, last + 1):
         opt.zero_grad()
-        shard_loss(model, step, rank, world).backward()
+        (shard_loss(model, step, 0, 1) if muon else shard_loss(model, step, rank, world)).backward()
         opt.step()
     if phase == "train":
         ck.save(last, extra={"next_step": last + 1, "rank": rank})

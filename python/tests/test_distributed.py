@@ -8,7 +8,7 @@ import sys
 import torch
 
 import ckpt.torch
-from test_torch_optimizer import TinyGPT, groups, relative, shard_loss, torch_groups
+from test_torch_optimizer import TinyGPT, groups, muon_groups, relative, shard_loss, torch_groups
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_worker.py")
 
@@ -43,6 +43,31 @@ def test_two_ranks_save_three_load_and_continue_as_one_process(tmp_path):
         for kind, a, b in zip(("weights", "master", "exp_avg", "exp_avg_sq"), got["state"][name],
                               want):
             assert relative(a, b) <= 2e-6, f"{kind} {name}: {relative(a, b):.2e}"
+
+
+def test_muon_saved_at_two_ranks_resumes_bit_for_bit_at_one_two_and_three(tmp_path):
+    # Every rank steps from the whole batch's gradient, so any DP size steps the same bits:
+    # Muon's matrices lie whole on one rank each, AdamW's parameters are cut.
+    root = str(tmp_path / "root")
+    muon = {"CKPT_TEST_OPT": "muon"}
+    launch(2, tmp_path, "a", root, "train", "1", "2", env=muon)
+    got = {}
+    for world in (1, 2, 3):
+        launch(world, tmp_path, f"b{world}", root, "resume", "4", str(tmp_path / f"m{world}.pt"),
+               env=muon)
+        got[world] = torch.load(tmp_path / f"m{world}.pt")
+    # The uninterrupted run: one rank, steps 1 to 4 (in a worker, as torch's own threads make
+    # the gradients: one each).
+    launch(1, tmp_path, "u", str(tmp_path / "whole"), "train", "1", "4",
+           str(tmp_path / "whole.pt"), env=muon)
+    want = torch.load(tmp_path / "whole.pt")
+    assert want["steps"] == [4, 4]
+    for world, dump in got.items():
+        assert dump["steps"] == want["steps"]
+        for name, state in want["state"].items():
+            for kind, a, b in zip(("weights", "master", "momentum or exp_avg"),
+                                  dump["state"][name], state):
+                assert torch.equal(a, b), f"DP {world}: {kind} {name}"
 
 
 def test_bf16_parameters_average_their_gradients_in_fp32(tmp_path):

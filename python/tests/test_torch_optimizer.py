@@ -45,6 +45,16 @@ def groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}]
 
 
+def muon_groups(model):
+    """StagedMuon's usual split of TinyGPT: Muon for the attention and MLP matrices, AdamW for
+    the embedding, head, norms and biases."""
+    hidden = [(n, p) for n, p in model.named_parameters()
+              if p.dim() == 2 and n.startswith(("attn.", "mlp."))]
+    rest = [(n, p) for n, p in model.named_parameters()
+            if not (p.dim() == 2 and n.startswith(("attn.", "mlp.")))]
+    return [{"params": hidden}, {"params": rest, "use_muon": False}]
+
+
 def torch_groups(model):
     return [{"params": [p for _, p in g["params"]], "weight_decay": g["weight_decay"]}
             for g in groups(model)]

@@ -37,7 +37,8 @@ extern "C" {
  * the layout you were built for (the Python package does, before any other call). 9 only adds
  * store transactions and readers (ckpt_save_*, ckpt_reader_*) and their dtypes: a library of 9
  * serves callers of 8. 10 only adds the overlapped step (ckpt_overlap_*). 11 breaks it again
- * for Muon: ckpt_group grows (algorithm and Muon's hyper-parameters); rebuild against 11. */
+ * for Muon: ckpt_group grows (algorithm and Muon's hyper-parameters); rebuild against 11. It
+ * adds ckpt_rank_pieces_keeping_whole. */
 #define CKPT_ABI_VERSION 11
 
 /* The library exports these functions (and nothing of its C++ internals). */
@@ -143,6 +144,13 @@ typedef struct {
  * capacity, call again with more room). bucket_elems 0: the default (40,000,000). */
 CKPT_C_EXPORT int ckpt_rank_pieces(const ckpt_param* params, size_t nparams, uint64_t bucket_elems, int dp,
                      int rank, ckpt_piece* out, size_t capacity, size_t* count);
+/* (ABI 11) The same when the parameters `whole` flags (one byte each, non-zero: Muon's
+ * matrices) must each lie whole on one rank (RankPiecesKeepingWhole): the others are cut as
+ * ckpt_rank_pieces cuts them, then each whole one, the largest first, goes to the rank holding
+ * the fewest elements so far. */
+CKPT_C_EXPORT int ckpt_rank_pieces_keeping_whole(const ckpt_param* params, size_t nparams,
+                                   const uint8_t* whole, uint64_t bucket_elems, int dp, int rank,
+                                   ckpt_piece* out, size_t capacity, size_t* count);
 
 /* ---- Optimizer ---- */
 /* Masters from `weights`: host memory, this rank's pieces in slab order, each element in its

@@ -102,6 +102,15 @@ absl::StatusOr<std::vector<Bucket>> BuildBuckets(const std::vector<ParamSpec>& p
 // belongs to nobody). A rank's range may cut tensors; a rank may own nothing.
 std::vector<std::vector<Piece>> RankPieces(const std::vector<Bucket>& buckets, int dp_size);
 
+// The pieces of each rank when the parameters `whole` flags must each lie whole on one rank
+// (Muon's matrices, docs/design/muon.md): the others are cut as RankPieces cuts them (their
+// own buckets), then each whole parameter, the largest first, goes to the rank holding the
+// fewest elements so far (the lowest such rank on a tie), after that rank's cut pieces. A rank
+// may own nothing. kInvalidArgument as BuildBuckets, or for `whole` not one flag per parameter.
+absl::StatusOr<std::vector<std::vector<Piece>>> RankPiecesKeepingWhole(
+    const std::vector<ParamSpec>& params, const std::vector<bool>& whole,
+    const BucketOptions& options, int dp_size);
+
 }  // namespace ckpt::optimizer
 
 #endif  // CKPT_OPTIMIZER_LAYOUT_H_
