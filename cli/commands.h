@@ -175,6 +175,16 @@ struct BenchOverlapArgs {
   bool json = false;
 };
 int RunBenchOverlap(const BenchOverlapArgs& args);
+
+struct BenchMuonArgs {
+  uint64_t rows = 1024, cols = 4096;
+  int matrices = 8;
+  int threads = 0;
+  int steps = 3;
+  std::string engine = "cpu";
+  bool json = false;
+};
+int RunBenchMuon(const BenchMuonArgs& args);
 // The CUDA half of bench adamw (bench_adamw_cuda.cc): kUnimplemented or kFailedPrecondition
 // when no engine can be made.
 absl::StatusOr<nlohmann::json> BenchAdamwCuda(const BenchAdamwArgs& args);

@@ -238,6 +238,23 @@ int main(int argc, char** argv) {
                         "Finish with another scale than the speculation's: the step is redone");
   overlap_cmd->add_flag("--json", bench_overlap.json, "Print one JSON object");
 
+  BenchMuonArgs bench_muon;
+  CLI::App* muon_cmd = bench_cmd->add_subcommand(
+      "muon", "Muon steps against the Newton-Schulz products alone and host memory bandwidth");
+  muon_cmd->add_option("--rows", bench_muon.rows, "Rows of each matrix (default 1024)")
+      ->check(WholeNumber(1, 1 << 20));
+  muon_cmd->add_option("--cols", bench_muon.cols, "Columns of each matrix (default 4096)")
+      ->check(WholeNumber(1, 1 << 20));
+  muon_cmd->add_option("--matrices", bench_muon.matrices, "Matrices in the group (default 8)")
+      ->check(WholeNumber(1, 100000));
+  muon_cmd->add_option("--threads", bench_muon.threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
+  muon_cmd->add_option("--steps", bench_muon.steps, "Timed steps (best is reported)")
+      ->check(WholeNumber(1, 1000));
+  muon_cmd->add_option("--engine", bench_muon.engine, "cpu (cuda: not built yet)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  muon_cmd->add_flag("--json", bench_muon.json, "Print one JSON object");
+
   BenchCkptArgs bench_ckpt;
   CLI::App* ckpt_cmd = bench_cmd->add_subcommand(
       "ckpt", "Save and load optimizer state through Checkpointer against O_DIRECT bounds");
@@ -394,6 +411,7 @@ int main(int argc, char** argv) {
   if (bench_reshard_cmd->parsed()) return RunBenchReshard(bench_reshard);
   if (startup_cmd->parsed()) return RunBenchStartup(bench_startup);
   if (overlap_cmd->parsed()) return RunBenchOverlap(bench_overlap);
+  if (muon_cmd->parsed()) return RunBenchMuon(bench_muon);
   if (async_cmd->parsed()) return RunBenchAsyncSave(bench_async);
   std::cerr << app.help();
   return kExitUsage;

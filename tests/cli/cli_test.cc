@@ -184,6 +184,25 @@ TEST_F(CliTest, BenchOverlapHidesTheStepBehindTheBackwardAndReportsItsBound) {
   }
 }
 
+TEST_F(CliTest, BenchMuonReportsTheStepAgainstTheProductsAndMemoryBounds) {
+  Result r = RunTool("bench muon --rows 48 --cols 80 --matrices 3 --threads 2 --steps 1 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  nlohmann::json j = nlohmann::json::parse(r.output);
+  // Five iterations of X X^T (2 m m n), b G + c G G (2 m^3) and a X + H X (2 m m n), m = 48.
+  EXPECT_DOUBLE_EQ(j["flops_per_matrix"].get<double>(),
+                   5 * (2.0 * 48 * 48 * 80 + 2.0 * 48 * 48 * 48 + 2.0 * 48 * 48 * 80));
+  EXPECT_DOUBLE_EQ(j["state_bytes"].get<double>(), 22.0 * 48 * 80 * 3);
+  EXPECT_DOUBLE_EQ(j["bound_seconds"].get<double>(),
+                   std::max(j["gemm_seconds"].get<double>(), j["memory_seconds"].get<double>()));
+  EXPECT_DOUBLE_EQ(j["ratio"].get<double>(),
+                   j["bound_seconds"].get<double>() / j["step_seconds"].get<double>());
+  EXPECT_DOUBLE_EQ(j["matrices_per_s"].get<double>(), 3 / j["step_seconds"].get<double>());
+  Result cuda = RunTool("bench muon --rows 8 --cols 8 --matrices 1 --engine cuda");
+  EXPECT_NE(cuda.exit_code, 0);
+  EXPECT_THAT(cuda.output, HasSubstr("not built yet"));
+  EXPECT_EQ(RunTool("bench muon --rows 0").exit_code, 2);
+}
+
 TEST_F(CliTest, BenchAdamwCountsTheBytesOfEachStateLayout) {
   // FP32 gradients: 30 bytes per parameter with FP32 moments, 22 with BF16 ones; 16-bit
   // gradients 2 fewer. The bound is the triad bandwidth over exactly those bytes.

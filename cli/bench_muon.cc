@@ -1,0 +1,53 @@
+// ckpt-tool bench muon: Muon steps on the CPU engine against the Newton-Schulz products alone
+// and host memory bandwidth, measured in the same run. The measuring is
+// ckpt::bench::RunMuonBench (optimizer/bench); this file prints.
+#include <iostream>
+
+#include "absl/strings/str_format.h"
+#include "ckpt/bench/muon_bench.h"
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace ckpt::cli {
+
+int RunBenchMuon(const BenchMuonArgs& args) {
+  bench::MuonBenchOptions o;
+  o.rows = args.rows;
+  o.cols = args.cols;
+  o.matrices = args.matrices;
+  o.threads = args.threads;
+  o.steps = args.steps;
+  o.engine = args.engine == "cuda" ? optimizer::EngineKind::kCuda : optimizer::EngineKind::kCpu;
+  absl::StatusOr<bench::MuonFigures> f = bench::RunMuonBench(o);
+  if (!f.ok()) return ReportError("bench muon", f.status());
+  if (args.json) {
+    PrintJson({{"rows", args.rows},
+               {"cols", args.cols},
+               {"matrices", args.matrices},
+               {"engine", f->engine},
+               {"step_seconds", f->step_seconds},
+               {"matrices_per_s", f->matrices_per_s},
+               {"flops_per_matrix", f->flops_per_matrix},
+               {"gflops", f->gflops},
+               {"gemm_seconds", f->gemm_seconds},
+               {"gemm_gflops", f->gemm_gflops},
+               {"state_bytes", f->state_bytes},
+               {"triad_gbps", f->triad_gbps},
+               {"memory_seconds", f->memory_seconds},
+               {"bound_seconds", f->bound_seconds},
+               {"ratio", f->ratio}});
+    return kExitOk;
+  }
+  std::cout << absl::StrFormat(
+      "Muon step of %d matrices of %d x %d, %s\n"
+      "step       %9.2f ms   %8.1f matrices/s   %8.1f GFLOP/s   %6.2f GB/s of state\n"
+      "products   %9.2f ms   the Newton-Schulz SGEMMs alone (OpenBLAS, %.1f GFLOP/s)\n"
+      "memory     %9.2f ms   22 B/element at the triad's %.1f GB/s\n"
+      "bound      %9.2f ms   ratio bound / step %.2f\n",
+      args.matrices, args.rows, args.cols, f->engine, f->step_seconds * 1e3, f->matrices_per_s,
+      f->gflops, f->state_bytes / f->step_seconds / 1e9, f->gemm_seconds * 1e3, f->gemm_gflops,
+      f->memory_seconds * 1e3, f->triad_gbps, f->bound_seconds * 1e3, f->ratio);
+  return kExitOk;
+}
+
+}  // namespace ckpt::cli

@@ -1,0 +1,47 @@
+// What `ckpt-tool bench muon` measures: a StagedAdamW of one Muon group of `matrices` matrices of
+// rows x cols (BF16 weights, FP32 gradients), stepped on the CPU engine, against the bounds of
+// the same run: the Newton-Schulz products alone (OpenBLAS SGEMMs of the same shapes, as many as
+// a step makes, on the same cores) and the state's bytes at host memory bandwidth (the STREAM
+// triad). Not installed: for ckpt-tool only. Functions never print.
+#ifndef CKPT_OPTIMIZER_BENCH_MUON_BENCH_H_
+#define CKPT_OPTIMIZER_BENCH_MUON_BENCH_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ckpt/optimizer/staged_adamw.h"
+
+namespace ckpt::bench {
+
+// A plain value.
+struct MuonBenchOptions {
+  uint64_t rows = 1024, cols = 4096;  // Each matrix; at least 1 x 1.
+  int matrices = 8;                   // At least 1.
+  int threads = 0;                    // CPU engine threads; 0: every core.
+  int steps = 3;                      // Timed steps after one warm-up; the best is reported.
+  optimizer::EngineKind engine = optimizer::EngineKind::kCpu;
+};
+
+struct MuonFigures {
+  std::string engine;
+  double step_seconds = 0;       // The best step.
+  double matrices_per_s = 0;
+  double flops_per_matrix = 0;   // The products of ns_steps iterations (2 m n k each).
+  double gflops = 0;             // Of the step.
+  double gemm_seconds = 0;       // The same products alone, for every matrix (best of 3).
+  double gemm_gflops = 0;
+  double state_bytes = 0;        // Read and written per step: 22 bytes per element.
+  double triad_gbps = 0;
+  double memory_seconds = 0;     // state_bytes at triad_gbps.
+  double bound_seconds = 0;      // max(gemm_seconds, memory_seconds).
+  double ratio = 0;              // bound_seconds / step_seconds (1: at the bound).
+};
+
+// kInvalidArgument for options out of range; kUnimplemented for the CUDA engine (its Muon is
+// not built yet); the optimizer's errors.
+absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& options);
+
+}  // namespace ckpt::bench
+
+#endif  // CKPT_OPTIMIZER_BENCH_MUON_BENCH_H_
