@@ -225,8 +225,11 @@ int ckpt_checkpointer_load_newest_intact(ckpt_checkpointer* c, ckpt_blobs** blob
 
 int ckpt_checkpointer_load_model(ckpt_checkpointer* c, const char* source,
                                  const char* const* patterns, const char* const* replacements,
-                                 size_t n, int ignore_unexpected) {
+                                 size_t n, int flags) {
   return Guard("ckpt_checkpointer_load_model", [&]() -> int {
+    if ((flags & ~(CKPT_LOAD_MODEL_IGNORE_UNEXPECTED | CKPT_LOAD_MODEL_MASTERS)) != 0) {
+      return Invalid(absl::StrCat("load_model: unknown flags ", flags));
+    }
     if (c == nullptr || source == nullptr) return Invalid("checkpointer or source is NULL");
     if (n > 0 && (patterns == nullptr || replacements == nullptr)) return Invalid("rename rules are NULL");
     opt::ModelLoadOptions o;
@@ -234,7 +237,8 @@ int ckpt_checkpointer_load_model(ckpt_checkpointer* c, const char* source,
       if (patterns[i] == nullptr || replacements[i] == nullptr) return Invalid(absl::StrCat("rename rule ", i, " is NULL"));
       o.rename.push_back({patterns[i], replacements[i]});
     }
-    o.ignore_unexpected = ignore_unexpected != 0;
+    o.ignore_unexpected = (flags & CKPT_LOAD_MODEL_IGNORE_UNEXPECTED) != 0;
+    o.masters = (flags & CKPT_LOAD_MODEL_MASTERS) != 0;
     absl::Status loaded = c->ckpt->LoadModel(source, o).status();
     if (loaded.ok()) loaded = AfterLoad(c);
     return Done(loaded);

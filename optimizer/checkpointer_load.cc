@@ -76,8 +76,9 @@ absl::Status CheckAlgorithms(const formats::OptimizerRecord& record,
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": param group ", g, " is ", AlgorithmName(saved), "'s in the checkpoint and ",
           AlgorithmName(here), "'s here, and its state does not carry over; nothing was loaded. "
-          "To keep the weights and start the optimizer afresh, load the model alone "
-          "(Checkpointer::LoadModel; Python: Checkpointer.load_model)"));
+          "To keep the masters and start the moments afresh, load the model from them "
+          "(Checkpointer::LoadModel with ModelLoadOptions::masters; Python: "
+          "Checkpointer.load_model(root, masters=True))"));
     }
   }
   return absl::OkStatus();

@@ -27,6 +27,7 @@
 
 #include <re2/re2.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/base/status_macros.h"
@@ -65,8 +66,9 @@ struct Mapping {
   uint64_t ignored = 0;
 };
 
+// `prefix`: only the source tensors whose names start with it, named without it.
 absl::StatusOr<Mapping> MapNames(const TensorSource& source, const std::vector<ParamSpec>& params,
-                                 const ModelLoadOptions& options) {
+                                 const ModelLoadOptions& options, absl::string_view prefix) {
   const std::string where = absl::StrCat("model load from ", source.Describe());
   std::vector<std::unique_ptr<RE2>> rules;
   for (const RenameRule& rule : options.rename) {
@@ -83,7 +85,8 @@ absl::StatusOr<Mapping> MapNames(const TensorSource& source, const std::vector<P
   }
   std::map<std::string, std::string> renamed;  // Name after the rules -> name in the source.
   for (const auto& [name, tensor] : source.tensors()) {
-    std::string to = name;
+    if (!absl::StartsWith(name, prefix)) continue;
+    std::string to = name.substr(prefix.size());
     for (size_t i = 0; i < rules.size(); ++i) {
       RE2::Replace(&to, *rules[i], options.rename[i].replacement);
     }
@@ -157,6 +160,10 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
         absl::StrCat("model source ", source, " is HuggingFace safetensors; it has no step ",
                      *step));
   }
+  if (hf.ok() && *hf && options.masters) {
+    hf = absl::InvalidArgumentError(absl::StrCat(
+        "model source ", source, " is HuggingFace safetensors; it holds no optimizer masters"));
+  }
   if (hf.ok() && !*hf && !source.empty()) {
     absl::StatusOr<std::string> real = env->RealPath(source);
     if (!real.ok()) {
@@ -187,14 +194,16 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     if (!*hf) report.step = *step;
     absl::StatusOr<std::unique_ptr<TensorSource>> opened =
         *hf ? TensorSource::OpenHf(source, env)
-            : TensorSource::OpenStep(*store, *step, /*model_only=*/true);
+            : TensorSource::OpenStep(*store, *step, /*model_only=*/!options.masters);
     if (opened.ok()) from = *std::move(opened);
     checked = opened.status();
   }
   const StagedAdamWOptions& o = optimizer_->options();
   Mapping mapping;
   if (checked.ok()) {
-    absl::StatusOr<Mapping> mapped = MapNames(*from, o.params, options);
+    const std::string prefix =
+        options.masters ? internal::StateTensorName(internal::StateKind::kMaster, "") : "";
+    absl::StatusOr<Mapping> mapped = MapNames(*from, o.params, options, prefix);
     if (mapped.ok()) mapping = *std::move(mapped);
     checked = mapped.status();
   }

@@ -2,7 +2,7 @@
 // matrices, AdamW for the rest) saved, async-saved under steps, resharded and loaded resumes bit
 // for bit; a Muon parameter's step holds its master and optimizer.momentum.<name> and no
 // second moments; loads across algorithms are refused by group with nothing touched, and the
-// model-only load keeps the masters and zeroes the momentum.
+// model-only load from the masters keeps them bit for bit and zeroes the moments.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -242,6 +242,14 @@ TEST_F(MuonCheckpointTest, LoadsAcrossAlgorithmsAreRefusedByGroupAndTheModelLoad
   }
   EXPECT_EQ(Of(*adamw).master, want);
   for (std::byte b : adamw->exp_avg_bytes()) ASSERT_EQ(b, std::byte{0});
+  // From the masters themselves: every bit the Muon optimizer kept.
+  Step(*adamw, 9);
+  ModelLoadOptions from_masters;
+  from_masters.masters = true;
+  ASSERT_THAT((*ck_adamw)->LoadModel("/run", from_masters), IsOk());
+  EXPECT_EQ(Of(*adamw).master, Of(*muon).master);
+  for (std::byte b : adamw->exp_avg_bytes()) ASSERT_EQ(b, std::byte{0});
+  for (std::byte b : adamw->exp_avg_sq_bytes()) ASSERT_EQ(b, std::byte{0});
 }
 
 TEST_F(MuonCheckpointTest, AReshardedHybridLoadsAtOneRankBitForBit) {

@@ -339,10 +339,12 @@ class Checkpointer:
             raise CkptError(15, f"step {step} loaded, but its extra state does not "
                                 f"unpickle here: {e!r}") from e
 
-    def load_model(self, source, rename=None, ignore_unexpected=False):
+    def load_model(self, source, rename=None, ignore_unexpected=False, masters=False):
         """Collective. Model-only load from a .safetensors file, a HuggingFace directory or a
         ckpt root: masters and parameters from the file, moments zero, steps 0; learning rates
         and everything else untouched. rename: (pattern, replacement) RE2 rules, in order.
+        masters: from a ckpt root, each parameter's FP32 master rather than its weights (what
+        keeps a checkpoint's training across optimizers of another algorithm, AdamW and Muon).
         A source (str, bytes or os.PathLike) or rule with a NUL byte is a ValueError. A Ctrl-C
         comes either before the load began or after the parameters followed it."""
         source_bytes = _lib.encode_path(source, "source")
@@ -356,7 +358,9 @@ class Checkpointer:
         with _signals.deferred():
             check(lib.ckpt_checkpointer_load_model(handle, source_bytes, patterns,
                                                    replacements, len(rules),
-                                                   1 if ignore_unexpected else 0))
+                                                   (_lib.LOAD_MODEL_IGNORE_UNEXPECTED
+                                                    if ignore_unexpected else 0) |
+                                                   (_lib.LOAD_MODEL_MASTERS if masters else 0)))
             self._undo_step = None  # The state equals no step now.
             self._optimizer._publish_weights()
 

@@ -258,6 +258,7 @@ def test_a_checkpointed_hybrid_resumes_bit_for_bit(tmp_path):
     params_a = [p for _, p in a.named_parameters()]
     params_b = [p for _, p in b.named_parameters()]
     steps(opt_a, params_a, 1, 2)
+    saved = {n: opt_a.master(q).clone() for n, q in a.named_parameters()}
     ck_a.save(2)
     pending = ck_a.save_async(3)  # The same state again, written while the steps go on.
     steps(opt_a, params_a, 2, 2)
@@ -282,6 +283,16 @@ def test_a_checkpointed_hybrid_resumes_bit_for_bit(tmp_path):
     ck_c = ckpt.Checkpointer(str(tmp_path / "run"), adamw)
     with pytest.raises(CkptError, match="Muon's in the checkpoint and AdamW's here"):
         ck_c.load(3)
+    # What the refusal offers: the masters, bit for bit, and the moments afresh.
+    ck_c.load_model(str(tmp_path / "run"), masters=True)
+    for name, p in c.named_parameters():
+        assert torch.equal(adamw.master(p), saved[name]), name
+        assert not adamw.exp_avg(p).any(), name
+    hf = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "testdata",
+                      "hf_tiny_models", "qwen3-tiny")
+    assert os.path.isdir(hf), hf  # CI has ../shared beside the clone.
+    with pytest.raises(CkptError, match="no optimizer masters"):
+        ck_c.load_model(hf, masters=True)
     ck_c.close()
     for opt in (opt_a, opt_b, adamw):
         opt.close()

@@ -372,10 +372,14 @@ CKPT_C_EXPORT int ckpt_checkpointer_load(ckpt_checkpointer* ckpt, int has_step, 
 CKPT_C_EXPORT int ckpt_checkpointer_load_newest_intact(ckpt_checkpointer* ckpt, ckpt_blobs** blobs,
                                                        uint64_t* loaded_step, uint64_t* skipped);
 /* Collective. Model-only load from a .safetensors file, an HF directory or a ckpt root ("" for
- * this store); `n` rename rules (RE2 pattern -> replacement, in order). */
+ * this store); `n` rename rules (RE2 pattern -> replacement, in order). `flags`: any of
+ * CKPT_LOAD_MODEL_IGNORE_UNEXPECTED (1; a caller of ABI 10 or older passes it as its
+ * ignore_unexpected) and (ABI 11) CKPT_LOAD_MODEL_MASTERS (a ckpt root's FP32 masters rather than
+ * its weights; C++ ModelLoadOptions::masters). */
+enum { CKPT_LOAD_MODEL_IGNORE_UNEXPECTED = 1, CKPT_LOAD_MODEL_MASTERS = 2 };
 CKPT_C_EXPORT int ckpt_checkpointer_load_model(ckpt_checkpointer* ckpt, const char* source,
                                  const char* const* patterns, const char* const* replacements,
-                                 size_t n, int ignore_unexpected);
+                                 size_t n, int flags);
 
 /* ---- Blobs returned by a load ---- */
 CKPT_C_EXPORT int ckpt_blobs_count(const ckpt_blobs* blobs, size_t* count);

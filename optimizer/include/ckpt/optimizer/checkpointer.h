@@ -67,6 +67,11 @@ struct ModelLoadOptions {
   bool ignore_unexpected = false;
   // A ckpt source: the step to read (LATEST when nullopt). Must be unset for an HF source.
   std::optional<uint64_t> step = std::nullopt;
+  // A ckpt source: each parameter from its FP32 master (optimizer.master.<name>, the name the
+  // rename rules see without that prefix) instead of its weights: the precision the optimizer
+  // kept, with its moments dropped; what keeps a checkpoint's training across optimizers of
+  // another algorithm (AdamW and Muon). kInvalidArgument for an HF source.
+  bool masters = false;
 };
 
 // What a successful LoadModel did.
