@@ -98,6 +98,9 @@ void AsyncSave::Acquire(const std::vector<bool>& done, std::vector<size_t>* read
     uint64_t batch = 0;
     for (size_t u = done.size(); u-- > 0 && batch < kCopyBatchBytes && !free_slots_.empty();) {
       if (done[u] || state_[u] != State::kPending) continue;
+      // A unit larger than a slot (the Checkpointer sizes its pool for the largest) waits for
+      // the writer rather than overrun the pool.
+      if (UnitBytes(u) > pool_->slot_bytes()) continue;
       slot_of_[u] = static_cast<int64_t>(free_slots_.back());
       free_slots_.pop_back();
       batch += UnitBytes(u);

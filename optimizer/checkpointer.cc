@@ -161,11 +161,15 @@ absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t st
                              optimizer_->param_steps(), optimizer_->options().moment_dtype,
                              coordinator_->size()));
   for (const auto& [key, value] : blobs) plan_blobs.emplace_back(kTrainerPrefix + key, value);
+  // A slot holds the largest unit's state. The units change when parameters are added (a Muon
+  // unit is a whole matrix, of any size): a pool made for smaller units is made again (no save
+  // is in flight, so nothing uses it).
+  uint64_t slot_bytes = 0;
+  for (const Unit& u : optimizer_->units()) {
+    slot_bytes = std::max(slot_bytes, internal::AsyncSave::UnitStateBytes(*optimizer_, u));
+  }
+  if (staging_ != nullptr && staging_->slot_bytes() < slot_bytes) staging_.reset();
   if (staging_ == nullptr) {
-    uint64_t slot_bytes = 0;
-    for (const Unit& u : optimizer_->units()) {
-      slot_bytes = std::max(slot_bytes, internal::AsyncSave::UnitStateBytes(*optimizer_, u));
-    }
     const uint64_t slots =
         slot_bytes == 0 ? 0
                         : std::min<uint64_t>(options_.async_staging_bytes / slot_bytes,

@@ -202,9 +202,12 @@ class CpuEngine : public internal::Engine {
   }
 
   // Muon's units, one whole matrix each, one after another: each product of its
-  // orthogonalisation runs on OpenBLAS's threads.
+  // orthogonalisation runs on OpenBLAS's threads, as many as the step's own (the cores left to
+  // an async save's writer stay free).
   void StepMatrices(const StepArgs& args, const std::vector<Unit>& matrices, const StepPlan& plan,
                     const SlabView& slabs, size_t gsize) {
+    if (matrices.empty()) return;
+    const int before = internal::SetBlasThreads(Participants());
     const size_t msize = MomentBytes(slabs.moment_dtype);
     for (const Unit& u : matrices) {
       ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
@@ -226,6 +229,7 @@ class CpuEngine : public internal::Engine {
                        internal::MuonStepMatrix(m, plan.constants[c].muon, muon_scratch_);
                      });
     }
+    internal::SetBlasThreads(before);
   }
 
   // Threads a step runs on: the pool, less the cores it leaves spare (at least one).

@@ -82,7 +82,7 @@ absl::StatusOr<std::vector<std::vector<Piece>>> RankPiecesKeepingWhole(
   }
   std::vector<uint32_t> order;
   for (uint32_t i = 0; i < params.size(); ++i) {
-    if (whole[i]) order.push_back(i);
+    if (whole[i] && params[i].numel() > 0) order.push_back(i);  // Nothing to own of an empty one.
   }
   std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
     return params[a].numel() > params[b].numel();

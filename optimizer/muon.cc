@@ -163,4 +163,10 @@ void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch
                    std::span(a.params, n * formats::DTypeSize(a.param_dtype)));
 }
 
+int SetBlasThreads(int threads) {
+  const int before = openblas_get_num_threads();
+  if (threads != before) openblas_set_num_threads(threads);
+  return before;
+}
+
 }  // namespace ckpt::optimizer::internal

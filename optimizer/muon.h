@@ -64,6 +64,10 @@ struct MuonMatrixArgs {
 };
 void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& scratch);
 
+// Sets the threads OpenBLAS's products use (process-wide: OpenBLAS has no per-call setting) and
+// returns the previous number, for the caller to put back.
+int SetBlasThreads(int threads);
+
 }  // namespace ckpt::optimizer::internal
 
 #endif  // CKPT_OPTIMIZER_MUON_H_

@@ -298,8 +298,11 @@ class StagedAdamW(torch.optim.Optimizer):
                                       on_cuda * 2 > sum(p.numel() for p in plist)) else \
             torch.device("cpu")
         if process_group is not None and any(p.device != device for p in plist):
-            raise NotImplementedError("parameters on two devices with a process_group are not "
-                                      "supported yet")
+            raise NotImplementedError(
+                "parameters on two devices with a process_group are not supported yet" +
+                ("" if self._cuda_engine else
+                 ": StagedMuon steps on the CPU engine for now, so with a process_group its "
+                 "parameters must be CPU tensors"))
         self._devices = [p.device for p in plist]
         # Each parameter keeps its own dtype; _dtype is theirs when they share one, else None.
         self._dtypes = [p.dtype for p in plist]
@@ -437,6 +440,8 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be two numbers in [0, 1), got {b!r}")
         _check_implementation_choices(g)
         if g.get("use_muon"):
+            if "momentum" not in g:  # Not a StagedMuon's group.
+                raise ValueError("use_muon: Muon groups are StagedMuon's (ckpt.torch.StagedMuon)")
             _check_muon_group(g)
 
     def _grad_scale(self):
@@ -1026,8 +1031,10 @@ class StagedAdamW(torch.optim.Optimizer):
                 g["momentum"], g["nesterov"] = c.momentum, bool(c.nesterov)
                 g["ns_coefficients"] = (c.ns_a, c.ns_b, c.ns_c)
                 g["ns_steps"] = c.ns_steps
-                g["adjust_lr_fn"] = ("match_rms_adamw" if c.adjust_lr ==
-                                     _lib.MUON_LR_MATCH_RMS_ADAMW else g.get("adjust_lr_fn"))
+                if c.adjust_lr == _lib.MUON_LR_MATCH_RMS_ADAMW:
+                    g["adjust_lr_fn"] = "match_rms_adamw"
+                elif g.get("adjust_lr_fn") == "match_rms_adamw":
+                    g["adjust_lr_fn"] = None  # torch's default, "original".
 
     def _publish_weights(self):
         """After a load (which changes ckpt's masters only): the parameters become the masters
@@ -1306,6 +1313,11 @@ class StagedAdamW(torch.optim.Optimizer):
                 raise ValueError(f"param group {gi} has {len(theirs.get('params', ()))} "
                                  f"parameters in the state dict, {len(ours['params'])} here")
             group = {**ours, **{k: val for k, val in theirs.items() if k != "params"}}
+            if bool(group.get("use_muon")) != bool(ours.get("use_muon")):
+                raise ValueError(
+                    f"param group {gi} is {'Muon' if theirs.get('use_muon') else 'AdamW'}'s in "
+                    f"the state dict and {'Muon' if ours.get('use_muon') else 'AdamW'}'s here: a "
+                    "group's algorithm is fixed when it is added")
             self._check_group(group)
             new_groups.append(group)
         if not self._max_slab and any(g.get("amsgrad") for g in new_groups):
@@ -1387,14 +1399,17 @@ class StagedAdamW(torch.optim.Optimizer):
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self._params])
         master = self._local_of(flat).clone()
         m, v, x = (torch.zeros(local, dtype=torch.float32) for _ in range(3))
+        muon = self._muon_ids()
         for i in {i for i, _, _, _ in pieces}:
             entry = state.get(i)
             if not entry:
                 continue
             parts = [(at, n) for j, _, n, at in pieces if j == i]
             count = sum(n for _, n in parts)
-            for key, dest in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
-                              ("master", master)):
+            kinds = ((("momentum_buffer", m), ("master", master)) if id(self._params[i]) in muon
+                     else (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", x),
+                           ("master", master)))
+            for key, dest in kinds:
                 if key not in entry:
                     if key in ("master", "max_exp_avg_sq"):
                         continue

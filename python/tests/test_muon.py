@@ -17,8 +17,11 @@ DEVICE = torch.device(os.environ.get("CKPT_TEST_DEVICE", "cpu"))
 HAS_MUON = hasattr(torch.optim, "Muon")
 needs_torch_muon = pytest.mark.skipif(not HAS_MUON, reason="torch.optim.Muon: torch >= 2.9")
 SHAPES = [(64, 32), (32, 96), (48, 48), (1, 20)]
-# docs/python.md: after k steps, |p - p_torch| <= k * 0.003 * lr', lr' the matrix's adjusted lr.
+# docs/python.md: after k steps, |p - p_ref| <= k * 0.003 * lr' against the algorithm written out
+# with FP32 products (lr' the matrix's adjusted lr), and k * 0.01 * lr' against torch.optim.Muon,
+# whose BF16 products some CPUs run in other precisions (AMX: up to 0.008 measured at step 1).
 TOLERANCE = 0.003
+TORCH_TOLERANCE = 0.01
 
 
 def adjusted(lr, shape, adjust_lr_fn):
@@ -87,9 +90,9 @@ def run_pair(reference_of, nesterov, adjust_lr_fn, steps=6, **kw):
     opt.close()
 
 
-def check_close(step, ours, theirs, adjust_lr_fn):
+def check_close(step, ours, theirs, adjust_lr_fn, tolerance=TOLERANCE):
     for x, y in zip(ours, theirs):
-        bound = (step + 1) * TOLERANCE * adjusted(0.02, x.shape, adjust_lr_fn)
+        bound = (step + 1) * tolerance * adjusted(0.02, x.shape, adjust_lr_fn)
         assert (x.detach() - y.detach()).abs().max().item() <= bound, (step, tuple(x.shape))
 
 
@@ -116,7 +119,7 @@ def test_staged_muon_matches_torch_optim_muon(nesterov, adjust_lr_fn):
     for step, opt, ours, theirs, bufs in run_pair(reference, nesterov, adjust_lr_fn):
         for x, buf in zip(ours, bufs):
             assert torch.equal(opt.state[x]["momentum_buffer"], buf.cpu()), step
-        check_close(step, ours, theirs, adjust_lr_fn)
+        check_close(step, ours, theirs, adjust_lr_fn, TORCH_TOLERANCE)
 
 
 def hybrid_model(seed):
@@ -296,3 +299,56 @@ def test_a_checkpointed_hybrid_resumes_bit_for_bit(tmp_path):
     ck_c.close()
     for opt in (opt_a, opt_b, adamw):
         opt.close()
+
+
+def test_shards_and_state_dicts_of_another_algorithm():
+    ps = matrices(3)
+    params = [p.clone().requires_grad_() for p in ps]
+    vector = torch.zeros(6, requires_grad=True, device=DEVICE)
+    opt = ckpt.torch.StagedMuon([{"params": params}, {"params": [vector], "use_muon": False}],
+                                lr=0.02, threads=2)
+    steps(opt, params + [vector], 4, 2)
+    shard = opt.local_state_dict()
+    assert set(shard["state"][0]) == {"step", "momentum_buffer", "master"}
+    before = [opt.state[p]["momentum_buffer"].clone() for p in params]
+    steps(opt, params + [vector], 5, 1)
+    opt.load_state_dict(shard)  # Its own shard back: the state of two steps ago.
+    for p, b in zip(params, before):
+        assert torch.equal(opt.state[p]["momentum_buffer"], b)
+    # A dict whose group 0 is AdamW's is refused with nothing changed.
+    whole = opt.state_dict()
+    whole["param_groups"][0]["use_muon"] = False
+    with pytest.raises(ValueError, match="param group 0 is AdamW's in the state dict"):
+        opt.load_state_dict(whole)
+    assert opt.param_groups[0]["use_muon"]
+    for p, b in zip(params, before):
+        assert torch.equal(opt.state[p]["momentum_buffer"], b)
+    steps(opt, params + [vector], 6, 1)  # Still steps.
+    with pytest.raises(ValueError, match="StagedMuon"):
+        ckpt.torch.StagedAdamW([{"params": [torch.zeros(2, 2, requires_grad=True)],
+                                 "use_muon": True}])
+    opt.close()
+
+
+def test_a_load_takes_the_checkpoints_lr_rule_and_async_saves_survive_added_matrices(tmp_path):
+    ps = matrices(4)
+    a = [p.clone().requires_grad_() for p in ps]
+    opt = ckpt.torch.StagedMuon(a, lr=0.02, threads=2)  # adjust_lr_fn None: "original".
+    ck = ckpt.Checkpointer(str(tmp_path / "run"), opt)
+    steps(opt, a, 7, 1)
+    ck.save_async(1).finalize()
+    # Matrices larger than any unit before: the next async save's copies still fit.
+    big = [torch.randn(1024, 1024, device=DEVICE).requires_grad_() for _ in range(3)]
+    opt.add_param_group({"params": big})
+    pending = ck.save_async(2)
+    steps(opt, a + big, 8, 2)
+    pending.finalize()
+    ck.close()
+    b = [p.clone().requires_grad_() for p in ps]
+    other = ckpt.torch.StagedMuon(b, lr=0.02, adjust_lr_fn="match_rms_adamw", threads=2)
+    ck2 = ckpt.Checkpointer(str(tmp_path / "run"), other)
+    ck2.load(1)
+    assert other.param_groups[0]["adjust_lr_fn"] is None
+    ck2.close()
+    other.close()
+    opt.close()
