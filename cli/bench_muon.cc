@@ -25,6 +25,7 @@ int RunBenchMuon(const BenchMuonArgs& args) {
                {"cols", args.cols},
                {"matrices", args.matrices},
                {"engine", f->engine},
+               {"blas_core", f->blas_core},
                {"step_seconds", f->step_seconds},
                {"matrices_per_s", f->matrices_per_s},
                {"flops_per_matrix", f->flops_per_matrix},
@@ -41,11 +42,12 @@ int RunBenchMuon(const BenchMuonArgs& args) {
   std::cout << absl::StrFormat(
       "Muon step of %d matrices of %d x %d, %s\n"
       "step       %9.2f ms   %8.1f matrices/s   %8.1f GFLOP/s   %6.2f GB/s of state\n"
-      "products   %9.2f ms   the Newton-Schulz SGEMMs alone (OpenBLAS, %.1f GFLOP/s)\n"
+      "products   %9.2f ms   the Newton-Schulz SGEMMs alone (OpenBLAS %s kernels, %.1f GFLOP/s)\n"
       "memory     %9.2f ms   22 B/element at the triad's %.1f GB/s\n"
       "bound      %9.2f ms   ratio bound / step %.2f\n",
       args.matrices, args.rows, args.cols, f->engine, f->step_seconds * 1e3, f->matrices_per_s,
-      f->gflops, f->state_bytes / f->step_seconds / 1e9, f->gemm_seconds * 1e3, f->gemm_gflops,
+      f->gflops, f->state_bytes / f->step_seconds / 1e9, f->gemm_seconds * 1e3, f->blas_core,
+      f->gemm_gflops,
       f->memory_seconds * 1e3, f->triad_gbps, f->bound_seconds * 1e3, f->ratio);
   return kExitOk;
 }

@@ -209,6 +209,11 @@ class CpuEngine : public internal::Engine {
     if (matrices.empty()) return;
     const int before = internal::SetBlasThreads(Participants());
     const size_t msize = MomentBytes(slabs.moment_dtype);
+    // The elementwise passes on the pool, while OpenBLAS's threads wait between products.
+    const internal::ParallelFor parallel = [this](size_t count,
+                                                  const std::function<void(size_t)>& fn) {
+      pool_.ParallelFor(count, fn, Participants());
+    };
     for (const Unit& u : matrices) {
       ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
                      [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
@@ -226,7 +231,8 @@ class CpuEngine : public internal::Engine {
                                                   dtype,
                                                   u.rows,
                                                   count / u.rows};
-                       internal::MuonStepMatrix(m, plan.constants[c].muon, muon_scratch_);
+                       internal::MuonStepMatrix(m, plan.constants[c].muon, muon_scratch_,
+                                                parallel);
                      });
     }
     internal::SetBlasThreads(before);

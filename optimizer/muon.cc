@@ -34,6 +34,36 @@ float Lerp(float self, float end, float w) {
   return std::fabs(w) < 0.5f ? std::fma(w, end - self, self) : std::fma(w - 1.0f, end - self, end);
 }
 
+// Elements per chunk of an elementwise pass.
+constexpr size_t kChunk = size_t{1} << 15;
+
+// fn(begin, end) over [0, total) in chunks of `chunk`, on the caller's threads.
+void ForChunks(const ParallelFor& parallel, size_t total, size_t chunk,
+               const std::function<void(size_t, size_t)>& fn) {
+  const size_t chunks = (total + chunk - 1) / chunk;
+  auto one = [&](size_t c) { fn(c * chunk, std::min(total, (c + 1) * chunk)); };
+  if (parallel == nullptr || chunks <= 1) {
+    for (size_t c = 0; c < chunks; ++c) one(c);
+    return;
+  }
+  parallel(chunks, one);
+}
+
+// Copies the rows x cols `from` into `to` (rounded to BF16 when `round`), transposed when asked,
+// in chunks of rows.
+void CopyMatrix(const ParallelFor& parallel, const float* from, size_t rows, size_t cols,
+                bool transpose, bool round, float* to) {
+  ForChunks(parallel, rows, std::max<size_t>(1, kChunk / std::max<size_t>(1, cols)),
+            [&](size_t r0, size_t r1) {
+              for (size_t r = r0; r < r1; ++r) {
+                for (size_t c = 0; c < cols; ++c) {
+                  const float v = round ? RoundBf16(from[r * cols + c]) : from[r * cols + c];
+                  (transpose ? to[c * rows + r] : to[r * cols + c]) = v;
+                }
+              }
+            });
+}
+
 float ReadElement(const std::byte* base, formats::DType dtype, size_t i) {
   switch (dtype) {
     case formats::DType::kF32: {
@@ -80,7 +110,7 @@ float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols) {
 }
 
 void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConstants& k,
-                  MuonScratch& s, float* out) {
+                  MuonScratch& s, float* out, const ParallelFor& parallel) {
   // X is m x n with m <= n: the matrix, or its transpose when it has more rows than columns.
   const bool transpose = rows > cols;
   const auto m = static_cast<int>(transpose ? cols : rows);
@@ -93,74 +123,86 @@ void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConsta
   s.poly.resize(mm);
   float* x = s.x.data();
   float* y = s.y.data();
-  for (size_t r = 0; r < rows; ++r) {
-    for (size_t c = 0; c < cols; ++c) {
-      const float v = RoundBf16(u[r * cols + c]);
-      if (transpose) {
-        x[c * rows + r] = v;
-      } else {
-        x[r * cols + c] = v;
-      }
-    }
-  }
+  CopyMatrix(parallel, u, rows, cols, transpose, /*round=*/true, x);
   // X / max(|X|_F, eps): torch's BF16 norm (accumulated wider, rounded to BF16), clamped, and a
-  // BF16 division.
+  // BF16 division. The sum goes chunk by chunk, the chunks' in order.
+  std::vector<double> partial((mn + kChunk - 1) / kChunk, 0.0);
+  ForChunks(parallel, mn, kChunk, [&](size_t b, size_t e) {
+    double sq = 0;
+    for (size_t i = b; i < e; ++i) sq += static_cast<double>(x[i]) * x[i];
+    partial[b / kChunk] = sq;
+  });
   double sq = 0;
-  for (size_t i = 0; i < mn; ++i) sq += static_cast<double>(x[i]) * x[i];
+  for (double p : partial) sq += p;
   const float norm = std::max(RoundBf16(static_cast<float>(std::sqrt(sq))), RoundBf16(k.eps));
-  for (size_t i = 0; i < mn; ++i) x[i] = RoundBf16(x[i] / norm);
+  ForChunks(parallel, mn, kChunk, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) x[i] = RoundBf16(x[i] / norm);
+  });
+  auto round_all = [&](float* v, size_t count) {
+    ForChunks(parallel, count, kChunk, [&](size_t b, size_t e) { RoundAllBf16(v + b, e - b); });
+  };
+  auto copy = [&](float* to, const float* from, size_t count) {
+    ForChunks(parallel, count, kChunk,
+              [&](size_t b, size_t e) { std::memcpy(to + b, from + b, (e - b) * 4); });
+  };
   for (uint32_t step = 0; step < k.ns_steps; ++step) {
     float* gram = s.gram.data();
     float* poly = s.poly.data();
     // G = X X^T.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, m, n, 1.0f, x, n, x, n, 0.0f, gram, m);
-    RoundAllBf16(gram, mm);
+    round_all(gram, mm);
     // H = b G + c G G (torch.addmm(G, G, G, beta=b, alpha=c)).
-    std::memcpy(poly, gram, mm * 4);
+    copy(poly, gram, mm);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, m, k.c, gram, m, gram, m, k.b,
                 poly, m);
-    RoundAllBf16(poly, mm);
+    round_all(poly, mm);
     // X = a X + H X (torch.addmm(X, H, X, beta=a)).
-    std::memcpy(y, x, mn * 4);
+    copy(y, x, mn);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, m, 1.0f, poly, m, x, n, k.a, y,
                 n);
-    RoundAllBf16(y, mn);
+    round_all(y, mn);
     std::swap(x, y);
   }
-  for (size_t r = 0; r < rows; ++r) {
-    for (size_t c = 0; c < cols; ++c) {
-      out[r * cols + c] = transpose ? x[c * rows + r] : x[r * cols + c];
-    }
-  }
+  // Back to rows x cols: X is m x n, the transpose of the result when it was transposed.
+  CopyMatrix(parallel, x, static_cast<size_t>(m), static_cast<size_t>(n), transpose,
+             /*round=*/false, out);
 }
 
-void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& s) {
+void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& s,
+                    const ParallelFor& parallel) {
   const size_t n = a.rows * a.cols;
   // The update u, then its orthogonalisation, in one buffer of the scratch's.
   std::vector<float>& update = s.update;
   update.resize(n);
   const bool bf16 = a.moment_dtype == MomentDType::kBF16;
-  for (size_t i = 0; i < n; ++i) {
-    const float g = ReadElement(a.grads, a.grad_dtype, i) * a.grad_scale;
-    const float buf_in = bf16 ? ReadElement(a.momentum_in, formats::DType::kBF16, i)
-                              : ReadElement(a.momentum_in, formats::DType::kF32, i);
-    const float buf = Lerp(buf_in, g, k.lerp_weight);
-    if (bf16) {
-      const uint16_t h = formats::FloatToBf16(buf);
-      std::memcpy(a.momentum + i * 2, &h, 2);
-    } else {
-      std::memcpy(a.momentum + i * 4, &buf, 4);
+  ForChunks(parallel, n, kChunk, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      const float g = ReadElement(a.grads, a.grad_dtype, i) * a.grad_scale;
+      const float buf_in = bf16 ? ReadElement(a.momentum_in, formats::DType::kBF16, i)
+                                : ReadElement(a.momentum_in, formats::DType::kF32, i);
+      // The update uses the momentum as computed, before a BF16 slab rounds what it keeps (as
+      // AdamW's BF16 moments do).
+      const float buf = Lerp(buf_in, g, k.lerp_weight);
+      if (bf16) {
+        const uint16_t h = formats::FloatToBf16(buf);
+        std::memcpy(a.momentum + i * 2, &h, 2);
+      } else {
+        std::memcpy(a.momentum + i * 4, &buf, 4);
+      }
+      update[i] = k.nesterov ? Lerp(g, buf, k.nesterov_weight) : buf;
     }
-    update[i] = k.nesterov ? Lerp(g, buf, k.nesterov_weight) : buf;
-  }
-  NewtonSchulz(update.data(), a.rows, a.cols, k, s, update.data());
+  });
+  NewtonSchulz(update.data(), a.rows, a.cols, k, s, update.data(), parallel);
   const float neg_lr = -MuonAdjustedLr(k, a.rows, a.cols);
-  for (size_t i = 0; i < n; ++i) {
-    // p.mul_(1 - lr * wd), then p.add_(O, alpha=-lr'), which torch fuses into one FMA.
-    a.master[i] = std::fma(update[i], neg_lr, a.master_in[i] * k.decay);
-  }
-  formats::Convert(formats::DType::kF32, std::as_bytes(std::span(a.master, n)), a.param_dtype,
-                   std::span(a.params, n * formats::DTypeSize(a.param_dtype)));
+  const size_t psize = formats::DTypeSize(a.param_dtype);
+  ForChunks(parallel, n, kChunk, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      // p.mul_(1 - lr * wd), then p.add_(O, alpha=-lr'), which torch fuses into one FMA.
+      a.master[i] = std::fma(update[i], neg_lr, a.master_in[i] * k.decay);
+    }
+    formats::Convert(formats::DType::kF32, std::as_bytes(std::span(a.master + b, e - b)),
+                     a.param_dtype, std::span(a.params + b * psize, (e - b) * psize));
+  });
 }
 
 int SetBlasThreads(int threads) {

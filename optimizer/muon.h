@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "ckpt/formats/dtype.h"
@@ -34,6 +35,11 @@ MuonConstants ComputeMuonConstants(const ParamGroup& group);
 // float as add_'s alpha.
 float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols);
 
+// Runs fn(i) for every i in [0, count) on the caller's threads (the CPU engine's pool) and
+// returns when all are done; null runs them in order on the calling thread. The elementwise
+// passes are cut into chunks of a fixed size, so the result does not depend on the threads.
+using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
+
 // Buffers one orthogonalisation reuses (grown to the largest matrix seen).
 struct MuonScratch {
   std::vector<float> update, x, y, gram, poly;
@@ -43,7 +49,7 @@ struct MuonScratch {
 // same shape; BF16 values held in FP32): torch's _zeropower_via_newtonschulz. `u` and `out` may
 // be the same buffer.
 void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConstants& k,
-                  MuonScratch& scratch, float* out);
+                  MuonScratch& scratch, float* out, const ParallelFor& parallel = nullptr);
 
 // One Muon step of a whole matrix: momentum (F32 or BF16 elements) and master read from the
 // `_in` pointers (in place when they equal the outputs), gradients (of grad_dtype, times
@@ -62,7 +68,8 @@ struct MuonMatrixArgs {
   formats::DType param_dtype;
   uint64_t rows, cols;
 };
-void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& scratch);
+void MuonStepMatrix(const MuonMatrixArgs& a, const MuonConstants& k, MuonScratch& scratch,
+                    const ParallelFor& parallel = nullptr);
 
 // Sets the threads OpenBLAS's products use (process-wide: OpenBLAS has no per-call setting) and
 // returns the previous number, for the caller to put back.

@@ -75,6 +75,7 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   const optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, weights.data()};
   MuonFigures f;
   f.engine = opt->engine_name();
+  f.blas_core = openblas_get_corename();
   f.step_seconds = 1e30;
   for (int i = 0; i <= o.steps; ++i) {  // Step 0 warms up.
     const Clock::time_point start = Clock::now();

@@ -60,7 +60,9 @@ class ReferenceMuon:
             g = p.grad
             buf.lerp_(g, 1 - self.mu)
             u = g.lerp(buf, self.mu) if self.nesterov else buf
-            o = orthogonalised(u)
+            # On the CPU whatever the device: FP32 products summed in one order (a GPU's sum
+            # in another would move BF16 roundings of its own).
+            o = orthogonalised(u.cpu()).to(u.device)
             p.mul_(1 - self.lr * self.wd)
             p.add_(o.float(), alpha=-adjusted(self.lr, p.shape, self.adjust))
 

@@ -25,6 +25,7 @@ struct MuonBenchOptions {
 
 struct MuonFigures {
   std::string engine;
+  std::string blas_core;         // The kernels OpenBLAS chose (openblas_get_corename()).
   double step_seconds = 0;       // The best step.
   double matrices_per_s = 0;
   double flops_per_matrix = 0;   // The products of ns_steps iterations (2 m n k each).
