@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -269,6 +270,25 @@ TEST_F(MuonCheckpointTest, AReshardedHybridLoadsAtOneRankBitForBit) {
   auto report = Reshard(**source, "/dp3", ro);
   ASSERT_THAT(report, IsOk());
   EXPECT_TRUE(report->optimizer_layout);
+  // Each Muon matrix's tensors lie on one output rank, as the optimizer lays them out; the
+  // AdamW embedding (160 elements in buckets of 64) is cut across ranks.
+  {
+    auto dp3_store = Store("/dp3");
+    auto out = dp3_store->OpenStep(2);
+    ASSERT_THAT(out, IsOk());
+    const formats::Manifest& m = (*out)->manifest();
+    auto ranks_of = [&](const std::string& name) {
+      std::set<uint32_t> ranks;
+      for (const formats::PieceInfo& p : m.pieces) {
+        if (m.tensors[p.tensor].name == name) ranks.insert(p.rank);
+      }
+      return ranks.size();
+    };
+    for (const char* name : {"w1", "optimizer.master.w1", "optimizer.momentum.w2", "w2"}) {
+      EXPECT_EQ(ranks_of(name), 1u) << name;
+    }
+    EXPECT_GT(ranks_of("optimizer.exp_avg.embed"), 1u);
+  }
   auto dp3 = Store("/dp3");
   auto b = Optimizer(Hybrid());
   auto ck_b = Checkpointer::Create(b.get(), dp3.get(), &coordinator_);

@@ -21,6 +21,7 @@
 //     directory is removed and the root is as it was.
 #include "ckpt/optimizer/reshard.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <map>
@@ -48,6 +49,7 @@ struct Plan {
   std::vector<std::vector<uint32_t>> tensors_of;  // Manifest tensor indices by parameter.
   std::vector<uint32_t> loose;                    // Tensors no parameter owns (rank 0, whole).
   std::vector<std::vector<Piece>> pieces;         // By output rank.
+  std::vector<bool> whole;  // By parameter: a Muon group's matrix, kept whole on one rank.
   bool optimizer_layout = false;
   std::string layout;  // The optimizer record with world size dp (empty without one).
 };
@@ -91,6 +93,7 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       }
       for (uint32_t i : tensors) owned[i] = true;
       plan.tensors_of.push_back(std::move(tensors));
+      plan.whole.push_back(parsed.groups[p.group].muon.has_value());
     }
     parsed.world_size = static_cast<uint32_t>(options.dp);
     plan.layout = formats::EncodeOptimizerRecord(parsed);
@@ -106,6 +109,12 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
   }
   for (uint32_t i = 0; i < m.tensors.size(); ++i) {
     if (!owned[i]) plan.loose.push_back(i);
+  }
+  if (std::find(plan.whole.begin(), plan.whole.end(), true) != plan.whole.end()) {
+    // Each Muon matrix whole on one output rank, as the optimizer lays it out there.
+    CKPT_ASSIGN_OR_RETURN(plan.pieces, RankPiecesKeepingWhole(plan.params, plan.whole,
+                                                              options.buckets, options.dp));
+    return plan;
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<Bucket> buckets,
                         BuildBuckets(plan.params, options.buckets, options.dp));

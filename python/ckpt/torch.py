@@ -1478,6 +1478,14 @@ class StagedMuon(StagedAdamW):
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
             weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        # The parameters' names, for add_param_group's messages; passed on named as given.
+        params, self._name_hint = _named(params)
+
+        def named(items):
+            return [(self._name_hint[id(t)], t) if id(t) in self._name_hint else t
+                    for t in items]
+        params = ([dict(g, params=named(g["params"])) for g in params]
+                  if params and isinstance(params[0], dict) else named(params))
         super().__init__(params, lr=lr, betas=adamw_betas, eps=eps, weight_decay=weight_decay,
                          moments=moments, threads=threads, unit_bytes=unit_bytes,
                          process_group=process_group, bucket_elems=bucket_elems,
@@ -1493,4 +1501,16 @@ class StagedMuon(StagedAdamW):
                 raise ValueError(f"use_muon must be True or False, got {use!r}")
             for key, value in (self._muon_defaults if use else self._adamw_defaults).items():
                 param_group.setdefault(key, value)
+            if use:  # As torch.optim.Muon: a ValueError, naming the parameter.
+                params = param_group.get("params")
+                items = [params] if isinstance(params, torch.Tensor) else list(params or ())
+                param_group["params"] = items
+                hint = getattr(self, "_name_hint", {})
+                for i, item in enumerate(items):
+                    name, t = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+                    name = name or hint.get(id(t))
+                    if isinstance(t, torch.Tensor) and t.dim() != 2:
+                        raise ValueError(f"Muon only supports 2-D parameters: "
+                                         f"{name or f'parameter {i} of the group'} has size "
+                                         f"{tuple(t.shape)} (give it a use_muon=False group)")
         super().add_param_group(param_group)

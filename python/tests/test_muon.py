@@ -232,8 +232,10 @@ def test_state_dicts_go_both_ways_with_torch_optim_muon():
 
 def test_refusals_name_what_is_wrong():
     vector = torch.zeros(5, requires_grad=True, device=DEVICE)
-    with pytest.raises(CkptError, match=r"Muon steps 2-D matrices only"):
+    with pytest.raises(ValueError, match=r"parameter 1 of the group has size \(5,\)"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True, device=DEVICE), vector])
+    with pytest.raises(ValueError, match=r"bias has size \(5,\)"):
+        ckpt.torch.StagedMuon([("w", torch.zeros(4, 4, requires_grad=True)), ("bias", vector)])
     with pytest.raises(ValueError, match="ns_steps"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True)], ns_steps=100)
     with pytest.raises(ValueError, match="adjust_lr_fn"):
