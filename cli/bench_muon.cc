@@ -1,5 +1,6 @@
-// ckpt-tool bench muon: Muon steps on the CPU engine against the Newton-Schulz products alone
-// and host memory bandwidth, measured in the same run. The measuring is
+// ckpt-tool bench muon: Muon steps on the CPU or CUDA engine against the Newton-Schulz products
+// alone and the state's bytes at host memory bandwidth (CPU) or PCIe (CUDA), measured in the
+// same run. The measuring is
 // ckpt::bench::RunMuonBench (optimizer/bench); this file prints.
 #include <iostream>
 
@@ -34,21 +35,33 @@ int RunBenchMuon(const BenchMuonArgs& args) {
                {"gemm_gflops", f->gemm_gflops},
                {"state_bytes", f->state_bytes},
                {"triad_gbps", f->triad_gbps},
+               {"pcie_gbps", f->pcie_gbps},
                {"memory_seconds", f->memory_seconds},
                {"bound_seconds", f->bound_seconds},
                {"ratio", f->ratio}});
     return kExitOk;
   }
+  const bool cuda = args.engine == "cuda";
   std::cout << absl::StrFormat(
       "Muon step of %d matrices of %d x %d, %s\n"
-      "step       %9.2f ms   %8.1f matrices/s   %8.1f GFLOP/s   %6.2f GB/s of state\n"
-      "products   %9.2f ms   the Newton-Schulz SGEMMs alone (OpenBLAS %s kernels, %.1f GFLOP/s)\n"
-      "memory     %9.2f ms   22 B/element at the triad's %.1f GB/s\n"
-      "bound      %9.2f ms   ratio bound / step %.2f\n",
+      "step       %9.2f ms   %8.1f matrices/s   %8.1f GFLOP/s   %6.2f GB/s of state\n",
       args.matrices, args.rows, args.cols, f->engine, f->step_seconds * 1e3, f->matrices_per_s,
-      f->gflops, f->state_bytes / f->step_seconds / 1e9, f->gemm_seconds * 1e3, f->blas_core,
-      f->gemm_gflops,
-      f->memory_seconds * 1e3, f->triad_gbps, f->bound_seconds * 1e3, f->ratio);
+      f->gflops, f->state_bytes / f->step_seconds / 1e9);
+  if (cuda) {
+    std::cout << absl::StrFormat(
+        "products   %9.2f ms   the Newton-Schulz products alone on the GPU (%s, %.1f GFLOP/s)\n"
+        "pcie       %9.2f ms   8 B/element each way at %.1f GB/s (both directions busy)\n",
+        f->gemm_seconds * 1e3, f->blas_core, f->gemm_gflops, f->memory_seconds * 1e3,
+        f->pcie_gbps);
+  } else {
+    std::cout << absl::StrFormat(
+        "products   %9.2f ms   the Newton-Schulz SGEMMs alone (OpenBLAS %s kernels, %.1f GFLOP/s)\n"
+        "memory     %9.2f ms   22 B/element at the triad's %.1f GB/s\n",
+        f->gemm_seconds * 1e3, f->blas_core, f->gemm_gflops, f->memory_seconds * 1e3,
+        f->triad_gbps);
+  }
+  std::cout << absl::StrFormat("bound      %9.2f ms   ratio bound / step %.2f\n",
+                               f->bound_seconds * 1e3, f->ratio);
   return kExitOk;
 }
 

@@ -251,7 +251,7 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(0, 1024));
   muon_cmd->add_option("--steps", bench_muon.steps, "Timed steps (best is reported)")
       ->check(WholeNumber(1, 1000));
-  muon_cmd->add_option("--engine", bench_muon.engine, "cpu (cuda: not built yet)")
+  muon_cmd->add_option("--engine", bench_muon.engine, "cpu or cuda (default cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   muon_cmd->add_flag("--json", bench_muon.json, "Print one JSON object");
 

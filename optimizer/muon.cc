@@ -102,13 +102,6 @@ MuonConstants ComputeMuonConstants(const ParamGroup& g) {
   return k;
 }
 
-float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols) {
-  const auto a = static_cast<double>(rows), b = static_cast<double>(cols);
-  const double ratio = k.adjust == MuonLrAdjust::kOriginal ? std::sqrt(std::max(1.0, a / b))
-                                                           : 0.2 * std::sqrt(std::max(a, b));
-  return static_cast<float>(k.lr * ratio);
-}
-
 void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConstants& k,
                   MuonScratch& s, float* out, const ParallelFor& parallel) {
   // X is m x n with m <= n: the matrix, or its transpose when it has more rows than columns.

@@ -5,6 +5,8 @@
 #ifndef CKPT_OPTIMIZER_MUON_H_
 #define CKPT_OPTIMIZER_MUON_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -32,8 +34,13 @@ struct MuonConstants {
 MuonConstants ComputeMuonConstants(const ParamGroup& group);
 
 // The adjusted lr of a rows x cols matrix, in double as torch's _adjust_lr, then rounded to
-// float as add_'s alpha.
-float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols);
+// float as add_'s alpha. Inline: the CUDA engine's library calls it too.
+inline float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols) {
+  const auto a = static_cast<double>(rows), b = static_cast<double>(cols);
+  const double ratio = k.adjust == MuonLrAdjust::kOriginal ? std::sqrt(std::max(1.0, a / b))
+                                                           : 0.2 * std::sqrt(std::max(a, b));
+  return static_cast<float>(k.lr * ratio);
+}
 
 // Runs fn(i) for every i in [0, count) on the caller's threads (the CPU engine's pool) and
 // returns when all are done; null runs them in order on the calling thread. The elementwise

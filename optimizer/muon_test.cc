@@ -334,11 +334,6 @@ TEST(MuonTest, RefusesWhatMuonCannotStepOrWhatIsNotBuiltYet) {
   bad.groups[0].amsgrad = true;
   EXPECT_THAT(StagedAdamW::Create(bad, weights),
               StatusIsWith(absl::StatusCode::kInvalidArgument, "amsgrad"));
-  // The CUDA engine's Muon is not built yet.
-  StagedAdamWOptions cuda = o;
-  cuda.engine = EngineKind::kCuda;
-  EXPECT_THAT(StagedAdamW::Create(cuda, weights), StatusIs(absl::StatusCode::kUnimplemented));
-
   auto opt = StagedAdamW::Create(o, weights);
   ASSERT_THAT(opt, IsOk());
   // A group's algorithm is fixed.

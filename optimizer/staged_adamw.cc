@@ -157,20 +157,13 @@ absl::Status ValidateMuon(const StagedAdamWOptions& o) {
                        " dimensions: Muon steps 2-D matrices only (step the others with AdamW)"));
     }
   }
-  bool any = false;
   for (const Piece& p : o.pieces) {
     if (!muon(p.param)) continue;
-    any = true;
     if (p.begin != 0 || p.count != o.params[p.param].numel()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
           "\" is part of a Muon matrix: a rank holds each Muon matrix whole"));
     }
-  }
-  if (any && o.engine == EngineKind::kCuda) {
-    return absl::UnimplementedError(
-        "Muon groups run on the CPU engine for now (the CUDA engine's Muon is next, "
-        "docs/design/muon.md)");
   }
   return absl::OkStatus();
 }

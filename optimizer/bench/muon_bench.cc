@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/float_convert.h"
+#include "ckpt/bench/adamw_bench.h"
 #include "optimizer/bench/cpu_bounds.h"
 
 namespace ckpt::bench {
@@ -50,10 +51,6 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
         "bench muon needs matrices of at least 1 x 1, at least one matrix and one step, not ",
         o.matrices, " of ", o.rows, " x ", o.cols, " and ", o.steps, " steps"));
   }
-  if (o.engine == optimizer::EngineKind::kCuda) {
-    return absl::UnimplementedError(
-        "bench muon: the CUDA engine's Muon is not built yet (docs/design/muon.md)");
-  }
   const uint64_t per = o.rows * o.cols, n = per * static_cast<uint64_t>(o.matrices);
   optimizer::StagedAdamWOptions opts;
   optimizer::ParamGroup g;
@@ -62,6 +59,8 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   g.eps = 1e-7;
   opts.groups = {g};
   opts.threads = o.threads;
+  const bool cuda = o.engine == optimizer::EngineKind::kCuda;
+  opts.engine = o.engine;
   for (int i = 0; i < o.matrices; ++i) {
     opts.params.push_back({absl::StrCat("layers.", i, ".weight"), {o.rows, o.cols},
                            formats::DType::kBF16, 0});
@@ -70,16 +69,25 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   std::vector<uint16_t> weights(n, formats::FloatToBf16(0.02f));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::StagedAdamW> opt,
                         optimizer::StagedAdamW::Create(opts, std::as_bytes(std::span(weights))));
-  std::vector<float> grads(n);
-  for (uint64_t i = 0; i < n; ++i) grads[i] = static_cast<float>(i % 2001) * 1e-3f - 1.0f;
-  const optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, weights.data()};
+  std::vector<float> grads(cuda ? 0 : n);
+  for (uint64_t i = 0; i < grads.size(); ++i) grads[i] = static_cast<float>(i % 2001) * 1e-3f - 1.0f;
+  optimizer::StepArgs args{grads.data(), formats::DType::kF32, 1.0f, weights.data()};
+  std::unique_ptr<optimizer::DeviceStepBuffers> device;  // The CUDA engine's caller side.
+  if (cuda) {
+    CKPT_ASSIGN_OR_RETURN(device, optimizer::NewDeviceStepBuffers(n, 0.01f));
+    args = device->args();
+  }
   MuonFigures f;
   f.engine = opt->engine_name();
-  f.blas_core = openblas_get_corename();
+  f.blas_core = cuda ? "ckpt's BF16 tensor-core" : openblas_get_corename();
   f.step_seconds = 1e30;
   for (int i = 0; i <= o.steps; ++i) {  // Step 0 warms up.
     const Clock::time_point start = Clock::now();
-    CKPT_RETURN_IF_ERROR(opt->Step(args).status());
+    CKPT_ASSIGN_OR_RETURN(optimizer::StepReport r, opt->Step(args));
+    if (cuda) {  // The weights written and the state back in the slabs.
+      CKPT_RETURN_IF_ERROR(device->WaitFor(r.done));
+      CKPT_RETURN_IF_ERROR(opt->Synchronize());
+    }
     if (i > 0) f.step_seconds = std::min(f.step_seconds, Seconds(start));
   }
   opt.reset();
@@ -89,9 +97,24 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   f.matrices_per_s = o.matrices / f.step_seconds;
   f.gflops = f.flops_per_matrix * o.matrices / f.step_seconds / 1e9;
   double best = 1e30;
-  for (int pass = 0; pass < 3; ++pass) best = std::min(best, TimeProducts(o.rows, o.cols, 5));
+  if (cuda) {
+    CKPT_ASSIGN_OR_RETURN(best, TimeGpuMuonProducts(o.rows, o.cols, g.muon.ns_steps, 3));
+  } else {
+    for (int pass = 0; pass < 3; ++pass)
+      best = std::min(best, TimeProducts(o.rows, o.cols, g.muon.ns_steps));
+  }
   f.gemm_seconds = best * o.matrices;
   f.gemm_gflops = f.flops_per_matrix / best / 1e9;
+  if (cuda) {
+    // The master and the momentum, 4 bytes each, cross PCIe each way.
+    f.state_bytes = 8.0 * static_cast<double>(n);
+    CKPT_ASSIGN_OR_RETURN(DuplexRates pcie, MeasurePcieDuplex(uint64_t{1} << 30));
+    f.pcie_gbps = std::min(pcie.h2d_gbps, pcie.d2h_gbps);
+    f.memory_seconds = f.state_bytes / (f.pcie_gbps * 1e9);
+    f.bound_seconds = std::max(f.gemm_seconds, f.memory_seconds);
+    f.ratio = f.bound_seconds / f.step_seconds;
+    return f;
+  }
   // Master and momentum read and written (16), the gradient read (4), the weights written (2).
   f.state_bytes = 22.0 * static_cast<double>(n);
   const int threads = o.threads > 0 ? o.threads

@@ -24,6 +24,12 @@
 // is 2 x slot_count x unit_bytes x (1 + k x moment bytes / 4), whatever the model size (k = 2,
 // or 3 with AMSGrad's max_exp_avg_sq).
 //
+// A Muon unit (Unit::rows set: one whole matrix) takes the same three steps with its master and
+// momentum (the exp_avg slab) only, and in step 2 the matrix's whole step (muon_kernel.h) in the
+// slot's Muon scratch, which is sized for the largest Muon matrix of the layout (with the
+// in/out buffers, sized by the largest unit, which such a matrix is): MuonScratchBytes(rows,
+// cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides).
+//
 // Teardown order: Release() synchronises every stream before any buffer, event or stream goes;
 // members are declared so that streams are destroyed before the buffers they used.
 #include "optimizer/cuda/cuda_engine.h"
@@ -36,7 +42,9 @@
 #include "optimizer/cuda/adamw_kernel.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
+#include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/host_buffer.h"
+#include "optimizer/muon.h"
 
 namespace ckpt::optimizer::internal {
 namespace {
@@ -50,14 +58,20 @@ KernelType ToKernelType(formats::DType d) {
 struct Slot {
   DeviceBuffer master_in, m_in, v_in, master_out, m_out, v_out;
   DeviceBuffer x_in, x_out;  // max_exp_avg_sq; empty without it.
+  DeviceBuffer muon;         // The orthogonalisation's scratch; empty without Muon groups.
   CudaStream h2d, compute, d2h;
   CudaEvent h2d_done, kernel_done, d2h_done;
 };
 
 class CudaEngine : public internal::Engine {
  public:
-  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments, bool max_slab)
-      : slot_count_(slots), unit_elems_(unit_elems), moments_(moments), max_slab_(max_slab) {}
+  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments, bool max_slab,
+             uint64_t muon_scratch)
+      : slot_count_(slots),
+        unit_elems_(unit_elems),
+        moments_(moments),
+        max_slab_(max_slab),
+        muon_scratch_(muon_scratch) {}
   ~CudaEngine() override { Release().IgnoreError(); }  // Destructors never report.
 
   absl::Status Restore() override {
@@ -74,6 +88,9 @@ class CudaEngine : public internal::Engine {
       if (max_slab_) {
         CKPT_ASSIGN_OR_RETURN(s.x_in, DeviceBuffer::Create(unit_elems_ * mbytes));
         CKPT_ASSIGN_OR_RETURN(s.x_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      }
+      if (muon_scratch_ > 0) {
+        CKPT_ASSIGN_OR_RETURN(s.muon, DeviceBuffer::Create(muon_scratch_));
       }
       CKPT_ASSIGN_OR_RETURN(s.h2d, CudaStream::Create());
       CKPT_ASSIGN_OR_RETURN(s.compute, CudaStream::Create());
@@ -93,6 +110,7 @@ class CudaEngine : public internal::Engine {
     counter_ = std::move(counter);
     device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ *
                         (4 + (max_slab_ ? 3 : 2) * mbytes) +
+                    static_cast<uint64_t>(slot_count_) * muon_scratch_ +
                     sizeof(unsigned long long);
     return absl::OkStatus();
   }
@@ -154,6 +172,11 @@ class CudaEngine : public internal::Engine {
                          formats::DType) { active |= c != StepPlan::kSkipped; });
       if (!active) continue;
       Slot& s = slots_[(next_slot_ + k) % slots_.size()];
+      if (u.rows != 0) {
+        CKPT_RETURN_IF_ERROR(StepMatrix(args, u, plan, slabs, gsize, mbytes, s, k));
+        ++k;
+        continue;
+      }
       float* master = slabs.master + u.offset;
       std::byte* m = slabs.exp_avg + u.offset * mbytes;
       std::byte* v = slabs.exp_avg_sq + u.offset * mbytes;
@@ -305,6 +328,63 @@ class CudaEngine : public internal::Engine {
 
   bool queues_only() const override { return true; }
 
+  // One Muon matrix in slot `s` (the `k`-th unit of the call): steps 1 to 3 with the master and
+  // the momentum only.
+  absl::Status StepMatrix(const StepArgs& args, const Unit& u, const StepPlan& plan,
+                          const SlabView& slabs, size_t gsize, size_t mbytes, Slot& s, size_t k) {
+    if (!s.muon.valid()) return absl::InternalError("a Muon unit without Muon scratch");
+    if (slabs.out_of_place())
+      return absl::InternalError("an out-of-place pass over Muon matrices");  // Refused before.
+    float* master = slabs.master + u.offset;
+    std::byte* momentum = slabs.exp_avg + u.offset * mbytes;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
+                                              cudaMemcpyHostToDevice, s.h2d.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.m_in.data(), momentum, u.count * mbytes,
+                                              cudaMemcpyHostToDevice, s.h2d.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
+    if (k < slots_.size())
+      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
+    // A Muon unit is one piece: one segment.
+    cudaError_t launched = cudaSuccess;
+    ForEachSegment(
+        args, slabs, plan, u.offset, u.count, gsize,
+        [&](uint64_t, uint64_t count, const std::byte* grads, std::byte* params, uint32_t ci,
+            formats::DType model_dtype) {
+          if (launched != cudaSuccess || ci == StepPlan::kSkipped) return;
+          const MuonConstants& c = plan.constants[ci].muon;
+          const uint64_t cols = count / u.rows;
+          MuonDeviceArgs a{static_cast<const float*>(s.master_in.data()),
+                           static_cast<float*>(s.master_out.data()),
+                           s.m_in.data(),
+                           s.m_out.data(),
+                           grads,
+                           params,
+                           args.grad_scale,
+                           u.rows,
+                           cols,
+                           s.muon.data(),
+                           MuonKernelConstants{c.lerp_weight, c.nesterov_weight, c.nesterov ? 1 : 0,
+                                               c.decay, -MuonAdjustedLr(c, u.rows, cols), c.a,
+                                               c.b, c.c, c.eps, c.ns_steps}};
+          launched = LaunchMuonMatrix(
+              a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
+              moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
+              s.compute.get());
+        });
+    CKPT_CUDA_RETURN_IF_ERROR(launched);
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4,
+                                              cudaMemcpyDeviceToHost, s.d2h.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(momentum, s.m_out.data(), u.count * mbytes,
+                                              cudaMemcpyDeviceToHost, s.d2h.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
+    return absl::OkStatus();
+  }
+
   absl::Status Barrier() override {
     if (slots_.empty()) return absl::OkStatus();
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
@@ -411,6 +491,7 @@ class CudaEngine : public internal::Engine {
   const uint64_t unit_elems_;
   const MomentDType moments_;
   const bool max_slab_;
+  const uint64_t muon_scratch_;  // Bytes per slot; 0 without Muon groups.
   uint64_t device_bytes_ = 0;
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;
@@ -431,9 +512,30 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
   // Device buffers are sized by the units the layout actually cut, so they can never be
   // smaller than a unit whatever rule cut them.
   uint64_t unit_elems = 1;
-  for (const Unit& u : units) unit_elems = std::max(unit_elems, u.count);
+  uint64_t muon_scratch = 0;  // Sized for the largest Muon matrix.
+  for (const Unit& u : units) {
+    unit_elems = std::max(unit_elems, u.count);
+    if (u.rows != 0) {
+      const uint64_t cols = u.count / u.rows;
+      if (u.rows >= (uint64_t{1} << 31) || cols >= (uint64_t{1} << 31)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a Muon matrix of ", u.rows, " x ", cols,
+            " is too large for the CUDA engine's products (each side below 2^31)"));
+      }
+      muon_scratch = std::max<uint64_t>(muon_scratch, MuonScratchBytes(u.rows, cols));
+    }
+  }
+  if (muon_scratch > 0) {
+    bool supported = false;
+    CKPT_CUDA_RETURN_IF_ERROR(GpuSupportsMuon(&supported));
+    if (!supported) {
+      return absl::FailedPreconditionError(
+          "the CUDA engine's Muon needs BF16 tensor cores (compute capability 8.0 or newer), "
+          "which this GPU lacks: step Muon groups on the CPU engine");
+    }
+  }
   auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, options.moment_dtype,
-                                             max_slab);
+                                             max_slab, muon_scratch);
   CKPT_RETURN_IF_ERROR(engine->Restore());
   return std::unique_ptr<internal::Engine>(std::move(engine));
 }

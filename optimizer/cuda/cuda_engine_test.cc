@@ -16,7 +16,9 @@
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "optimizer/cuda/cuda_resources.h"
+#include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/engine.h"
+#include "optimizer/muon.h"
 #include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
@@ -792,6 +794,195 @@ TEST(CudaEngineTest, NonFiniteGradientsSkipTheStepWhenChecked) {
   cudaFree(dgrads);
   cudaFree(dparams);
   cudaStreamDestroy(stream);
+}
+
+// ---- Muon on the CUDA engine (docs/design/muon.md).
+
+// C = bf16(alpha A op(B) + beta D) on the host, the sums in FP32 in order k = 0, 1, ...
+std::vector<uint16_t> ReferenceGemm(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
+                                    bool trans_b, const std::vector<uint16_t>* d, int m, int n,
+                                    int k, float alpha, float beta) {
+  std::vector<uint16_t> c(static_cast<size_t>(m) * n);
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      float sum = 0;
+      for (int p = 0; p < k; ++p) {
+        const uint16_t bv = trans_b ? b[static_cast<size_t>(j) * k + p]
+                                    : b[static_cast<size_t>(p) * n + j];
+        sum += formats::Bf16ToFloat(a[static_cast<size_t>(i) * k + p]) * formats::Bf16ToFloat(bv);
+      }
+      float v = alpha * sum;
+      if (d != nullptr) v += beta * formats::Bf16ToFloat((*d)[static_cast<size_t>(i) * n + j]);
+      c[static_cast<size_t>(i) * n + j] = formats::FloatToBf16(v);
+    }
+  }
+  return c;
+}
+
+// Small integers (-3..3), whose products and sums are exact in FP32 in any order: the device's
+// tensor-core result must then equal the host's bit for bit, whatever the tiling.
+std::vector<uint16_t> SmallIntegers(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> pick(-3, 3);
+  std::vector<uint16_t> v(n);
+  for (uint16_t& x : v) x = formats::FloatToBf16(static_cast<float>(pick(rng)));
+  return v;
+}
+
+TEST(CudaMuonTest, Bf16ProductsEqualExactSumsForEveryShapeAndTransposition) {
+  SKIP_WITHOUT_DEVICE();
+  struct Shape {
+    int m, n, k;
+  };
+  // Single elements, shapes that are not multiples of the tiles (or of 8, the vector loads'
+  // width), several tiles each way, and long k's over few tiles, which split k into slices when
+  // given a workspace (`with_d` false runs without one).
+  for (const Shape sh : {Shape{1, 1, 1}, Shape{37, 100, 45}, Shape{130, 129, 257},
+                         Shape{128, 128, 64}, Shape{5, 300, 1030}, Shape{260, 24, 16},
+                         Shape{64, 64, 4096}, Shape{100, 90, 2001}}) {
+    for (const bool trans_b : {false, true}) {
+      for (const bool with_d : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << sh.m << " x " << sh.n << " x " << sh.k << " trans_b "
+                                        << trans_b << " d " << with_d);
+        const size_t as = static_cast<size_t>(sh.m) * sh.k, bs = static_cast<size_t>(sh.k) * sh.n,
+                     cs = static_cast<size_t>(sh.m) * sh.n;
+        const std::vector<uint16_t> a = SmallIntegers(as, 1), b = SmallIntegers(bs, 2),
+                                    d = SmallIntegers(cs, 3);
+        const float alpha = with_d ? 2.0f : 1.0f, beta = -3.0f;
+        const std::vector<uint16_t> want =
+            ReferenceGemm(a, b, trans_b, with_d ? &d : nullptr, sh.m, sh.n, sh.k, alpha, beta);
+        uint16_t *da = nullptr, *db = nullptr, *dd = nullptr, *dc = nullptr;
+        float* workspace = nullptr;
+        const size_t workspace_floats = 8 * cs;
+        ASSERT_EQ(cudaMalloc(&workspace, workspace_floats * 4), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&da, as * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&db, bs * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&dd, cs * 2), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&dc, cs * 2), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(da, a.data(), as * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(db, b.data(), bs * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(dd, d.data(), cs * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(internal::LaunchGemmBf16(da, db, trans_b, with_d ? dd : nullptr, dc, sh.m, sh.n,
+                                           sh.k, alpha, beta, with_d ? workspace : nullptr,
+                                           workspace_floats, nullptr),
+                  cudaSuccess);
+        std::vector<uint16_t> got(cs);
+        ASSERT_EQ(cudaMemcpy(got.data(), dc, cs * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(got, want);
+        cudaFree(da);
+        cudaFree(db);
+        cudaFree(dd);
+        cudaFree(dc);
+        cudaFree(workspace);
+      }
+    }
+  }
+  // C may not be D, and the sides must be positive.
+  EXPECT_EQ(internal::LaunchGemmBf16(nullptr, nullptr, false, nullptr, nullptr, 0, 1, 1, 1, 0,
+                                     nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+}
+
+// Muon matrices of every orientation (tall ones are orthogonalised transposed), odd sizes and
+// one of several tiles, and an AdamW vector, in one optimizer.
+StagedAdamWOptions MuonOptions(EngineKind engine, MomentDType moments, bool nesterov,
+                               MuonLrAdjust adjust) {
+  StagedAdamWOptions o;
+  o.params = {{"tall", {96, 40}, DType::kBF16, 0},  {"wide", {40, 96}, DType::kBF16, 0},
+              {"odd", {33, 130}, DType::kBF16, 0},  {"bias", {1000}, DType::kBF16, 1},
+              {"big", {300, 520}, DType::kBF16, 0}, {"square", {64, 64}, DType::kBF16, 0}};
+  ParamGroup muon;
+  muon.algorithm = Algorithm::kMuon;
+  muon.lr = 0.02;
+  muon.weight_decay = 0.1;
+  muon.eps = 1e-7;
+  muon.muon.nesterov = nesterov;
+  muon.muon.adjust_lr = adjust;
+  ParamGroup adamw;
+  adamw.lr = 3e-3;
+  o.groups = {muon, adamw};
+  for (uint32_t i = 0; i < o.params.size(); ++i) o.pieces.push_back({i, 0, o.params[i].numel()});
+  o.engine = engine;
+  o.moment_dtype = moments;
+  return o;
+}
+
+struct MuonCase {
+  MomentDType moments;
+  bool nesterov;
+  MuonLrAdjust adjust;
+  DType grads;
+};
+
+class CudaMuonParityTest : public ::testing::TestWithParam<MuonCase> {};
+
+// The momentum is elementwise with the CPU's operations: bit for bit. The AdamW vector too. The
+// orthogonalised update differs only by the order of FP32 sums inside each product (one BF16
+// rounding apart in a few elements, spread by the iterations): each Muon master within
+// 0.01 x lr' per step of the CPU engine's, and the weights exactly the masters rounded.
+TEST_P(CudaMuonParityTest, MatchesTheCpuEngineWithinTheProductsRounding) {
+  SKIP_WITHOUT_DEVICE();
+  const MuonCase c = GetParam();
+  constexpr int kSteps = 3;
+  const State gpu =
+      RunEngine(MuonOptions(EngineKind::kCuda, c.moments, c.nesterov, c.adjust), c.grads, kSteps);
+  const StagedAdamWOptions cpu_options =
+      MuonOptions(EngineKind::kCpu, c.moments, c.nesterov, c.adjust);
+  const State cpu = RunEngine(cpu_options, c.grads, kSteps);
+  EXPECT_EQ(gpu.m, cpu.m) << "the momentum is elementwise: bit for bit";
+  EXPECT_EQ(gpu.v, cpu.v);
+  const internal::MuonConstants k = internal::ComputeMuonConstants(cpu_options.groups[0]);
+  uint64_t at = 0;
+  double worst = 0;  // The largest difference, in units of lr'.
+  for (const ParamSpec& p : cpu_options.params) {
+    const uint64_t n = p.numel();
+    const bool muon = p.group == 0;
+    const double lr = muon ? internal::MuonAdjustedLr(k, p.shape[0], p.shape[1]) : 0;
+    for (uint64_t i = at; i < at + n; ++i) {
+      if (!muon) {
+        ASSERT_EQ(std::memcmp(&gpu.master[i], &cpu.master[i], 4), 0) << p.name << " " << i - at;
+        continue;
+      }
+      const double diff = std::fabs(static_cast<double>(gpu.master[i]) - cpu.master[i]);
+      worst = std::max(worst, diff / lr);
+      ASSERT_LE(diff, 0.01 * lr * kSteps) << p.name << " element " << i - at;
+    }
+    at += n;
+  }
+  RecordProperty("worst_diff_in_lr", std::to_string(worst));
+  for (size_t i = 0; i < gpu.master.size(); ++i) {
+    uint16_t h;
+    std::memcpy(&h, gpu.params.data() + 2 * i, 2);
+    ASSERT_EQ(h, formats::FloatToBf16(gpu.master[i])) << "weight " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CudaMuonParityTest,
+    ::testing::Values(
+        MuonCase{MomentDType::kF32, true, MuonLrAdjust::kOriginal, DType::kF32},
+        MuonCase{MomentDType::kF32, false, MuonLrAdjust::kMatchRmsAdamW, DType::kBF16},
+        MuonCase{MomentDType::kBF16, true, MuonLrAdjust::kMatchRmsAdamW, DType::kF16},
+        MuonCase{MomentDType::kBF16, false, MuonLrAdjust::kOriginal, DType::kF32}));
+
+// The slots hold the largest matrix's state and scratch whatever unit_bytes says, and a
+// Checkpointer-style release and restore gives the same steps.
+TEST(CudaMuonTest, SlotsAreSizedByTheLargestMatrixAndSurviveReleaseAndRestore) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = MuonOptions(EngineKind::kCuda, MomentDType::kF32, true,
+                                     MuonLrAdjust::kOriginal);
+  o.unit_bytes = 4096;  // Far below the largest matrix (300 x 520).
+  auto opt = StagedAdamW::Create(o, Encode(Random(Size(o), 1, 1.0f), DType::kBF16));
+  ASSERT_THAT(opt, IsOk());
+  const uint64_t largest = 300 * 520;
+  const uint64_t scratch = internal::MuonScratchBytes(300, 520);
+  EXPECT_GE((*opt)->device_bytes(),
+            static_cast<uint64_t>(o.slot_count) * (2 * largest * 12 + scratch));
+  const State plain = RunEngine(o, DType::kF32, 3);
+  const State released = RunEngine(o, DType::kF32, 3, /*release_between=*/true);
+  EXPECT_EQ(std::memcmp(plain.master.data(), released.master.data(), 4 * plain.master.size()), 0);
+  EXPECT_EQ(plain.m, released.m);
+  EXPECT_EQ(plain.params, released.params);
 }
 
 }  // namespace

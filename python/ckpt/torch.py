@@ -224,8 +224,6 @@ class StagedAdamW(torch.optim.Optimizer):
     in place is continued from (docs/python.md states the contract and what still differs).
     """
 
-    # Whether CUDA parameters run on the CUDA engine (StagedMuon: not yet, docs/design/muon.md).
-    _cuda_engine = True
     # The parameters' common dtype (None when they mix), the step's gradient dtype, and the
     # elements of all parameters and of this rank.
     _dtype = _shared("dtype")
@@ -294,15 +292,11 @@ class StagedAdamW(torch.optim.Optimizer):
         # The engine runs where most of the elements are: CUDA parameters with a few CPU ones
         # (or the reverse) share one optimizer; the others are staged through copies.
         on_cuda = sum(p.numel() for p in plist if p.device.type == "cuda")
-        device = next(iter(cuda)) if (self._cuda_engine and
-                                      on_cuda * 2 > sum(p.numel() for p in plist)) else \
+        device = next(iter(cuda)) if on_cuda * 2 > sum(p.numel() for p in plist) else \
             torch.device("cpu")
         if process_group is not None and any(p.device != device for p in plist):
             raise NotImplementedError(
-                "parameters on two devices with a process_group are not supported yet" +
-                ("" if self._cuda_engine else
-                 ": StagedMuon steps on the CPU engine for now, so with a process_group its "
-                 "parameters must be CPU tensors"))
+                "parameters on two devices with a process_group are not supported yet")
         self._devices = [p.device for p in plist]
         # Each parameter keeps its own dtype; _dtype is theirs when they share one, else None.
         self._dtypes = [p.dtype for p in plist]
@@ -1450,8 +1444,9 @@ class StagedMuon(StagedAdamW):
     adamw_lr (default: lr), adamw_betas, adamw_eps and adamw_weight_decay (default:
     weight_decay). Muon groups take 2-D parameters only, each stepped whole: its FP32 master and
     momentum buffer live in ckpt's host slabs, and the Newton-Schulz iteration runs as torch's
-    (BF16 operands, FP32 sums, one rounding per product) on every core of the CPU. CUDA
-    parameters are staged through host copies at each step until the CUDA engine's Muon lands.
+    (BF16 operands, FP32 sums, one rounding per product): for CUDA parameters on the GPU, each
+    matrix streamed through slots sized by the largest one (the CUDA engine), for CPU ones on
+    every core of the CPU.
     state_dict() is torch's shape: {"momentum_buffer", "step", "master"} for a Muon parameter,
     AdamW's entries for the others; load_state_dict() takes torch.optim.Muon's too.
 
@@ -1462,8 +1457,6 @@ class StagedMuon(StagedAdamW):
     first, onto the rank with the fewest elements). Not yet: overlap. moments "bf16" keeps the
     momentum in BF16.
     """
-
-    _cuda_engine = False
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,

@@ -2,7 +2,8 @@
 out with torch ops (every torch): the momentum buffer bit for bit, the parameters within the
 documented tolerance (docs/python.md: the Newton-Schulz products sum in another order than
 torch's), the hybrid's AdamW groups as torch.optim.AdamW, torch-shaped state dicts both ways, and
-the refusals of what is not built yet (docs/design/muon.md)."""
+the refusals. CKPT_TEST_DEVICE=cuda (GPU host) runs them on CUDA tensors: the CUDA engine's Muon
+against torch's on the GPU (docs/design/muon.md)."""
 import math
 import os
 

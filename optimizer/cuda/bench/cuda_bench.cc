@@ -12,6 +12,7 @@
 #include "optimizer/cuda/bench/spin_kernel.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
+#include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/host_buffer.h"
 
 namespace ckpt::optimizer {
@@ -148,6 +149,46 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int step
   out.gparams_per_s = static_cast<double>(params) / best / 1e9;
   out.device_bytes = opt->device_bytes();
   return out;
+}
+
+absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
+                                           int repeats) {
+  const uint64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  if (m >= (uint64_t{1} << 31) || n >= (uint64_t{1} << 31))
+    return absl::InvalidArgumentError("bench muon: a matrix side of 2^31 or more");
+  // The step's own scratch, X (its first m x n BF16 elements) filled with 0.01 (0x3c24).
+  CKPT_ASSIGN_OR_RETURN(DeviceBuffer scratch,
+                        DeviceBuffer::Create(internal::MuonScratchBytes(rows, cols)));
+  CKPT_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  const std::vector<uint16_t> fill(m * n, 0x3c24);
+  CKPT_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(scratch.data(), fill.data(), m * n * 2, cudaMemcpyHostToDevice));
+  internal::MuonKernelConstants k{};
+  k.a = 3.4445f;
+  k.b = -4.775f;
+  k.c = 2.0315f;
+  k.ns_steps = ns_steps;
+  cudaEvent_t begin = nullptr, end = nullptr;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
+  CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
+  double best = 1e30;
+  absl::Status status;
+  for (int r = 0; r <= repeats && status.ok(); ++r) {  // Round 0 warms up.
+    status.Update(internal::CudaStatus(cudaEventRecord(begin, stream.get()), "record"));
+    status.Update(internal::CudaStatus(
+        internal::LaunchMuonProducts(scratch.data(), rows, cols, k, stream.get()),
+        "bench muon's products"));
+    status.Update(internal::CudaStatus(cudaEventRecord(end, stream.get()), "record"));
+    status.Update(internal::CudaStatus(cudaEventSynchronize(end), "synchronize"));
+    float ms = 0;
+    if (status.ok())
+      status.Update(internal::CudaStatus(cudaEventElapsedTime(&ms, begin, end), "elapsed"));
+    if (r > 0) best = std::min(best, ms / 1e3);
+  }
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  CKPT_RETURN_IF_ERROR(status);
+  return best;
 }
 
 }  // namespace ckpt::optimizer

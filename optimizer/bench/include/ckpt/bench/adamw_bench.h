@@ -69,6 +69,12 @@ struct DuplexRates {
 };
 absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t bytes);
 
+// Seconds the CUDA engine's BF16 products (muon_kernel.h) take for one Newton-Schulz
+// orthogonalisation of a rows x cols matrix (ns_steps x 3 products on m x n, m <= n), alone on the
+// first device, timed by events (best of `repeats`). kUnimplemented without CUDA.
+absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
+                                           int repeats);
+
 }  // namespace ckpt::optimizer
 
 namespace ckpt::bench {
@@ -79,6 +85,7 @@ using optimizer::DuplexRates;
 using optimizer::MeasurePcieDuplex;
 using optimizer::NewDeviceStepBuffers;
 using optimizer::RunCudaStepBenchmark;
+using optimizer::TimeGpuMuonProducts;
 
 // Where the caller's gradient and parameter buffers come from in the CPU benchmark.
 enum class CallerPages {

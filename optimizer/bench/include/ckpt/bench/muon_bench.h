@@ -1,8 +1,10 @@
 // What `ckpt-tool bench muon` measures: a StagedAdamW of one Muon group of `matrices` matrices of
-// rows x cols (BF16 weights, FP32 gradients), stepped on the CPU engine, against the bounds of
-// the same run: the Newton-Schulz products alone (OpenBLAS SGEMMs of the same shapes, as many as
-// a step makes, on the same cores) and the state's bytes at host memory bandwidth (the STREAM
-// triad). Not installed: for ckpt-tool only. Functions never print.
+// rows x cols (BF16 weights, FP32 gradients), stepped on the CPU or the CUDA engine, against the
+// bounds of the same run: the Newton-Schulz products alone (as many as a step makes, of the same
+// shapes: OpenBLAS SGEMMs on the same cores, or the CUDA engine's BF16 tensor-core products on
+// the GPU) and the state's bytes at the rate that bounds them (host memory bandwidth from the
+// STREAM triad on the CPU; PCIe with both directions busy for the CUDA engine, whose masters and
+// momentum cross it each way). Not installed: for ckpt-tool only. Functions never print.
 #ifndef CKPT_OPTIMIZER_BENCH_MUON_BENCH_H_
 #define CKPT_OPTIMIZER_BENCH_MUON_BENCH_H_
 
@@ -25,22 +27,26 @@ struct MuonBenchOptions {
 
 struct MuonFigures {
   std::string engine;
-  std::string blas_core;         // The kernels OpenBLAS chose (openblas_get_corename()).
+  std::string blas_core;         // The kernels OpenBLAS chose (openblas_get_corename()), or
+                                 // the CUDA engine's products.
   double step_seconds = 0;       // The best step.
   double matrices_per_s = 0;
   double flops_per_matrix = 0;   // The products of ns_steps iterations (2 m n k each).
   double gflops = 0;             // Of the step.
   double gemm_seconds = 0;       // The same products alone, for every matrix (best of 3).
   double gemm_gflops = 0;
-  double state_bytes = 0;        // Read and written per step: 22 bytes per element.
-  double triad_gbps = 0;
-  double memory_seconds = 0;     // state_bytes at triad_gbps.
+  // CPU: read and written per step, 22 bytes per element. CUDA: what crosses PCIe each way, 8
+  // bytes per element with FP32 momentum (the master and the momentum).
+  double state_bytes = 0;
+  double triad_gbps = 0;         // CPU engine.
+  double pcie_gbps = 0;          // CUDA engine: the slower direction with both busy.
+  double memory_seconds = 0;     // state_bytes at triad_gbps or pcie_gbps.
   double bound_seconds = 0;      // max(gemm_seconds, memory_seconds).
   double ratio = 0;              // bound_seconds / step_seconds (1: at the bound).
 };
 
-// kInvalidArgument for options out of range; kUnimplemented for the CUDA engine (its Muon is
-// not built yet); the optimizer's errors.
+// kInvalidArgument for options out of range; kUnimplemented for the CUDA engine in a build
+// without CUDA, kFailedPrecondition without a device; the optimizer's errors.
 absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& options);
 
 }  // namespace ckpt::bench
