@@ -19,7 +19,7 @@ absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t) {
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 }
 
-absl::StatusOr<double> TimeGpuMuonProducts(uint64_t, uint64_t, uint32_t, int) {
+absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t, uint64_t, uint32_t, int) {
   return absl::UnimplementedError(
       "CUDA engine unavailable: ckpt was built without CUDA (CKPT_CUDA=OFF or no toolkit)");
 }

@@ -79,7 +79,7 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   }
   MuonFigures f;
   f.engine = opt->engine_name();
-  f.blas_core = cuda ? "ckpt's BF16 tensor-core" : openblas_get_corename();
+  if (!cuda) f.blas_core = openblas_get_corename();
   f.step_seconds = 1e30;
   for (int i = 0; i <= o.steps; ++i) {  // Step 0 warms up.
     const Clock::time_point start = Clock::now();
@@ -98,7 +98,10 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
   f.gflops = f.flops_per_matrix * o.matrices / f.step_seconds / 1e9;
   double best = 1e30;
   if (cuda) {
-    CKPT_ASSIGN_OR_RETURN(best, TimeGpuMuonProducts(o.rows, o.cols, g.muon.ns_steps, 3));
+    CKPT_ASSIGN_OR_RETURN(GpuProducts products,
+                          TimeGpuMuonProducts(o.rows, o.cols, g.muon.ns_steps, 3));
+    best = products.seconds;
+    f.blas_core = products.backend;
   } else {
     for (int pass = 0; pass < 3; ++pass)
       best = std::min(best, TimeProducts(o.rows, o.cols, g.muon.ns_steps));

@@ -28,7 +28,9 @@
 // momentum (the exp_avg slab) only, and in step 2 the matrix's whole step (muon_kernel.h) in the
 // slot's Muon scratch, which is sized for the largest Muon matrix of the layout (with the
 // in/out buffers, sized by the largest unit, which such a matrix is): MuonScratchBytes(rows,
-// cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides).
+// cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides). Its products run on
+// cuBLAS when the process can load it (cublas_gemm.h), on ckpt's own kernel otherwise; one
+// handle per engine, used from the thread that calls Step.
 //
 // Teardown order: Release() synchronises every stream before any buffer, event or stream goes;
 // members are declared so that streams are destroyed before the buffers they used.
@@ -40,6 +42,7 @@
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/convert.h"
 #include "optimizer/cuda/adamw_kernel.h"
+#include "optimizer/cuda/cublas_gemm.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/cuda/muon_kernel.h"
@@ -103,6 +106,11 @@ class CudaEngine : public internal::Engine {
     CKPT_ASSIGN_OR_RETURN(CudaEvent grads_ready, CudaEvent::Create());
     CKPT_ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create());
     CKPT_ASSIGN_OR_RETURN(DeviceBuffer counter, DeviceBuffer::Create(sizeof(unsigned long long)));
+    // Muon's products on cuBLAS when the process can load it, else on ckpt's kernel.
+    if (muon_scratch_ > 0) {
+      std::string why;
+      blas_ = CublasGemm::Create(&why);
+    }
     slots_ = std::move(slots);
     join_ = std::move(join);
     grads_ready_ = std::move(grads_ready);
@@ -127,6 +135,7 @@ class CudaEngine : public internal::Engine {
     if (join_.valid())
       status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
+    blas_ = CublasGemm();
     next_slot_ = 0;
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
@@ -368,7 +377,8 @@ class CudaEngine : public internal::Engine {
                            s.muon.data(),
                            MuonKernelConstants{c.lerp_weight, c.nesterov_weight, c.nesterov ? 1 : 0,
                                                c.decay, -MuonAdjustedLr(c, u.rows, cols), c.a,
-                                               c.b, c.c, c.eps, c.ns_steps}};
+                                               c.b, c.c, c.eps, c.ns_steps},
+                           blas_.backend()};
           launched = LaunchMuonMatrix(
               a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
               moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
@@ -492,6 +502,7 @@ class CudaEngine : public internal::Engine {
   const MomentDType moments_;
   const bool max_slab_;
   const uint64_t muon_scratch_;  // Bytes per slot; 0 without Muon groups.
+  CublasGemm blas_;              // Muon's products; empty: ckpt's kernel.
   uint64_t device_bytes_ = 0;
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;

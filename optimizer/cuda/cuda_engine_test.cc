@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <iostream>
+#include <string>
 #include <random>
 #include <thread>
 
@@ -15,6 +17,7 @@
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/cuda/cublas_gemm.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/engine.h"
@@ -829,8 +832,12 @@ std::vector<uint16_t> SmallIntegers(size_t n, uint32_t seed) {
   return v;
 }
 
+// ckpt's kernel, and cuBLAS where the process loads it (the engine's choice: cublas_gemm.h).
 TEST(CudaMuonTest, Bf16ProductsEqualExactSumsForEveryShapeAndTransposition) {
   SKIP_WITHOUT_DEVICE();
+  std::string why;
+  const internal::CublasGemm blas = internal::CublasGemm::Create(&why);
+  if (!blas.valid()) std::cout << "cuBLAS not loaded (" << why << "): ckpt's kernel only\n";
   struct Shape {
     int m, n, k;
   };
@@ -869,6 +876,15 @@ TEST(CudaMuonTest, Bf16ProductsEqualExactSumsForEveryShapeAndTransposition) {
         std::vector<uint16_t> got(cs);
         ASSERT_EQ(cudaMemcpy(got.data(), dc, cs * 2, cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_EQ(got, want);
+        if (blas.valid()) {
+          const internal::GemmBackend cublas = blas.backend();
+          ASSERT_EQ(cudaMemset(dc, 0xff, cs * 2), cudaSuccess);
+          ASSERT_EQ(cublas.gemm(cublas.ctx, da, db, trans_b, with_d ? dd : nullptr, dc, sh.m, sh.n,
+                                sh.k, alpha, beta, nullptr),
+                    cudaSuccess);
+          ASSERT_EQ(cudaMemcpy(got.data(), dc, cs * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+          EXPECT_EQ(got, want) << "cuBLAS";
+        }
         cudaFree(da);
         cudaFree(db);
         cudaFree(dd);

@@ -312,24 +312,27 @@ ScratchLayout Layout(uint64_t rows, uint64_t cols) {
 // The ns_steps iterations on the X in the scratch; *result: where the last X is (the scratch's x
 // or y).
 cudaError_t Iterate(const ScratchLayout& l, std::byte* base, int m, int n,
-                    const MuonKernelConstants& k, cudaStream_t s, uint16_t** result) {
+                    const MuonKernelConstants& k, const GemmBackend& products, cudaStream_t s,
+                    uint16_t** result) {
   auto* x = reinterpret_cast<uint16_t*>(base + l.x);
   auto* y = reinterpret_cast<uint16_t*>(base + l.y);
   auto* gram = reinterpret_cast<uint16_t*>(base + l.gram);
   auto* poly = reinterpret_cast<uint16_t*>(base + l.poly);
   auto* split = reinterpret_cast<float*>(base + l.split);
+  auto gemm = [&](const uint16_t* pa, const uint16_t* pb, bool trans_b, const uint16_t* d,
+                  uint16_t* c, int pm, int pn, int pk, float alpha, float beta) {
+    if (products.gemm != nullptr)
+      return products.gemm(products.ctx, pa, pb, trans_b, d, c, pm, pn, pk, alpha, beta, s);
+    return LaunchGemmBf16(pa, pb, trans_b, d, c, pm, pn, pk, alpha, beta, split, l.split_floats,
+                          s);
+  };
   cudaError_t e;
   for (unsigned step = 0; step < k.ns_steps; ++step) {
     // G = X X^T; H = c G G + b G; X' = H X + a X.
-    if ((e = LaunchGemmBf16(x, x, /*trans_b=*/true, nullptr, gram, m, m, n, 1.0f, 0.0f, split,
-                            l.split_floats, s)) != cudaSuccess)
+    if ((e = gemm(x, x, /*trans_b=*/true, nullptr, gram, m, m, n, 1.0f, 0.0f)) != cudaSuccess)
       return e;
-    if ((e = LaunchGemmBf16(gram, gram, false, gram, poly, m, m, m, k.c, k.b, split,
-                            l.split_floats, s)) != cudaSuccess)
-      return e;
-    if ((e = LaunchGemmBf16(poly, x, false, x, y, m, n, m, 1.0f, k.a, nullptr, 0, s)) !=
-        cudaSuccess)
-      return e;
+    if ((e = gemm(gram, gram, false, gram, poly, m, m, m, k.c, k.b)) != cudaSuccess) return e;
+    if ((e = gemm(poly, x, false, x, y, m, n, m, 1.0f, k.a)) != cudaSuccess) return e;
     uint16_t* t = x;
     x = y;
     y = t;
@@ -401,13 +404,14 @@ cudaError_t LaunchGemmBf16(const uint16_t* a, const uint16_t* b, bool trans_b, c
 size_t MuonScratchBytes(uint64_t rows, uint64_t cols) { return Layout(rows, cols).total; }
 
 cudaError_t LaunchMuonProducts(void* scratch, uint64_t rows, uint64_t cols,
-                               const MuonKernelConstants& k, cudaStream_t stream) {
+                               const MuonKernelConstants& k, const GemmBackend& products,
+                               cudaStream_t stream) {
   if (rows == 0 || cols == 0 || rows >= (1ull << 31) || cols >= (1ull << 31))
     return cudaErrorInvalidValue;
   uint16_t* result = nullptr;
   return Iterate(Layout(rows, cols), static_cast<std::byte*>(scratch),
                  static_cast<int>(std::min(rows, cols)), static_cast<int>(std::max(rows, cols)), k,
-                 stream, &result);
+                 products, stream, &result);
 }
 
 cudaError_t GpuSupportsMuon(bool* supported) {
@@ -452,7 +456,7 @@ cudaError_t LaunchMuonMatrix(const MuonDeviceArgs& a, DType grad, DType param, D
   ScaleKernel<<<Blocks(mn), kThreads, 0, s>>>(x, mn, norm);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
   // 4. The iterations.
-  if ((e = Iterate(l, base, m, n, a.k, s, &x)) != cudaSuccess) return e;
+  if ((e = Iterate(l, base, m, n, a.k, a.products, s, &x)) != cudaSuccess) return e;
   // 5. The masters and the weights.
   switch (param) {
     case DType::kF32:

@@ -25,6 +25,15 @@ cudaError_t LaunchGemmBf16(const uint16_t* a, const uint16_t* b, bool trans_b, c
                            uint16_t* c, int m, int n, int k, float alpha, float beta,
                            float* workspace, size_t workspace_floats, cudaStream_t stream);
 
+// Where the products of an orthogonalisation run: another implementation of LaunchGemmBf16's
+// contract (`gemm`, called with `ctx`: cuBLAS, cublas_gemm.h), or ckpt's kernel (gemm null).
+struct GemmBackend {
+  cudaError_t (*gemm)(void* ctx, const uint16_t* a, const uint16_t* b, bool trans_b,
+                      const uint16_t* d, uint16_t* c, int m, int n, int k, float alpha, float beta,
+                      cudaStream_t stream) = nullptr;
+  void* ctx = nullptr;
+};
+
 // One group's Muon constants (MuonConstants, optimizer/muon.h), with the matrix's adjusted lr.
 struct MuonKernelConstants {
   float lerp_weight, nesterov_weight;
@@ -53,12 +62,14 @@ struct MuonDeviceArgs {
   uint64_t rows, cols;
   void* scratch;  // MuonScratchBytes(rows, cols) bytes of device memory.
   MuonKernelConstants k;
+  GemmBackend products;
 };
 
 // Enqueues the ns_steps iterations alone on whatever X a rows x cols matrix's scratch holds: the
 // products of one orthogonalisation as the step runs them (bench muon's bound).
 cudaError_t LaunchMuonProducts(void* scratch, uint64_t rows, uint64_t cols,
-                               const MuonKernelConstants& k, cudaStream_t stream);
+                               const MuonKernelConstants& k, const GemmBackend& products,
+                               cudaStream_t stream);
 
 // Enqueues the matrix's whole step on `stream`. `moments` is kF32 or kBF16. The matrix must fit
 // an int's index on each side of the products (rows, cols < 2^31).

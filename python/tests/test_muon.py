@@ -21,7 +21,9 @@ SHAPES = [(64, 32), (32, 96), (48, 48), (1, 20)]
 # docs/python.md: after k steps, |p - p_ref| <= k * 0.003 * lr' against the algorithm written out
 # with FP32 products (lr' the matrix's adjusted lr), and k * 0.01 * lr' against torch.optim.Muon,
 # whose BF16 products some CPUs run in other precisions (AMX: up to 0.008 measured at step 1).
-TOLERANCE = 0.003
+# On the GPU, whose products (tensor cores) sum in blocks of another order than the CPU
+# reference's, k * 0.01 * lr' against both (measured: 0.005 at step 1).
+TOLERANCE = 0.003 if DEVICE.type == "cpu" else 0.01
 TORCH_TOLERANCE = 0.01
 
 

@@ -10,6 +10,7 @@
 #include "ckpt/formats/float_convert.h"
 // The CUDA half of ckpt-tool bench adamw and bench async-save (ckpt/bench/adamw_bench.h).
 #include "optimizer/cuda/bench/spin_kernel.h"
+#include "optimizer/cuda/cublas_gemm.h"
 #include "optimizer/cuda/cuda_check.h"
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/cuda/muon_kernel.h"
@@ -151,8 +152,8 @@ absl::StatusOr<CudaStepBenchmark> RunCudaStepBenchmark(uint64_t params, int step
   return out;
 }
 
-absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
-                                           int repeats) {
+absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
+                                                int repeats) {
   const uint64_t m = std::min(rows, cols), n = std::max(rows, cols);
   if (m >= (uint64_t{1} << 31) || n >= (uint64_t{1} << 31))
     return absl::InvalidArgumentError("bench muon: a matrix side of 2^31 or more");
@@ -168,6 +169,10 @@ absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_
   k.b = -4.775f;
   k.c = 2.0315f;
   k.ns_steps = ns_steps;
+  std::string why;
+  const internal::CublasGemm blas = internal::CublasGemm::Create(&why);
+  GpuProducts out;
+  out.backend = blas.valid() ? "cuBLAS, loaded at run time" : "ckpt's WMMA kernel: " + why;
   cudaEvent_t begin = nullptr, end = nullptr;
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
@@ -176,7 +181,7 @@ absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_
   for (int r = 0; r <= repeats && status.ok(); ++r) {  // Round 0 warms up.
     status.Update(internal::CudaStatus(cudaEventRecord(begin, stream.get()), "record"));
     status.Update(internal::CudaStatus(
-        internal::LaunchMuonProducts(scratch.data(), rows, cols, k, stream.get()),
+        internal::LaunchMuonProducts(scratch.data(), rows, cols, k, blas.backend(), stream.get()),
         "bench muon's products"));
     status.Update(internal::CudaStatus(cudaEventRecord(end, stream.get()), "record"));
     status.Update(internal::CudaStatus(cudaEventSynchronize(end), "synchronize"));
@@ -188,7 +193,8 @@ absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_
   cudaEventDestroy(begin);
   cudaEventDestroy(end);
   CKPT_RETURN_IF_ERROR(status);
-  return best;
+  out.seconds = best;
+  return out;
 }
 
 }  // namespace ckpt::optimizer

@@ -69,11 +69,16 @@ struct DuplexRates {
 };
 absl::StatusOr<DuplexRates> MeasurePcieDuplex(uint64_t bytes);
 
-// Seconds the CUDA engine's BF16 products (muon_kernel.h) take for one Newton-Schulz
-// orthogonalisation of a rows x cols matrix (ns_steps x 3 products on m x n, m <= n), alone on the
-// first device, timed by events (best of `repeats`). kUnimplemented without CUDA.
-absl::StatusOr<double> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
-                                           int repeats);
+// Seconds the CUDA engine's BF16 products take for one Newton-Schulz orthogonalisation of a
+// rows x cols matrix (ns_steps x 3 products on m x n, m <= n), alone on the first device, timed by
+// events (best of `repeats`), on what the engine would run them: cuBLAS when it loads, else
+// ckpt's kernel (`backend` says which, and why). kUnimplemented without CUDA.
+struct GpuProducts {
+  double seconds = 0;
+  std::string backend;
+};
+absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps,
+                                                int repeats);
 
 }  // namespace ckpt::optimizer
 
@@ -82,6 +87,7 @@ namespace ckpt::bench {
 using optimizer::CudaStepBenchmark;
 using optimizer::DeviceStepBuffers;
 using optimizer::DuplexRates;
+using optimizer::GpuProducts;
 using optimizer::MeasurePcieDuplex;
 using optimizer::NewDeviceStepBuffers;
 using optimizer::RunCudaStepBenchmark;
