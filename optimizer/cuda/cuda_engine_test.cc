@@ -144,9 +144,11 @@ void ExpectSameState(const State& gpu, const State& cpu) {
 
 // RunEngine for the CUDA engine with an async save of the state after step 0 in flight for the
 // remaining steps (Checkpointer over a MemEnv store, `pool` bytes of staging), finalized after
-// the last; `saved_master_b` receives the checkpoint's masters of parameter "b".
+// the last; `saved_master_b` receives the checkpoint's masters of parameter `name` (`count`
+// elements).
 State RunCudaUnderAsyncSave(const StagedAdamWOptions& o, int steps, uint64_t pool,
-                            std::vector<float>* saved_master_b) {
+                            std::vector<float>* saved_master_b, const std::string& name = "b",
+                            uint64_t count = 100001) {
   const uint64_t n = Size(o);
   auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
   EXPECT_THAT(opt, IsOk());
@@ -200,8 +202,8 @@ State RunCudaUnderAsyncSave(const StagedAdamWOptions& o, int steps, uint64_t poo
   auto reader = (*store)->OpenLatest();
   EXPECT_THAT(reader, IsOk());
   if (reader.ok()) {
-    saved_master_b->assign(100001, 0.0f);
-    CKPT_EXPECT_OK((*reader)->ReadRange("optimizer.master.b", 0, 100001,
+    saved_master_b->assign(count, 0.0f);
+    CKPT_EXPECT_OK((*reader)->ReadRange("optimizer.master." + name, 0, count,
                                         std::as_writable_bytes(std::span(*saved_master_b))));
   }
   cudaFree(dgrads);
@@ -980,6 +982,30 @@ INSTANTIATE_TEST_SUITE_P(
         MuonCase{MomentDType::kF32, false, MuonLrAdjust::kMatchRmsAdamW, DType::kBF16},
         MuonCase{MomentDType::kBF16, true, MuonLrAdjust::kMatchRmsAdamW, DType::kF16},
         MuonCase{MomentDType::kBF16, false, MuonLrAdjust::kOriginal, DType::kF32}));
+
+// An async save fences the step: its matrices go to the engine in batches, in other slots than
+// a plain step's. The steps must equal plain ones bit for bit (the products sum in a fixed order
+// whatever the slot), and the checkpoint must hold the state at the call.
+TEST(CudaMuonTest, StepsFencedByAnAsyncSaveEqualPlainStepsAndSaveTheStateAtTheCall) {
+  SKIP_WITHOUT_DEVICE();
+  const StagedAdamWOptions o =
+      MuonOptions(EngineKind::kCuda, MomentDType::kF32, true, MuonLrAdjust::kOriginal);
+  const State plain = RunEngine(o, DType::kF32, 5);
+  const State at_save = RunEngine(o, DType::kF32, 1);
+  const uint64_t big_at = 96 * 40 + 40 * 96 + 33 * 130 + 1000, big = 300 * 520;
+  const std::vector<float> want_big(at_save.master.begin() + static_cast<ptrdiff_t>(big_at),
+                                    at_save.master.begin() + static_cast<ptrdiff_t>(big_at + big));
+  for (uint64_t pool : {uint64_t{0}, uint64_t{1} << 30}) {
+    std::vector<float> saved_big;
+    const State fenced = RunCudaUnderAsyncSave(o, 5, pool, &saved_big, "big", big);
+    EXPECT_EQ(std::memcmp(fenced.master.data(), plain.master.data(), 4 * plain.master.size()), 0)
+        << "pool " << pool;
+    EXPECT_EQ(fenced.m, plain.m);
+    EXPECT_EQ(fenced.params, plain.params);
+    EXPECT_EQ(std::memcmp(saved_big.data(), want_big.data(), want_big.size() * 4), 0)
+        << "the checkpoint does not hold the state at the call (pool " << pool << ")";
+  }
+}
 
 // The slots hold the largest matrix's state and scratch whatever unit_bytes says, and a
 // Checkpointer-style release and restore gives the same steps.
