@@ -32,6 +32,9 @@
 // cuBLAS when the process can load it (cublas_gemm.h), on ckpt's own kernel otherwise; one
 // handle per engine, used from the thread that calls Step.
 //
+// The exp_avg_sq (and max_exp_avg_sq) buffers are sized by the largest AdamW unit only: a Muon
+// matrix has none.
+//
 // Teardown order: Release() synchronises every stream before any buffer, event or stream goes;
 // members are declared so that streams are destroyed before the buffers they used.
 #include "optimizer/cuda/cuda_engine.h"
@@ -68,32 +71,41 @@ struct Slot {
 
 class CudaEngine : public internal::Engine {
  public:
-  CudaEngine(int slots, uint64_t unit_elems, MomentDType moments, bool max_slab,
-             uint64_t muon_scratch)
+  CudaEngine(int slots, uint64_t unit_elems, uint64_t second_moment_elems, MomentDType moments,
+             bool max_slab, uint64_t muon_scratch, uint64_t muon_scratch_blas)
       : slot_count_(slots),
         unit_elems_(unit_elems),
+        v_elems_(second_moment_elems),
         moments_(moments),
         max_slab_(max_slab),
-        muon_scratch_(muon_scratch) {}
+        muon_scratch_own_(muon_scratch),
+        muon_scratch_blas_(muon_scratch_blas) {}
   ~CudaEngine() override { Release().IgnoreError(); }  // Destructors never report.
 
   absl::Status Restore() override {
     if (!slots_.empty()) return absl::OkStatus();
     const size_t mbytes = MomentBytes(moments_);
+    // Muon's products on cuBLAS when the process can load it, else on ckpt's kernel.
+    CublasGemm blas;
+    if (muon_scratch_own_ > 0) {
+      std::string why;
+      blas = CublasGemm::Create(&why);
+    }
+    const uint64_t muon_scratch = blas.valid() ? muon_scratch_blas_ : muon_scratch_own_;
     std::vector<Slot> slots(static_cast<size_t>(slot_count_));
     for (Slot& s : slots) {
       CKPT_ASSIGN_OR_RETURN(s.master_in, DeviceBuffer::Create(unit_elems_ * 4));
       CKPT_ASSIGN_OR_RETURN(s.m_in, DeviceBuffer::Create(unit_elems_ * mbytes));
-      CKPT_ASSIGN_OR_RETURN(s.v_in, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.v_in, DeviceBuffer::Create(v_elems_ * mbytes));
       CKPT_ASSIGN_OR_RETURN(s.master_out, DeviceBuffer::Create(unit_elems_ * 4));
       CKPT_ASSIGN_OR_RETURN(s.m_out, DeviceBuffer::Create(unit_elems_ * mbytes));
-      CKPT_ASSIGN_OR_RETURN(s.v_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+      CKPT_ASSIGN_OR_RETURN(s.v_out, DeviceBuffer::Create(v_elems_ * mbytes));
       if (max_slab_) {
-        CKPT_ASSIGN_OR_RETURN(s.x_in, DeviceBuffer::Create(unit_elems_ * mbytes));
-        CKPT_ASSIGN_OR_RETURN(s.x_out, DeviceBuffer::Create(unit_elems_ * mbytes));
+        CKPT_ASSIGN_OR_RETURN(s.x_in, DeviceBuffer::Create(v_elems_ * mbytes));
+        CKPT_ASSIGN_OR_RETURN(s.x_out, DeviceBuffer::Create(v_elems_ * mbytes));
       }
-      if (muon_scratch_ > 0) {
-        CKPT_ASSIGN_OR_RETURN(s.muon, DeviceBuffer::Create(muon_scratch_));
+      if (muon_scratch > 0) {
+        CKPT_ASSIGN_OR_RETURN(s.muon, DeviceBuffer::Create(muon_scratch));
       }
       CKPT_ASSIGN_OR_RETURN(s.h2d, CudaStream::Create());
       CKPT_ASSIGN_OR_RETURN(s.compute, CudaStream::Create());
@@ -106,18 +118,15 @@ class CudaEngine : public internal::Engine {
     CKPT_ASSIGN_OR_RETURN(CudaEvent grads_ready, CudaEvent::Create());
     CKPT_ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create());
     CKPT_ASSIGN_OR_RETURN(DeviceBuffer counter, DeviceBuffer::Create(sizeof(unsigned long long)));
-    // Muon's products on cuBLAS when the process can load it, else on ckpt's kernel.
-    if (muon_scratch_ > 0) {
-      std::string why;
-      blas_ = CublasGemm::Create(&why);
-    }
     slots_ = std::move(slots);
+    blas_ = std::move(blas);
+    muon_scratch_ = muon_scratch;
     join_ = std::move(join);
     grads_ready_ = std::move(grads_ready);
     done_ = std::move(done);
     counter_ = std::move(counter);
-    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 * unit_elems_ *
-                        (4 + (max_slab_ ? 3 : 2) * mbytes) +
+    device_bytes_ = static_cast<uint64_t>(slot_count_) * 2 *
+                        (unit_elems_ * (4 + mbytes) + v_elems_ * (max_slab_ ? 2 : 1) * mbytes) +
                     static_cast<uint64_t>(slot_count_) * muon_scratch_ +
                     sizeof(unsigned long long);
     return absl::OkStatus();
@@ -498,11 +507,14 @@ class CudaEngine : public internal::Engine {
   }
 
   const int slot_count_;
-  const uint64_t unit_elems_;
+  const uint64_t unit_elems_;  // The largest unit: master and exp_avg (Muon's momentum) buffers.
+  const uint64_t v_elems_;     // The largest AdamW unit: exp_avg_sq (and max_exp_avg_sq) buffers.
   const MomentDType moments_;
   const bool max_slab_;
-  const uint64_t muon_scratch_;  // Bytes per slot; 0 without Muon groups.
-  CublasGemm blas_;              // Muon's products; empty: ckpt's kernel.
+  // Muon's scratch per slot for its products on ckpt's kernel and on cuBLAS; 0 without Muon.
+  const uint64_t muon_scratch_own_, muon_scratch_blas_;
+  uint64_t muon_scratch_ = 0;  // What Restore allocated per slot.
+  CublasGemm blas_;            // Muon's products; empty: ckpt's kernel.
   uint64_t device_bytes_ = 0;
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;
@@ -523,9 +535,12 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
   // Device buffers are sized by the units the layout actually cut, so they can never be
   // smaller than a unit whatever rule cut them.
   uint64_t unit_elems = 1;
-  uint64_t muon_scratch = 0;  // Sized for the largest Muon matrix.
+  uint64_t muon_scratch = 0;  // Sized for the largest Muon matrix, on ckpt's kernel or cuBLAS.
+  uint64_t muon_scratch_blas = 0;
+  uint64_t adamw_elems = 1;   // Muon keeps no second moments: those buffers fit AdamW's units.
   for (const Unit& u : units) {
     unit_elems = std::max(unit_elems, u.count);
+    if (u.rows == 0) adamw_elems = std::max(adamw_elems, u.count);
     if (u.rows != 0) {
       const uint64_t cols = u.count / u.rows;
       if (u.rows >= (uint64_t{1} << 31) || cols >= (uint64_t{1} << 31)) {
@@ -533,7 +548,8 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
             "a Muon matrix of ", u.rows, " x ", cols,
             " is too large for the CUDA engine's products (each side below 2^31)"));
       }
-      muon_scratch = std::max<uint64_t>(muon_scratch, MuonScratchBytes(u.rows, cols));
+      muon_scratch = std::max<uint64_t>(muon_scratch, MuonScratchBytes(u.rows, cols, true));
+      muon_scratch_blas = std::max<uint64_t>(muon_scratch_blas, MuonScratchBytes(u.rows, cols, false));
     }
   }
   if (muon_scratch > 0) {
@@ -545,8 +561,9 @@ absl::StatusOr<std::unique_ptr<internal::Engine>> NewCudaEngineImpl(
           "which this GPU lacks: step Muon groups on the CPU engine");
     }
   }
-  auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, options.moment_dtype,
-                                             max_slab, muon_scratch);
+  auto engine = std::make_unique<CudaEngine>(options.slot_count, unit_elems, adamw_elems,
+                                             options.moment_dtype, max_slab, muon_scratch,
+                                             muon_scratch_blas);
   CKPT_RETURN_IF_ERROR(engine->Restore());
   return std::unique_ptr<internal::Engine>(std::move(engine));
 }

@@ -289,7 +289,8 @@ struct ScratchLayout {
 
 size_t Align256(size_t v) { return (v + 255) / 256 * 256; }
 
-ScratchLayout Layout(uint64_t rows, uint64_t cols) {
+// `own_kernel`: ckpt's kernel runs the products (room for its split slices).
+ScratchLayout Layout(uint64_t rows, uint64_t cols, bool own_kernel) {
   const uint64_t m = rows < cols ? rows : cols;
   const uint64_t n = rows < cols ? cols : rows;
   ScratchLayout l;
@@ -304,7 +305,7 @@ ScratchLayout Layout(uint64_t rows, uint64_t cols) {
   // many tiles as H X's m x n), and only when m is small: kMaxSplit slices of them, at most
   // 16 MiB per slice's worth.
   const uint64_t mm = m * m;
-  l.split_floats = mm <= (uint64_t{4} << 20) ? kMaxSplit * mm : 0;
+  l.split_floats = own_kernel && mm <= (uint64_t{4} << 20) ? kMaxSplit * mm : 0;
   l.total = l.split + Align256(l.split_floats * sizeof(float));
   return l;
 }
@@ -401,7 +402,9 @@ cudaError_t LaunchGemmBf16(const uint16_t* a, const uint16_t* b, bool trans_b, c
   return cudaGetLastError();
 }
 
-size_t MuonScratchBytes(uint64_t rows, uint64_t cols) { return Layout(rows, cols).total; }
+size_t MuonScratchBytes(uint64_t rows, uint64_t cols, bool own_kernel) {
+  return Layout(rows, cols, own_kernel).total;
+}
 
 cudaError_t LaunchMuonProducts(void* scratch, uint64_t rows, uint64_t cols,
                                const MuonKernelConstants& k, const GemmBackend& products,
@@ -409,7 +412,7 @@ cudaError_t LaunchMuonProducts(void* scratch, uint64_t rows, uint64_t cols,
   if (rows == 0 || cols == 0 || rows >= (1ull << 31) || cols >= (1ull << 31))
     return cudaErrorInvalidValue;
   uint16_t* result = nullptr;
-  return Iterate(Layout(rows, cols), static_cast<std::byte*>(scratch),
+  return Iterate(Layout(rows, cols, products.gemm == nullptr), static_cast<std::byte*>(scratch),
                  static_cast<int>(std::min(rows, cols)), static_cast<int>(std::max(rows, cols)), k,
                  products, stream, &result);
 }
@@ -426,7 +429,7 @@ cudaError_t LaunchMuonMatrix(const MuonDeviceArgs& a, DType grad, DType param, D
                              cudaStream_t s) {
   if (a.rows == 0 || a.cols == 0 || a.rows >= (1ull << 31) || a.cols >= (1ull << 31))
     return cudaErrorInvalidValue;
-  const ScratchLayout l = Layout(a.rows, a.cols);
+  const ScratchLayout l = Layout(a.rows, a.cols, a.products.gemm == nullptr);
   auto* base = static_cast<std::byte*>(a.scratch);
   auto* x = reinterpret_cast<uint16_t*>(base + l.x);
   auto* partial = reinterpret_cast<double*>(base + l.partial);

@@ -48,8 +48,10 @@ struct MuonKernelConstants {
 cudaError_t GpuSupportsMuon(bool* supported);
 
 // Device scratch one matrix's orthogonalisation needs: two m x n and two m x m BF16 matrices (m
-// the smaller side) and the norm's partial sums. A slot sized for the largest matrix serves any.
-size_t MuonScratchBytes(uint64_t rows, uint64_t cols);
+// the smaller side) and the norm's partial sums, and with `own_kernel` (the products on ckpt's
+// kernel, GemmBackend::gemm null) room for its split products' FP32 slices when m <= 2048. A
+// slot sized for the largest matrix serves any, with the same products.
+size_t MuonScratchBytes(uint64_t rows, uint64_t cols, bool own_kernel);
 
 struct MuonDeviceArgs {
   const float* master_in;
@@ -60,7 +62,7 @@ struct MuonDeviceArgs {
   void* params;       // Device; the matrix's weights, written as the new masters rounded.
   float grad_scale;
   uint64_t rows, cols;
-  void* scratch;  // MuonScratchBytes(rows, cols) bytes of device memory.
+  void* scratch;  // MuonScratchBytes(rows, cols, products.gemm == nullptr) bytes of device memory.
   MuonKernelConstants k;
   GemmBackend products;
 };

@@ -278,8 +278,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 raise TypeError(f"parameters must be tensors, got {type(p).__name__}")
         if len({id(p) for p in plist}) != len(plist):
             raise ValueError("a parameter appears twice")
-        for g in self.param_groups:
-            self._check_group(g)
+        for gi, g in enumerate(self.param_groups):
+            self._check_group(g, gi)
         for p in plist:
             if p.dtype not in _DTYPES:
                 raise TypeError(f"parameters must be float32, bfloat16 or float16, got {p.dtype}")
@@ -421,7 +421,16 @@ class StagedAdamW(torch.optim.Optimizer):
         self._note_versions()
 
     @staticmethod
-    def _check_group(g):
+    def _check_group(g, index):
+        """A param group's hyper-parameters, as torch AdamW accepts them, and its implementation
+        choices (ckpt's limits): ValueError naming the group's index and the key."""
+        try:
+            StagedAdamW._check_group_keys(g)
+        except ValueError as e:
+            raise ValueError(f"param group {index}: {e}") from None
+
+    @staticmethod
+    def _check_group_keys(g):
         """A param group's hyper-parameters, as torch AdamW accepts them (ValueError naming the
         key), and its implementation choices (ckpt's limits)."""
         for key in ("lr", "eps", "weight_decay"):
@@ -496,7 +505,7 @@ class StagedAdamW(torch.optim.Optimizer):
 
     def _add_to_ckpt(self, group, names):
         """The group torch just appended, into ckpt's slabs and this object's tables."""
-        self._check_group(group)
+        self._check_group(group, len(self.param_groups) - 1)
         new = list(group["params"])
         first = len(self._params)
         for p in new:
@@ -693,7 +702,7 @@ class StagedAdamW(torch.optim.Optimizer):
                 return False
             handle = self._live()
             for gi, g in enumerate(self.param_groups):  # A scheduler may have run since.
-                self._check_group(g)
+                self._check_group(g, gi)
                 check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
             changed = any(grad_of[i] is None or grad_of[i]._version != v
                           for i, v in released.items())
@@ -930,7 +939,7 @@ class StagedAdamW(torch.optim.Optimizer):
         the checkpoint holds what the next step will use, e.g. after a scheduler's step)."""
         handle = self._live()
         for gi, g in enumerate(self.param_groups):
-            self._check_group(g)
+            self._check_group(g, gi)
             check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
         self._refresh_edited()  # A save holds the parameters as the trainer left them.
         return handle
@@ -1312,7 +1321,7 @@ class StagedAdamW(torch.optim.Optimizer):
                     f"param group {gi} is {'Muon' if theirs.get('use_muon') else 'AdamW'}'s in "
                     f"the state dict and {'Muon' if ours.get('use_muon') else 'AdamW'}'s here: a "
                     "group's algorithm is fixed when it is added")
-            self._check_group(group)
+            self._check_group(group, gi)
             new_groups.append(group)
         if not self._max_slab and any(g.get("amsgrad") for g in new_groups):
             raise ValueError("the state dict's param groups use amsgrad, and this optimizer keeps "

@@ -2,7 +2,8 @@
 test_torch_optimizer.py on its shard of each step's batch with a sharded StagedAdamW over gloo,
 saving or resuming through ckpt.Checkpointer. Usage:
     dp_worker.py RANK WORLD INIT_FILE ROOT (train FIRST LAST | resume LAST) [DUMP]
-CKPT_TEST_OPT=muon trains with StagedMuon instead."""
+CKPT_TEST_OPT=muon trains with StagedMuon instead. CKPT_TEST_DEVICE=cuda puts each rank's model on
+its GPU (rank modulo the GPUs) and the ranks on NCCL."""
 import datetime
 import os
 import sys
@@ -20,10 +21,15 @@ def main():
     rank, world, init, root, phase = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], \
         sys.argv[5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    cuda = os.environ.get("CKPT_TEST_DEVICE") == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = TinyGPT()
+    if cuda:
+        model.cuda()
     if os.environ.get("CKPT_TEST_DTYPE") == "bf16":
         model.to(torch.bfloat16)
     muon = os.environ.get("CKPT_TEST_OPT") == "muon"

@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.distributed as dist
 
 import ckpt.torch
 from test_torch_optimizer import TinyGPT, groups, muon_groups, relative, shard_loss, torch_groups
@@ -68,6 +70,28 @@ def test_muon_saved_at_two_ranks_resumes_bit_for_bit_at_one_two_and_three(tmp_pa
             for kind, a, b in zip(("weights", "master", "momentum or exp_avg"),
                                   dump["state"][name], state):
                 assert torch.equal(a, b), f"DP {world}: {kind} {name}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
+                    reason="needs a CUDA device and NCCL (the GPU host)")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_cuda_parameters_over_nccl_resume_bit_for_bit(tmp_path, optimizer):
+    # The CUDA engine with a process_group over NCCL, as many ranks as GPUs (up to 2): saved
+    # after step 2 and resumed to step 4, every rank's state equals an uninterrupted run's.
+    world = min(2, torch.cuda.device_count())
+    env = {"CKPT_TEST_DEVICE": "cuda", "CKPT_TEST_OPT": optimizer}
+    launch(world, tmp_path, "a", str(tmp_path / "root"), "train", "1", "2", env=env)
+    launch(world, tmp_path, "b", str(tmp_path / "root"), "resume", "4", str(tmp_path / "r.pt"),
+           env=env)
+    launch(world, tmp_path, "u", str(tmp_path / "whole"), "train", "1", "4",
+           str(tmp_path / "u.pt"), env=env)
+    got, want = torch.load(tmp_path / "r.pt"), torch.load(tmp_path / "u.pt")
+    assert got["steps"] == want["steps"] == [4, 4]
+    for name, state in want["state"].items():
+        assert state[0].is_cuda
+        for kind, a, b in zip(("weights", "master", "momentum or exp_avg", "exp_avg_sq"),
+                              got["state"][name], state):
+            assert torch.equal(a, b), f"{optimizer}: {kind} {name}"
 
 
 def test_bf16_parameters_average_their_gradients_in_fp32(tmp_path):

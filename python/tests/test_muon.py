@@ -241,6 +241,10 @@ def test_refusals_name_what_is_wrong():
         ckpt.torch.StagedMuon([("w", torch.zeros(4, 4, requires_grad=True)), ("bias", vector)])
     with pytest.raises(ValueError, match="ns_steps"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True)], ns_steps=100)
+    with pytest.raises(ValueError, match="param group 1: momentum"):
+        ckpt.torch.StagedMuon([{"params": [torch.zeros(4, 4, requires_grad=True)]},
+                               {"params": [torch.zeros(3, 4, requires_grad=True)],
+                                "momentum": -1.0}])
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         ckpt.torch.StagedMuon([torch.zeros(4, 4, requires_grad=True)], adjust_lr_fn="fast")
     with pytest.raises(ValueError, match="use_muon"):

@@ -76,7 +76,7 @@ def shard_loss(model, step, rank, world):
     6 sequences (averaged over the ranks, the gradient of the whole batch's mean)."""
     g = torch.Generator().manual_seed(2000 + step)
     ids = torch.randint(0, 97, (6, 16), generator=g)
-    shard = ids[rank * 6 // world:(rank + 1) * 6 // world]
+    shard = ids[rank * 6 // world:(rank + 1) * 6 // world].to(next(model.parameters()).device)
     x, y = shard[:, :-1], shard[:, 1:]
     return torch.nn.functional.cross_entropy(model(x).reshape(-1, 97), y.reshape(-1))
 
@@ -334,7 +334,7 @@ def test_bad_input_raises_clear_errors(tmp_path):
     model, opt = fresh()
     loss_of(model, 0).backward()
     opt.param_groups[0]["lr"] = float("nan")
-    with pytest.raises(ValueError, match="lr must be a finite number"):
+    with pytest.raises(ValueError, match="param group 0: lr must be a finite number"):
         opt.step()
     opt.param_groups[0]["lr"] = 1e-3
     ck = ckpt.Checkpointer(tmp_path / "root", opt)

@@ -157,9 +157,14 @@ absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, ui
   const uint64_t m = std::min(rows, cols), n = std::max(rows, cols);
   if (m >= (uint64_t{1} << 31) || n >= (uint64_t{1} << 31))
     return absl::InvalidArgumentError("bench muon: a matrix side of 2^31 or more");
+  std::string why;
+  const internal::CublasGemm blas = internal::CublasGemm::Create(&why);
+  GpuProducts out;
+  out.backend = blas.valid() ? "cuBLAS, loaded at run time" : "ckpt's WMMA kernel: " + why;
   // The step's own scratch, X (its first m x n BF16 elements) filled with 0.01 (0x3c24).
-  CKPT_ASSIGN_OR_RETURN(DeviceBuffer scratch,
-                        DeviceBuffer::Create(internal::MuonScratchBytes(rows, cols)));
+  CKPT_ASSIGN_OR_RETURN(
+      DeviceBuffer scratch,
+      DeviceBuffer::Create(internal::MuonScratchBytes(rows, cols, !blas.valid())));
   CKPT_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
   const std::vector<uint16_t> fill(m * n, 0x3c24);
   CKPT_CUDA_RETURN_IF_ERROR(
@@ -169,10 +174,6 @@ absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, ui
   k.b = -4.775f;
   k.c = 2.0315f;
   k.ns_steps = ns_steps;
-  std::string why;
-  const internal::CublasGemm blas = internal::CublasGemm::Create(&why);
-  GpuProducts out;
-  out.backend = blas.valid() ? "cuBLAS, loaded at run time" : "ckpt's WMMA kernel: " + why;
   cudaEvent_t begin = nullptr, end = nullptr;
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));

@@ -118,6 +118,8 @@ struct StepReport {
   uint64_t first_nonfinite = 0;  // Slab index of the first.
   // CUDA engine: recorded after the last write of `params` (the caller's stream already waits
   // on it; for other streams). Owned by the optimizer, valid until the next Step or Release.
+  // Null on the CPU engine, and for a step that wrote nothing (skipped for non-finite
+  // gradients): there is nothing to wait for.
   CUevent_st* done = nullptr;
   // An overlapped step (StagedAdamW::Overlap): units updated during backward, and whether that
   // speculation held (was committed) or was redone (or undone, for a skipped step).
