@@ -102,6 +102,12 @@ def main():
                         "matrices at lr --muon-lr, AdamW for the embeddings, head and norms)")
     p.add_argument("--muon-lr", type=float, default=0.02)
     args = p.parse_args()
+    if args.device.startswith("cuda"):
+        # A resume that ends bit for bit where an uninterrupted run ends needs the GPU's forward
+        # and backward to be reproducible too: torch's deterministic kernels, and cuBLAS's own
+        # setting for them (read when CUDA starts, so before the model moves there).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

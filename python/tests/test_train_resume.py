@@ -1,6 +1,8 @@
 """The Python training demo killed with SIGKILL while an async save is in flight resumes from
 LATEST in a fresh process and ends bit for bit where an uninterrupted run ends: parameters,
-masters, both moments, the LR scheduler, the RNG and every group's step."""
+masters, both moments, the LR scheduler, the RNG and every group's step. CKPT_TEST_DEVICE=cuda (the
+GPU host) trains on the GPU with ckpt's CUDA engine (the demo turns torch's deterministic algorithms
+on there)."""
 import functools
 import os
 import subprocess
@@ -11,7 +13,8 @@ import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DEMO = os.path.join(REPO, "demo", "python", "train_gpt.py")
-SMALL = ["--steps", "24", "--save-every", "5", "--dim", "64", "--layers", "2", "--threads", "2"]
+SMALL = ["--steps", "24", "--save-every", "5", "--dim", "64", "--layers", "2", "--threads", "2",
+         "--device", os.environ.get("CKPT_TEST_DEVICE", "cpu")]
 
 
 def run_with(*args):
