@@ -2,7 +2,8 @@
 // matrices, AdamW for the rest) saved, async-saved under steps, resharded and loaded resumes bit
 // for bit; a Muon parameter's step holds its master and optimizer.momentum.<name> and no
 // second moments; loads across algorithms are refused by group with nothing touched, and the
-// model-only load from the masters keeps them bit for bit and zeroes the moments.
+// model-only load from the masters keeps them bit for bit and zeroes the moments; a failed load
+// rolls the momentum back with the rest, and an exported step loads back as the model.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -18,9 +19,11 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/env.h"
+#include "ckpt/formats/chunk.h"
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/formats/optimizer_record.h"
 #include "ckpt/optimizer/checkpointer.h"
+#include "ckpt/optimizer/export_hf.h"
 #include "ckpt/optimizer/reshard.h"
 #include "ckpt/optimizer/staged_adamw.h"
 #include "tests/support/status_matchers.h"
@@ -180,6 +183,64 @@ TEST_F(MuonCheckpointTest, AHybridSavedAndLoadedResumesBitForBit) {
   for (int s = 3; s < 5; ++s) Step(*b, s);
   EXPECT_EQ(Of(*b).master, Of(*a).master);
   EXPECT_EQ(Of(*b).exp_avg, Of(*a).exp_avg);
+}
+
+// A load whose momentum chunk is damaged fails with the state as it was (rolled back from a
+// spill: the steps since the save were not saved) and the optimizer clean; a step exported
+// from its masters loads into a fresh hybrid as its masters, bit for bit, momentum zero.
+TEST_F(MuonCheckpointTest, AFailedLoadRollsBackAndAnExportedStepLoadsAsTheModel) {
+  auto store = Store("/run");
+  auto a = Optimizer(Hybrid());
+  auto ck = Checkpointer::Create(a.get(), store.get(), &coordinator_);
+  ASSERT_THAT(ck, IsOk());
+  for (int s = 0; s < 2; ++s) Step(*a, s);
+  ASSERT_THAT((*ck)->Save(2), IsOk());
+  for (int s = 2; s < 4; ++s) Step(*a, s);  // Unsaved: only a spill can restore this.
+  const State before = Of(*a);
+  {
+    uint64_t at = 0;
+    {
+      auto reader = store->OpenStep(2);
+      ASSERT_THAT(reader, IsOk());
+      const formats::Manifest& m = (*reader)->manifest();
+      for (const formats::PieceInfo& p : m.pieces) {
+        if (m.tensors[p.tensor].name == "optimizer.momentum.w2") {
+          at = m.files[p.file].chunks[p.first_chunk].offset + formats::kChunkHeaderBytes + 1;
+        }
+      }
+    }
+    ASSERT_GT(at, 0u);
+    const std::string path = "/run/" + StepDirectoryName(2) + "/rank-00000.data";
+    auto bytes = ReadFileToString(env_.get(), path, UINT64_MAX);
+    ASSERT_THAT(bytes, IsOk());
+    (*bytes)[at] ^= 0x10;
+    ASSERT_THAT(env_->RemoveFile(path), IsOk());
+    auto file = env_->NewWritableFile(path, FileOptions{});
+    ASSERT_THAT(file, IsOk());
+    ASSERT_THAT((*file)->Append(std::as_bytes(std::span(*bytes))), IsOk());
+    ASSERT_THAT((*file)->Close(), IsOk());
+  }
+  EXPECT_THAT((*ck)->Load(2), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_TRUE(Of(*a) == before) << "the momentum and the masters as before the load";
+  EXPECT_EQ(a->lifecycle(), Lifecycle::kClean);
+  Step(*a, 4);
+
+  ASSERT_THAT((*ck)->Save(5), IsOk());
+  const State at5 = Of(*a);
+  auto reader = store->OpenStep(5);
+  ASSERT_THAT(reader, IsOk());
+  ExportHfOptions eo;
+  eo.env = env_.get();
+  eo.from = ExportFrom::kMasters;
+  ASSERT_THAT(ExportHf(**reader, "/export", eo), IsOk());
+  auto b = Optimizer(Hybrid());
+  auto ck_b = Checkpointer::Create(b.get(), store.get(), &coordinator_);
+  ASSERT_THAT(ck_b, IsOk());
+  ASSERT_THAT((*ck_b)->LoadModel("/export"), IsOk());
+  EXPECT_EQ(std::memcmp(b->master().data(), at5.master.data(), at5.master.size() * 4), 0);
+  EXPECT_TRUE(std::all_of(b->exp_avg_bytes().begin(), b->exp_avg_bytes().end(),
+                          [](std::byte x) { return x == std::byte{0}; }));
+  EXPECT_EQ(b->groups()[0].step, 0u);
 }
 
 TEST_F(MuonCheckpointTest, AnAsyncSaveUnderStepsHoldsTheStateItWasStartedOn) {
