@@ -17,6 +17,7 @@ using Status = int;  // cublasStatus_t: 0 is CUBLAS_STATUS_SUCCESS.
 using CreateFn = Status (*)(void** handle);
 using DestroyFn = Status (*)(void* handle);
 using SetStreamFn = Status (*)(void* handle, cudaStream_t stream);
+using SetMathModeFn = Status (*)(void* handle, int mode);
 using GemmExFn = Status (*)(void* handle, int transa, int transb, int m, int n, int k,
                             const void* alpha, const void* a, int a_type, int lda, const void* b,
                             int b_type, int ldb, const void* beta, void* c, int c_type, int ldc,
@@ -25,11 +26,15 @@ constexpr int kOpN = 0, kOpT = 1;  // cublasOperation_t.
 constexpr int kBf16 = 14;          // cudaDataType CUDA_R_16BF.
 constexpr int kCompute32F = 68;    // cublasComputeType_t CUBLAS_COMPUTE_32F.
 constexpr int kGemmDefault = -1;   // cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT.
+// cublasMath_t CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION: a split
+// product's partial sums stay FP32, so each product is rounded to BF16 once, as torch's.
+constexpr int kMathNoReducedReduction = 16;
 
 struct Api {
   CreateFn create = nullptr;
   DestroyFn destroy = nullptr;
   SetStreamFn set_stream = nullptr;
+  SetMathModeFn set_math_mode = nullptr;
   GemmExFn gemm = nullptr;
   std::string why;  // Why it is not loaded.
 };
@@ -57,11 +62,13 @@ const Api& LoadApi() {
     a.create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
     a.destroy = reinterpret_cast<DestroyFn>(dlsym(lib, "cublasDestroy_v2"));
     a.set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
+    a.set_math_mode = reinterpret_cast<SetMathModeFn>(dlsym(lib, "cublasSetMathMode"));
     a.gemm = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
     if (a.create == nullptr || a.destroy == nullptr || a.set_stream == nullptr ||
-        a.gemm == nullptr) {
+        a.set_math_mode == nullptr || a.gemm == nullptr) {
       a.create = nullptr;
-      a.why = absl::StrCat(name, " lacks cublasCreate_v2, cublasSetStream_v2 or cublasGemmEx");
+      a.why = absl::StrCat(name, " lacks cublasCreate_v2, cublasSetStream_v2, cublasSetMathMode "
+                           "or cublasGemmEx");
     }
     return a;
   }();
@@ -86,6 +93,7 @@ cudaError_t Product(void* handle, const uint16_t* a, const uint16_t* b, bool tra
   const Status s = api.gemm(handle, trans_b ? kOpT : kOpN, kOpN, n, m, k, &alpha, b, kBf16,
                             trans_b ? k : n, a, kBf16, k, &beta, c, kBf16, n, kCompute32F,
                             kGemmDefault);
+  // cudaError_t carries no cuBLAS status: a failed product reports cudaErrorUnknown.
   return s == 0 ? cudaSuccess : cudaErrorUnknown;
 }
 
@@ -105,6 +113,11 @@ CublasGemm CublasGemm::Create(std::string* why) {
     return g;
   }
   g.handle_ = handle;
+  const Status m = api.set_math_mode(handle, kMathNoReducedReduction);
+  if (m != 0) {
+    *why = absl::StrCat("cublasSetMathMode failed (status ", m, ")");
+    return CublasGemm();  // g's destructor releases the handle.
+  }
   return g;
 }
 

@@ -3,8 +3,11 @@
 // host that runs torch has the library (torch's wheels ship it). It is loaded at run time with
 // dlopen, never linked: ckpt builds and runs without it (the build machine has no cuBLAS), and
 // the products then run on ckpt's kernel. CKPT_CUBLAS=off keeps ckpt's kernel; CKPT_CUBLAS=<path>
-// names the library; otherwise libcublas.so.13, then .12, from the loader's search path or the
-// process (a Python process that imported torch already holds it).
+// names the library; otherwise libcublas.so.<major> of the CUDA runtime ckpt was built with
+// (13), from the loader's search path or the process (a Python process that imported torch
+// already holds it). Each handle disallows reduced-precision reductions (every product is
+// rounded to BF16 once), and is used from one stream at a time: cuBLAS's results repeat bit for
+// bit only so (its reproducibility rules), so the engine keeps one handle per slot.
 #ifndef CKPT_OPTIMIZER_CUDA_CUBLAS_GEMM_H_
 #define CKPT_OPTIMIZER_CUDA_CUBLAS_GEMM_H_
 
@@ -17,7 +20,7 @@
 
 namespace ckpt::optimizer::internal {
 
-// One cuBLAS handle (one engine's). Move-only; empty when cuBLAS is not loaded.
+// One cuBLAS handle (one slot's). Move-only; empty when cuBLAS is not loaded.
 class CublasGemm {
  public:
   CublasGemm() = default;

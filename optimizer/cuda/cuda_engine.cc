@@ -30,7 +30,7 @@
 // in/out buffers, sized by the largest unit, which such a matrix is): MuonScratchBytes(rows,
 // cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides). Its products run on
 // cuBLAS when the process can load it (cublas_gemm.h), on ckpt's own kernel otherwise; one
-// handle per engine, used from the thread that calls Step.
+// handle per slot (its compute stream's), used from the thread that calls Step.
 //
 // The exp_avg_sq (and max_exp_avg_sq) buffers are sized by the largest AdamW unit only: a Muon
 // matrix has none.
@@ -65,6 +65,7 @@ struct Slot {
   DeviceBuffer master_in, m_in, v_in, master_out, m_out, v_out;
   DeviceBuffer x_in, x_out;  // max_exp_avg_sq; empty without it.
   DeviceBuffer muon;         // The orthogonalisation's scratch; empty without Muon groups.
+  CublasGemm blas;           // Its products' cuBLAS handle; empty: ckpt's kernel.
   CudaStream h2d, compute, d2h;
   CudaEvent h2d_done, kernel_done, d2h_done;
 };
@@ -85,14 +86,20 @@ class CudaEngine : public internal::Engine {
   absl::Status Restore() override {
     if (!slots_.empty()) return absl::OkStatus();
     const size_t mbytes = MomentBytes(moments_);
-    // Muon's products on cuBLAS when the process can load it, else on ckpt's kernel.
-    CublasGemm blas;
-    if (muon_scratch_own_ > 0) {
-      std::string why;
-      blas = CublasGemm::Create(&why);
-    }
-    const uint64_t muon_scratch = blas.valid() ? muon_scratch_blas_ : muon_scratch_own_;
+    // Muon's products on cuBLAS when the process can load it (a handle per slot: cuBLAS repeats
+    // its results only for one stream per handle), else on ckpt's kernel in every slot.
     std::vector<Slot> slots(static_cast<size_t>(slot_count_));
+    bool blas = muon_scratch_own_ > 0;
+    for (Slot& s : slots) {
+      if (!blas) break;
+      std::string why;
+      s.blas = CublasGemm::Create(&why);
+      blas = s.blas.valid();
+    }
+    if (!blas) {
+      for (Slot& s : slots) s.blas = CublasGemm();
+    }
+    const uint64_t muon_scratch = blas ? muon_scratch_blas_ : muon_scratch_own_;
     for (Slot& s : slots) {
       CKPT_ASSIGN_OR_RETURN(s.master_in, DeviceBuffer::Create(unit_elems_ * 4));
       CKPT_ASSIGN_OR_RETURN(s.m_in, DeviceBuffer::Create(unit_elems_ * mbytes));
@@ -119,8 +126,8 @@ class CudaEngine : public internal::Engine {
     CKPT_ASSIGN_OR_RETURN(CudaEvent done, CudaEvent::Create());
     CKPT_ASSIGN_OR_RETURN(DeviceBuffer counter, DeviceBuffer::Create(sizeof(unsigned long long)));
     slots_ = std::move(slots);
-    blas_ = std::move(blas);
     muon_scratch_ = muon_scratch;
+    products_ = muon_scratch == 0 ? "" : blas ? "-muon-cublas" : "-muon-ckpt-wmma";
     join_ = std::move(join);
     grads_ready_ = std::move(grads_ready);
     done_ = std::move(done);
@@ -144,7 +151,6 @@ class CudaEngine : public internal::Engine {
     if (join_.valid())
       status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
-    blas_ = CublasGemm();
     next_slot_ = 0;
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
@@ -155,7 +161,11 @@ class CudaEngine : public internal::Engine {
   }
 
   uint64_t device_bytes() const override { return device_bytes_; }
-  std::string name() const override { return absl::StrCat("cuda-", slot_count_, "slots"); }
+  // "cuda-2slots", and where Muon's products run when it has Muon groups ("-muon-cublas" or
+  // "-muon-ckpt-wmma").
+  std::string name() const override {
+    return absl::StrCat("cuda-", slot_count_, "slots", products_);
+  }
   bool wants_pinned_slabs() const override { return true; }
 
   absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
@@ -371,7 +381,11 @@ class CudaEngine : public internal::Engine {
         args, slabs, plan, u.offset, u.count, gsize,
         [&](uint64_t, uint64_t count, const std::byte* grads, std::byte* params, uint32_t ci,
             formats::DType model_dtype) {
-          if (launched != cudaSuccess || ci == StepPlan::kSkipped) return;
+          if (launched != cudaSuccess) return;
+          if (ci == StepPlan::kSkipped) {  // Not reached: a skipped matrix is an inactive unit.
+            launched = cudaErrorInvalidValue;
+            return;
+          }
           const MuonConstants& c = plan.constants[ci].muon;
           const uint64_t cols = count / u.rows;
           MuonDeviceArgs a{static_cast<const float*>(s.master_in.data()),
@@ -387,7 +401,7 @@ class CudaEngine : public internal::Engine {
                            MuonKernelConstants{c.lerp_weight, c.nesterov_weight, c.nesterov ? 1 : 0,
                                                c.decay, -MuonAdjustedLr(c, u.rows, cols), c.a,
                                                c.b, c.c, c.eps, c.ns_steps},
-                           blas_.backend()};
+                           s.blas.backend()};
           launched = LaunchMuonMatrix(
               a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
               moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
@@ -514,7 +528,7 @@ class CudaEngine : public internal::Engine {
   // Muon's scratch per slot for its products on ckpt's kernel and on cuBLAS; 0 without Muon.
   const uint64_t muon_scratch_own_, muon_scratch_blas_;
   uint64_t muon_scratch_ = 0;  // What Restore allocated per slot.
-  CublasGemm blas_;            // Muon's products; empty: ckpt's kernel.
+  std::string products_;       // Where Muon's products run, for name(): "-muon-cublas".
   uint64_t device_bytes_ = 0;
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;

@@ -1022,6 +1022,7 @@ TEST(CudaMuonTest, SlotsAreSizedByTheLargestMatrixAndSurviveReleaseAndRestore) {
   o.unit_bytes = 4096;  // Far below the largest matrix (300 x 520).
   auto opt = StagedAdamW::Create(o, Encode(Random(Size(o), 1, 1.0f), DType::kBF16));
   ASSERT_THAT(opt, IsOk());
+  EXPECT_THAT((*opt)->engine_name(), ::testing::StartsWith("cuda-2slots-muon-"));
   const uint64_t largest = 300 * 520;
   // Less without ckpt's split products when cuBLAS runs them.
   const uint64_t scratch = internal::MuonScratchBytes(300, 520, false);

@@ -101,8 +101,9 @@ __global__ void __launch_bounds__(kGemmThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wr = warp / 4, wc = warp % 4;  // 2 x 4 warps, each 64 x 32 of C.
   const int row0 = blockIdx.y * kBm, col0 = blockIdx.x * kBn;
-  const int k_begin = blockIdx.z * k_per_slice;
-  const int k_end = min(k, k_begin + k_per_slice);
+  const int k_begin = static_cast<int>(blockIdx.z) * k_per_slice;  // Below k: no overflow.
+  const int k_end = static_cast<int>(
+      min(static_cast<long long>(k), static_cast<long long>(k_begin) + k_per_slice));
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -178,6 +179,8 @@ __global__ void __launch_bounds__(kGemmThreads)
       __syncwarp();
     }
   }
+#else
+  __trap();  // Never launched on such a device (GpuSupportsMuon); loud if its code ever runs.
 #endif
 }
 
@@ -257,7 +260,7 @@ __global__ void __launch_bounds__(kNormBlocks)
   if (threadIdx.x == 0) {
     const float rounded = Bf16Bits(ToBf16(__double2float_rn(sqrt(s))));
     const float floor = Bf16Bits(ToBf16(eps));
-    *norm = rounded > floor ? rounded : floor;  // max(|X|, eps): the norm is never NaN here.
+    *norm = rounded < floor ? floor : rounded;  // std::max(|X|, eps), as the CPU: NaN stays.
   }
 }
 
@@ -376,16 +379,18 @@ cudaError_t LaunchGemmBf16(const uint16_t* a, const uint16_t* b, bool trans_b, c
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e != cudaSuccess) return e;
-  const int tiles = static_cast<int>(grid.x * grid.y);
-  const int k_steps = (k + kBk - 1) / kBk;
-  int slices = 1;
+  // In 64 bits: k may come close to 2^31.
+  const int64_t tiles = static_cast<int64_t>(grid.x) * grid.y;
+  const int64_t k_steps = (static_cast<int64_t>(k) + kBk - 1) / kBk;
+  int64_t slices = 1;
   if (tiles < sms && k_steps >= 16) {
-    slices = std::min({kMaxSplit, (2 * sms + tiles - 1) / tiles, k_steps / 8});
+    slices = std::min<int64_t>({kMaxSplit, (2 * sms + tiles - 1) / tiles, k_steps / 8});
     const size_t need = static_cast<size_t>(slices) * static_cast<size_t>(m) * n;
     if (slices < 2 || workspace == nullptr || need > workspace_floats) slices = 1;
   }
-  const int k_per_slice = (k_steps + slices - 1) / slices * kBk;
-  slices = (k + k_per_slice - 1) / k_per_slice;  // Every slice non-empty.
+  const int k_per_slice = static_cast<int>(
+      std::min<int64_t>((k_steps + slices - 1) / slices * kBk, k));
+  slices = (static_cast<int64_t>(k) + k_per_slice - 1) / k_per_slice;  // Every slice non-empty.
   grid.z = static_cast<unsigned>(slices);
   float* partial = slices > 1 ? workspace : nullptr;
   const bool vec_a = k % 8 == 0 && Aligned16(a);
@@ -398,7 +403,8 @@ cudaError_t LaunchGemmBf16(const uint16_t* a, const uint16_t* b, bool trans_b, c
   }
   if ((e = cudaGetLastError()) != cudaSuccess || slices == 1) return e;
   const uint64_t count = static_cast<uint64_t>(m) * static_cast<uint64_t>(n);
-  ReduceSlices<<<Blocks(count), kThreads, 0, stream>>>(partial, slices, d, c, count, alpha, beta);
+  ReduceSlices<<<Blocks(count), kThreads, 0, stream>>>(partial, static_cast<int>(slices), d, c,
+                                                       count, alpha, beta);
   return cudaGetLastError();
 }
 

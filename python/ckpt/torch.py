@@ -224,6 +224,9 @@ class StagedAdamW(torch.optim.Optimizer):
     in place is continued from (docs/python.md states the contract and what still differs).
     """
 
+    # The CUDA engine's least compute capability for this optimizer (StagedMuon: 8, BF16 tensor
+    # cores for its products); below it, the CPU engine steps CUDA parameters.
+    _min_capability = 0
     # The parameters' common dtype (None when they mix), the step's gradient dtype, and the
     # elements of all parameters and of this rank.
     _dtype = _shared("dtype")
@@ -294,6 +297,11 @@ class StagedAdamW(torch.optim.Optimizer):
         on_cuda = sum(p.numel() for p in plist if p.device.type == "cuda")
         device = next(iter(cuda)) if on_cuda * 2 > sum(p.numel() for p in plist) else \
             torch.device("cpu")
+        if device.type == "cuda" and \
+                torch.cuda.get_device_capability(device)[0] < self._min_capability:
+            # StagedMuon on a GPU without BF16 tensor cores: the CPU engine, the CUDA parameters
+            # staged through host copies.
+            device = torch.device("cpu")
         if process_group is not None and any(p.device != device for p in plist):
             raise NotImplementedError(
                 "parameters on two devices with a process_group are not supported yet")
@@ -1454,8 +1462,9 @@ class StagedMuon(StagedAdamW):
     weight_decay). Muon groups take 2-D parameters only, each stepped whole: its FP32 master and
     momentum buffer live in ckpt's host slabs, and the Newton-Schulz iteration runs as torch's
     (BF16 operands, FP32 sums, one rounding per product): for CUDA parameters on the GPU, each
-    matrix streamed through slots sized by the largest one (the CUDA engine), for CPU ones on
-    every core of the CPU.
+    matrix streamed through slots sized by the largest one (the CUDA engine; on a GPU older than
+    compute capability 8.0 the CPU engine, the parameters staged through host copies), for CPU
+    ones on every core of the CPU.
     state_dict() is torch's shape: {"momentum_buffer", "step", "master"} for a Muon parameter,
     AdamW's entries for the others; load_state_dict() takes torch.optim.Muon's too.
 
@@ -1466,6 +1475,8 @@ class StagedMuon(StagedAdamW):
     first, onto the rank with the fewest elements). Not yet: overlap. moments "bf16" keeps the
     momentum in BF16.
     """
+
+    _min_capability = 8
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,

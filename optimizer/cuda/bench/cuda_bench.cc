@@ -157,6 +157,12 @@ absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, ui
   const uint64_t m = std::min(rows, cols), n = std::max(rows, cols);
   if (m >= (uint64_t{1} << 31) || n >= (uint64_t{1} << 31))
     return absl::InvalidArgumentError("bench muon: a matrix side of 2^31 or more");
+  bool supported = false;
+  CKPT_CUDA_RETURN_IF_ERROR(internal::GpuSupportsMuon(&supported));
+  if (!supported) {
+    return absl::FailedPreconditionError(
+        "bench muon: the CUDA engine's Muon needs compute capability 8.0 or newer");
+  }
   std::string why;
   const internal::CublasGemm blas = internal::CublasGemm::Create(&why);
   GpuProducts out;
@@ -174,9 +180,15 @@ absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, ui
   k.b = -4.775f;
   k.c = 2.0315f;
   k.ns_steps = ns_steps;
+  // Timing events (CudaEvent's are created without timing), each destroyed on every return.
+  auto destroy = [](cudaEvent_t e) {
+    if (e != nullptr) cudaEventDestroy(e);
+  };
   cudaEvent_t begin = nullptr, end = nullptr;
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&begin));
+  std::unique_ptr<CUevent_st, decltype(destroy)> own_begin(begin, destroy);
   CKPT_CUDA_RETURN_IF_ERROR(cudaEventCreate(&end));
+  std::unique_ptr<CUevent_st, decltype(destroy)> own_end(end, destroy);
   double best = 1e30;
   absl::Status status;
   for (int r = 0; r <= repeats && status.ok(); ++r) {  // Round 0 warms up.
@@ -191,8 +203,6 @@ absl::StatusOr<GpuProducts> TimeGpuMuonProducts(uint64_t rows, uint64_t cols, ui
       status.Update(internal::CudaStatus(cudaEventElapsedTime(&ms, begin, end), "elapsed"));
     if (r > 0) best = std::min(best, ms / 1e3);
   }
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
   CKPT_RETURN_IF_ERROR(status);
   out.seconds = best;
   return out;
