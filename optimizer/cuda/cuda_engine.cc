@@ -68,6 +68,8 @@ struct Slot {
   CublasGemm blas;           // Its products' cuBLAS handle; empty: ckpt's kernel.
   CudaStream h2d, compute, d2h;
   CudaEvent h2d_done, kernel_done, d2h_done;
+  // A Muon matrix's: its master copied in, its momentum written (StepMatrix).
+  CudaEvent master_in_done, momentum_done;
 };
 
 class CudaEngine : public internal::Engine {
@@ -120,6 +122,10 @@ class CudaEngine : public internal::Engine {
       CKPT_ASSIGN_OR_RETURN(s.h2d_done, CudaEvent::Create());
       CKPT_ASSIGN_OR_RETURN(s.kernel_done, CudaEvent::Create());
       CKPT_ASSIGN_OR_RETURN(s.d2h_done, CudaEvent::Create());
+      if (muon_scratch > 0) {
+        CKPT_ASSIGN_OR_RETURN(s.master_in_done, CudaEvent::Create());
+        CKPT_ASSIGN_OR_RETURN(s.momentum_done, CudaEvent::Create());
+      }
     }
     CKPT_ASSIGN_OR_RETURN(CudaStream join, CudaStream::Create());
     CKPT_ASSIGN_OR_RETURN(CudaEvent grads_ready, CudaEvent::Create());
@@ -357,7 +363,10 @@ class CudaEngine : public internal::Engine {
   bool queues_only() const override { return true; }
 
   // One Muon matrix in slot `s` (the `k`-th unit of the call): steps 1 to 3 with the master and
-  // the momentum only.
+  // the momentum only, each moved on its own: the momentum goes in first (the orthogonalisation
+  // starts from it) and out as soon as it is written; the master goes in behind it (read only by
+  // the last kernel) and out last. The first matrix's compute then waits for half its bytes, and
+  // the last one's drain moves half of them.
   absl::Status StepMatrix(const StepArgs& args, const Unit& u, const StepPlan& plan,
                           const SlabView& slabs, size_t gsize, size_t mbytes, Slot& s, size_t k) {
     if (!s.muon.valid()) return absl::InternalError("a Muon unit without Muon scratch");
@@ -366,11 +375,12 @@ class CudaEngine : public internal::Engine {
     float* master = slabs.master + u.offset;
     std::byte* momentum = slabs.exp_avg + u.offset * mbytes;
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
-    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
-                                              cudaMemcpyHostToDevice, s.h2d.get()));
     CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.m_in.data(), momentum, u.count * mbytes,
                                               cudaMemcpyHostToDevice, s.h2d.get()));
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
+                                              cudaMemcpyHostToDevice, s.h2d.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.master_in_done.get(), s.h2d.get()));
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
     if (k < slots_.size())
@@ -401,7 +411,9 @@ class CudaEngine : public internal::Engine {
                            MuonKernelConstants{c.lerp_weight, c.nesterov_weight, c.nesterov ? 1 : 0,
                                                c.decay, -MuonAdjustedLr(c, u.rows, cols), c.a,
                                                c.b, c.c, c.eps, c.ns_steps},
-                           s.blas.backend()};
+                           s.blas.backend(),
+                           s.momentum_done.get(),
+                           s.master_in_done.get()};
           launched = LaunchMuonMatrix(
               a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
               moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
@@ -409,10 +421,11 @@ class CudaEngine : public internal::Engine {
         });
     CKPT_CUDA_RETURN_IF_ERROR(launched);
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.momentum_done.get(), 0));
+    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(momentum, s.m_out.data(), u.count * mbytes,
+                                              cudaMemcpyDeviceToHost, s.d2h.get()));
     CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
     CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master, s.master_out.data(), u.count * 4,
-                                              cudaMemcpyDeviceToHost, s.d2h.get()));
-    CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(momentum, s.m_out.data(), u.count * mbytes,
                                               cudaMemcpyDeviceToHost, s.d2h.get()));
     CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
     return absl::OkStatus();

@@ -459,6 +459,8 @@ cudaError_t LaunchMuonMatrix(const MuonDeviceArgs& a, DType grad, DType param, D
       return cudaErrorInvalidValue;
   }
   if (e != cudaSuccess) return e;
+  if (a.momentum_written != nullptr && (e = cudaEventRecord(a.momentum_written, s)) != cudaSuccess)
+    return e;
   // 2-3. X / max(|X|, eps).
   NormKernel<<<1, kNormBlocks, 0, s>>>(partial, a.k.eps, norm);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
@@ -467,6 +469,8 @@ cudaError_t LaunchMuonMatrix(const MuonDeviceArgs& a, DType grad, DType param, D
   // 4. The iterations.
   if ((e = Iterate(l, base, m, n, a.k, a.products, s, &x)) != cudaSuccess) return e;
   // 5. The masters and the weights.
+  if (a.master_ready != nullptr && (e = cudaStreamWaitEvent(s, a.master_ready, 0)) != cudaSuccess)
+    return e;
   switch (param) {
     case DType::kF32:
       return LaunchUpdate<DType::kF32>(a, x, s);

@@ -65,6 +65,11 @@ struct MuonDeviceArgs {
   void* scratch;  // MuonScratchBytes(rows, cols, products.gemm == nullptr) bytes of device memory.
   MuonKernelConstants k;
   GemmBackend products;
+  // Optional (null: none), for a pipeline that moves the momentum and the master separately:
+  // recorded once the momentum is written (it may be copied out while the orthogonalisation
+  // runs), and waited for before the master is first read (its copy-in may land meanwhile).
+  cudaEvent_t momentum_written = nullptr;
+  cudaEvent_t master_ready = nullptr;
 };
 
 // Enqueues the ns_steps iterations alone on whatever X a rows x cols matrix's scratch holds: the
