@@ -12,10 +12,13 @@ pinned copies reach with both directions busy.
 The model is transformers' LlamaForCausalLM when transformers imports (hidden 1024, 24 layers,
 16 heads, MLP 2560, vocab 32000: 355M parameters), else a plain torch decoder of the same shape.
 ckpt's device buffers live outside torch's caching allocator: they are measured from the
-driver's free memory around the optimizer's construction and added to torch's peak.
+driver's free memory around the optimizer's construction, less what torch's allocator reserved
+meanwhile, and added to torch's peak. With --phases, each ckpt row also prints the host time its
+post-accumulate-grad hooks took on backward's thread.
 
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/train_step.py \\
-        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--max-norm 1.0] [--only ckpt-f32-overlap]
+        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--max-norm 1.0]
+        [--clipping both|off|on] [--only ckpt-f32-overlap] [--phases]
 """
 import argparse
 import gc
@@ -123,6 +126,16 @@ class Ckpt:
                                           moments=moments, overlap=overlap)
         self.clip = clip
         self.held = 0
+        self.hook_s, self.hook_calls = 0.0, 0  # Host time in the gradient hooks, and calls.
+        release = self.opt._release
+
+        def timed(index, p):
+            start = time.perf_counter()
+            release(index, p)
+            self.hook_s += time.perf_counter() - start
+            self.hook_calls += 1
+
+        self.opt._release = timed  # What _gradient_ready calls, on backward's thread.
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -167,7 +180,7 @@ def run(name, args, clip):
     torch.cuda.synchronize()
     net, kind = llama(args)
     free_before, _ = torch.cuda.mem_get_info()
-    allocated_before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
     if name == "torch-fused":
         opt = TorchMasters(net, clip)
     elif name == "no-step":
@@ -178,7 +191,7 @@ def run(name, args, clip):
     torch.cuda.synchronize()
     free_after, _ = torch.cuda.mem_get_info()
     outside = 0 if name in ("torch-fused", "no-step") else max(
-        0, (free_before - free_after) - (torch.cuda.memory_allocated() - allocated_before))
+        0, (free_before - free_after) - (torch.cuda.memory_reserved() - reserved_before))
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
 
@@ -203,6 +216,8 @@ def run(name, args, clip):
     for _ in range(args.warmup):
         step(False)
     torch.cuda.synchronize()
+    if isinstance(opt, Ckpt):
+        opt.hook_s, opt.hook_calls = 0.0, 0
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -211,8 +226,13 @@ def run(name, args, clip):
     ms = (time.perf_counter() - start) * 1e3 / args.steps
     if marks:
         phase = [sum(e[i].elapsed_time(e[i + 1]) for e in marks) / len(marks) for i in range(3)]
+        extra = ""
+        if isinstance(opt, Ckpt):
+            extra = (f"; hooks {opt.hook_s * 1e3 / args.steps:.1f} ms of host time in "
+                     f"{opt.hook_calls // args.steps} calls; ckpt's device buffers "
+                     f"{outside / 2 ** 20:.0f} MiB")
         print(f"#   {name}: forward {phase[0]:.1f} ms, backward {phase[1]:.1f} ms, step "
-              f"{phase[2]:.1f} ms (GPU time between the stream's marks)")
+              f"{phase[2]:.1f} ms (GPU time between the stream's marks){extra}")
     peak = torch.cuda.max_memory_allocated() + outside
     held = getattr(opt, "held", None)
     if isinstance(opt, Ckpt):
@@ -236,6 +256,8 @@ def main():
                     help="also print each run's forward, backward and step time")
     ap.add_argument("--max-norm", type=float, default=1.0,
                     help="the clipped runs' max_norm (clip_grad_norm_ / clip_grad_norm)")
+    ap.add_argument("--clipping", choices=("both", "off", "on"), default="both",
+                    help="run the rows without clipping, with it, or both (default)")
     ap.add_argument("--only", action="append", default=None,
                     help="run only these rows (torch-fused, ckpt-f32-plain, ckpt-f32-overlap, "
                          "ckpt-bf16-plain, ckpt-bf16-overlap); torch-fused always runs")
@@ -263,7 +285,8 @@ def main():
         bounds[moments] = max(compute_ms, pcie_ms)
         print(f"# bound, {moments} moments: max(compute {compute_ms:.1f}, state over PCIe "
               f"{pcie_ms:.1f}) = {bounds[moments]:.1f} ms")
-    for clip in (0.0, args.max_norm):
+    clips = {"both": (0.0, args.max_norm), "off": (0.0,), "on": (args.max_norm,)}[args.clipping]
+    for clip in clips:
         base = None
         for name in rows:
             ms, peak, kind, params, held = run(name, args, clip)

@@ -82,6 +82,11 @@ struct StepPlan {
   // step's batches): the CUDA engine's copy-ins need not wait again for the copy-outs before
   // the step, which the first call's already wait for.
   bool continues = false;
+  // What reads the parameters after this call is ordered by a later Engine::Barrier, not by
+  // this call's StepReport::done (an overlapped step's speculative batches): the CUDA engine
+  // then records no `done` for the call (three fewer calls on the caller's thread per batch)
+  // and leaves StepReport::done null.
+  bool barrier_later = false;
 };
 
 // Calls fn(offset, count, grads, params, constants, dtype) for each run of slab elements

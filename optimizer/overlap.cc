@@ -125,6 +125,7 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
     spare_ = std::move(spare);
   }
   state->plan = PlanStep(state->args);
+  state->plan.barrier_later = true;  // Finish's or the abandon's Barrier orders the readers.
   state->piece_units.resize(options_.pieces.size());
   state->pending.assign(units_.size(), 0);
   state->released.assign(options_.pieces.size(), 0);

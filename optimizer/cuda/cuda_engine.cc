@@ -39,6 +39,9 @@
 // members are declared so that streams are destroyed before the buffers they used.
 #include "optimizer/cuda/cuda_engine.h"
 
+#include <cstdlib>
+#include <string_view>
+
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +62,13 @@ KernelType ToKernelType(formats::DType d) {
   return d == formats::DType::kF32    ? KernelType::kF32
          : d == formats::DType::kBF16 ? KernelType::kBF16
                                       : KernelType::kF16;
+}
+
+// Whether CopyRanges may batch: not with CKPT_CUDA_BATCH_COPIES=off (a driver whose batches
+// misbehave, or a measurement of the difference).
+bool BatchCopiesAllowed() {
+  const char* value = std::getenv("CKPT_CUDA_BATCH_COPIES");
+  return value == nullptr || std::string_view(value) != "off";
 }
 
 struct Slot {
@@ -222,15 +232,12 @@ class CudaEngine : public internal::Engine {
       std::byte* x_dest = max_slab_ ? slabs.dest_max_exp_avg_sq() + u.offset * mbytes : nullptr;
       // 1. Copy-in.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.master_in.data(), master, u.count * 4,
-                                                cudaMemcpyHostToDevice, s.h2d.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(s.m_in.data(), m, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(s.v_in.data(), v, u.count * mbytes, cudaMemcpyHostToDevice, s.h2d.get()));
-      if (max_slab_) {
-        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.x_in.data(), x, u.count * mbytes,
-                                                  cudaMemcpyHostToDevice, s.h2d.get()));
+      const size_t copies = max_slab_ ? 4 : 3;
+      const size_t sizes[4] = {u.count * 4, u.count * mbytes, u.count * mbytes, u.count * mbytes};
+      {
+        void* const dsts[4] = {s.master_in.data(), s.m_in.data(), s.v_in.data(), s.x_in.data()};
+        const void* const srcs[4] = {master, m, v, x};
+        CKPT_CUDA_RETURN_IF_ERROR(CopyRanges(dsts, srcs, sizes, copies, s.h2d.get()));
       }
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
       // 2. Compute.
@@ -277,15 +284,11 @@ class CudaEngine : public internal::Engine {
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
       // 3. Copy-out.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(master_dest, s.master_out.data(), u.count * 4,
-                                                cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(m_dest, s.m_out.data(), u.count * mbytes,
-                                                cudaMemcpyDeviceToHost, s.d2h.get()));
-      CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(v_dest, s.v_out.data(), u.count * mbytes,
-                                                cudaMemcpyDeviceToHost, s.d2h.get()));
-      if (max_slab_) {
-        CKPT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(x_dest, s.x_out.data(), u.count * mbytes,
-                                                  cudaMemcpyDeviceToHost, s.d2h.get()));
+      {
+        void* const dsts[4] = {master_dest, m_dest, v_dest, x_dest};
+        const void* const srcs[4] = {s.master_out.data(), s.m_out.data(), s.v_out.data(),
+                                     s.x_out.data()};
+        CKPT_CUDA_RETURN_IF_ERROR(CopyRanges(dsts, srcs, sizes, copies, s.d2h.get()));
       }
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.d2h_done.get(), s.d2h.get()));
       ++k;
@@ -293,6 +296,7 @@ class CudaEngine : public internal::Engine {
     // The next call goes on from the next slot: an overlapped step's calls of one unit each
     // would otherwise all run in slot 0, each waiting for the one before.
     next_slot_ = (next_slot_ + k) % slots_.size();
+    if (plan.barrier_later) return report;  // Barrier records `done`.
     // Parameters are ready once every slot's last kernel has run; the slabs once every copy-out
     // has (Synchronize waits for those).
     CKPT_RETURN_IF_ERROR(RecordDoneAfterKernels());
@@ -470,6 +474,31 @@ class CudaEngine : public internal::Engine {
   }
 
  private:
+  // Copies `n` ranges in stream order on `stream`: in one call where the runtime batches copies
+  // (cudaMemcpyBatchAsync, CUDA 13's signature), else one cudaMemcpyAsync each. A unit's state
+  // is three or four ranges each way, and an overlapped step queues its units from backward's
+  // own thread: one call instead of n is host time backward gets back. Batches stop at the
+  // runtime's first refusal (an older driver), and with CKPT_CUDA_BATCH_COPIES=off.
+  cudaError_t CopyRanges(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                         size_t n, cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+    if (batch_copies_) {
+      cudaMemcpyAttributes attributes{};
+      attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t first = 0;  // The attributes apply from the first copy on.
+      cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attributes, &first, 1, stream);
+      if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
+      cudaGetLastError();  // Cleared: the copies go one by one from now on.
+      batch_copies_ = false;
+    }
+#endif
+    for (size_t i = 0; i < n; ++i) {
+      cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
   // A unit's copy-in must see the previous call's copy-out of the same unit. That ran in the
   // same slot when every step passes every unit in order, but a step an async save fences
   // (StagedAdamW::StepUnits) passes its units in batches, so a unit may change slots between
@@ -543,6 +572,7 @@ class CudaEngine : public internal::Engine {
   uint64_t muon_scratch_ = 0;  // What Restore allocated per slot.
   std::string products_;       // Where Muon's products run, for name(): "-muon-cublas".
   uint64_t device_bytes_ = 0;
+  bool batch_copies_ = BatchCopiesAllowed();  // CopyRanges.
   size_t next_slot_ = 0;  // Where the next call's first unit runs.
   DeviceBuffer counter_;
   CudaEvent grads_ready_, done_;

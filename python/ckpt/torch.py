@@ -188,6 +188,31 @@ class _OverlapRun:
         self.hooks = []
 
 
+def _weights_on_host(params, dtype):
+    """The parameters' weights flat in one new CPU tensor: of `dtype` when every parameter has
+    it, else (dtype None) bytes with each parameter at a multiple of its element size (the flat
+    weight buffer of ckpt_optimizer_create). Each parameter is copied into its place: nothing
+    the size of the model is made on a GPU (one near full has no room for the model twice) and
+    nothing is copied twice on the host."""
+    with torch.no_grad():
+        if dtype is not None:
+            out = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+            at = 0
+            for p in params:
+                out[at:at + p.numel()].copy_(p.detach().reshape(-1))
+                at += p.numel()
+            return out
+        spans, at = [], 0
+        for p in params:
+            at += -at % p.element_size()
+            spans.append((at, at + p.numel() * p.element_size()))
+            at = spans[-1][1]
+        out = torch.zeros(at, dtype=torch.uint8)
+        for p, (begin, end) in zip(params, spans):
+            out[begin:end].view(p.dtype).copy_(p.detach().reshape(-1))
+        return out
+
+
 def _gradient_ready(ref, index, param):
     """A parameter's post-accumulate-grad hook: its gradient is final for this backward."""
     opt = ref()
@@ -382,23 +407,8 @@ class StagedAdamW(torch.optim.Optimizer):
             local = total
         self._local_count = local
         # This rank's weights in slab order, in host memory: the masters start from them.
-        with torch.no_grad():
-            if dtype is not None:
-                if all(d == plist[0].device for d in self._devices):
-                    full = torch.cat([p.detach().reshape(-1) for p in plist]).cpu()
-                else:  # Two devices: each to the host first.
-                    full = torch.cat([p.detach().reshape(-1).cpu() for p in plist])
-                host = self._local_of(full, dtype)
-            else:
-                # The flat model-weight buffer: each parameter in its own dtype, at a multiple
-                # of its element size (ckpt_optimizer_create).
-                full, at = [], 0
-                for p in plist:
-                    pad = -at % p.element_size()
-                    full.append(torch.zeros(pad, dtype=torch.uint8))
-                    full.append(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8))
-                    at += pad + p.numel() * p.element_size()
-                host = torch.cat(full)
+        full = _weights_on_host(plist, dtype)
+        host = self._local_of(full, dtype) if dtype is not None else full
         options = _lib.OptimizerOptions(
             _lib.ENGINE_CUDA if device.type == "cuda" else _lib.ENGINE_CPU, unit_bytes, threads, 0,
             _MOMENTS[moments])
@@ -536,14 +546,7 @@ class StagedAdamW(torch.optim.Optimizer):
             for i in range(len(new))])
         pieces = (_lib.Piece * len(new))(*[_lib.Piece(first + i, 0, p.numel())
                                            for i, p in enumerate(new)])
-        chunks, at = [], 0
-        with torch.no_grad():
-            for p in new:  # The new pieces' own flat weight buffer.
-                pad = -at % p.element_size()
-                chunks.append(torch.zeros(pad, dtype=torch.uint8))
-                chunks.append(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8))
-                at += pad + p.numel() * p.element_size()
-        host = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+        host = _weights_on_host(new, None)  # The new pieces' own flat weight buffer.
         check(lib.ckpt_optimizer_add_params(self._live(), specs, len(new),
                                             ctypes.byref(self._group(group)), 1, pieces, len(new),
                                             host.data_ptr(), host.numel()))

@@ -81,3 +81,24 @@ def test_parity_with_torch_adamw_on_cuda_parameters_stepped_in_place():
     sd = opt.state_dict()  # And the state dict loads into torch's AdamW.
     ropt.load_state_dict(sd)
     opt.close()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_construction_copies_the_weights_to_the_host_one_parameter_at_a_time(mixed):
+    """Nothing the size of the model is made on the GPU (one near full has no room for the
+    model twice): at most one parameter's worth, and the masters are the weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).to(
+        "cuda", torch.bfloat16)
+    if mixed:  # Two dtypes: the flat byte buffer.
+        model[0].float()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt = ckpt.torch.StagedAdamW(list(model.named_parameters()), lr=1e-3)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.cuda.max_memory_allocated() - before <= largest < total // 4
+    for p in model.parameters():
+        assert torch.equal(opt.master(p).reshape(-1), p.detach().float().cpu().reshape(-1))
+    opt.close()
