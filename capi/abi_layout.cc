@@ -151,6 +151,10 @@ std::string Build() {
   CKPT_FUNC(ckpt_overlap_invalidate);
   CKPT_FUNC(ckpt_overlap_finish);
   CKPT_FUNC(ckpt_overlap_destroy);
+  CKPT_FUNC(ckpt_overlap_begin_gated);
+  CKPT_FUNC(ckpt_optimizer_gate_open);
+  CKPT_FUNC(ckpt_optimizer_await_pieces);
+  CKPT_FUNC(ckpt_optimizer_await_step);
   CKPT_FUNC(ckpt_reader_tensor);
   CKPT_FUNC(ckpt_reader_read);
   CKPT_FUNC(ckpt_reader_read_many);

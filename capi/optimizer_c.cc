@@ -333,12 +333,60 @@ int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void
     args.grad_dtype = *gd;
     args.grad_scale = grad_scale;
     args.stream = CallerStream(stream);
-    absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, speculate != 0);
+    opt::OverlapOptions options;
+    options.speculate = speculate != 0;
+    absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, options);
     if (!ov.ok()) return Fail(ov.status());
     auto handle = std::make_unique<ckpt_overlap>();
     handle->overlap.emplace(std::move(*ov));
     *out = handle.release();
     return CKPT_OK;
+  });
+}
+
+int ckpt_overlap_begin_gated(ckpt_optimizer* o, int grad_dtype, float grad_scale, void* stream,
+                             uint32_t window, ckpt_overlap** out) {
+  return Guard("ckpt_overlap_begin_gated", [&]() -> int {
+    if (o == nullptr || out == nullptr) return Invalid("optimizer or out is NULL");
+    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
+    if (!gd.ok()) return Fail(gd.status());
+    opt::StepArgs args;
+    args.grad_dtype = *gd;
+    args.grad_scale = grad_scale;
+    args.stream = CallerStream(stream);
+    opt::OverlapOptions options;
+    options.gate = true;
+    if (window != 0) options.window = window;
+    absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, options);
+    if (!ov.ok()) return Fail(ov.status());
+    auto handle = std::make_unique<ckpt_overlap>();
+    handle->overlap.emplace(std::move(*ov));
+    *out = handle.release();
+    return CKPT_OK;
+  });
+}
+
+int ckpt_optimizer_await_pieces(ckpt_optimizer* o, const uint32_t* pieces, size_t n,
+                                void* stream) {
+  return Guard("ckpt_optimizer_await_pieces", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    if (n > 0 && pieces == nullptr) return Invalid("pieces is NULL");
+    return Done(o->opt->AwaitPieces(std::span<const uint32_t>(pieces, n), CallerStream(stream)));
+  });
+}
+
+int ckpt_optimizer_gate_open(const ckpt_optimizer* o, int* open) {
+  return Guard("ckpt_optimizer_gate_open", [&]() -> int {
+    if (o == nullptr || open == nullptr) return Invalid("optimizer or open is NULL");
+    *open = o->opt->gate_open() ? 1 : 0;
+    return CKPT_OK;
+  });
+}
+
+int ckpt_optimizer_await_step(ckpt_optimizer* o, void* stream) {
+  return Guard("ckpt_optimizer_await_step", [&]() -> int {
+    if (o == nullptr) return Invalid("optimizer is NULL");
+    return Done(o->opt->AwaitStep(CallerStream(stream)));
   });
 }
 

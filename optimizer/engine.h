@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,10 @@ struct StepPlan {
   // then records no `done` for the call (three fewer calls on the caller's thread per batch)
   // and leaves StepReport::done null.
   bool barrier_later = false;
+  // Set (parallel to Step's `units`, their indices in the optimizer's units): the CUDA engine
+  // also records each unit's own event once its kernel has written the unit's weights, which
+  // OrderCallerAfterUnit waits for (a gated overlapped step, docs/design/overlap.md).
+  std::span<const uint32_t> unit_ids;
 };
 
 // Calls fn(offset, count, grads, params, constants, dtype) for each run of slab elements
@@ -171,6 +176,26 @@ class Engine {
   // slot ran it (an overlapped step that redoes or restores units it speculated); no-op for the
   // CPU engine.
   virtual absl::Status Barrier() { return absl::OkStatus(); }
+  // A gated overlapped step's per-unit events (StepPlan::unit_ids): made for `units` units
+  // (once; again after Restore). CUDA engine only: the CPU engine's Step has written the
+  // weights when it returns.
+  virtual absl::Status PrepareUnitEvents(size_t units) {
+    (void)units;
+    return absl::OkStatus();
+  }
+  // Whether the last recorded write of unit `u`'s weights has run (true when none was
+  // recorded); the host does not wait.
+  virtual absl::StatusOr<bool> UnitWritten(uint32_t u) {
+    (void)u;
+    return true;
+  }
+  // Orders what is queued next on `stream` after the last recorded write of unit `u`'s
+  // weights; no-op for the CPU engine.
+  virtual absl::Status OrderCallerAfterUnit(uint32_t u, CudaStreamView stream) {
+    (void)u;
+    (void)stream;
+    return absl::OkStatus();
+  }
   // True when Step only queues work for the device and returns (CUDA): an overlapped step then
   // calls it from the releasing thread itself, since a second thread making CUDA calls beside
   // backward's contends with it in the driver (measured: backward 38 -> 65 ms at 355M).

@@ -74,9 +74,12 @@ uint64_t StagedAdamW::spare_bytes() const {
 }
 
 absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& args,
-                                                             bool speculate) {
+                                                             const OverlapOptions& options) {
   CKPT_RETURN_IF_ERROR(CheckClean("step"));
   CKPT_RETURN_IF_ERROR(CheckNoOverlap("begin an overlapped step"));
+  // The last step's gate: whatever this step queues on the stream comes after its writes.
+  if (gate_open() && args.stream.has_value()) CKPT_RETURN_IF_ERROR(AwaitStep(*args.stream));
+  const bool speculate = options.speculate;
   if (has_muon()) {
     return absl::UnimplementedError(
         "an overlapped step of an optimizer with Muon groups is not built yet: step plainly");
@@ -106,6 +109,9 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
         "the CUDA engine needs the caller's stream (StepArgs::stream)");
   }
   state->speculate = speculate && size_ > 0;
+  state->gate = options.gate && state->speculate && engine_->queues_only();
+  state->window = std::max<uint32_t>(1, options.window);
+  if (state->gate) CKPT_RETURN_IF_ERROR(engine_->PrepareUnitEvents(units_.size()));
   if (state->speculate && spare_ == nullptr) {
     // The spare side: the slabs' sizes, pinned like them.
     const bool pinned = engine_->wants_pinned_slabs();
@@ -209,13 +215,19 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
       if (--st.pending[u] == 0) ready.push_back(u);
     }
   }
-  if (ready.empty() || !st.speculate) return absl::OkStatus();
+  if (!st.speculate) return absl::OkStatus();
   if (!st.feeder.joinable()) {
     // An engine that only queues (CUDA): queued from here, after the work on the caller's
     // stream so far. An async save's fence: left to Finish.
     if (opt.fence_ != nullptr) return absl::OkStatus();
+    if (st.gate) {  // Every Release refills the window, whether or not a unit became ready.
+      st.waiting.insert(ready.begin(), ready.end());
+      return opt.Pump(/*all=*/false);
+    }
+    if (ready.empty()) return absl::OkStatus();
     return opt.SpeculateNow(ready);
   }
+  if (ready.empty()) return absl::OkStatus();
   absl::Status failed;
   {
     std::lock_guard<std::mutex> lock(st.mu);
@@ -272,6 +284,11 @@ void StagedAdamW::Feed() {
 void StagedAdamW::Overlap::Drain() {
   if (optimizer_ == nullptr) return;
   OverlapState& st = *optimizer_->overlap_;
+  if (st.gate) {
+    // A failure is kept in st.error, which Finish reports.
+    optimizer_->Pump(/*all=*/true).IgnoreError();
+    return;
+  }
   if (!st.feeder.joinable()) return;
   std::unique_lock<std::mutex> lock(st.mu);
   st.cv.wait(lock, [&] { return (st.queue.empty() && !st.busy) || !st.error.ok(); });
@@ -287,13 +304,38 @@ absl::Status StagedAdamW::SpeculateNow(const std::vector<uint32_t>& ready) {
   view.exp_avg_sq_out = spare_->exp_avg_sq.data();
   view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
   st.plan.continues = st.speculated_units > 0;
+  if (st.gate) st.plan.unit_ids = ready;
   absl::Status status = engine_->Step(st.args, batch, st.plan, view, size_).status();
+  st.plan.unit_ids = {};
   if (!status.ok()) {
     st.error = status;  // Finish abandons the step.
     return status;
   }
   for (uint32_t u : ready) st.speculated[u] = 1;
   st.speculated_units += ready.size();
+  return absl::OkStatus();
+}
+
+absl::Status StagedAdamW::Pump(bool all) {
+  OverlapState& st = *overlap_;
+  if (!st.error.ok()) return st.error;
+  while (!st.in_flight.empty()) {
+    absl::StatusOr<bool> written = engine_->UnitWritten(st.in_flight.front());
+    if (!written.ok()) {
+      st.error = written.status();  // Finish abandons the step.
+      return st.error;
+    }
+    if (!*written) break;
+    st.in_flight.pop_front();
+  }
+  std::vector<uint32_t> batch;
+  while (!st.waiting.empty() && (all || st.in_flight.size() + batch.size() < st.window)) {
+    batch.push_back(*st.waiting.begin());  // The lowest slab index: forward needs it first.
+    st.waiting.erase(st.waiting.begin());
+  }
+  if (batch.empty()) return absl::OkStatus();
+  CKPT_RETURN_IF_ERROR(SpeculateNow(batch));
+  st.in_flight.insert(st.in_flight.end(), batch.begin(), batch.end());
   return absl::OkStatus();
 }
 
@@ -435,18 +477,22 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
   for (size_t u : rest) done[u] = false;
   std::vector<size_t> ready;
   std::vector<Unit> batch;
+  std::vector<uint32_t> ids;  // A gate's: the batch's unit indices.
   for (size_t left = rest.size(); left > 0; left -= ready.size()) {
     ready.clear();
     if (fence_ != nullptr) {
       fence_->Acquire(done, &ready);
     } else {
-      ready = rest;
+      ready = rest;  // In slab order: forward's, for a gate.
     }
     batch.clear();
+    ids.clear();
     for (size_t i : ready) {
       batch.push_back(units_[i]);
+      ids.push_back(static_cast<uint32_t>(i));
       done[i] = true;
     }
+    if (st.gate) rest_plan.unit_ids = ids;
     CKPT_ASSIGN_OR_RETURN(StepReport part, engine_->Step(unchecked, batch, rest_plan, into, size_));
     report.done = part.done;
   }
@@ -465,13 +511,62 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
     }
   }
   CKPT_RETURN_IF_ERROR(engine_->Barrier());
-  CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+  if (st.gate && engine_->queues_only()) {
+    // Step 5 of a gate: every unit written now awaits its readers (AwaitPieces).
+    gate_units_.assign(units_.size(), 0);
+    for (size_t u = 0; u < units_.size(); ++u) gate_units_[u] = st.speculated[u];
+    for (size_t u : rest) gate_units_[u] = 1;
+    gate_left_ = static_cast<uint64_t>(std::count(gate_units_.begin(), gate_units_.end(), 1));
+    report.gated = gate_left_ > 0;
+  } else {
+    CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+  }
   // The sides swap: the spare side is this step's state.
   std::swap(slabs_, spare_);
   overlap_.reset();
   AdvanceSteps(args);
   report.speculation_held = true;
   return report;
+}
+
+absl::Status StagedAdamW::AwaitPieces(std::span<const uint32_t> pieces, CudaStreamView stream) {
+  for (uint32_t k : pieces) {
+    if (k >= options_.pieces.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("await: piece ", k, " does not exist (",
+                                                     options_.pieces.size(), " pieces)"));
+    }
+  }
+  if (gate_left_ == 0) return absl::OkStatus();
+  for (uint32_t k : pieces) {
+    const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
+    // The first unit that ends after the piece begins; units lie in slab order.
+    auto u = std::partition_point(units_.begin(), units_.end(), [&](const Unit& unit) {
+      return unit.offset + unit.count <= begin;
+    });
+    for (; u != units_.end() && u->offset < end; ++u) {
+      const size_t i = static_cast<size_t>(u - units_.begin());
+      if (gate_units_[i] == 0) continue;
+      CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterUnit(static_cast<uint32_t>(i), stream));
+      gate_units_[i] = 0;
+      if (--gate_left_ == 0) {
+        gate_units_.clear();
+        return absl::OkStatus();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StagedAdamW::AwaitStep(CudaStreamView stream) {
+  if (gate_left_ == 0) return absl::OkStatus();
+  StepArgs args;
+  args.stream = stream;
+  // `done`: recorded by Finish's Barrier after every slot's last kernel, and by nothing since
+  // (what records it again awaits the gate first).
+  CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+  gate_left_ = 0;
+  gate_units_.clear();
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt::optimizer

@@ -183,6 +183,37 @@ TEST_P(OverlapTest, HeldSpeculationEqualsThePlainStep) {
   EXPECT_GT(overlapped_.opt->spare_bytes(), 0u);
 }
 
+TEST_P(OverlapTest, AGateOnTheCpuEngineIsTheUngatedStep) {
+  // The CPU engine's Finish has written every weight when it returns: nothing to await.
+  for (int s = 0; s < 3; ++s) {
+    FillGradients(plain_, overlapped_, s);
+    ASSERT_THAT(Plain(plain_, Final(1.0f)), IsOk());
+    StepArgs begin;
+    begin.grad_dtype = DType::kF32;
+    OverlapOptions options;
+    options.gate = true;
+    options.window = 1;
+    auto overlap = overlapped_.opt->BeginOverlap(begin, options);
+    ASSERT_THAT(overlap, IsOk());
+    const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
+    for (uint32_t k : BackwardOrder(buffers.size()))
+      ASSERT_THAT(overlap->Release({&k, 1}, {&buffers[k], 1}), IsOk());
+    StepArgs final_args = Final(1.0f);
+    final_args.pieces = buffers;
+    auto report = overlap->Finish(final_args);
+    ASSERT_THAT(report, IsOk());
+    EXPECT_FALSE(report->gated);
+    EXPECT_FALSE(overlapped_.opt->gate_open());
+    const uint32_t piece = 0;
+    EXPECT_THAT(overlapped_.opt->AwaitPieces({&piece, 1}, CudaStreamView::Legacy()), IsOk());
+    const uint32_t missing = static_cast<uint32_t>(options_.pieces.size());
+    EXPECT_THAT(overlapped_.opt->AwaitPieces({&missing, 1}, CudaStreamView::Legacy()),
+                StatusIsWith(absl::StatusCode::kInvalidArgument, "does not exist"));
+    EXPECT_THAT(overlapped_.opt->AwaitStep(CudaStreamView::Legacy()), IsOk());
+    ExpectSame(plain_, overlapped_);
+  }
+}
+
 TEST_P(OverlapTest, FinishRacingTheFeederGivesTheSameBits) {
   // No Drain: Finish stops the feeder wherever it is and updates what it had not taken.
   for (int s = 0; s < 12; ++s) {

@@ -526,6 +526,13 @@ absl::Status StagedAdamW::WriteWeightsTo(const StepArgs& where,
   CKPT_RETURN_IF_ERROR(CheckClean("write the model weights"));
   CKPT_RETURN_IF_ERROR(CheckNoOverlap("write the model weights"));
   if (size_ == 0) return absl::OkStatus();
+  if (gate_open()) {  // Written after the last step's writes, on the stream or the host.
+    if (stream.has_value()) {
+      CKPT_RETURN_IF_ERROR(AwaitStep(*stream));
+    } else {
+      CKPT_RETURN_IF_ERROR(Synchronize());
+    }
+  }
   if (stream.has_value() && options_.engine == EngineKind::kCpu) {
     return absl::InvalidArgumentError(
         "the CPU engine writes host memory: WriteModelWeights takes no stream there");
@@ -588,9 +595,12 @@ void StagedAdamW::AdvanceSteps(const StepArgs& args) {
 absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
   CKPT_RETURN_IF_ERROR(CheckClean("step"));
   CKPT_RETURN_IF_ERROR(CheckNoOverlap("step"));
+  CKPT_RETURN_IF_ERROR(ValidateStepArgs(args));
+  // The last step's gate: this step's writes, and what the stream queues after them, come
+  // after the last step's writes.
+  if (gate_open() && args.stream.has_value()) CKPT_RETURN_IF_ERROR(AwaitStep(*args.stream));
   ++state_version_;
   moments_untouched_ = false;
-  CKPT_RETURN_IF_ERROR(ValidateStepArgs(args));
   const StepPlan plan = PlanStep(args);
   CKPT_ASSIGN_OR_RETURN(StepReport report, StepUnits(args, plan));
   if (!report.skipped) AdvanceSteps(args);
@@ -682,7 +692,10 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
 
 absl::Status StagedAdamW::ReleaseDevice() {
   CKPT_RETURN_IF_ERROR(CheckNoOverlap("release the device"));
-  return engine_->Release();
+  CKPT_RETURN_IF_ERROR(engine_->Release());  // Synchronizes: every write has run.
+  gate_left_ = 0;
+  gate_units_.clear();
+  return absl::OkStatus();
 }
 absl::Status StagedAdamW::RestoreDevice() { return engine_->Restore(); }
 absl::Status StagedAdamW::Synchronize() {
@@ -690,7 +703,10 @@ absl::Status StagedAdamW::Synchronize() {
     std::lock_guard<std::mutex> lock(overlap_->engine_mu);
     return engine_->Synchronize();
   }
-  return engine_->Synchronize();
+  CKPT_RETURN_IF_ERROR(engine_->Synchronize());
+  gate_left_ = 0;  // The host has waited for every write: no reader can race them now.
+  gate_units_.clear();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CudaStreamView> CudaStreamView::Of(CUstream_st* stream) {

@@ -167,6 +167,7 @@ class CudaEngine : public internal::Engine {
     if (join_.valid())
       status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
+    unit_events_.clear();
     next_slot_ = 0;
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
@@ -208,7 +209,10 @@ class CudaEngine : public internal::Engine {
     const size_t mbytes = MomentBytes(moments_);
     if (!plan.continues) CKPT_RETURN_IF_ERROR(OrderCopyInsAfterCopyOuts());
     size_t k = 0;  // Units sent to the slots so far.
-    for (const Unit& u : units) {
+    if (!plan.unit_ids.empty() && plan.unit_ids.size() != units.size())
+      return absl::InternalError("unit_ids not parallel to the units");
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Unit& u = units[i];
       // A unit whose pieces all have no gradient this step is neither copied nor updated.
       bool active = false;
       ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
@@ -282,6 +286,12 @@ class CudaEngine : public internal::Engine {
           });
       CKPT_CUDA_RETURN_IF_ERROR(launched);
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
+      if (!plan.unit_ids.empty()) {  // A gate's: this unit's weights are written.
+        const uint32_t id = plan.unit_ids[i];
+        if (id >= unit_events_.size())
+          return absl::InternalError("a unit event that PrepareUnitEvents did not make");
+        CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(unit_events_[id].get(), s.compute.get()));
+      }
       // 3. Copy-out.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.d2h.get(), s.kernel_done.get(), 0));
       {
@@ -365,6 +375,38 @@ class CudaEngine : public internal::Engine {
   }
 
   bool queues_only() const override { return true; }
+
+  absl::Status PrepareUnitEvents(size_t units) override {
+    if (unit_events_.size() == units) return absl::OkStatus();
+    std::vector<CudaEvent> events;
+    events.reserve(units);
+    for (size_t i = 0; i < units; ++i) {
+      CKPT_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
+      events.push_back(std::move(e));
+    }
+    unit_events_ = std::move(events);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> UnitWritten(uint32_t u) override {
+    if (u >= unit_events_.size()) return true;
+    const cudaError_t e = cudaEventQuery(unit_events_[u].get());
+    if (e == cudaErrorNotReady) {
+      // Not an error, but the runtime keeps it as the last one: cleared, or the next caller of
+      // cudaGetLastError (torch's launch checks) would take it for theirs.
+      cudaGetLastError();
+      return false;
+    }
+    CKPT_CUDA_RETURN_IF_ERROR(e);
+    return true;
+  }
+
+  absl::Status OrderCallerAfterUnit(uint32_t u, CudaStreamView stream) override {
+    if (u >= unit_events_.size()) return absl::OkStatus();  // Never recorded.
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(ToCudaStream(stream), unit_events_[u].get(), 0));
+    return absl::OkStatus();
+  }
 
   // One Muon matrix in slot `s` (the `k`-th unit of the call): steps 1 to 3 with the master and
   // the momentum only, each moved on its own: the momentum goes in first (the orthogonalisation
@@ -578,6 +620,7 @@ class CudaEngine : public internal::Engine {
   CudaEvent grads_ready_, done_;
   CudaStream join_;
   std::vector<Slot> slots_;
+  std::vector<CudaEvent> unit_events_;  // Per unit, when a gated overlapped step asked for them.
 };
 
 }  // namespace

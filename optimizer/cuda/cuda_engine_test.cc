@@ -615,12 +615,15 @@ TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
 // The overlapped step on the CUDA engine (device piece buffers, backward's order), against
 // plain steps of the CPU engine on host buffers: speculation held, clipping that fires (redo),
 // a NaN in the last piece released (skip, weights put back), every bit the same.
-class CudaOverlapTest : public ::testing::TestWithParam<MomentDType> {};
+// (moments, gated): a gated step (OverlapOptions::gate) keeps two units on the device at once
+// during backward, sends the rest at Finish, and leaves the stream to await each piece.
+class CudaOverlapTest : public ::testing::TestWithParam<std::tuple<MomentDType, bool>> {};
 
 TEST_P(CudaOverlapTest, OverlappedStepsMatchPlainStepsOfTheCpuEngine) {
   SKIP_WITHOUT_DEVICE();
-  StagedAdamWOptions o = Options(EngineKind::kCuda, GetParam(), 64 << 10);
-  StagedAdamWOptions c = Options(EngineKind::kCpu, GetParam(), 64 << 10);
+  const auto [moments, gated] = GetParam();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, moments, 64 << 10);
+  StagedAdamWOptions c = Options(EngineKind::kCpu, moments, 64 << 10);
   const uint64_t n = Size(o);
   const std::vector<std::byte> init = Encode(Random(n, 1, 1.0f), DType::kBF16);
   auto gpu = StagedAdamW::Create(o, init);
@@ -675,17 +678,36 @@ TEST_P(CudaOverlapTest, OverlappedStepsMatchPlainStepsOfTheCpuEngine) {
     begin.grad_dtype = DType::kF32;
     begin.grad_scale = 0.75f;
     begin.stream = view;
-    auto overlap = (*gpu)->BeginOverlap(begin);
+    OverlapOptions options;
+    options.gate = gated;
+    options.window = 2;
+    auto overlap = (*gpu)->BeginOverlap(begin, options);
     CKPT_ASSERT_OK(overlap);
     for (uint32_t k : {2u, 1u, 0u}) CKPT_ASSERT_OK(overlap->Release({&k, 1}, {&dbuf[k], 1}));
-    overlap->Drain();
+    if (!gated) overlap->Drain();  // Gated: what the window held back goes out at Finish.
     args.pieces = dbuf;
     args.stream = view;
     auto report = overlap->Finish(args);
     CKPT_ASSERT_OK(report);
+    const bool held = final_scale[s] == 0.75f && !plain->skipped;
     EXPECT_EQ(report->skipped, plain->skipped) << "step " << s;
-    EXPECT_EQ(report->speculation_held, final_scale[s] == 0.75f && !plain->skipped);
-    EXPECT_EQ(report->speculated_units, (*gpu)->units().size());
+    EXPECT_EQ(report->speculation_held, held);
+    EXPECT_EQ(report->gated, gated && held);
+    EXPECT_EQ((*gpu)->gate_open(), gated && held);
+    if (gated) {
+      EXPECT_GE(report->speculated_units, 2u);
+      EXPECT_LE(report->speculated_units, (*gpu)->units().size());
+      if (s == 2) {
+        CKPT_ASSERT_OK((*gpu)->AwaitStep(view));  // Every piece at once.
+      } else {
+        // As a forward would: each piece awaited just before it is read, in slab order.
+        for (uint32_t k = 0; k < o.pieces.size(); ++k)
+          CKPT_ASSERT_OK((*gpu)->AwaitPieces({&k, 1}, view));
+      }
+      EXPECT_FALSE((*gpu)->gate_open());
+    } else {
+      EXPECT_EQ(report->speculated_units, (*gpu)->units().size());
+    }
     for (size_t k = 0; k < o.pieces.size(); ++k) {
       std::vector<std::byte> got(o.pieces[k].count * 2);
       ASSERT_EQ(cudaMemcpyAsync(got.data(), dparams[k], got.size(), cudaMemcpyDeviceToHost,
@@ -706,8 +728,10 @@ TEST_P(CudaOverlapTest, OverlappedStepsMatchPlainStepsOfTheCpuEngine) {
   cudaStreamDestroy(stream);
 }
 
-INSTANTIATE_TEST_SUITE_P(Moments, CudaOverlapTest,
-                         ::testing::Values(MomentDType::kF32, MomentDType::kBF16));
+INSTANTIATE_TEST_SUITE_P(MomentsAndGate, CudaOverlapTest,
+                         ::testing::Combine(::testing::Values(MomentDType::kF32,
+                                                              MomentDType::kBF16),
+                                            ::testing::Bool()));
 
 uint64_t DeviceUsed() {
   size_t free = 0, total = 0;

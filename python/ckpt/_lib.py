@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 OK = 0
 CODE_NAMES = {
@@ -159,6 +159,12 @@ _sig = {
                              ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
                              ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "ckpt_overlap_destroy": ([_p], None),
+    "ckpt_overlap_begin_gated": ([_p, ctypes.c_int, ctypes.c_float, _p, ctypes.c_uint32,
+                                  ctypes.POINTER(_p)], ctypes.c_int),
+    "ckpt_optimizer_gate_open": ([_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "ckpt_optimizer_await_pieces": ([_p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_size_t, _p],
+                                    ctypes.c_int),
+    "ckpt_optimizer_await_step": ([_p, _p], ctypes.c_int),
     "ckpt_optimizer_param_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
                                    ctypes.c_int),
     "ckpt_optimizer_set_param_state": ([_p, _p, _p, _p, _p, ctypes.c_uint64,

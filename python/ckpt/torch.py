@@ -166,8 +166,19 @@ class _OverlapRun:
     optimizer's __dict__: the open ckpt_overlap (a Native child of the optimizer's), each
     released parameter's gradient version, and the step's clipping coefficient."""
 
-    def __init__(self, enabled):
+    def __init__(self, enabled, gate=False):
         self.enabled = enabled
+        self.gate = gate  # overlap="forward": the next forward waits layer by layer.
+        # A gated step's parameters whose weights no forward has waited for yet: index -> its
+        # gradient, alive until then (the step's kernels may still read it).
+        self.gated = {}
+        self.gate_hook = None  # The global module forward pre-hook, once a gate opened.
+        # What the hook needs, here rather than on the optimizer (wrappers copy its __dict__):
+        # the optimizer's Native, its device, and id(parameter) -> index.
+        self.optimizer = None
+        self.device = None
+        self.index_of = {}
+        self.whole = ()  # StagedAdamW.gate_whole, as the gate opened.
         self.native = None
         self.released = {}  # Parameter index -> its gradient's _version when released.
         self.failed = False  # This backward cannot overlap: the step runs plainly.
@@ -213,6 +224,44 @@ def _weights_on_host(params, dtype):
         return out
 
 
+# Modules whose forward reads their children's weights without calling the children
+# (MultiheadAttention reads out_proj's; DataParallel copies every parameter): a gated step's
+# forward pre-hook waits for their whole subtree. Add your own to StagedAdamW.gate_whole.
+_GATE_WHOLE = (torch.nn.MultiheadAttention, torch.nn.DataParallel,
+               torch.nn.parallel.DistributedDataParallel)
+
+
+def _gate_forward(ref, module, args):
+    """A module's forward is about to read its parameters: the stream waits for the gated
+    step's writes of theirs (overlap="forward")."""
+    run = ref()
+    if run is None or not run.gated:
+        return
+    if isinstance(module, run.whole):
+        _await_params(run, module.parameters())
+    elif module._parameters:
+        _await_params(run, module._parameters.values())
+
+
+def _await_params(run, params):
+    """The current stream waits for the gated step's writes of these parameters' weights (those
+    still gated); their gradients are then let go."""
+    index_of, gated = run.index_of, run.gated
+    indices = [i for i in (index_of.get(id(p)) for p in params if p is not None)
+               if i is not None and i in gated]
+    if not indices:
+        return
+    native = run.optimizer
+    if native is None or native.closed:
+        run.gated = {}
+        return
+    check(lib.ckpt_optimizer_await_pieces(
+        native.handle, (ctypes.c_uint32 * len(indices))(*indices), len(indices),
+        torch.cuda.current_stream(run.device).cuda_stream))
+    for i in indices:
+        del gated[i]  # Freed on the stream that waited: after the step's reads.
+
+
 def _gradient_ready(ref, index, param):
     """A parameter's post-accumulate-grad hook: its gradient is final for this backward."""
     opt = ref()
@@ -240,6 +289,11 @@ class StagedAdamW(torch.optim.Optimizer):
       step: see docs/design/overlap.md and docs/python.md. Clip with `clip_grad_norm` (which
       leaves the gradients as they are) rather than torch's clip_grad_norm_, and wrap every
       micro-batch but the last of an accumulation in `with opt.accumulating():`.
+      overlap="forward" (CUDA parameters) also hides the step's tail behind the next forward:
+      what is left of the step when backward ends is written in parameter order, and each
+      module's forward waits (a forward pre-hook) only for its own parameters' writes. Code
+      that reads the parameters outside their module's forward before the next forward (an
+      EMA, a weight read in a parent module) calls `opt.wait_for_step()` first.
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
     (they choose torch's implementation), maximize (per group), amsgrad (per group;
     ckpt keeps max_exp_avg_sq once some group of the constructor or of add_param_group has
@@ -422,7 +476,10 @@ class StagedAdamW(torch.optim.Optimizer):
         # __dict__ share it, and it is freed when the last of them goes, or by close().
         self._native = Native(handle, lib.ckpt_optimizer_destroy, "optimizer")
         self._max_slab = any(g.get("amsgrad", False) for g in self.param_groups)
-        self._ov = _OverlapRun(bool(overlap))
+        if overlap not in (False, True, "forward"):
+            self.close()
+            raise ValueError(f"overlap must be False, True or \"forward\", not {overlap!r}")
+        self._ov = _OverlapRun(bool(overlap), gate=overlap == "forward")
         if overlap:
             if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
                 self.close()
@@ -577,6 +634,8 @@ class StagedAdamW(torch.optim.Optimizer):
             if run.native is not None:
                 self._drop_overlap()
             run.failed = False
+            if set_to_none is False:  # Zeroed in place: after the step's kernels read them.
+                self.wait_for_step()
         if set_to_none is None:
             super().zero_grad()
         else:
@@ -647,11 +706,17 @@ class StagedAdamW(torch.optim.Optimizer):
             out = ctypes.c_void_p()
             run.stream = torch.cuda.current_stream(self._device) \
                 if self._device.type == "cuda" else None
+            self.wait_for_step()  # The last step's gate, if a forward left it open.
             try:
-                check(lib.ckpt_overlap_begin(
-                    handle, _DTYPES[self._grad_dtype], scale,
-                    run.stream.cuda_stream if run.stream is not None else None,
-                    1, ctypes.byref(out)))  # Speculate: a step that would not, runs plainly.
+                if run.gate and run.stream is not None:
+                    check(lib.ckpt_overlap_begin_gated(
+                        handle, _DTYPES[self._grad_dtype], scale, run.stream.cuda_stream, 0,
+                        ctypes.byref(out)))
+                else:  # Speculate: a step that would not, runs plainly.
+                    check(lib.ckpt_overlap_begin(
+                        handle, _DTYPES[self._grad_dtype], scale,
+                        run.stream.cuda_stream if run.stream is not None else None,
+                        1, ctypes.byref(out)))
             except CkptError as e:
                 # E.g. no host memory for the spare side: this step and the next ones run
                 # plainly.
@@ -689,6 +754,39 @@ class StagedAdamW(torch.optim.Optimizer):
         if native is not None:
             native.close()
         run.keep = []
+
+    # Module types whose forward pre-hook waits for their whole subtree (overlap="forward").
+    gate_whole = _GATE_WHOLE
+
+    def _open_gate(self, grad_of):
+        """After a gated step held: each stepped parameter waits for its module's forward (or
+        wait_for_step), its gradient kept alive until then."""
+        run = self._ov
+        is_open = ctypes.c_int(0)
+        check(lib.ckpt_optimizer_gate_open(self._native.handle, ctypes.byref(is_open)))
+        if not is_open.value:
+            return
+        run.gated = {i: g for i, g in enumerate(grad_of) if g is not None}
+        run.optimizer, run.device, run.whole = self._native, self._device, tuple(self.gate_whole)
+        if len(run.index_of) != len(self._params):  # add_param_group added some.
+            run.index_of = {id(p): i for i, p in enumerate(self._params)}
+        if run.gate_hook is None:
+            run.gate_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                functools.partial(_gate_forward, weakref.ref(run)))
+
+    def wait_for_step(self):
+        """After a step of overlap="forward": what the current stream runs next sees every
+        parameter this step wrote (the forward's own modules wait for theirs by themselves).
+        Call it before reading parameters outside their module's forward (an EMA update, a
+        weight read elsewhere, a save of the model) ahead of the next forward; before code that
+        zeroes or writes gradients in place other than this optimizer's zero_grad; and before
+        capturing a CUDA graph. A no-op otherwise."""
+        run = getattr(self, "_ov", None)
+        if run is None or not run.gated:
+            return
+        if self._native is not None and not self._native.closed:
+            check(lib.ckpt_optimizer_await_step(self._native.handle, self._stream()))
+        run.gated = {}  # Freed after the wait: on the stream that waited.
 
     def _stream(self):
         if self._device.type == "cuda":
@@ -735,6 +833,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 _DTYPES[self._grad_dtype], scale * coef, 0, self._stream(),
                 ctypes.byref(skipped), ctypes.byref(speculated), ctypes.byref(held)))
             run.last = (speculated.value, bool(held.value))
+            if held.value and run.gate:
+                self._open_gate(grad_of)
             return True
         finally:
             native.close()
@@ -756,6 +856,7 @@ class StagedAdamW(torch.optim.Optimizer):
         run = self._ov
         run.failed = False
         run.last = None
+        self.wait_for_step()  # The last step's gate, if no forward ran since.
         if run.native is not None and self._finish_overlap(coef):
             return loss
         if run.enabled and run.native is None:
@@ -1089,8 +1190,18 @@ class StagedAdamW(torch.optim.Optimizer):
         Without close(), the slabs are freed when the last reference to the optimizer (or to
         a wrapper sharing its attributes) goes."""
         with _signals.deferred():
-            if self._native is not None:
-                self._native.close()
+            run = getattr(self, "_ov", None)
+            try:
+                if run is not None and self._native is not None and not self._native.closed:
+                    self.wait_for_step()
+            finally:
+                if run is not None:
+                    run.gated = {}
+                    if run.gate_hook is not None:
+                        run.gate_hook.remove()
+                        run.gate_hook = None
+                if self._native is not None:
+                    self._native.close()
 
     def __deepcopy__(self, memo):
         raise TypeError("ckpt.torch.StagedAdamW keeps its state in native memory and cannot be "

@@ -22,13 +22,13 @@ def model(seed, dtype=torch.bfloat16):
     return m.to(device=DEVICE, dtype=dtype)
 
 
-def pair(dtype=torch.bfloat16, **kw):
+def pair(dtype=torch.bfloat16, overlap=True, **kw):
     """Two models alike, a plain and an overlapped optimizer (small units: many per layer)."""
     a, b = model(0, dtype), model(0, dtype)
     kw.setdefault("unit_bytes", 1024)
     plain = ckpt.torch.StagedAdamW(a.named_parameters(), lr=1e-2, weight_decay=0.1, **kw)
-    over = ckpt.torch.StagedAdamW(b.named_parameters(), lr=1e-2, weight_decay=0.1, overlap=True,
-                                  **kw)
+    over = ckpt.torch.StagedAdamW(b.named_parameters(), lr=1e-2, weight_decay=0.1,
+                                  overlap=overlap, **kw)
     return (a, plain), (b, over)
 
 
@@ -59,6 +59,7 @@ def step_both(a, b, step, run=backward):
 
 def same_bits(a, b):
     (ma, oa), (mb, ob) = a, b
+    ob.wait_for_step()  # Read outside a forward: after a gated step's writes.
     for (name, pa), (_, pb) in zip(ma.named_parameters(), mb.named_parameters()):
         assert torch.equal(pa, pb), f"{name} differs"
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
@@ -220,3 +221,101 @@ def test_clip_grad_norm_scales_the_step_as_torchs_clipping_does():
         ob.step()
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+class Switch(torch.nn.Module):
+    """The test model, whose middle Linear the forward may skip."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.net = model(seed)
+        self.skip = False
+
+    def forward(self, x):
+        h = self.net[0](x)
+        for i, layer in enumerate(self.net[1:], start=1):
+            if not (self.skip and i == 3):
+                h = layer(h)
+        return h
+
+
+@needs_hooks
+@pytest.mark.parametrize("moments", ["f32", "bf16"])
+def test_gated_steps_equal_plain_steps_through_the_next_forward(moments):
+    """overlap="forward": the next forward's modules each wait for their own parameters (on
+    CUDA; on the CPU the step has written them when it returns). The losses, the weights and
+    the state stay the plain step's, bit for bit, including when a forward skips a layer whose
+    step then stays gated until the next backward's first hook (or zero_grad in place)."""
+    models = [Switch(0), Switch(0)]
+    opts = [ckpt.torch.StagedAdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1,
+                                   moments=moments, unit_bytes=1024, overlap=o)
+            for m, o in zip(models, (False, "forward"))]
+    gated = opts[1]
+    for step in range(6):
+        losses = []
+        for m, opt in zip(models, opts):
+            m.skip = step % 3 == 2
+            opt.zero_grad(set_to_none=step != 4)
+            x, y = batch(step)
+            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
+            losses.append(loss.detach())
+            loss.backward()
+            if opt is gated and DEVICE.type == "cpu":
+                opt._drain_overlap()  # The feeder thread: speculated before step() for sure.
+            opt.step()
+        assert torch.equal(losses[0], losses[1]), step
+        speculated, held = gated.last_overlap
+        assert speculated > 0 and held, step
+        if DEVICE.type == "cuda":
+            assert gated._ov.gated, "open until the next forward"
+        else:
+            assert not gated._ov.gated
+    models[1](batch(9)[0])  # A forward of every layer waits for all of them.
+    assert not gated._ov.gated
+    same_bits((models[0], opts[0]), (models[1], opts[1]))
+
+
+def test_overlap_takes_true_false_or_forward():
+    m = model(0)
+    with pytest.raises(ValueError, match="overlap must be"):
+        ckpt.torch.StagedAdamW(m.parameters(), overlap="backward")
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 32)
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 50)
+
+    def forward(self, x):
+        h = self.embed(x).unsqueeze(0)
+        return self.head(self.attn(h, h, h, need_weights=False)[0][0])
+
+
+@needs_hooks
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a gate opens on the CUDA engine only")
+def test_a_module_reading_its_childrens_weights_waits_for_its_subtree():
+    """MultiheadAttention reads out_proj's weights without calling out_proj: its pre-hook waits
+    for its whole subtree, so out_proj is not left gated after the forward."""
+    models = [Attention().to(DEVICE), Attention().to(DEVICE)]
+    opts = [ckpt.torch.StagedAdamW(m.named_parameters(), lr=1e-2, unit_bytes=1024, overlap=o)
+            for m, o in zip(models, (False, "forward"))]
+    gated = opts[1]
+    out_proj = {id(p) for p in models[1].attn.out_proj.parameters()}
+    for step in range(3):
+        outs = []
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            x, y = batch(step)
+            out = m(x)
+            outs.append(out.detach())
+            if opt is gated and step > 0:  # The forward awaited attn's subtree, out_proj too.
+                left = {id(p) for i, p in enumerate(gated._params) if i in gated._ov.gated}
+                assert not left & out_proj
+            torch.nn.functional.cross_entropy(out.float(), y).backward()
+            opt.step()
+        assert torch.equal(outs[0], outs[1]), step
+        assert gated._ov.gated
+    same_bits((models[0], opts[0]), (models[1], opts[1]))

@@ -38,8 +38,10 @@ extern "C" {
  * store transactions and readers (ckpt_save_*, ckpt_reader_*) and their dtypes: a library of 9
  * serves callers of 8. 10 only adds the overlapped step (ckpt_overlap_*). 11 breaks it again
  * for Muon: ckpt_group grows (algorithm and Muon's hyper-parameters); rebuild against 11. It
- * adds ckpt_rank_pieces_keeping_whole. */
-#define CKPT_ABI_VERSION 11
+ * adds ckpt_rank_pieces_keeping_whole. 12 only adds the gated overlapped step
+ * (ckpt_overlap_begin_gated, ckpt_optimizer_gate_open, ckpt_optimizer_await_pieces,
+ * ckpt_optimizer_await_step): a library of 12 serves callers of 11. */
+#define CKPT_ABI_VERSION 12
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -206,6 +208,24 @@ CKPT_C_EXPORT int ckpt_optimizer_step_masked(ckpt_optimizer* opt, const void* co
 typedef struct ckpt_overlap ckpt_overlap;
 CKPT_C_EXPORT int ckpt_overlap_begin(ckpt_optimizer* opt, int grad_dtype, float grad_scale,
                                      void* stream, int speculate, ckpt_overlap** out);
+/* (ABI 12) ckpt_overlap_begin with speculation and a gate on the CUDA engine
+ * (StagedAdamW::OverlapOptions::gate; the CPU engine ignores it): at most `window` units (0: 8)
+ * on the device at once during backward, the lowest slab index first; the rest go at finish
+ * in slab order; and a finish that holds leaves `stream` unordered after the weight writes
+ * (ckpt_optimizer_gate_open then says 1): each reader waits with ckpt_optimizer_await_pieces
+ * (or _await_step) before it reads. */
+CKPT_C_EXPORT int ckpt_overlap_begin_gated(ckpt_optimizer* opt, int grad_dtype,
+                                           float grad_scale, void* stream, uint32_t window,
+                                           ckpt_overlap** out);
+/* (ABI 12) *open: 1 while a gated step's writes have readers to wait for them, else 0. */
+CKPT_C_EXPORT int ckpt_optimizer_gate_open(const ckpt_optimizer* opt, int* open);
+/* (ABI 12) After a gated step: what is queued next on `stream` runs after the step's writes of
+ * the weights of pieces pieces[0 .. n) (each unit is awaited once: a piece awaited already
+ * costs nothing, and another stream awaits with _await_step). No-op when no gate is open. */
+CKPT_C_EXPORT int ckpt_optimizer_await_pieces(ckpt_optimizer* opt, const uint32_t* pieces,
+                                              size_t n, void* stream);
+/* (ABI 12) The same for every piece: the gate closes. */
+CKPT_C_EXPORT int ckpt_optimizer_await_step(ckpt_optimizer* opt, void* stream);
 /* The gradients of pieces pieces[0 .. n) are final: grads[i] and params[i] are piece
  * pieces[i]'s own buffers. A piece released twice (a second backward before the step) fails
  * with CKPT_FAILED_PRECONDITION and abandons the step (the weights written are put back). */

@@ -126,6 +126,9 @@ class AccelerateKeeper:
         return os.path.dirname(os.path.abspath(output_dir))
 
     def _before_save(self, models, weights, output_dir):
+        # The models' weights are read next: after the step's writes of them (overlap="forward"
+        # leaves those to the next forward otherwise).
+        self.optimizer.wait_for_step()
         # Step 2.
         step = _optimizer_step(self.optimizer)
         directory = self._rotation(output_dir)

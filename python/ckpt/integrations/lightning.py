@@ -120,6 +120,11 @@ class CkptCallback(pl.Callback):
         self.keeper.attach(staged[0], lambda: self._trainer.global_step)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.keeper.optimizer is not None:
+            # The checkpoint's state_dict holds the parameters themselves, written out next:
+            # after the step's writes of them (overlap="forward" leaves those to the next
+            # forward otherwise).
+            self.keeper.optimizer.wait_for_step()
         if self.keeper.optimizer is None or trainer.global_step == self.keeper.saved_step:
             return  # save_last's second file of the step names the same ckpt step.
         retire = self.keeper.dropped

@@ -94,6 +94,9 @@ class CkptCallback(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self._step = state.global_step
         if control.should_save:
+            # Trainer saves the model's weights next: after the step's writes of them
+            # (overlap="forward" leaves those to the next forward otherwise).
+            self.optimizer.wait_for_step()
             # Trainer rotates the folders before on_save: the previous step must be committed
             # by then, so that a complete folder survives the rotation.
             self.keeper.finalize()

@@ -125,6 +125,28 @@ struct StepReport {
   // speculation held (was committed) or was redone (or undone, for a skipped step).
   uint64_t speculated_units = 0;
   bool speculation_held = false;
+  // A gated overlapped step (OverlapOptions::gate) that held: the caller's stream was not
+  // ordered after the step's weight writes; each reader waits with AwaitPieces (or all at once
+  // with AwaitStep).
+  bool gated = false;
+};
+
+// How an overlapped step runs (StagedAdamW::BeginOverlap).
+struct OverlapOptions {
+  // Update released units before Finish (from the state into a spare copy). false: Finish runs
+  // Step, and nothing needs a spare copy.
+  bool speculate = true;
+  // CUDA engine only (ignored by the CPU engine, whose Finish has written every weight when it
+  // returns). The step's tail runs behind the next forward instead of before it: Release keeps
+  // at most `window` units queued on the device and sends the ready unit of the lowest slab
+  // index first (the newest released: backward runs in reverse slab order), so that what is
+  // left when backward ends goes out at Finish in slab order, which is forward's for most
+  // models; and a Finish that holds does not order the caller's stream after the writes
+  // (StepReport::gated): the caller makes each reader of the weights wait for its own pieces
+  // with AwaitPieces (a layer of the next forward, just before it runs), or for all with
+  // AwaitStep. A reader that waits for neither races with the step's writes.
+  bool gate = false;
+  uint32_t window = 8;  // Units queued on the device at once during backward (gate only).
 };
 
 // Where the optimizer stands with respect to loads (DESIGN.md §5): kClean steps; kLoading is a
@@ -216,8 +238,22 @@ class StagedAdamW {
   // Overlap. `speculate` false updates nothing before Finish (which then runs Step): no spare
   // copy. kFailedPrecondition when not kClean or an overlap is open; kResourceExhausted when the
   // spare copy cannot be allocated; kInvalidArgument as Step.
-  absl::StatusOr<Overlap> BeginOverlap(const StepArgs& args, bool speculate = true);
+  absl::StatusOr<Overlap> BeginOverlap(const StepArgs& args, const OverlapOptions& options);
+  absl::StatusOr<Overlap> BeginOverlap(const StepArgs& args, bool speculate = true) {
+    OverlapOptions options;
+    options.speculate = speculate;
+    return BeginOverlap(args, options);
+  }
   bool overlap_open() const { return overlap_ != nullptr; }
+  // After a gated step (StepReport::gated): what is queued next on `stream` runs after the
+  // step's writes of these pieces' weights (indices into options().pieces; pieces already
+  // awaited cost nothing). The gate closes once every written unit has been awaited. No-op
+  // when no gate is open. kInvalidArgument for a piece out of range.
+  absl::Status AwaitPieces(std::span<const uint32_t> pieces, CudaStreamView stream);
+  // The same for every piece: the gate closes. Step, BeginOverlap and WriteModelWeights on a
+  // stream do this first themselves; ReleaseDevice and Synchronize close it (the host waited).
+  absl::Status AwaitStep(CudaStreamView stream);
+  bool gate_open() const { return gate_left_ > 0; }
   // Host bytes of the spare copy (0 until an overlapped step speculates).
   uint64_t spare_bytes() const;
 
@@ -454,6 +490,13 @@ class StagedAdamW {
   std::unique_ptr<Slabs> spare_;
   struct OverlapState;
   std::unique_ptr<OverlapState> overlap_;  // The open overlapped step, if any.
+  // A gated step's units whose weight writes no reader has awaited yet (AwaitPieces), and how
+  // many; 0: no gate open.
+  std::vector<uint8_t> gate_units_;
+  uint64_t gate_left_ = 0;
+  // Sends ready units of a gated overlap to the engine while fewer than its window are queued
+  // (all of them when `all`).
+  absl::Status Pump(bool all);
   std::unique_ptr<internal::Engine> engine_;  // After the slabs: destroyed (drained) first.
 
   // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.
