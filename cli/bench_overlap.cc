@@ -21,6 +21,8 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
   o.unit_bytes = args.unit_bytes;
   o.steps = args.steps;
   o.clip_fires = args.clip_fires;
+  o.gate = args.gate;
+  o.window = args.window;
   absl::StatusOr<bench::OverlapFigures> f = bench::RunOverlapBench(o);
   if (!f.ok()) return ReportError("bench overlap", f.status());
   // The optimizer time a training step still waits for: the step minus its backward.
@@ -33,6 +35,7 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
                {"engine", f->engine},
                {"moments", args.moments},
                {"clip_fires", args.clip_fires},
+               {"gate", args.gate},
                {"backward_seconds", f->backward_seconds},
                {"plain_seconds", f->plain_seconds},
                {"overlap_seconds", f->overlap_seconds},
@@ -50,7 +53,7 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
   }
   const bool cuda = o.engine == optimizer::EngineKind::kCuda;
   std::cout << absl::StrFormat(
-      "StagedAdamW of %d parameters in %d buckets, %s, %s moments%s\n"
+      "StagedAdamW of %d parameters in %d buckets, %s, %s moments%s%s\n"
       "backward alone %8.2f ms\n"
       "plain          %8.2f ms   optimizer exposed %8.2f ms\n"
       "overlapped     %8.2f ms   optimizer exposed %8.2f ms   (%d units during backward, %s)\n"
@@ -58,7 +61,8 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
       "%s)\n"
       "overlapped / bound %.2f   plain / bound %.2f\n",
       args.params, args.buckets, f->engine, args.moments,
-      args.clip_fires ? ", clipping fires" : "", f->backward_seconds * 1e3, f->plain_seconds * 1e3,
+      args.clip_fires ? ", clipping fires" : "", args.gate ? ", gated" : "",
+      f->backward_seconds * 1e3, f->plain_seconds * 1e3,
       plain_exposed * 1e3, f->overlap_seconds * 1e3, exposed * 1e3, f->speculated_units,
       f->speculation_held ? "held" : "redone", f->bound_seconds * 1e3,
       f->step_bound_seconds * 1e3, cuda ? "duplex PCIe, slower direction" : "host memory triad",

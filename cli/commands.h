@@ -172,6 +172,8 @@ struct BenchOverlapArgs {
   uint64_t unit_bytes = 0;      // 0: the optimizer's default.
   int steps = 3;
   bool clip_fires = false;
+  bool gate = false;
+  uint32_t window = 8;
   bool json = false;
 };
 int RunBenchOverlap(const BenchOverlapArgs& args);

@@ -236,6 +236,12 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, 1000));
   overlap_cmd->add_flag("--clip-fires", bench_overlap.clip_fires,
                         "Finish with another scale than the speculation's: the step is redone");
+  overlap_cmd->add_flag("--gate", bench_overlap.gate,
+                        "Gate the overlapped step (CUDA engine): a window of units during "
+                        "backward, the rest at Finish, then every unit awaited");
+  overlap_cmd->add_option("--window", bench_overlap.window,
+                          "With --gate: units on the device at once during backward (default 8)")
+      ->check(WholeNumber(1, 1 << 20));
   overlap_cmd->add_flag("--json", bench_overlap.json, "Print one JSON object");
 
   BenchMuonArgs bench_muon;

@@ -92,6 +92,10 @@ struct StepPlan {
   // also records each unit's own event once its kernel has written the unit's weights, which
   // OrderCallerAfterUnit waits for (a gated overlapped step, docs/design/overlap.md).
   std::span<const uint32_t> unit_ids;
+  // With unit_ids: each unit's update waits for the point its Release recorded
+  // (Engine::RecordUnitReady), not for the caller's stream as it is at this call (a gated step
+  // sends a unit later than it became ready).
+  bool wait_unit_ready = false;
 };
 
 // Calls fn(offset, count, grads, params, constants, dtype) for each run of slab elements
@@ -186,6 +190,18 @@ class Engine {
   // Whether the last recorded write of unit `u`'s weights has run (true when none was
   // recorded); the host does not wait.
   virtual absl::StatusOr<bool> UnitWritten(uint32_t u) {
+    (void)u;
+    return true;
+  }
+  // A gated step's Release: records on `stream` the point after which unit `u`'s gradients
+  // are final, for StepPlan::wait_unit_ready; UnitReady says whether the device has passed it
+  // (true when none was recorded). No-op / true for the CPU engine.
+  virtual absl::Status RecordUnitReady(uint32_t u, CudaStreamView stream) {
+    (void)u;
+    (void)stream;
+    return absl::OkStatus();
+  }
+  virtual absl::StatusOr<bool> UnitReady(uint32_t u) {
     (void)u;
     return true;
   }

@@ -221,7 +221,15 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
     // stream so far. An async save's fence: left to Finish.
     if (opt.fence_ != nullptr) return absl::OkStatus();
     if (st.gate) {  // Every Release refills the window, whether or not a unit became ready.
-      st.waiting.insert(ready.begin(), ready.end());
+      for (uint32_t u : ready) {
+        // Where on the stream its gradients are final: it may go to the device later.
+        absl::Status recorded = opt.engine_->RecordUnitReady(u, *st.args.stream);
+        if (!recorded.ok()) {
+          st.error = recorded;  // Finish abandons the step.
+          return recorded;
+        }
+        st.waiting.push_back(u);
+      }
       return opt.Pump(/*all=*/false);
     }
     if (ready.empty()) return absl::OkStatus();
@@ -304,9 +312,13 @@ absl::Status StagedAdamW::SpeculateNow(const std::vector<uint32_t>& ready) {
   view.exp_avg_sq_out = spare_->exp_avg_sq.data();
   view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
   st.plan.continues = st.speculated_units > 0;
-  if (st.gate) st.plan.unit_ids = ready;
+  if (st.gate) {  // Each unit waits for its own Release, and records its own written event.
+    st.plan.unit_ids = ready;
+    st.plan.wait_unit_ready = true;
+  }
   absl::Status status = engine_->Step(st.args, batch, st.plan, view, size_).status();
   st.plan.unit_ids = {};
+  st.plan.wait_unit_ready = false;
   if (!status.ok()) {
     st.error = status;  // Finish abandons the step.
     return status;
@@ -328,10 +340,26 @@ absl::Status StagedAdamW::Pump(bool all) {
     if (!*written) break;
     st.in_flight.pop_front();
   }
+  if (st.waiting.empty()) return absl::OkStatus();
+  // Holding a unit back pays only where a later Pump comes while the device can still use it:
+  // where the device keeps pace with the releases. Where it has not even reached the oldest
+  // waiting unit's Release, the host is ahead of it (a later Pump may come only at Finish):
+  // every waiting unit goes now, in the order they became ready, as an ungated step sends them.
+  absl::StatusOr<bool> caught_up = engine_->UnitReady(st.waiting.front());
+  if (!caught_up.ok()) {
+    st.error = caught_up.status();
+    return st.error;
+  }
   std::vector<uint32_t> batch;
-  while (!st.waiting.empty() && (all || st.in_flight.size() + batch.size() < st.window)) {
-    batch.push_back(*st.waiting.begin());  // The lowest slab index: forward needs it first.
-    st.waiting.erase(st.waiting.begin());
+  if (!*caught_up) {
+    batch.swap(st.waiting);
+  } else {
+    while (!st.waiting.empty() && (all || st.in_flight.size() + batch.size() < st.window)) {
+      // The lowest slab index: the next forward needs it first.
+      auto lowest = std::min_element(st.waiting.begin(), st.waiting.end());
+      batch.push_back(*lowest);
+      st.waiting.erase(lowest);
+    }
   }
   if (batch.empty()) return absl::OkStatus();
   CKPT_RETURN_IF_ERROR(SpeculateNow(batch));

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
-#include <set>
 #include <thread>
 #include <vector>
 
@@ -36,12 +35,12 @@ struct StagedAdamW::OverlapState {
   std::vector<uint8_t> speculated;          // Per unit.
   uint64_t speculated_units = 0;            // Written by the feeder; read after it joined.
   bool invalidated = false;  // Overlap::Invalidate: the speculation cannot hold.
-  // A gated overlap (OverlapOptions::gate, CUDA engine): ready units wait in `waiting`, the
-  // lowest slab index first, until fewer than `window` are queued on the device (`in_flight`,
-  // in the order sent).
+  // A gated overlap (OverlapOptions::gate, CUDA engine): ready units wait in `waiting` (in the
+  // order they became ready) until fewer than `window` are queued on the device (`in_flight`,
+  // in the order sent); see StagedAdamW::Pump.
   bool gate = false;
   uint32_t window = 1;
-  std::set<uint32_t> waiting;
+  std::vector<uint32_t> waiting;
   std::deque<uint32_t> in_flight;
 
   // The feeder (optimizer/overlap.cc): a thread that runs the engine over the ready units, so

@@ -170,13 +170,17 @@ absl::StatusOr<OverlapFigures> RunOverlapBench(const OverlapBenchOptions& option
     const double plain_s = Seconds(start);
 
     start = Clock::now();
-    CKPT_ASSIGN_OR_RETURN(StagedAdamW::Overlap ov, opt->BeginOverlap(begin));
+    optimizer::OverlapOptions overlap_options;
+    overlap_options.gate = options.gate;
+    overlap_options.window = options.window;
+    CKPT_ASSIGN_OR_RETURN(StagedAdamW::Overlap ov, opt->BeginOverlap(begin, overlap_options));
     CKPT_RETURN_IF_ERROR(run_backward([&](uint32_t b) {
       const uint32_t piece[] = {b};
       return ov.Release(piece);
     }));
     CKPT_ASSIGN_OR_RETURN(StepReport over, ov.Finish(final_args));
-    CKPT_RETURN_IF_ERROR(backward->Wait(over.done));
+    if (over.gated) CKPT_RETURN_IF_ERROR(opt->AwaitStep(*begin.stream));
+    CKPT_RETURN_IF_ERROR(backward->Wait(over.gated ? nullptr : over.done));
     const double overlap_s = Seconds(start);
     if (i == 0) continue;
     f.backward_seconds = std::min(f.backward_seconds, alone);

@@ -168,6 +168,7 @@ class CudaEngine : public internal::Engine {
       status.Update(CudaStatus(cudaStreamSynchronize(join_.get()), "synchronize join stream"));
     slots_.clear();
     unit_events_.clear();
+    ready_events_.clear();
     next_slot_ = 0;
     join_ = CudaStream();
     grads_ready_ = CudaEvent();
@@ -247,8 +248,15 @@ class CudaEngine : public internal::Engine {
       // 2. Compute.
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
-      if (k < slots_.size())
+      if (plan.wait_unit_ready && !plan.unit_ids.empty()) {  // A gated step's: its Release.
+        const uint32_t id = plan.unit_ids[i];
+        if (id >= ready_events_.size())
+          return absl::InternalError("a ready event that PrepareUnitEvents did not make");
+        CKPT_CUDA_RETURN_IF_ERROR(
+            cudaStreamWaitEvent(s.compute.get(), ready_events_[id].get(), 0));
+      } else if (k < slots_.size()) {
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
+      }
       // One kernel per run of the unit whose gradients and weights are contiguous and whose
       // constants are the same (ForEachSegment); a skipped run's state is copied through as is.
       cudaError_t launched = cudaSuccess;
@@ -378,19 +386,35 @@ class CudaEngine : public internal::Engine {
 
   absl::Status PrepareUnitEvents(size_t units) override {
     if (unit_events_.size() == units) return absl::OkStatus();
-    std::vector<CudaEvent> events;
-    events.reserve(units);
+    std::vector<CudaEvent> written, ready;
+    written.reserve(units);
+    ready.reserve(units);
     for (size_t i = 0; i < units; ++i) {
-      CKPT_ASSIGN_OR_RETURN(CudaEvent e, CudaEvent::Create());
-      events.push_back(std::move(e));
+      CKPT_ASSIGN_OR_RETURN(CudaEvent w, CudaEvent::Create());
+      CKPT_ASSIGN_OR_RETURN(CudaEvent r, CudaEvent::Create());
+      written.push_back(std::move(w));
+      ready.push_back(std::move(r));
     }
-    unit_events_ = std::move(events);
+    unit_events_ = std::move(written);
+    ready_events_ = std::move(ready);
     return absl::OkStatus();
   }
 
-  absl::StatusOr<bool> UnitWritten(uint32_t u) override {
-    if (u >= unit_events_.size()) return true;
-    const cudaError_t e = cudaEventQuery(unit_events_[u].get());
+  absl::Status RecordUnitReady(uint32_t u, CudaStreamView stream) override {
+    if (u >= ready_events_.size())
+      return absl::InternalError("a ready event that PrepareUnitEvents did not make");
+    CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(ready_events_[u].get(), ToCudaStream(stream)));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> UnitReady(uint32_t u) override { return Query(ready_events_, u); }
+
+  absl::StatusOr<bool> UnitWritten(uint32_t u) override { return Query(unit_events_, u); }
+
+  // Whether events[u]'s last record has run (true when it has none).
+  static absl::StatusOr<bool> Query(const std::vector<CudaEvent>& events, uint32_t u) {
+    if (u >= events.size()) return true;
+    const cudaError_t e = cudaEventQuery(events[u].get());
     if (e == cudaErrorNotReady) {
       // Not an error, but the runtime keeps it as the last one: cleared, or the next caller of
       // cudaGetLastError (torch's launch checks) would take it for theirs.
@@ -620,7 +644,9 @@ class CudaEngine : public internal::Engine {
   CudaEvent grads_ready_, done_;
   CudaStream join_;
   std::vector<Slot> slots_;
-  std::vector<CudaEvent> unit_events_;  // Per unit, when a gated overlapped step asked for them.
+  // Per unit, when a gated overlapped step asked for them: its weights written, and its
+  // gradients final (its Release).
+  std::vector<CudaEvent> unit_events_, ready_events_;
 };
 
 }  // namespace

@@ -29,6 +29,11 @@ struct OverlapBenchOptions {
   // Finish scales the gradients by 0.5 where BeginOverlap speculated with 1, as clipping that
   // fires does: the speculation is redone (the worst case).
   bool clip_fires = false;
+  // The overlapped step is gated (OverlapOptions::gate, CUDA engine): its window during the
+  // backward, its tail sent at Finish; the step ends when the stream has awaited every unit
+  // (AwaitStep), as if the next forward's first layer read every parameter.
+  bool gate = false;
+  uint32_t window = 8;  // OverlapOptions::window.
 };
 
 // Seconds, each the best of `steps`. A plain value.
