@@ -238,7 +238,8 @@ TEST(CkptCTest, AMuonGroupThroughTheAbi) {
 }
 
 // ABI 10: an overlapped step through the ABI gives the bits of ckpt_optimizer_step_masked, held
-// or redone; a piece released twice is refused and the step abandoned.
+// or redone; a piece released twice is refused and the step abandoned. ABI 12: the gated
+// entry point on the CPU engine opens no gate.
 TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
   const uint64_t shape_a[1] = {300}, shape_b[1] = {70};
   ckpt_param params[2] = {{"a", shape_a, 1, CKPT_F32, 0}, {"b", shape_b, 1, CKPT_F32, 0}};
@@ -266,7 +267,10 @@ TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
                                          nullptr, nullptr),
               CKPT_OK);
     ckpt_overlap* ov = nullptr;
-    ASSERT_EQ(ckpt_overlap_begin(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov), CKPT_OK)
+    // ABI 12's gated step at step 2: on the CPU engine it is the ungated one.
+    ASSERT_EQ(s == 2 ? ckpt_overlap_begin_gated(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov)
+                     : ckpt_overlap_begin(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov),
+              CKPT_OK)
         << ckpt_last_error();
     const uint32_t order[2] = {1, 0};
     const void* rg[2] = {pg[1], pg[0]};
@@ -283,6 +287,14 @@ TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
     EXPECT_EQ(skipped, 0);
     EXPECT_GT(speculated, 0u);
     EXPECT_EQ(held, s == 1 ? 0 : 1);
+    int open = -1;
+    ASSERT_EQ(ckpt_optimizer_gate_open(overlapped, &open), CKPT_OK);
+    EXPECT_EQ(open, 0);  // The CPU engine wrote every weight before finish returned.
+    EXPECT_EQ(ckpt_optimizer_await_pieces(overlapped, order, 2, nullptr), CKPT_OK);
+    const uint32_t missing = 2;
+    EXPECT_EQ(ckpt_optimizer_await_pieces(overlapped, &missing, 1, nullptr),
+              CKPT_INVALID_ARGUMENT);
+    EXPECT_EQ(ckpt_optimizer_await_step(overlapped, nullptr), CKPT_OK);
     EXPECT_EQ(0, std::memcmp(wp.data(), wo.data(), wp.size() * 4)) << "step " << s;
   }
   ckpt_overlap* ov = nullptr;

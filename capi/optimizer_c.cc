@@ -323,9 +323,12 @@ struct ckpt_overlap {
   std::optional<opt::StagedAdamW::Overlap> overlap;
 };
 
-int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void* stream,
-                       int speculate, ckpt_overlap** out) {
-  return Guard("ckpt_overlap_begin", [&]() -> int {
+namespace {
+
+// ckpt_overlap_begin and _begin_gated: an overlapped step opened with `options`.
+int BeginOverlap(const char* what, ckpt_optimizer* o, int grad_dtype, float grad_scale,
+                 void* stream, const opt::OverlapOptions& options, ckpt_overlap** out) {
+  return Guard(what, [&]() -> int {
     if (o == nullptr || out == nullptr) return Invalid("optimizer or out is NULL");
     absl::StatusOr<DType> gd = ModelDType(grad_dtype);
     if (!gd.ok()) return Fail(gd.status());
@@ -333,8 +336,6 @@ int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void
     args.grad_dtype = *gd;
     args.grad_scale = grad_scale;
     args.stream = CallerStream(stream);
-    opt::OverlapOptions options;
-    options.speculate = speculate != 0;
     absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, options);
     if (!ov.ok()) return Fail(ov.status());
     auto handle = std::make_unique<ckpt_overlap>();
@@ -344,26 +345,22 @@ int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void
   });
 }
 
+}  // namespace
+
+int ckpt_overlap_begin(ckpt_optimizer* o, int grad_dtype, float grad_scale, void* stream,
+                       int speculate, ckpt_overlap** out) {
+  opt::OverlapOptions options;
+  options.speculate = speculate != 0;
+  return BeginOverlap("ckpt_overlap_begin", o, grad_dtype, grad_scale, stream, options, out);
+}
+
 int ckpt_overlap_begin_gated(ckpt_optimizer* o, int grad_dtype, float grad_scale, void* stream,
                              uint32_t window, ckpt_overlap** out) {
-  return Guard("ckpt_overlap_begin_gated", [&]() -> int {
-    if (o == nullptr || out == nullptr) return Invalid("optimizer or out is NULL");
-    absl::StatusOr<DType> gd = ModelDType(grad_dtype);
-    if (!gd.ok()) return Fail(gd.status());
-    opt::StepArgs args;
-    args.grad_dtype = *gd;
-    args.grad_scale = grad_scale;
-    args.stream = CallerStream(stream);
-    opt::OverlapOptions options;
-    options.gate = true;
-    if (window != 0) options.window = window;
-    absl::StatusOr<opt::StagedAdamW::Overlap> ov = o->opt->BeginOverlap(args, options);
-    if (!ov.ok()) return Fail(ov.status());
-    auto handle = std::make_unique<ckpt_overlap>();
-    handle->overlap.emplace(std::move(*ov));
-    *out = handle.release();
-    return CKPT_OK;
-  });
+  opt::OverlapOptions options;
+  options.gate = true;
+  if (window != 0) options.window = window;
+  return BeginOverlap("ckpt_overlap_begin_gated", o, grad_dtype, grad_scale, stream, options,
+                      out);
 }
 
 int ckpt_optimizer_await_pieces(ckpt_optimizer* o, const uint32_t* pieces, size_t n,
