@@ -21,6 +21,21 @@
 // 7. Not held otherwise: order after every speculated write (Barrier), then Step in place on the
 //    current side, untouched by speculation, with the final arguments (every weight rewritten).
 // 8. Abandoned: as 6, without a report.
+//
+// A gated overlap (OverlapOptions::gate, CUDA engine; docs/design/overlap.md, "The gate"):
+// G1. Begin: per-unit events made; the last step's gate, if still open, awaited on the stream.
+// G2. Release: each ready unit records its ready event on the stream and waits on the host.
+//     Pump (every Release): forget the sent units whose written event has run; if the device
+//     has not reached the oldest waiting unit's ready event (the host is ahead), send every
+//     waiting unit in release order; else send the lowest slab index first while fewer than
+//     `window` are on the device. A sent unit waits for its ready event and records its
+//     written event after its kernel. Why: the tail left at Finish is then the units the next
+//     forward reads last.
+// G3. Finish, held: the rest in slab order, each recording its written event; Barrier; the
+//     caller's stream is not ordered after the writes; the written units are gated.
+// G4. AwaitPieces orders a stream after the gated units of those pieces, once per unit;
+//     AwaitStep after all of them. Step, BeginOverlap, WriteModelWeights, Synchronize and
+//     ReleaseDevice close the gate first. Not held (6, 7, 8): no gate opens.
 #include <algorithm>
 #include <cstring>
 #include <mutex>
