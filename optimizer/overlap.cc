@@ -554,7 +554,7 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
     }
   }
   CKPT_RETURN_IF_ERROR(engine_->Barrier());
-  if (st.gate && engine_->queues_only()) {
+  if (st.gate) {
     // Step 5 of a gate: every unit written now awaits its readers (AwaitPieces).
     gate_units_.assign(units_.size(), 0);
     for (size_t u = 0; u < units_.size(); ++u) gate_units_[u] = st.speculated[u];

@@ -1192,8 +1192,7 @@ class StagedAdamW(torch.optim.Optimizer):
         with _signals.deferred():
             run = getattr(self, "_ov", None)
             try:
-                if run is not None and self._native is not None and not self._native.closed:
-                    self.wait_for_step()
+                self.wait_for_step()  # A no-op without an open gate or once closed.
             finally:
                 if run is not None:
                     run.gated = {}
