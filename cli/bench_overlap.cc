@@ -1,6 +1,7 @@
 // ckpt-tool bench overlap: how much of the optimizer step an overlapped step hides behind a
 // synthetic backward, against the plain step and the bound of the same run. The measuring is
 // ckpt::bench::RunOverlapBench (optimizer/bench); this file prints.
+#include <algorithm>
 #include <iostream>
 
 #include "absl/strings/str_format.h"
@@ -46,6 +47,8 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
                {"bytes_per_param", f->bytes_per_param},
                {"bound_seconds", f->bound_seconds},
                {"ratio", ratio},
+               {"release_seconds", f->release_seconds},
+               {"release_calls", f->release_calls},
                {"speculated_units", f->speculated_units},
                {"speculation_held", f->speculation_held},
                {"device_bytes", f->device_bytes}});
@@ -59,7 +62,8 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
       "overlapped     %8.2f ms   optimizer exposed %8.2f ms   (%d units during backward, %s)\n"
       "bound          %8.2f ms   the step alone at the bound %.2f ms (%s %.1f GB/s, %.0f B/param"
       "%s)\n"
-      "overlapped / bound %.2f   plain / bound %.2f\n",
+      "overlapped / bound %.2f   plain / bound %.2f\n"
+      "host time in Release %.3f ms per step (%d calls, %.1f us each)\n",
       args.params, args.buckets, f->engine, args.moments,
       args.clip_fires ? ", clipping fires" : "", args.gate ? ", gated" : "",
       f->backward_seconds * 1e3, f->plain_seconds * 1e3,
@@ -67,7 +71,8 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
       f->speculation_held ? "held" : "redone", f->bound_seconds * 1e3,
       f->step_bound_seconds * 1e3, cuda ? "duplex PCIe, slower direction" : "host memory triad",
       f->bound_gbps, f->bytes_per_param, cuda ? " each way" : "", ratio,
-      f->plain_seconds / f->bound_seconds);
+      f->plain_seconds / f->bound_seconds, f->release_seconds * 1e3, f->release_calls,
+      f->release_seconds * 1e6 / std::max(1, f->release_calls));
   return kExitOk;
 }
 

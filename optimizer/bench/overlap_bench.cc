@@ -174,9 +174,13 @@ absl::StatusOr<OverlapFigures> RunOverlapBench(const OverlapBenchOptions& option
     overlap_options.gate = options.gate;
     overlap_options.window = options.window;
     CKPT_ASSIGN_OR_RETURN(StagedAdamW::Overlap ov, opt->BeginOverlap(begin, overlap_options));
+    double releasing = 0;
     CKPT_RETURN_IF_ERROR(run_backward([&](uint32_t b) {
       const uint32_t piece[] = {b};
-      return ov.Release(piece);
+      const Clock::time_point at = Clock::now();
+      absl::Status released = ov.Release(piece);
+      releasing += Seconds(at);
+      return released;
     }));
     CKPT_ASSIGN_OR_RETURN(StepReport over, ov.Finish(final_args));
     if (over.gated) CKPT_RETURN_IF_ERROR(opt->AwaitStep(*begin.stream));
@@ -186,6 +190,8 @@ absl::StatusOr<OverlapFigures> RunOverlapBench(const OverlapBenchOptions& option
     f.backward_seconds = std::min(f.backward_seconds, alone);
     f.plain_seconds = std::min(f.plain_seconds, plain_s);
     f.overlap_seconds = std::min(f.overlap_seconds, overlap_s);
+    if (i == 1 || releasing < f.release_seconds) f.release_seconds = releasing;
+    f.release_calls = static_cast<int>(buckets);
     f.speculated_units = over.speculated_units;
     f.speculation_held = over.speculation_held;
   }

@@ -13,12 +13,15 @@ using device::LoadMoment;
 using device::StoreMoment;
 using device::StoreParam;
 
+// Block row y updates run a.segment[y]; the element arithmetic is the same for every run.
 template <DType G, DType P, DType M>
 __global__ void AdamwUnitKernel(DeviceUnitArgs a) {
-  const KernelConstants c = a.c;
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < a.n;
-       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    const float g = __fmul_rn(LoadGrad<G>(a.grads, i), a.grad_scale);
+  const DeviceSegment& s = a.segment[blockIdx.y];
+  const KernelConstants c = s.c;
+  for (uint64_t j = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; j < s.n;
+       j += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t i = s.at + j;  // In the unit's buffers; j in the run's.
+    const float g = __fmul_rn(LoadGrad<G>(s.grads, j), a.grad_scale);
     float p = __fmul_rn(a.master_in[i], c.decay);
     const float m = __fadd_rn(__fmul_rn(c.beta1, LoadMoment<M>(a.m_in, i)), __fmul_rn(c.omb1, g));
     const float v =
@@ -38,7 +41,7 @@ __global__ void AdamwUnitKernel(DeviceUnitArgs a) {
     a.master_out[i] = p;
     StoreMoment<M>(a.m_out, i, m);
     StoreMoment<M>(a.v_out, i, v);
-    StoreParam<P>(a.params, i, p);
+    StoreParam<P>(s.params, j, p);
   }
 }
 
@@ -70,10 +73,14 @@ unsigned Blocks(uint64_t n) {
 
 template <DType G, DType P>
 cudaError_t LaunchForMoments(const DeviceUnitArgs& a, DType m, cudaStream_t s) {
+  if (a.segments < 1 || a.segments > kMaxSegments) return cudaErrorInvalidValue;
+  uint64_t longest = 0;
+  for (int k = 0; k < a.segments; ++k) longest = longest > a.segment[k].n ? longest : a.segment[k].n;
+  const dim3 grid(Blocks(longest), static_cast<unsigned>(a.segments));
   if (m == DType::kF32) {
-    AdamwUnitKernel<G, P, DType::kF32><<<Blocks(a.n), kThreads, 0, s>>>(a);
+    AdamwUnitKernel<G, P, DType::kF32><<<grid, kThreads, 0, s>>>(a);
   } else {
-    AdamwUnitKernel<G, P, DType::kBF16><<<Blocks(a.n), kThreads, 0, s>>>(a);
+    AdamwUnitKernel<G, P, DType::kBF16><<<grid, kThreads, 0, s>>>(a);
   }
   return cudaGetLastError();
 }

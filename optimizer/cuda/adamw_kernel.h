@@ -19,7 +19,21 @@ struct KernelConstants {
   int amsgrad;  // With x_in set: x = max(x, v) and the denominator takes sqrt(x).
 };
 
+// One run of a unit whose gradients and weights are contiguous and whose constants are the
+// same: where it starts among the unit's elements (the slot buffers), its length, its buffers.
+struct DeviceSegment {
+  const void* grads;  // Device; this run's first gradient.
+  void* params;       // Device; this run's first weight.
+  uint64_t at;        // Elements from the unit's first.
+  uint64_t n;
+  KernelConstants c;
+};
+
+// The runs one launch updates (a unit spans a few parameters: one launch, not one per run).
+constexpr int kMaxSegments = 8;
+
 struct DeviceUnitArgs {
+  // The unit's state in the slot buffers, from its first element.
   const float* master_in;
   const void* m_in;  // FP32 or BF16 per the moment type.
   const void* v_in;
@@ -30,14 +44,13 @@ struct DeviceUnitArgs {
   // written, updated when c.amsgrad and copied through from x_in otherwise.
   const void* x_in;
   void* x_out;
-  const void* grads;  // Device; already offset to the unit.
-  void* params;       // Device; already offset to the unit.
-  uint64_t n;
   float grad_scale;
-  KernelConstants c;
+  int segments;  // 1 to kMaxSegments, all of one gradient and one weight type.
+  DeviceSegment segment[kMaxSegments];
 };
 
-// Enqueues one unit's update on `stream`. `moments` is kF32 or kBF16.
+// Enqueues the update of `args.segments` runs of one unit on `stream`, in one launch. `moments`
+// is kF32 or kBF16.
 cudaError_t LaunchAdamwUnit(const DeviceUnitArgs& args, KernelType grad, KernelType param,
                             KernelType moments, cudaStream_t stream);
 // Adds the number of non-finite scaled gradients among `n` into *count (device).

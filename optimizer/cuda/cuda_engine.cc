@@ -1,34 +1,40 @@
 // The CUDA streamed engine.
 //
 // Each of `slot_count` slots owns device buffers for one unit's state twice over (the kernel
-// reads the "in" copy and writes the "out" copy) and three streams: copy-in, compute, copy-out.
-// The k-th unit of a Step call runs in slot (first + k) % S, `first` the slot after the previous
-// call's last (an overlapped step makes many calls of a unit or two):
-// 0. once per call, each copy-in stream waits for every slot's last copy-out (d2h_done): a unit
-//    may run in another slot than in the previous call (a fenced step passes its units in
-//    batches), so this orders its copy-in after its previous copy-out whichever slot ran it.
-// 1. copy-in stream: wait until the slot's previous kernel has read its in-buffers
-//    (kernel_done), then copy master, exp_avg, exp_avg_sq (and max_exp_avg_sq when the slabs
-//    hold it) host -> in-buffers; record h2d_done.
-// 2. compute stream: wait for h2d_done, for the slot's previous copy-out to have drained the
-//    out-buffers (d2h_done), and (once per step) for the caller's stream (grads_ready: the first
-//    gradient read happens after whatever wrote the gradients); run the fused kernel, which
-//    reads the gradient and writes the model-dtype weights in place in device memory; record
-//    kernel_done.
+// reads the "in" copy and writes the "out" copy) and three streams: copy-in (Muon matrices and
+// WriteWeights), compute, copy-out. The k-th unit of a Step call runs in slot (first + k) % S,
+// `first` the slot after the previous call's last (an overlapped step makes many calls of a
+// unit or two):
+// 0. once per call, each slot's copy-in and compute streams wait for every slot's last copy-out
+//    (d2h_done): a unit may run in another slot than in the previous call (a fenced step passes
+//    its units in batches), so this orders its copy-in after its previous copy-out whichever
+//    slot ran it.
+// 1. compute stream, in its order after the slot's previous kernel (the last reader of the
+//    in-buffers): copy master, exp_avg, exp_avg_sq (and max_exp_avg_sq when the slabs hold it)
+//    host -> in-buffers.
+// 2. compute stream: wait for the slot's previous copy-out to have drained the out-buffers
+//    (d2h_done), and (once per step) for the caller's stream (grads_ready: the first gradient
+//    read happens after whatever wrote the gradients); run the fused kernel (one launch for up
+//    to kMaxSegments runs of the unit), which reads the gradient and writes the model-dtype
+//    weights in place in device memory; record kernel_done.
 // 3. copy-out stream: wait for kernel_done; copy out-buffers -> host slabs; record d2h_done.
-// Slot reuse is gated by these device events, never by the host. With separate in- and
-// out-buffers, unit k+1's copy-in, unit k's kernel and unit k-1's copy-out run at once, so both
-// PCIe directions stay busy. A join stream waits for every slot's last kernel and records the
+// Slot reuse is gated by stream order and these device events, never by the host. With
+// separate in- and out-buffers, unit k+S's copy-in follows unit k's kernel at once while unit
+// k's copy-out runs, so both PCIe directions stay busy. Copying in on the compute stream spares
+// the events a copy-in stream of its own would need: a unit costs the host 8 runtime calls or
+// 9 (an overlapped step queues them from backward's thread, whose calls a host-bound backward
+// waits for). A join stream waits for every slot's last kernel and records the
 // `done` event the caller's stream must wait on before reading parameters. Step never blocks
 // the host (except to read the non-finite count when check_finite asks for it). Device memory
 // is 2 x slot_count x unit_bytes x (1 + k x moment bytes / 4), whatever the model size (k = 2,
 // or 3 with AMSGrad's max_exp_avg_sq).
 //
 // A Muon unit (Unit::rows set: one whole matrix) takes the same three steps with its master and
-// momentum (the exp_avg slab) only, and in step 2 the matrix's whole step (muon_kernel.h) in the
-// slot's Muon scratch, which is sized for the largest Muon matrix of the layout (with the
-// in/out buffers, sized by the largest unit, which such a matrix is): MuonScratchBytes(rows,
-// cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides). Its products run on
+// momentum (the exp_avg slab) only, copied in on the copy-in stream (after kernel_done; the
+// master lands while the orthogonalisation runs), and in step 2 the matrix's whole step
+// (muon_kernel.h) in the slot's Muon scratch, which is sized for the largest Muon matrix of the
+// layout (with the in/out buffers, sized by the largest unit, which such a matrix is):
+// MuonScratchBytes(rows, cols) per slot, about 4 x m x n + 4 x m x m bytes (m <= n its sides). Its products run on
 // cuBLAS when the process can load it (cublas_gemm.h), on ckpt's own kernel otherwise; one
 // handle per slot (its compute stream's), used from the thread that calls Step.
 //
@@ -235,18 +241,16 @@ class CudaEngine : public internal::Engine {
       std::byte* m_dest = slabs.dest_exp_avg() + u.offset * mbytes;
       std::byte* v_dest = slabs.dest_exp_avg_sq() + u.offset * mbytes;
       std::byte* x_dest = max_slab_ ? slabs.dest_max_exp_avg_sq() + u.offset * mbytes : nullptr;
-      // 1. Copy-in.
-      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), s.kernel_done.get(), 0));
+      // 1. Copy-in, on the compute stream: after the slot's previous kernel (stream order), the
+      // last reader of the in-buffers.
       const size_t copies = max_slab_ ? 4 : 3;
       const size_t sizes[4] = {u.count * 4, u.count * mbytes, u.count * mbytes, u.count * mbytes};
       {
         void* const dsts[4] = {s.master_in.data(), s.m_in.data(), s.v_in.data(), s.x_in.data()};
         const void* const srcs[4] = {master, m, v, x};
-        CKPT_CUDA_RETURN_IF_ERROR(CopyRanges(dsts, srcs, sizes, copies, s.h2d.get()));
+        CKPT_CUDA_RETURN_IF_ERROR(CopyRanges(dsts, srcs, sizes, copies, s.compute.get()));
       }
-      CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.h2d_done.get(), s.h2d.get()));
       // 2. Compute.
-      CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.h2d_done.get(), 0));
       CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), s.d2h_done.get(), 0));
       if (plan.wait_unit_ready && !plan.unit_ids.empty()) {  // A gated step's: its Release.
         const uint32_t id = plan.unit_ids[i];
@@ -257,8 +261,31 @@ class CudaEngine : public internal::Engine {
       } else if (k < slots_.size()) {
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.compute.get(), grads_ready_.get(), 0));
       }
-      // One kernel per run of the unit whose gradients and weights are contiguous and whose
-      // constants are the same (ForEachSegment); a skipped run's state is copied through as is.
+      // The runs of the unit whose gradients and weights are contiguous and whose constants are
+      // the same (ForEachSegment), up to kMaxSegments of one weight type per launch; a skipped
+      // run's state is copied through as is.
+      DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()),
+                       s.m_in.data(),
+                       s.v_in.data(),
+                       static_cast<float*>(s.master_out.data()),
+                       s.m_out.data(),
+                       s.v_out.data(),
+                       max_slab_ ? s.x_in.data() : nullptr,
+                       max_slab_ ? s.x_out.data() : nullptr,
+                       args.grad_scale,
+                       0,
+                       {}};
+      formats::DType batch_dtype = formats::DType::kF32;
+      const KernelType moment_type =
+          moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16;
+      auto launch = [&]() -> cudaError_t {
+        if (a.segments == 0) return cudaSuccess;
+        const cudaError_t e = LaunchAdamwUnit(a, ToKernelType(args.grad_dtype),
+                                              ToKernelType(batch_dtype), moment_type,
+                                              s.compute.get());
+        a.segments = 0;
+        return e;
+      };
       cudaError_t launched = cudaSuccess;
       ForEachSegment(
           args, slabs, plan, u.offset, u.count, gsize,
@@ -266,32 +293,22 @@ class CudaEngine : public internal::Engine {
               uint32_t ci, formats::DType model_dtype) {
             if (launched != cudaSuccess) return;
             const uint64_t at = offset - u.offset;
-            if (ci == StepPlan::kSkipped) {
+            if (ci == StepPlan::kSkipped) {  // Disjoint from the batched runs: any order.
               launched = CopyThrough(s, at, count, mbytes);
               return;
             }
+            if (a.segments == kMaxSegments || (a.segments > 0 && model_dtype != batch_dtype)) {
+              launched = launch();
+              if (launched != cudaSuccess) return;
+            }
+            batch_dtype = model_dtype;
             const StepConstants& c = plan.constants[ci];
-            DeviceUnitArgs a{static_cast<const float*>(s.master_in.data()) + at,
-                             static_cast<const std::byte*>(s.m_in.data()) + at * mbytes,
-                             static_cast<const std::byte*>(s.v_in.data()) + at * mbytes,
-                             static_cast<float*>(s.master_out.data()) + at,
-                             static_cast<std::byte*>(s.m_out.data()) + at * mbytes,
-                             static_cast<std::byte*>(s.v_out.data()) + at * mbytes,
-                             max_slab_ ? static_cast<const std::byte*>(s.x_in.data()) + at * mbytes
-                                       : nullptr,
-                             max_slab_ ? static_cast<std::byte*>(s.x_out.data()) + at * mbytes
-                                       : nullptr,
-                             grads,
-                             params,
-                             count,
-                             args.grad_scale,
-                             KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2,
-                                             c.step_size, c.bc2_sqrt, c.amsgrad ? 1 : 0}};
-            launched = LaunchAdamwUnit(
-                a, ToKernelType(args.grad_dtype), ToKernelType(model_dtype),
-                moments_ == MomentDType::kF32 ? KernelType::kF32 : KernelType::kBF16,
-                s.compute.get());
+            a.segment[a.segments++] = DeviceSegment{
+                grads, params, at, count,
+                KernelConstants{c.beta1, c.beta2, c.eps, c.decay, c.omb1, c.omb2, c.step_size,
+                                c.bc2_sqrt, c.amsgrad ? 1 : 0}};
           });
+      if (launched == cudaSuccess) launched = launch();
       CKPT_CUDA_RETURN_IF_ERROR(launched);
       CKPT_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kernel_done.get(), s.compute.get()));
       if (!plan.unit_ids.empty()) {  // A gate's: this unit's weights are written.
@@ -572,7 +589,11 @@ class CudaEngine : public internal::Engine {
   absl::Status OrderCopyInsAfterCopyOuts() {
     for (Slot& s : slots_) {
       for (Slot& previous : slots_) {
+        // Copy-ins run on both: a Muon matrix's and WriteWeights' on h2d, an AdamW unit's on
+        // compute.
         CKPT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.h2d.get(), previous.d2h_done.get(), 0));
+        CKPT_CUDA_RETURN_IF_ERROR(
+            cudaStreamWaitEvent(s.compute.get(), previous.d2h_done.get(), 0));
       }
     }
     return absl::OkStatus();

@@ -1,6 +1,7 @@
 // CUDA engine tests (label `cuda`): skipped when no device is visible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/coordinator.h"
 #include "ckpt/formats/float_convert.h"
@@ -550,6 +552,101 @@ TEST(CudaEngineTest, AddedParametersMatchTheCpuEngine) {
   EXPECT_EQ((*gpu)->param_steps(), (std::vector<uint64_t>{4, 4, 2}));
   cudaFree(dgrads);
   cudaFree(dparams);
+  cudaStreamDestroy(stream);
+}
+
+// One unit over 20 small parameters, each in its own device buffers: more runs than one launch
+// takes (kMaxSegments), of two weight dtypes, some skipped at some steps (so that their step
+// counts, hence their constants, part): the launches that batch the runs write bit for bit the
+// CPU engine's state and weights.
+TEST(CudaEngineTest, AUnitOfManyRunsEqualsTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o;
+  o.groups = {ParamGroup{.lr = 1e-2f, .weight_decay = 0.1f}};
+  for (uint32_t k = 0; k < 20; ++k) {
+    const DType d = k == 10 || k == 11 ? DType::kF32 : DType::kBF16;
+    const uint64_t count = 7 + 13 * k;
+    o.params.push_back({absl::StrCat("p", k), {count}, d, 0});
+    o.pieces.push_back({k, 0, count});
+  }
+  o.unit_bytes = 64 << 10;  // Every parameter in one unit.
+  o.engine = EngineKind::kCuda;
+  StagedAdamWOptions cpu_options = o;
+  cpu_options.engine = EngineKind::kCpu;
+  const uint64_t n = Size(o);
+  const std::vector<float> init = Random(n, 1, 1.0f);
+  std::vector<std::byte> weights;
+  uint64_t at = 0;
+  for (const Piece& p : o.pieces) {
+    const DType d = o.params[p.param].dtype;
+    const size_t size = formats::DTypeSize(d);
+    weights.resize((weights.size() + size - 1) / size * size);
+    const std::vector<std::byte> b =
+        Encode(std::vector<float>(init.begin() + at, init.begin() + at + p.count), d);
+    weights.insert(weights.end(), b.begin(), b.end());
+    at += p.count;
+  }
+  auto gpu = StagedAdamW::Create(o, weights);
+  auto cpu = StagedAdamW::Create(cpu_options, weights);
+  CKPT_ASSERT_OK(gpu);
+  CKPT_ASSERT_OK(cpu);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  std::vector<void*> dgrads, dparams;
+  std::vector<PieceBuffers> buffers;
+  for (size_t k = 0; k < o.pieces.size(); ++k) {
+    const size_t wbytes = o.pieces[k].count * formats::DTypeSize(o.params[k].dtype);
+    void* g = nullptr;
+    void* w = nullptr;
+    ASSERT_EQ(cudaMalloc(&g, o.pieces[k].count * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&w, wbytes), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(w, weights.data() + (*gpu)->piece_weight_offset(k), wbytes,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    dgrads.push_back(g);
+    dparams.push_back(w);
+    buffers.push_back({g, w});
+  }
+  std::vector<std::byte> host_params = weights;
+  for (int s = 0; s < 4; ++s) {
+    std::vector<uint8_t> stepped(o.pieces.size(), 1);
+    for (size_t k = 0; k < stepped.size(); ++k) stepped[k] = k % 3 != static_cast<size_t>(s) % 3;
+    const std::vector<float> g = Random(n, 100 + s, 0.5f);
+    at = 0;
+    for (size_t k = 0; k < o.pieces.size(); ++k) {
+      ASSERT_EQ(cudaMemcpy(dgrads[k], g.data() + at, o.pieces[k].count * 4,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      at += o.pieces[k].count;
+    }
+    StepArgs args;
+    args.grad_dtype = DType::kF32;
+    args.grad_scale = 0.75f;
+    args.stream = view;
+    args.pieces = buffers;
+    args.stepped = stepped;
+    CKPT_ASSERT_OK((*gpu)->Step(args));
+    StepArgs host{g.data(), DType::kF32, 0.75f, host_params.data()};
+    host.stepped = stepped;
+    CKPT_ASSERT_OK((*cpu)->Step(host));
+  }
+  std::vector<std::byte> got(weights.size());
+  for (size_t k = 0; k < o.pieces.size(); ++k) {
+    ASSERT_EQ(cudaMemcpyAsync(got.data() + (*gpu)->piece_weight_offset(k), dparams[k],
+                              o.pieces[k].count * formats::DTypeSize(o.params[k].dtype),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+  }
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(got, host_params);
+  CKPT_ASSERT_OK((*gpu)->Synchronize());
+  EXPECT_EQ(std::memcmp((*gpu)->master().data(), (*cpu)->master().data(), 4 * n), 0);
+  EXPECT_TRUE(std::ranges::equal((*gpu)->exp_avg_bytes(), (*cpu)->exp_avg_bytes()));
+  EXPECT_TRUE(std::ranges::equal((*gpu)->exp_avg_sq_bytes(), (*cpu)->exp_avg_sq_bytes()));
+  EXPECT_NE((*gpu)->param_steps()[0], (*gpu)->param_steps()[1]);  // The constants parted.
+  for (void* p : dgrads) cudaFree(p);
+  for (void* p : dparams) cudaFree(p);
   cudaStreamDestroy(stream);
 }
 

@@ -167,6 +167,10 @@ TEST_F(CliTest, BenchOverlapHidesTheStepBehindTheBackwardAndReportsItsBound) {
                    j["overlap_seconds"].get<double>() - backward);
   EXPECT_DOUBLE_EQ(j["ratio"].get<double>(),
                    j["overlap_seconds"].get<double>() / j["bound_seconds"].get<double>());
+  // The host time inside Release: one call per layer, part of the overlapped step.
+  EXPECT_EQ(j["release_calls"].get<int>(), 8);
+  EXPECT_GT(j["release_seconds"].get<double>(), 0);
+  EXPECT_LT(j["release_seconds"].get<double>(), j["overlap_seconds"].get<double>());
 
   // Clipping that fires: the speculation is redone, and BF16 moments count 8 fewer bytes.
   Result clip = RunTool(common + " --clip-fires --moments BF16");

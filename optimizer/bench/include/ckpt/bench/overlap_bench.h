@@ -51,6 +51,11 @@ struct OverlapFigures {
   // backward ends, nor the first before its layer: max(backward + step_bound / buckets,
   // backward / buckets + step_bound), with the backward as measured.
   double bound_seconds = 0;
+  // Host time the backward's thread spent inside Overlap::Release in the overlapped step with
+  // the least of it, and its Release calls: the cost a host-bound backward pays for queueing
+  // the units (CUDA: the runtime calls per unit).
+  double release_seconds = 0;
+  int release_calls = 0;
   uint64_t speculated_units = 0;  // Of the last timed overlapped step.
   bool speculation_held = false;
   uint64_t device_bytes = 0;  // GPU memory the engine holds.
