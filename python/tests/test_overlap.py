@@ -275,6 +275,47 @@ def test_gated_steps_equal_plain_steps_through_the_next_forward(moments):
     same_bits((models[0], opts[0]), (models[1], opts[1]))
 
 
+class SideStream(torch.nn.Module):
+    """The test model with its first Linear run on a stream of its own: autograd makes that
+    layer's gradients on that stream, not on the stream the overlapped step began on."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.net = model(seed)
+        self.side = torch.cuda.Stream(DEVICE)
+
+    def forward(self, x):
+        h = self.net[0](x)
+        self.side.wait_stream(torch.cuda.current_stream(DEVICE))
+        with torch.cuda.stream(self.side):
+            h = self.net[1](h)
+        torch.cuda.current_stream(DEVICE).wait_stream(self.side)
+        for layer in self.net[2:]:
+            h = layer(h)
+        return h
+
+
+@needs_hooks
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="streams are CUDA's")
+@pytest.mark.parametrize("overlap", [True, "forward"])
+def test_gradients_made_on_another_stream_are_waited_for(overlap):
+    """A gradient hook that runs on another stream than the one the step began on orders that
+    stream first: the overlapped step still equals the plain one bit for bit."""
+    models = [SideStream(0), SideStream(0)]
+    opts = [ckpt.torch.StagedAdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1,
+                                   unit_bytes=1024, overlap=o)
+            for m, o in zip(models, (False, overlap))]
+    for step in range(4):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            x, y = batch(step)
+            torch.nn.functional.cross_entropy(m(x).float(), y).backward()
+            opt.step()
+        speculated, held = opts[1].last_overlap
+        assert speculated > 0 and held, step
+    same_bits((models[0], opts[0]), (models[1], opts[1]))
+
+
 def test_overlap_takes_true_false_or_forward():
     m = model(0)
     with pytest.raises(ValueError, match="overlap must be"):
