@@ -155,6 +155,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_gate_open);
   CKPT_FUNC(ckpt_optimizer_await_pieces);
   CKPT_FUNC(ckpt_optimizer_await_step);
+  CKPT_FUNC(ckpt_optimizer_step_gated);
   CKPT_FUNC(ckpt_reader_tensor);
   CKPT_FUNC(ckpt_reader_read);
   CKPT_FUNC(ckpt_reader_read_many);

@@ -67,7 +67,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 68);
+  EXPECT_EQ(functions, 69);
   EXPECT_EQ(constants, 43);
   EXPECT_EQ(structs, 6);
 }
@@ -239,7 +239,7 @@ TEST(CkptCTest, AMuonGroupThroughTheAbi) {
 
 // ABI 10: an overlapped step through the ABI gives the bits of ckpt_optimizer_step_masked, held
 // or redone; a piece released twice is refused and the step abandoned. ABI 12: the gated
-// entry point on the CPU engine opens no gate.
+// entry point on the CPU engine opens no gate; ABI 13's gated plain step neither.
 TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
   const uint64_t shape_a[1] = {300}, shape_b[1] = {70};
   ckpt_param params[2] = {{"a", shape_a, 1, CKPT_F32, 0}, {"b", shape_b, 1, CKPT_F32, 0}};
@@ -296,6 +296,27 @@ TEST(CkptCTest, AnOverlappedStepThroughTheAbiEqualsTheMaskedStep) {
               CKPT_INVALID_ARGUMENT);
     EXPECT_EQ(ckpt_optimizer_await_step(overlapped, nullptr), CKPT_OK);
     EXPECT_EQ(0, std::memcmp(wp.data(), wo.data(), wp.size() * 4)) << "step " << s;
+  }
+  // ABI 13: a gated plain step on the CPU engine opens no gate and is the masked step.
+  {
+    const void* pg[2] = {g.data(), g.data() + 300};
+    void* pp[2] = {wp.data(), wp.data() + 300};
+    void* po[2] = {wo.data(), wo.data() + 300};
+    ASSERT_EQ(ckpt_optimizer_step_masked(plain, pg, pp, 2, stepped, 2, CKPT_F32, 0.5f, 0,
+                                         nullptr, nullptr),
+              CKPT_OK);
+    int skipped = -1, gated = -1;
+    ASSERT_EQ(ckpt_optimizer_step_gated(overlapped, pg, po, 2, stepped, 2, CKPT_F32, 0.5f, 0,
+                                        nullptr, &skipped, &gated),
+              CKPT_OK)
+        << ckpt_last_error();
+    EXPECT_EQ(skipped, 0);
+    EXPECT_EQ(gated, 0);
+    EXPECT_EQ(0, std::memcmp(wp.data(), wo.data(), wp.size() * 4));
+    EXPECT_EQ(ckpt_optimizer_step_gated(overlapped, pg, po, 2, stepped, 1, CKPT_F32, 0.5f, 0,
+                                        nullptr, nullptr, nullptr),
+              CKPT_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(ckpt_last_error()).find("1 stepped flags for 2"), std::string::npos);
   }
   ckpt_overlap* ov = nullptr;
   ASSERT_EQ(ckpt_overlap_begin(overlapped, CKPT_F32, 1.0f, nullptr, 1, &ov), CKPT_OK);

@@ -282,7 +282,8 @@ absl::StatusOr<opt::StepArgs> PieceStepArgs(const void* const* grads, void* cons
 
 int StepPieces(const char* what, ckpt_optimizer* o, const void* const* grads,
                void* const* params, size_t npieces, const uint8_t* stepped, size_t nparams,
-               int grad_dtype, float grad_scale, int check_finite, void* stream, int* skipped) {
+               int grad_dtype, float grad_scale, int check_finite, void* stream, int* skipped,
+               int* gated = nullptr) {
   return Guard(what, [&]() -> int {
     if (o == nullptr) return Invalid("optimizer is NULL");
     std::vector<opt::PieceBuffers> buffers;
@@ -291,9 +292,11 @@ int StepPieces(const char* what, ckpt_optimizer* o, const void* const* grads,
                       check_finite, stream, &buffers);
     if (!args.ok()) return Fail(args.status());
     if (npieces == 0 && o->opt->size() > 0) return Invalid("no piece buffers");
+    args->gate = gated != nullptr;
     absl::StatusOr<opt::StepReport> r = o->opt->Step(*args);
     if (!r.ok()) return Fail(r.status());
     if (skipped != nullptr) *skipped = r->skipped ? 1 : 0;
+    if (gated != nullptr) *gated = r->gated ? 1 : 0;
     return CKPT_OK;
   });
 }
@@ -317,6 +320,22 @@ int ckpt_optimizer_step_masked(ckpt_optimizer* o, const void* const* grads, void
   }
   return StepPieces("ckpt_optimizer_step_masked", o, grads, params, npieces, stepped, nparams,
                     grad_dtype, grad_scale, check_finite, stream, skipped);
+}
+
+int ckpt_optimizer_step_gated(ckpt_optimizer* o, const void* const* grads, void* const* params,
+                              size_t npieces, const uint8_t* stepped, size_t nparams,
+                              int grad_dtype, float grad_scale, int check_finite, void* stream,
+                              int* skipped, int* gated) {
+  if (o != nullptr && nparams != o->opt->options().params.size()) {
+    return Invalid(absl::StrCat("step_gated: ", nparams, " stepped flags for ",
+                                o->opt->options().params.size(), " parameters"));
+  }
+  int opened = 0;
+  const int rc = StepPieces("ckpt_optimizer_step_gated", o, grads, params, npieces, stepped,
+                            nparams, grad_dtype, grad_scale, check_finite, stream, skipped,
+                            &opened);
+  if (gated != nullptr) *gated = opened;
+  return rc;
 }
 
 struct ckpt_overlap {

@@ -214,6 +214,23 @@ TEST_P(OverlapTest, AGateOnTheCpuEngineIsTheUngatedStep) {
   }
 }
 
+TEST_P(OverlapTest, AGatedStepOnTheCpuEngineIsThePlainStep) {
+  // StepArgs::gate: the CPU engine's Step has written every weight when it returns.
+  for (int s = 0; s < 3; ++s) {
+    FillGradients(plain_, overlapped_, s);
+    ASSERT_THAT(Plain(plain_, Final(0.5f)), IsOk());
+    const std::vector<PieceBuffers> buffers = overlapped_.Buffers();
+    StepArgs gated = Final(0.5f);
+    gated.pieces = buffers;
+    gated.gate = true;
+    auto report = overlapped_.opt->Step(gated);
+    ASSERT_THAT(report, IsOk());
+    EXPECT_FALSE(report->gated);
+    EXPECT_FALSE(overlapped_.opt->gate_open());
+    ExpectSame(plain_, overlapped_);
+  }
+}
+
 TEST_P(OverlapTest, FinishRacingTheFeederGivesTheSameBits) {
   // No Drain: Finish stops the feeder wherever it is and updates what it had not taken.
   for (int s = 0; s < 12; ++s) {

@@ -609,6 +609,11 @@ absl::StatusOr<StepReport> StagedAdamW::Step(const StepArgs& args) {
 
 absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const StepPlan& plan) {
   const SlabView view = View();
+  // A Muon matrix records no written event: a gate could not order its readers.
+  if (args.gate && fence_ == nullptr && !units_.empty() && engine_->queues_only() &&
+      !has_muon()) {
+    return StepGated(args, plan);
+  }
   if (fence_ == nullptr || units_.empty()) {
     CKPT_ASSIGN_OR_RETURN(StepReport report,
                           engine_->Step(args, units_, plan, view, size_));
@@ -658,6 +663,30 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const St
   }
   // Once, after the last batch: the batches' kernels overlap across slots as in a plain step.
   CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
+  return report;
+}
+
+// StepArgs::gate: every unit in slab order, each recording its written event; the units that
+// step await their readers (AwaitPieces) instead of the caller's stream waiting for them all.
+absl::StatusOr<StepReport> StagedAdamW::StepGated(const StepArgs& args, const StepPlan& plan) {
+  const SlabView view = View();
+  CKPT_RETURN_IF_ERROR(engine_->PrepareUnitEvents(units_.size()));
+  std::vector<uint32_t> ids(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) ids[u] = static_cast<uint32_t>(u);
+  StepPlan gated = plan;
+  gated.unit_ids = ids;
+  CKPT_ASSIGN_OR_RETURN(StepReport report, engine_->Step(args, units_, gated, view, size_));
+  if (report.skipped) return report;
+  gate_units_.assign(units_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    ForEachSegment(args, view, plan, units_[u].offset, units_[u].count, 0,
+                   [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c, DType) {
+                     if (c != StepPlan::kSkipped) gate_units_[u] = 1;
+                   });
+  }
+  gate_left_ = static_cast<uint64_t>(std::count(gate_units_.begin(), gate_units_.end(), 1));
+  if (gate_left_ == 0) gate_units_.clear();
+  report.gated = gate_left_ > 0;
   return report;
 }
 

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <string>
 #include <random>
+#include <span>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -143,6 +144,88 @@ void ExpectSameState(const State& gpu, const State& cpu) {
   EXPECT_EQ(gpu.v, cpu.v);
   EXPECT_EQ(gpu.x, cpu.x);
 }
+
+// The flat weight bytes of `o`'s pieces from `init` (one value per element), each piece in its
+// parameter's dtype at a multiple of its element size (StagedAdamW's weight layout).
+std::vector<std::byte> FlatWeights(const StagedAdamWOptions& o, const std::vector<float>& init) {
+  std::vector<std::byte> weights;
+  uint64_t at = 0;
+  for (const Piece& p : o.pieces) {
+    const DType d = o.params[p.param].dtype;
+    const size_t size = formats::DTypeSize(d);
+    weights.resize((weights.size() + size - 1) / size * size);
+    const std::vector<std::byte> b =
+        Encode(std::vector<float>(init.begin() + at, init.begin() + at + p.count), d);
+    weights.insert(weights.end(), b.begin(), b.end());
+    at += p.count;
+  }
+  return weights;
+}
+
+// One device buffer of FP32 gradients and one of weights per piece (the parameters' own
+// storage, as the Python package passes them), freed with this object.
+class DevicePieces {
+ public:
+  // The weights from `weights` (the optimizer's flat weight bytes), or zeros when empty.
+  DevicePieces(const StagedAdamW& opt, const std::vector<std::byte>& weights) : opt_(opt) {
+    const StagedAdamWOptions& o = opt.options();
+    for (size_t k = 0; k < o.pieces.size(); ++k) {
+      const uint64_t count = o.pieces[k].count;
+      const size_t wbytes = count * formats::DTypeSize(o.params[o.pieces[k].param].dtype);
+      void* g = nullptr;
+      void* w = nullptr;
+      EXPECT_EQ(cudaMalloc(&g, count * 4), cudaSuccess);
+      EXPECT_EQ(cudaMalloc(&w, wbytes), cudaSuccess);
+      if (weights.empty()) {
+        EXPECT_EQ(cudaMemset(w, 0, wbytes), cudaSuccess);
+      } else {
+        EXPECT_EQ(cudaMemcpy(w, weights.data() + opt.piece_weight_offset(k), wbytes,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+      }
+      buffers_.push_back({g, w});
+    }
+  }
+  DevicePieces(const DevicePieces&) = delete;
+  DevicePieces& operator=(const DevicePieces&) = delete;
+  ~DevicePieces() {
+    for (const PieceBuffers& b : buffers_) {
+      cudaFree(const_cast<void*>(b.grads));
+      cudaFree(b.params);
+    }
+  }
+  std::span<const PieceBuffers> buffers() const { return buffers_; }
+  // Every piece's gradients from `g` (all pieces back to back), queued on `stream`.
+  void Upload(const std::vector<float>& g, cudaStream_t stream) {
+    uint64_t at = 0;
+    for (size_t k = 0; k < buffers_.size(); ++k) {
+      const uint64_t count = opt_.options().pieces[k].count;
+      EXPECT_EQ(cudaMemcpyAsync(const_cast<void*>(buffers_[k].grads), g.data() + at,
+                                count * 4, cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+      at += count;
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // `g` may go.
+  }
+  // Every piece's weights, in the optimizer's flat layout, after what `stream` queued so far.
+  std::vector<std::byte> Weights(cudaStream_t stream) const {
+    const StagedAdamWOptions& o = opt_.options();
+    std::vector<std::byte> out(opt_.weight_bytes());
+    for (size_t k = 0; k < buffers_.size(); ++k) {
+      EXPECT_EQ(cudaMemcpyAsync(out.data() + opt_.piece_weight_offset(k), buffers_[k].params,
+                                o.pieces[k].count *
+                                    formats::DTypeSize(o.params[o.pieces[k].param].dtype),
+                                cudaMemcpyDeviceToHost, stream),
+                cudaSuccess);
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    return out;
+  }
+
+ private:
+  const StagedAdamW& opt_;
+  std::vector<PieceBuffers> buffers_;
+};
 
 // RunEngine for the CUDA engine with an async save of the state after step 0 in flight for the
 // remaining steps (Checkpointer over a MemEnv store, `pool` bytes of staging), finalized after
@@ -446,18 +529,7 @@ TEST(CudaEngineTest, MixedDtypesMatchTheCpuEngine) {
   o.params[0].dtype = DType::kF32;
   o.params[2].dtype = DType::kF16;
   const uint64_t n = Size(o);
-  const std::vector<float> init = Random(n, 1, 1.0f);
-  std::vector<std::byte> weights;
-  uint64_t at = 0;
-  for (const Piece& p : o.pieces) {
-    const DType d = o.params[p.param].dtype;
-    const size_t size = formats::DTypeSize(d);
-    weights.resize((weights.size() + size - 1) / size * size);
-    const std::vector<std::byte> b =
-        Encode(std::vector<float>(init.begin() + at, init.begin() + at + p.count), d);
-    weights.insert(weights.end(), b.begin(), b.end());
-    at += p.count;
-  }
+  const std::vector<std::byte> weights = FlatWeights(o, Random(n, 1, 1.0f));
   StagedAdamWOptions cpu_options = o;
   cpu_options.engine = EngineKind::kCpu;
   auto gpu = StagedAdamW::Create(o, weights);
@@ -574,18 +646,7 @@ TEST(CudaEngineTest, AUnitOfManyRunsEqualsTheCpuEngine) {
   StagedAdamWOptions cpu_options = o;
   cpu_options.engine = EngineKind::kCpu;
   const uint64_t n = Size(o);
-  const std::vector<float> init = Random(n, 1, 1.0f);
-  std::vector<std::byte> weights;
-  uint64_t at = 0;
-  for (const Piece& p : o.pieces) {
-    const DType d = o.params[p.param].dtype;
-    const size_t size = formats::DTypeSize(d);
-    weights.resize((weights.size() + size - 1) / size * size);
-    const std::vector<std::byte> b =
-        Encode(std::vector<float>(init.begin() + at, init.begin() + at + p.count), d);
-    weights.insert(weights.end(), b.begin(), b.end());
-    at += p.count;
-  }
+  const std::vector<std::byte> weights = FlatWeights(o, Random(n, 1, 1.0f));
   auto gpu = StagedAdamW::Create(o, weights);
   auto cpu = StagedAdamW::Create(cpu_options, weights);
   CKPT_ASSERT_OK(gpu);
@@ -593,60 +654,30 @@ TEST(CudaEngineTest, AUnitOfManyRunsEqualsTheCpuEngine) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
-  std::vector<void*> dgrads, dparams;
-  std::vector<PieceBuffers> buffers;
-  for (size_t k = 0; k < o.pieces.size(); ++k) {
-    const size_t wbytes = o.pieces[k].count * formats::DTypeSize(o.params[k].dtype);
-    void* g = nullptr;
-    void* w = nullptr;
-    ASSERT_EQ(cudaMalloc(&g, o.pieces[k].count * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&w, wbytes), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(w, weights.data() + (*gpu)->piece_weight_offset(k), wbytes,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
-    dgrads.push_back(g);
-    dparams.push_back(w);
-    buffers.push_back({g, w});
-  }
+  DevicePieces device(**gpu, weights);
   std::vector<std::byte> host_params = weights;
   for (int s = 0; s < 4; ++s) {
     std::vector<uint8_t> stepped(o.pieces.size(), 1);
     for (size_t k = 0; k < stepped.size(); ++k) stepped[k] = k % 3 != static_cast<size_t>(s) % 3;
     const std::vector<float> g = Random(n, 100 + s, 0.5f);
-    at = 0;
-    for (size_t k = 0; k < o.pieces.size(); ++k) {
-      ASSERT_EQ(cudaMemcpy(dgrads[k], g.data() + at, o.pieces[k].count * 4,
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-      at += o.pieces[k].count;
-    }
+    device.Upload(g, stream);
     StepArgs args;
     args.grad_dtype = DType::kF32;
     args.grad_scale = 0.75f;
     args.stream = view;
-    args.pieces = buffers;
+    args.pieces = device.buffers();
     args.stepped = stepped;
     CKPT_ASSERT_OK((*gpu)->Step(args));
     StepArgs host{g.data(), DType::kF32, 0.75f, host_params.data()};
     host.stepped = stepped;
     CKPT_ASSERT_OK((*cpu)->Step(host));
   }
-  std::vector<std::byte> got(weights.size());
-  for (size_t k = 0; k < o.pieces.size(); ++k) {
-    ASSERT_EQ(cudaMemcpyAsync(got.data() + (*gpu)->piece_weight_offset(k), dparams[k],
-                              o.pieces[k].count * formats::DTypeSize(o.params[k].dtype),
-                              cudaMemcpyDeviceToHost, stream),
-              cudaSuccess);
-  }
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  EXPECT_EQ(got, host_params);
+  EXPECT_EQ(device.Weights(stream), host_params);
   CKPT_ASSERT_OK((*gpu)->Synchronize());
   EXPECT_EQ(std::memcmp((*gpu)->master().data(), (*cpu)->master().data(), 4 * n), 0);
   EXPECT_TRUE(std::ranges::equal((*gpu)->exp_avg_bytes(), (*cpu)->exp_avg_bytes()));
   EXPECT_TRUE(std::ranges::equal((*gpu)->exp_avg_sq_bytes(), (*cpu)->exp_avg_sq_bytes()));
   EXPECT_NE((*gpu)->param_steps()[0], (*gpu)->param_steps()[1]);  // The constants parted.
-  for (void* p : dgrads) cudaFree(p);
-  for (void* p : dparams) cudaFree(p);
   cudaStreamDestroy(stream);
 }
 
@@ -660,52 +691,75 @@ TEST(CudaEngineTest, PieceBuffersOnTheDeviceEqualFlatBuffers) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
-  std::vector<void*> dgrads, dparams;
-  std::vector<PieceBuffers> buffers;
-  for (const Piece& p : o.pieces) {
-    void* g = nullptr;
-    void* w = nullptr;
-    ASSERT_EQ(cudaMalloc(&g, p.count * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&w, p.count * 2), cudaSuccess);
-    dgrads.push_back(g);
-    dparams.push_back(w);
-    buffers.push_back({g, w});
-  }
+  DevicePieces device(**opt, {});
   for (int s = 0; s < 3; ++s) {
     std::vector<float> g = Random(n, 100 + s, 0.5f);
     for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
     if (s == 2) g[n - 5] = INFINITY;  // In the last piece: the step is skipped.
-    uint64_t at = 0;
-    for (size_t k = 0; k < o.pieces.size(); ++k) {
-      ASSERT_EQ(cudaMemcpy(dgrads[k], g.data() + at, o.pieces[k].count * 4,
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-      at += o.pieces[k].count;
-    }
+    device.Upload(g, stream);
     StepArgs args;
     args.grad_dtype = DType::kF32;
     args.grad_scale = 0.75f;  // RunEngine's.
     args.check_finite = true;
     args.stream = view;
-    args.pieces = buffers;
+    args.pieces = device.buffers();
     auto report = (*opt)->Step(args);
     CKPT_ASSERT_OK(report);
     EXPECT_EQ(report->skipped, s == 2);
   }
-  std::vector<std::byte> params(n * 2);
-  uint64_t at = 0;
-  for (size_t k = 0; k < o.pieces.size(); ++k) {
-    ASSERT_EQ(cudaMemcpyAsync(params.data() + at * 2, dparams[k], o.pieces[k].count * 2,
-                              cudaMemcpyDeviceToHost, stream),
-              cudaSuccess);
-    at += o.pieces[k].count;
-  }
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  EXPECT_EQ(params, expected.params);
+  EXPECT_EQ(device.Weights(stream), expected.params);
   CKPT_ASSERT_OK((*opt)->Synchronize());
   EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
-  for (void* p : dgrads) cudaFree(p);
-  for (void* p : dparams) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+// StepArgs::gate (the plain step a gated overlap falls back to when clipping fires): the
+// stream is not ordered after the writes; readers await piece by piece or the whole step, and
+// the next Step awaits what is left. Bit for bit the CPU engine's plain steps.
+TEST(CudaEngineTest, GatedPlainStepsEqualTheCpuEngine) {
+  SKIP_WITHOUT_DEVICE();
+  StagedAdamWOptions o = Options(EngineKind::kCuda, MomentDType::kF32, 64 << 10);
+  StagedAdamWOptions cpu = o;
+  cpu.engine = EngineKind::kCpu;
+  const uint64_t n = Size(o);
+  const int steps = 4;
+  State expected = RunEngine(cpu, DType::kF32, steps);
+  auto opt = StagedAdamW::Create(o, Encode(Random(n, 1, 1.0f), DType::kBF16));
+  CKPT_ASSERT_OK(opt);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const CudaStreamView view = CudaStreamView::Of(reinterpret_cast<CUstream_st*>(stream)).value();
+  DevicePieces device(**opt, {});  // Zeros, as RunEngine's weights.
+  for (int s = 0; s < steps; ++s) {
+    std::vector<float> g = Random(n, 100 + s, 0.5f);
+    for (size_t i = 0; i < n; i += 3) g[i] = 0.0f;
+    device.Upload(g, stream);
+    StepArgs args;
+    args.grad_dtype = DType::kF32;
+    args.grad_scale = 0.75f;  // RunEngine's.
+    args.stream = view;
+    args.pieces = device.buffers();
+    args.gate = true;
+    auto report = (*opt)->Step(args);
+    CKPT_ASSERT_OK(report);
+    EXPECT_TRUE(report->gated);
+    EXPECT_TRUE((*opt)->gate_open());
+    if (s == 0) {  // Piece by piece, in forward's order.
+      for (uint32_t k = 0; k < o.pieces.size(); ++k) {
+        CKPT_ASSERT_OK((*opt)->AwaitPieces({&k, 1}, view));
+      }
+      EXPECT_FALSE((*opt)->gate_open());
+    } else if (s == 1) {
+      CKPT_ASSERT_OK((*opt)->AwaitStep(view));
+      EXPECT_FALSE((*opt)->gate_open());
+    }  // Else the next Step (or the AwaitStep below) awaits it.
+  }
+  CKPT_ASSERT_OK((*opt)->AwaitStep(view));
+  EXPECT_EQ(device.Weights(stream), expected.params);
+  CKPT_ASSERT_OK((*opt)->Synchronize());
+  EXPECT_EQ(std::memcmp((*opt)->master().data(), expected.master.data(), 4 * n), 0);
+  EXPECT_TRUE(std::ranges::equal((*opt)->exp_avg_bytes(), expected.m));
+  EXPECT_TRUE(std::ranges::equal((*opt)->exp_avg_sq_bytes(), expected.v));
   cudaStreamDestroy(stream);
 }
 

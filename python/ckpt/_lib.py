@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 OK = 0
 CODE_NAMES = {
@@ -148,6 +148,10 @@ _sig = {
                                     _p, ctypes.c_size_t, ctypes.c_int, ctypes.c_float,
                                     ctypes.c_int, _p, ctypes.POINTER(ctypes.c_int)],
                                    ctypes.c_int),
+    "ckpt_optimizer_step_gated": ([_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_size_t,
+                                   _p, ctypes.c_size_t, ctypes.c_int, ctypes.c_float,
+                                   ctypes.c_int, _p, ctypes.POINTER(ctypes.c_int),
+                                   ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "ckpt_overlap_begin": ([_p, ctypes.c_int, ctypes.c_float, _p, ctypes.c_int,
                             ctypes.POINTER(_p)], ctypes.c_int),
     "ckpt_overlap_release": ([_p, ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(_p),

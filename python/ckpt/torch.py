@@ -295,6 +295,9 @@ class StagedAdamW(torch.optim.Optimizer):
       staged through copies at each step).
     moments: "f32" (default) or "bf16" (moments rounded to BF16 in the slabs).
     threads: CPU engine threads (0: every core). unit_bytes: ckpt's unit size (0: default).
+    engine: "auto" (default: where most elements are), "cpu" (CUDA parameters too: their
+      gradients are copied to the host, stepped on every core, and the weights copied back; no
+      GPU memory at all; an overlapped step then runs plainly) or "cuda".
     process_group: a torch.distributed group (e.g. torch.distributed.group.WORLD) over which the
       state is sharded ZeRO-1 style: each rank owns the pieces Megatron's buckets of
       `bucket_elems` elements (0: 40M) give it, steps only those, and the ranks then exchange
@@ -334,7 +337,7 @@ class StagedAdamW(torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, moments="f32", threads=0, unit_bytes=0,
                  process_group=None, bucket_elems=0, reduce_grads=True, overlap=False,
-                 **torch_options):
+                 engine="auto", **torch_options):
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not _is_number(value) or float(value) < 0:
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
@@ -354,6 +357,8 @@ class StagedAdamW(torch.optim.Optimizer):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
         if moments not in _MOMENTS:
             raise ValueError(f"moments must be 'f32' or 'bf16', got {moments!r}")
+        if engine not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"engine must be 'auto', 'cpu' or 'cuda', got {engine!r}")
         for key, value in (("threads", threads), ("unit_bytes", unit_bytes),
                            ("bucket_elems", bucket_elems)):
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
@@ -392,6 +397,12 @@ class StagedAdamW(torch.optim.Optimizer):
         on_cuda = sum(p.numel() for p in plist if p.device.type == "cuda")
         device = next(iter(cuda)) if on_cuda * 2 > sum(p.numel() for p in plist) else \
             torch.device("cpu")
+        if engine == "cpu":
+            device = torch.device("cpu")  # CUDA parameters staged through host copies.
+        elif engine == "cuda" and device.type != "cuda":
+            if not cuda:
+                raise ValueError("engine='cuda' needs parameters on a CUDA device")
+            device = next(iter(cuda))
         if device.type == "cuda" and \
                 torch.cuda.get_device_capability(device)[0] < self._min_capability:
             # StagedMuon on a GPU without BF16 tensor cores: the CPU engine, the CUDA parameters
@@ -925,6 +936,17 @@ class StagedAdamW(torch.optim.Optimizer):
                     params.append(staged[-1][1].data_ptr())
                 else:
                     params.append(ptr[1])
+            if self._ov.gate and stream is not None and not keep and not staged:
+                # overlap="forward" with nothing speculated (clipping fired): the plain step,
+                # gated, so that the next forward still hides it layer by layer.
+                gated = ctypes.c_int(0)
+                check(lib.ckpt_optimizer_step_gated(
+                    handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
+                    mask, n, _DTYPES[self._grad_dtype], scale, 0, stream,
+                    ctypes.byref(skipped), ctypes.byref(gated)))
+                if gated.value:
+                    self._open_gate(grad_of)
+                return loss
             check(lib.ckpt_optimizer_step_masked(
                 handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
                 mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
@@ -1610,7 +1632,7 @@ class StagedMuon(StagedAdamW):
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                  adjust_lr_fn=None, *, adamw_lr=None, adamw_betas=(0.9, 0.999), adamw_eps=1e-8,
                  adamw_weight_decay=None, moments="f32", threads=0, unit_bytes=0,
-                 process_group=None, bucket_elems=0, reduce_grads=True):
+                 process_group=None, bucket_elems=0, reduce_grads=True, engine="auto"):
         self._muon_defaults = dict(
             use_muon=True, momentum=momentum, nesterov=bool(nesterov),
             ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list))
@@ -1630,7 +1652,7 @@ class StagedMuon(StagedAdamW):
         super().__init__(params, lr=lr, betas=adamw_betas, eps=eps, weight_decay=weight_decay,
                          moments=moments, threads=threads, unit_bytes=unit_bytes,
                          process_group=process_group, bucket_elems=bucket_elems,
-                         reduce_grads=reduce_grads)
+                         reduce_grads=reduce_grads, engine=engine)
 
     def add_param_group(self, param_group):
         """torch's add_param_group: a group is Muon's unless it says "use_muon": False, and

@@ -83,6 +83,33 @@ def test_parity_with_torch_adamw_on_cuda_parameters_stepped_in_place():
     opt.close()
 
 
+@pytest.mark.parametrize("moments", ["f32", "bf16"])
+def test_the_cpu_engine_steps_cuda_parameters_as_the_cuda_engine_does(moments):
+    """engine="cpu": CUDA parameters' gradients go to the host, every core steps them, and the
+    weights come back in place: bit for bit what the CUDA engine writes, state included."""
+    models, opts = [], []
+    for engine in ("auto", "cpu"):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).to("cuda", torch.bfloat16)
+        models.append(m)
+        opts.append(ckpt.torch.StagedAdamW(list(m.named_parameters()), lr=1e-2,
+                                           weight_decay=0.1, moments=moments, engine=engine))
+    assert opts[0]._device.type == "cuda" and opts[1]._device.type == "cpu"
+    storages = [p.data_ptr() for p in models[1].parameters()]
+    for model, opt in zip(models, opts):
+        train(model, opt, 4)
+    assert [p.data_ptr() for p in models[1].parameters()] == storages
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    sa, sb = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][key]).cpu(), torch.as_tensor(sb[k][key]).cpu())
+    for opt in opts:
+        opt.close()
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_construction_copies_the_weights_to_the_host_one_parameter_at_a_time(mixed):
     """Nothing the size of the model is made on the GPU (one near full has no room for the

@@ -241,11 +241,14 @@ class Switch(torch.nn.Module):
 
 @needs_hooks
 @pytest.mark.parametrize("moments", ["f32", "bf16"])
-def test_gated_steps_equal_plain_steps_through_the_next_forward(moments):
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_gated_steps_equal_plain_steps_through_the_next_forward(moments, max_norm):
     """overlap="forward": the next forward's modules each wait for their own parameters (on
     CUDA; on the CPU the step has written them when it returns). The losses, the weights and
     the state stay the plain step's, bit for bit, including when a forward skips a layer whose
-    step then stays gated until the next backward's first hook (or zero_grad in place)."""
+    step then stays gated until the next backward's first hook (or zero_grad in place).
+    Clipping at 0.05 fires every step: the first step's speculation is redone, and the next
+    ones, which no longer speculate, run as plain steps whose writes stay gated all the same."""
     models = [Switch(0), Switch(0)]
     opts = [ckpt.torch.StagedAdamW(m.named_parameters(), lr=1e-2, weight_decay=0.1,
                                    moments=moments, unit_bytes=1024, overlap=o)
@@ -262,10 +265,19 @@ def test_gated_steps_equal_plain_steps_through_the_next_forward(moments):
             loss.backward()
             if opt is gated and DEVICE.type == "cpu":
                 opt._drain_overlap()  # The feeder thread: speculated before step() for sure.
+            if max_norm is not None:
+                opt.clip_grad_norm(max_norm)
             opt.step()
         assert torch.equal(losses[0], losses[1]), step
-        speculated, held = gated.last_overlap
-        assert speculated > 0 and held, step
+        if max_norm is None:
+            speculated, held = gated.last_overlap
+            assert speculated > 0 and held, step
+        elif step == 0:
+            assert gated.last_overlap[1] is False, "clipping fired: redone, no gate"
+            assert not gated._ov.gated
+            continue
+        else:
+            assert gated.last_overlap is None, "plain: nothing speculated"
         if DEVICE.type == "cuda":
             assert gated._ov.gated, "open until the next forward"
         else:

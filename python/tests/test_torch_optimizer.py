@@ -331,6 +331,10 @@ def test_bad_input_raises_clear_errors(tmp_path):
         ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="moments"):
         ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], moments="f8")
+    with pytest.raises(ValueError, match="engine must be"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], engine="gpu")
+    with pytest.raises(ValueError, match="engine='cuda' needs parameters on a CUDA device"):
+        ckpt.torch.StagedAdamW([torch.nn.Parameter(torch.zeros(3))], engine="cuda")
     model, opt = fresh()
     loss_of(model, 0).backward()
     opt.param_groups[0]["lr"] = float("nan")

@@ -40,8 +40,9 @@ extern "C" {
  * for Muon: ckpt_group grows (algorithm and Muon's hyper-parameters); rebuild against 11. It
  * adds ckpt_rank_pieces_keeping_whole. 12 only adds the gated overlapped step
  * (ckpt_overlap_begin_gated, ckpt_optimizer_gate_open, ckpt_optimizer_await_pieces,
- * ckpt_optimizer_await_step): a library of 12 serves callers of 11. */
-#define CKPT_ABI_VERSION 12
+ * ckpt_optimizer_await_step): a library of 12 serves callers of 11. 13 only adds
+ * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. */
+#define CKPT_ABI_VERSION 13
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -226,6 +227,18 @@ CKPT_C_EXPORT int ckpt_optimizer_await_pieces(ckpt_optimizer* opt, const uint32_
                                               size_t n, void* stream);
 /* (ABI 12) The same for every piece: the gate closes. */
 CKPT_C_EXPORT int ckpt_optimizer_await_step(ckpt_optimizer* opt, void* stream);
+/* (ABI 13) ckpt_optimizer_step_masked whose writes are gated (StepArgs::gate): on the CUDA
+ * engine the units run in slab order and `stream` is not ordered after their weight writes;
+ * *gated (may be NULL) says 1 when a gate opened, and each reader then waits with
+ * ckpt_optimizer_await_pieces (or _await_step). The plain step the next forward hides, for a
+ * step that could not speculate (clipping that fires). The CPU engine, a step under an async
+ * save's fence, an optimizer with Muon groups and a skipped step order `stream` as
+ * ckpt_optimizer_step_masked does (*gated 0). */
+CKPT_C_EXPORT int ckpt_optimizer_step_gated(ckpt_optimizer* opt, const void* const* grads,
+                                            void* const* params, size_t npieces,
+                                            const uint8_t* stepped, size_t nparams,
+                                            int grad_dtype, float grad_scale, int check_finite,
+                                            void* stream, int* skipped, int* gated);
 /* The gradients of pieces pieces[0 .. n) are final: grads[i] and params[i] are piece
  * pieces[i]'s own buffers. A piece released twice (a second backward before the step) fails
  * with CKPT_FAILED_PRECONDITION and abandons the step (the weights written are put back). */

@@ -110,6 +110,13 @@ struct StepArgs {
   // masters and moments not written, and its step count does not advance; its pieces' buffers
   // may be null. Empty: every parameter is stepped.
   std::span<const uint8_t> stepped = {};
+  // Step (not an overlapped step's Finish), CUDA engine: the step's units run in slab order and
+  // the caller's stream is not ordered after their weight writes; each unit records when its
+  // weights are written and the gate opens (StepReport::gated): each reader waits with
+  // AwaitPieces, or AwaitStep, as after a held gated overlap. The step the next forward hides
+  // when the overlapped step cannot speculate (clipping that fires). Ignored (the stream is
+  // ordered as usual) by the CPU engine, under an async save's fence, and for a skipped step.
+  bool gate = false;
 };
 
 struct StepReport {
@@ -125,9 +132,9 @@ struct StepReport {
   // speculation held (was committed) or was redone (or undone, for a skipped step).
   uint64_t speculated_units = 0;
   bool speculation_held = false;
-  // A gated overlapped step (OverlapOptions::gate) that held: the caller's stream was not
-  // ordered after the step's weight writes; each reader waits with AwaitPieces (or all at once
-  // with AwaitStep).
+  // A gated overlapped step (OverlapOptions::gate) that held, or a Step with StepArgs::gate:
+  // the caller's stream was not ordered after the step's weight writes; each reader waits with
+  // AwaitPieces (or all at once with AwaitStep).
   bool gated = false;
 };
 
@@ -501,6 +508,7 @@ class StagedAdamW {
 
   // Runs the engine over every unit, in the order `fence_` lets them go when one is installed.
   absl::StatusOr<StepReport> StepUnits(const StepArgs& args, const StepPlan& plan);
+  absl::StatusOr<StepReport> StepGated(const StepArgs& args, const StepPlan& plan);
   // Each group's step: the largest step count of its parameters.
   void SyncGroupSteps();
   std::vector<uint64_t> param_steps_;  // One per options_.params.
