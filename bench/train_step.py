@@ -3,27 +3,39 @@ AdamW on FP32 master weights (the peer: every byte of optimizer state on the GPU
 ckpt.torch.StagedAdamW on the CUDA engine, plain (the step after backward), overlapped (each
 parameter's update streamed from its post-accumulate-grad hook while backward goes on) and
 overlap="forward" (the tail left when backward ends runs behind the next forward, each module
-waiting for its own parameters), with F32 and BF16 moments, with and without gradient clipping at 1.0. Prints each run's step time and
-peak GPU memory, and both against the torch row of the same clipping (the goals of #24:
-overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the memory), and
-the time against its bound measured in the same run: the larger of forward + backward alone and
-the state's bytes over PCIe (12 B/param each way with F32 moments, 8 with BF16) at the rate
-pinned copies reach with both directions busy.
+waiting for its own parameters), with F32 and BF16 moments, and on the CPU engine
+(ckpt-cpu-*: gradients to the host, the step on every core, weights back; plain), with and
+without gradient clipping at 1.0. Prints each row's step time and peak GPU memory, both against the torch row (the goals
+of #24: overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the
+memory), and the time against two bounds measured in the same run: the larger of forward +
+backward alone (no-step) and the state's bytes over PCIe (12 B/param each way with F32
+moments, 8 with BF16) at the rate pinned copies reach with both directions busy; and the
+measured floor, traffic-f32 / traffic-bf16: forward and backward with those bytes crossing PCIe
+alongside from the start of each step, which is what no exact streamed step can beat (on a host
+whose train loop is bound by its own calls, the copies' use of host memory slows the loop).
+
+Every row keeps its own model and optimizer resident; after their warm-up (during which each
+row's peak memory is measured, the others idle), the rows take turns, a few steps each, for a
+number of rounds: a row's time is its median round, its ratio to torch the median of its
+rounds' ratios (the host's speed drifts by tens of percent within a minute; rows far apart in
+time would compare machine states, not optimizers).
 
 The model is transformers' LlamaForCausalLM when transformers imports (hidden 1024, 24 layers,
 16 heads, MLP 2560, vocab 32000: 355M parameters), else a plain torch decoder of the same shape.
 ckpt's device buffers live outside torch's caching allocator: they are measured from the
 driver's free memory around the optimizer's construction, less what torch's allocator reserved
-meanwhile, and added to torch's peak. With --phases, each ckpt row also prints the host time its
-post-accumulate-grad hooks took on backward's thread.
+meanwhile, and added to torch's peak. With --phases, each row also prints its GPU and host time
+per phase, and each ckpt row the host time its post-accumulate-grad hooks took on backward's
+thread.
 
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/train_step.py \\
-        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--steps 20] [--max-norm 1.0]
-        [--clipping both|off|on] [--only ckpt-f32-overlap] [--phases] [--repeat 1]
-        [--unit-mib 8]
+        [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--rounds 8] [--round-steps 4]
+        [--warmup 4] [--max-norm 1.0] [--clipping both|off|on] [--only ckpt-f32-overlap]
+        [--phases] [--unit-mib 8]
 """
 import argparse
 import gc
+import statistics
 import time
 
 import torch
@@ -123,10 +135,10 @@ class NoStep:
 
 
 class Ckpt:
-    def __init__(self, net, clip, moments, overlap, unit_bytes=0):
+    def __init__(self, net, clip, moments, overlap, unit_bytes=0, engine="auto"):
         self.opt = ckpt.torch.StagedAdamW(net.named_parameters(), lr=1e-4, weight_decay=0.1,
                                           moments=moments, overlap=overlap,
-                                          unit_bytes=unit_bytes)
+                                          unit_bytes=unit_bytes, engine=engine)
         self.clip = clip
         self.held = 0
         self.hook_s, self.hook_calls = 0.0, 0  # Host time in the gradient hooks, and calls.
@@ -180,38 +192,95 @@ def pcie_rates(nbytes=1 << 30):
     return best
 
 
-def run(name, args, clip):
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    net, kind = llama(args)
-    free_before, _ = torch.cuda.mem_get_info()
-    reserved_before = torch.cuda.memory_reserved()
-    if name == "torch-fused":
-        opt = TorchMasters(net, clip)
-    elif name == "no-step":
-        opt = NoStep(net)
-    else:
-        _, moments, mode = name.split("-")
-        overlap = {"plain": False, "overlap": True, "forward": "forward"}[mode]
-        opt = Ckpt(net, clip, moments, overlap, args.unit_mib << 20)
-    torch.cuda.synchronize()
-    free_after, _ = torch.cuda.mem_get_info()
-    outside = 0 if name in ("torch-fused", "no-step") else max(
-        0, (free_before - free_after) - (torch.cuda.memory_reserved() - reserved_before))
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+class Traffic(NoStep):
+    """Forward and backward with the state's PCIe traffic alongside: from the start of each step,
+    `nbytes` cross PCIe each way on two side streams (from and into one pinned host buffer, in
+    256 MiB copies), and the step ends when they have. What no exact streamed step can beat on
+    this host: its bytes must cross, and while they do the host's memory serves them too (the
+    train loop here is bound by the host's calls, which that slows)."""
 
-    marks = []  # Per timed step: events before forward, after forward, after backward, after.
-    host = [0.0, 0.0, 0.0]  # Host seconds in forward, backward and step() calls.
+    chunk = 256 << 20
 
-    def step(timed):
+    def __init__(self, net, nbytes):
+        super().__init__(net)
+        self.nbytes = nbytes
+        self.host_in = torch.empty(self.chunk, dtype=torch.uint8).pin_memory()
+        self.host_out = torch.empty(self.chunk, dtype=torch.uint8).pin_memory()
+        self.dev_in = torch.empty(self.chunk, dtype=torch.uint8, device="cuda")
+        self.dev_out = torch.empty(self.chunk, dtype=torch.uint8, device="cuda")
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def zero_grad(self):
+        super().zero_grad()
+        here = torch.cuda.current_stream()
+        for s in self.streams:
+            s.wait_stream(here)
+        for at in range(0, self.nbytes, self.chunk):
+            n = min(self.chunk, self.nbytes - at)
+            with torch.cuda.stream(self.streams[0]):
+                self.dev_in[:n].copy_(self.host_in[:n], non_blocking=True)
+            with torch.cuda.stream(self.streams[1]):
+                self.host_out[:n].copy_(self.dev_out[:n], non_blocking=True)
+
+    def step(self):
+        here = torch.cuda.current_stream()
+        for s in self.streams:
+            here.wait_stream(s)
+
+
+class Row:
+    """One row of the table: its own model and optimizer, resident while the rows take turns."""
+
+    def __init__(self, name, args, clip):
+        self.name = name
+        allocated = torch.cuda.memory_allocated()
+        free_before, _ = torch.cuda.mem_get_info()
+        reserved_before = torch.cuda.memory_reserved()
+        self.net, self.kind = llama(args)
+        if name == "torch-fused":
+            self.opt = TorchMasters(self.net, clip)
+        elif name == "no-step":
+            self.opt = NoStep(self.net)
+        elif name.startswith("traffic-"):
+            self.opt = Traffic(self.net, args.params * STATE_BYTES[name.split("-")[1]])
+        else:  # ckpt[-cpu]-<moments>-<mode>
+            parts = name.split("-")
+            overlap = {"plain": False, "overlap": True, "forward": "forward"}[parts[-1]]
+            self.opt = Ckpt(self.net, clip, parts[-2], overlap, args.unit_mib << 20,
+                            engine="cpu" if parts[1] == "cpu" else "auto")
+        torch.cuda.synchronize()
+        free_after, _ = torch.cuda.mem_get_info()
+        # ckpt's device buffers: outside torch's allocator.
+        outside = 0 if not isinstance(self.opt, Ckpt) else max(
+            0, (free_before - free_after) - (torch.cuda.memory_reserved() - reserved_before))
+        self.outside = outside
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda",
+                                 generator=g)
+        self.rounds = []  # ms per step of each timed round.
+        self.marks = []  # With --phases: per step, events before forward, after it, after
+        self.host = [0.0, 0.0, 0.0]  # backward, after the step; host seconds in the three calls.
+        self.timed_steps = 0
+        for _ in range(args.warmup):
+            self.step(False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.round_steps):
+            self.step(False)
+        torch.cuda.synchronize()
+        # The other rows are idle and hold what they held before this one was built.
+        self.peak = torch.cuda.max_memory_allocated() - allocated + outside
+        if isinstance(self.opt, Ckpt):
+            self.opt.hook_s, self.opt.hook_calls, self.opt.left_gated = 0.0, 0, 0
+            self.opt.held = 0
+
+    def step(self, timed):
         e = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
-        opt.zero_grad()
+        self.opt.zero_grad()
         t = [time.perf_counter()]
         if e:
             e[0].record()
-        loss = net(input_ids=ids, labels=ids).loss
+        loss = self.net(input_ids=self.ids, labels=self.ids).loss
         t.append(time.perf_counter())
         if e:
             e[1].record()
@@ -219,45 +288,67 @@ def run(name, args, clip):
         t.append(time.perf_counter())
         if e:
             e[2].record()
-        opt.step()
+        self.opt.step()
         t.append(time.perf_counter())
         if e:
             e[3].record()
-            marks.append(e)
+            self.marks.append(e)
             for i in range(3):
-                host[i] += t[i + 1] - t[i]
+                self.host[i] += t[i + 1] - t[i]
 
-    for _ in range(args.warmup):
-        step(False)
-    torch.cuda.synchronize()
-    if isinstance(opt, Ckpt):
-        opt.hook_s, opt.hook_calls, opt.left_gated = 0.0, 0, 0
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step(args.phases)
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1e3 / args.steps
-    if marks:
-        phase = [sum(e[i].elapsed_time(e[i + 1]) for e in marks) / len(marks) for i in range(3)]
+    def round(self, steps, phases):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step(phases)
+        torch.cuda.synchronize()
+        self.rounds.append((time.perf_counter() - start) * 1e3 / steps)
+        self.timed_steps += steps
+
+    def ms(self):
+        return statistics.median(self.rounds)
+
+    def phases(self):
+        n = self.timed_steps
+        phase = [sum(e[i].elapsed_time(e[i + 1]) for e in self.marks) / len(self.marks)
+                 for i in range(3)]
         extra = ""
-        if isinstance(opt, Ckpt):
-            extra = (f"; hooks {opt.hook_s * 1e3 / args.steps:.1f} ms of host time in "
-                     f"{opt.hook_calls // args.steps} calls; ckpt's device buffers "
-                     f"{outside / 2 ** 20:.0f} MiB")
-            if opt.left_gated:
-                extra += f"; {opt.left_gated / args.steps:.1f} parameters left gated per step"
-        print(f"#   {name}: forward {phase[0]:.1f} ms, backward {phase[1]:.1f} ms, step "
-              f"{phase[2]:.1f} ms (GPU time between the stream's marks; host time in the calls "
-              f"{host[0] * 1e3 / args.steps:.1f}, {host[1] * 1e3 / args.steps:.1f}, "
-              f"{host[2] * 1e3 / args.steps:.1f}){extra}")
-    peak = torch.cuda.max_memory_allocated() + outside
-    held = getattr(opt, "held", None)
-    if isinstance(opt, Ckpt):
-        opt.opt.close()
-    del opt, net, ids
-    params = args.params
-    return ms, peak, kind, params, held
+        if isinstance(self.opt, Ckpt):
+            extra = (f"; hooks {self.opt.hook_s * 1e3 / n:.1f} ms of host time in "
+                     f"{self.opt.hook_calls // n} calls; ckpt's device buffers "
+                     f"{self.outside / 2 ** 20:.0f} MiB")
+            if self.opt.left_gated:
+                extra += f"; {self.opt.left_gated / n:.1f} parameters left gated per step"
+        return (f"#   {self.name}: forward {phase[0]:.1f} ms, backward {phase[1]:.1f} ms, step "
+                f"{phase[2]:.1f} ms (GPU time between the stream's marks; host time in the calls "
+                f"{self.host[0] * 1e3 / n:.1f}, {self.host[1] * 1e3 / n:.1f}, "
+                f"{self.host[2] * 1e3 / n:.1f}){extra}")
+
+    def close(self):
+        if isinstance(self.opt, Ckpt):
+            self.opt.opt.close()
+        del self.opt, self.net, self.ids
+
+
+# The streamed step's bytes per parameter each way: the master and both moments.
+STATE_BYTES = {"f32": 12, "bf16": 8}
+
+
+def measure(rows, args, clip):
+    """Builds every row (each measures its peak memory as it is built, the others idle), then
+    times `rounds` rounds of `round_steps` steps, the rows taking turns in every round."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    built = []
+    for name in rows:
+        built.append(Row(name, args, clip))
+        print(f"#   built {name}", flush=True)
+    for r in range(args.rounds):
+        for row in built:
+            row.round(args.round_steps, args.phases)
+        print(f"#   round {r + 1}: " + ", ".join(f"{row.name} {row.rounds[-1]:.1f}"
+                                               for row in built), flush=True)
+    return built
 
 
 def main():
@@ -268,71 +359,85 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8,
+                    help="timed rounds; in each, every row runs --round-steps steps in turn")
+    ap.add_argument("--round-steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps of each row first")
     ap.add_argument("--phases", action="store_true",
-                    help="also print each run's forward, backward and step time")
+                    help="also print each row's forward, backward and step time")
     ap.add_argument("--max-norm", type=float, default=1.0,
                     help="the clipped runs' max_norm (clip_grad_norm_ / clip_grad_norm)")
     ap.add_argument("--unit-mib", type=int, default=0,
                     help="ckpt's unit size in MiB of masters (0: its default, 8)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run every row this many times, taking turns; report each row's best")
     ap.add_argument("--clipping", choices=("both", "off", "on"), default="both",
                     help="run the rows without clipping, with it, or both (default)")
     ap.add_argument("--only", action="append", default=None,
-                    help="run only these rows (torch-fused, ckpt-f32-plain, ckpt-f32-overlap, "
+                    help="run only these rows (ckpt-f32-plain, ckpt-f32-overlap, "
                          "ckpt-f32-forward, ckpt-bf16-plain, ckpt-bf16-overlap, "
-                         "ckpt-bf16-forward); torch-fused always runs")
+                         "ckpt-bf16-forward, ckpt-cpu-f32-plain, ckpt-cpu-bf16-plain: the CPU "
+                         "engine); torch-fused and the reference rows always run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_step.py needs a CUDA device")
+    if args.rounds < 1 or args.round_steps < 1:
+        raise SystemExit("--rounds and --round-steps must be at least 1")
     net, _ = llama(args)
     args.params = sum(p.numel() for p in net.parameters())
     del net
-    rows = ["torch-fused", "ckpt-f32-plain", "ckpt-f32-overlap", "ckpt-f32-forward",
-            "ckpt-bf16-plain", "ckpt-bf16-overlap", "ckpt-bf16-forward"]
+    ckpt_rows = ["ckpt-f32-plain", "ckpt-f32-overlap", "ckpt-f32-forward",
+                 "ckpt-bf16-plain", "ckpt-bf16-overlap", "ckpt-bf16-forward",
+                 "ckpt-cpu-f32-plain", "ckpt-cpu-bf16-plain"]
     if args.only:
-        rows = ["torch-fused"] + [r for r in rows[1:] if r in args.only]
-    print(f"# {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
-          f"{args.steps} timed steps after {args.warmup}; each row the best of {args.repeat} "
-          f"run(s), the rows taking turns")
+        ckpt_rows = [r for r in ckpt_rows if r in args.only]
+    moments_used = [m for m in STATE_BYTES
+                    if any(f"-{m}-" in r and not r.startswith("ckpt-cpu-") for r in ckpt_rows)]
+    print(f"# {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}; "
+          f"{args.warmup} untimed steps, then {args.rounds} rounds of {args.round_steps} steps "
+          f"in which every row takes its turn; a row's time is its median round, 'x torch' the "
+          f"median of its rounds' ratios to the torch row's of the same round")
     h2d, d2h = pcie_rates()
     clips = {"both": (0.0, args.max_norm), "off": (0.0,), "on": (args.max_norm,)}[args.clipping]
-    best = {}  # (name, clip) -> the run with the least step time.
-    for r in range(args.repeat):
-        for clip in clips:
-            for name in (["no-step"] if clip == clips[0] else []) + rows:
-                result = run(name, args, 0.0 if name == "no-step" else clip)
-                if (name, clip) not in best or result[0] < best[(name, clip)][0]:
-                    best[(name, clip)] = result
-                if args.repeat > 1:
-                    print(f"#   round {r + 1}, clipping {clip:g}: {name} {result[0]:.1f} ms",
-                          flush=True)
-    compute_ms = best[("no-step", clips[0])][0]
-    print(f"# forward + backward alone: {compute_ms:.1f} ms; PCIe with both directions busy: "
-          f"{h2d:.1f} GB/s in, {d2h:.1f} GB/s out")
-    # The streamed step moves the masters and both moments in and out: 12 B/param each way with
-    # F32 moments, 8 with BF16. No schedule beats the larger of that and the compute.
-    bounds = {}
-    for moments, per_param in (("f32", 12), ("bf16", 8)):
-        pcie_ms = args.params * per_param / min(h2d, d2h) / 1e6
-        bounds[moments] = max(compute_ms, pcie_ms)
-        print(f"# bound, {moments} moments: max(compute {compute_ms:.1f}, state over PCIe "
-              f"{pcie_ms:.1f}) = {bounds[moments]:.1f} ms")
     for clip in clips:
-        base = best[(rows[0], clip)]
-        print(f"# model: {base[2]}, {base[3] / 1e6:.0f}M parameters; clipping "
+        reference = ["torch-fused", "no-step"] + [f"traffic-{m}" for m in moments_used]
+        built = measure(reference + ckpt_rows, args, clip)
+        by = {row.name: row for row in built}
+        torch_row = by["torch-fused"]
+        compute_ms = by["no-step"].ms()
+        print(f"# model: {torch_row.kind}, {args.params / 1e6:.0f}M parameters; clipping "
               f"{f'at {clip:g}' if clip else 'off'}")
-        print(f"{'optimizer':20} {'step ms':>9} {'x torch':>8} {'x bound':>8} "
-              f"{'peak GiB':>9} {'x torch':>8}  speculation held")
-        for name in rows:
-            ms, peak, _, _, held = best[(name, clip)]
-            bound = "" if name == "torch-fused" else f"{ms / bounds[name.split('-')[1]]:8.2f}"
-            note = "" if held is None or "plain" in name else \
-                f"  {held}/{args.steps + args.warmup}"
-            print(f"{name:20} {ms:9.1f} {ms / base[0]:8.2f} {bound:>8} {peak / 2 ** 30:9.2f} "
-                  f"{peak / base[1]:8.2f}{note}", flush=True)
+        print(f"# forward + backward alone: {compute_ms:.1f} ms; PCIe with both directions "
+              f"busy: {h2d:.1f} GB/s in, {d2h:.1f} GB/s out")
+        # The streamed step moves the masters and both moments in and out: 12 B/param each way
+        # with F32 moments, 8 with BF16. No schedule beats the larger of that and the compute;
+        # and none beats the loop with those bytes crossing alongside (traffic-*), measured.
+        floors = {}
+        for m in moments_used:
+            pcie_ms = args.params * STATE_BYTES[m] / min(h2d, d2h) / 1e6
+            floors[m] = by[f"traffic-{m}"].ms()
+            print(f"# bound, {m} moments: max(compute {compute_ms:.1f}, state over PCIe "
+                  f"{pcie_ms:.1f}) = {max(compute_ms, pcie_ms):.1f} ms; measured floor "
+                  f"(traffic-{m}: the loop with the state's bytes crossing alongside) "
+                  f"{floors[m]:.1f} ms")
+        if args.phases:
+            for row in built:
+                print(row.phases())
+        print(f"{'row':20} {'step ms':>9} {'x torch':>8} {'x floor':>8} {'peak GiB':>9} "
+              f"{'x torch':>8}  speculation held")
+        for row in built:
+            ratio = statistics.median(a / b for a, b in zip(row.rounds, torch_row.rounds))
+            streamed = row.name.startswith("ckpt-") and not row.name.startswith("ckpt-cpu-")
+            moments = row.name.split("-")[-2] if streamed else None
+            floor = f"{row.ms() / floors[moments]:8.2f}" if moments else ""
+            held = getattr(row.opt, "held", None)
+            note = "" if held is None or "plain" in row.name else \
+                f"  {held}/{row.timed_steps}"
+            print(f"{row.name:20} {row.ms():9.1f} {ratio:8.2f} {floor:>8} "
+                  f"{row.peak / 2 ** 30:9.2f} {row.peak / torch_row.peak:8.2f}{note}",
+                  flush=True)
+        for row in built:
+            row.close()
+        del built, by, torch_row
+
 
 if __name__ == "__main__":
     main()
