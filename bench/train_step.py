@@ -14,11 +14,15 @@ measured floor, traffic-f32 / traffic-bf16: forward and backward with those byte
 alongside from the start of each step, which is what no exact streamed step can beat (on a host
 whose train loop is bound by its own calls, the copies' use of host memory slows the loop).
 
-Every row keeps its own model and optimizer resident; after their warm-up (during which each
-row's peak memory is measured, the others idle), the rows take turns, a few steps each, for a
-number of rounds: a row's time is its median round, its ratio to torch the median of its
+Every row keeps its own model and optimizer resident; after its warm-up each row's peak memory
+is measured over a few steps (the other rows idle), then the rows take turns, a few steps each,
+for a number of rounds: a row's time is its median round, its ratio to torch the median of its
 rounds' ratios (the host's speed drifts by tens of percent within a minute; rows far apart in
-time would compare machine states, not optimizers).
+time would compare machine states, not optimizers). A round of n steps runs n + 1 and times the
+n periods from the end of the first forward to the end of the last (CUDA events): a step's
+tail that the next forward hides (overlap="forward") is then counted as a steady loop has it.
+The traffic rows copy one 256 MiB pinned buffer each way again and again: on a host whose
+caches held that much, the floor would read low.
 
 The model is transformers' LlamaForCausalLM when transformers imports (hidden 1024, 24 layers,
 16 heads, MLP 2560, vocab 32000: 355M parameters), else a plain torch decoder of the same shape.
@@ -147,7 +151,6 @@ class Ckpt:
         self.left_gated = 0  # Parameters no forward awaited, found by the next backward.
 
         def timed(index, p):
-            self.left_gated += len(self.opt._ov.gated)
             start = time.perf_counter()
             release(index, p)
             self.hook_s += time.perf_counter() - start
@@ -157,6 +160,9 @@ class Ckpt:
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
+
+    def before_backward(self):
+        self.left_gated += len(self.opt._ov.gated)
 
     def step(self):
         if self.clip:
@@ -261,6 +267,7 @@ class Row:
         self.marks = []  # With --phases: per step, events before forward, after it, after
         self.host = [0.0, 0.0, 0.0]  # backward, after the step; host seconds in the three calls.
         self.timed_steps = 0
+        self.steps_run = 0  # In the rounds: what the hooks' and held counts are over.
         for _ in range(args.warmup):
             self.step(False)
         torch.cuda.synchronize()
@@ -274,7 +281,7 @@ class Row:
             self.opt.hook_s, self.opt.hook_calls, self.opt.left_gated = 0.0, 0, 0
             self.opt.held = 0
 
-    def step(self, timed):
+    def step(self, timed, forward_done=None):
         e = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
         self.opt.zero_grad()
         t = [time.perf_counter()]
@@ -284,6 +291,10 @@ class Row:
         t.append(time.perf_counter())
         if e:
             e[1].record()
+        if forward_done is not None:
+            forward_done.record()
+        if isinstance(self.opt, Ckpt):
+            self.opt.before_backward()
         loss.backward()
         t.append(time.perf_counter())
         if e:
@@ -297,28 +308,31 @@ class Row:
                 self.host[i] += t[i + 1] - t[i]
 
     def round(self, steps, phases):
+        """steps + 1 steps; the time of the `steps` periods between the end of the first
+        forward and the end of the last, per step."""
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.step(phases)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        for i in range(steps + 1):
+            self.step(phases and i > 0, ends[i])
         torch.cuda.synchronize()
-        self.rounds.append((time.perf_counter() - start) * 1e3 / steps)
-        self.timed_steps += steps
+        self.rounds.append(ends[0].elapsed_time(ends[-1]) / steps)
+        self.timed_steps += steps  # With --phases, the steps that recorded their marks.
+        self.steps_run += steps + 1
 
     def ms(self):
         return statistics.median(self.rounds)
 
     def phases(self):
-        n = self.timed_steps
+        n, runs = self.timed_steps, self.steps_run
         phase = [sum(e[i].elapsed_time(e[i + 1]) for e in self.marks) / len(self.marks)
                  for i in range(3)]
         extra = ""
         if isinstance(self.opt, Ckpt):
-            extra = (f"; hooks {self.opt.hook_s * 1e3 / n:.1f} ms of host time in "
-                     f"{self.opt.hook_calls // n} calls; ckpt's device buffers "
+            extra = (f"; hooks {self.opt.hook_s * 1e3 / runs:.1f} ms of host time in "
+                     f"{self.opt.hook_calls // runs} calls; ckpt's device buffers "
                      f"{self.outside / 2 ** 20:.0f} MiB")
             if self.opt.left_gated:
-                extra += f"; {self.opt.left_gated / n:.1f} parameters left gated per step"
+                extra += f"; {self.opt.left_gated / runs:.1f} parameters left gated per step"
         return (f"#   {self.name}: forward {phase[0]:.1f} ms, backward {phase[1]:.1f} ms, step "
                 f"{phase[2]:.1f} ms (GPU time between the stream's marks; host time in the calls "
                 f"{self.host[0] * 1e3 / n:.1f}, {self.host[1] * 1e3 / n:.1f}, "
@@ -430,7 +444,7 @@ def main():
             floor = f"{row.ms() / floors[moments]:8.2f}" if moments else ""
             held = getattr(row.opt, "held", None)
             note = "" if held is None or "plain" in row.name else \
-                f"  {held}/{row.timed_steps}"
+                f"  {held}/{row.steps_run}"
             print(f"{row.name:20} {row.ms():9.1f} {ratio:8.2f} {floor:>8} "
                   f"{row.peak / 2 ** 30:9.2f} {row.peak / torch_row.peak:8.2f}{note}",
                   flush=True)

@@ -491,6 +491,7 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
     overlap_.reset();
     StepArgs unchecked = args;
     unchecked.check_finite = false;  // Checked above.
+    unchecked.gate = false;  // Step's, not Finish's: a redo orders the stream as a held step.
     CKPT_ASSIGN_OR_RETURN(StepReport stepped, StepUnits(unchecked, plan));
     AdvanceSteps(args);
     stepped.speculated_units = report.speculated_units;

@@ -254,12 +254,23 @@ def _await_params(run, params):
     native = run.optimizer
     if native is None or native.closed:
         run.gated = {}
+        _drop_gate_hook(run)
         return
     check(lib.ckpt_optimizer_await_pieces(
         native.handle, (ctypes.c_uint32 * len(indices))(*indices), len(indices),
         torch.cuda.current_stream(run.device).cuda_stream))
     for i in indices:
         del gated[i]  # Freed on the stream that waited: after the step's reads.
+    if not gated:
+        _drop_gate_hook(run)
+
+
+def _drop_gate_hook(run):
+    """Nothing is gated any more: the global forward pre-hook goes (every module call of the
+    process runs torch's slower hooked path while one is registered); the next gate adds it."""
+    if run.gate_hook is not None:
+        run.gate_hook.remove()
+        run.gate_hook = None
 
 
 def _current_stream_id(stream):
@@ -403,6 +414,11 @@ class StagedAdamW(torch.optim.Optimizer):
             if not cuda:
                 raise ValueError("engine='cuda' needs parameters on a CUDA device")
             device = next(iter(cuda))
+        if engine == "cuda" and \
+                torch.cuda.get_device_capability(device)[0] < self._min_capability:
+            raise ValueError(f"engine='cuda' needs compute capability {self._min_capability} "
+                             f"or newer for {type(self).__name__}; {device} has "
+                             f"{torch.cuda.get_device_capability(device)}: use engine='auto'")
         if device.type == "cuda" and \
                 torch.cuda.get_device_capability(device)[0] < self._min_capability:
             # StagedMuon on a GPU without BF16 tensor cores: the CPU engine, the CUDA parameters
@@ -813,6 +829,7 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._native is not None and not self._native.closed:
             check(lib.ckpt_optimizer_await_step(self._native.handle, self._stream()))
         run.gated = {}  # Freed after the wait: on the stream that waited.
+        _drop_gate_hook(run)
 
     def _stream(self):
         if self._device.type == "cuda":
@@ -1233,9 +1250,7 @@ class StagedAdamW(torch.optim.Optimizer):
             finally:
                 if run is not None:
                     run.gated = {}
-                    if run.gate_hook is not None:
-                        run.gate_hook.remove()
-                        run.gate_hook = None
+                    _drop_gate_hook(run)
                 if self._native is not None:
                     self._native.close()
 

@@ -284,6 +284,8 @@ def test_gated_steps_equal_plain_steps_through_the_next_forward(moments, max_nor
             assert not gated._ov.gated
     models[1](batch(9)[0])  # A forward of every layer waits for all of them.
     assert not gated._ov.gated
+    # Nothing left to await: the global forward pre-hook is gone (other models run unhooked).
+    assert gated._ov.gate_hook is None
     same_bits((models[0], opts[0]), (models[1], opts[1]))
 
 

@@ -115,7 +115,8 @@ struct StepArgs {
   // weights are written and the gate opens (StepReport::gated): each reader waits with
   // AwaitPieces, or AwaitStep, as after a held gated overlap. The step the next forward hides
   // when the overlapped step cannot speculate (clipping that fires). Ignored (the stream is
-  // ordered as usual) by the CPU engine, under an async save's fence, and for a skipped step.
+  // ordered as usual) by the CPU engine, under an async save's fence, with Muon groups (a
+  // Muon matrix records no written event), for a skipped step, and by Overlap::Finish.
   bool gate = false;
 };
 
