@@ -909,12 +909,28 @@ class StagedAdamW(torch.optim.Optimizer):
         grad_of = [p.grad for p in self._params]
         stepped = [g is not None for g in grad_of]
         if self._owned is not None:
-            stepped = self._agree(stepped)  # Every rank steps the same parameters.
-        if not any(stepped):
-            self._refresh_edited()  # Nothing steps, but an edit is seen now, not later.
-            return loss
-        handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
-        scale, flip = self._grad_scale()
+            # What may fail on one rank alone runs before the ranks' first collective, and that
+            # collective carries the failure: every rank raises, none waits for the others.
+            failure = None
+            try:
+                handle = self._push_groups()  # Also refreshes edited parameters.
+                scale, flip = self._grad_scale()
+            except Exception as e:  # noqa: BLE001 (re-raised on this rank below)
+                failure = e
+            stepped, failed = self._agree(stepped, failure is not None)
+            if failed:
+                if failure is not None:
+                    raise failure
+                raise CkptError(10, "step(): another rank of the process group failed before "
+                                    "stepping; no rank stepped")
+            if not any(stepped):
+                return loss
+        else:
+            if not any(stepped):
+                self._refresh_edited()  # Nothing steps, but an edit is seen now, not later.
+                return loss
+            handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
+            scale, flip = self._grad_scale()
         scale *= coef
         self._cache.clear()
         self._layout.pop("consolidated", None)
@@ -991,21 +1007,35 @@ class StagedAdamW(torch.optim.Optimizer):
         grads = [gbase + local_at * gsize for _, local_at, _ in self._owned]
         params = [pbase + local_at * psize for _, local_at, _ in self._owned]
         k = len(self._owned)
-        check(lib.ckpt_optimizer_step_masked(
-            handle, (ctypes.c_void_p * k)(*grads), (ctypes.c_void_p * k)(*params), k, mask, n,
-            _DTYPES[self._local_grads.dtype], scale, 0, stream, ctypes.byref(skipped)))
+        failure = None
+        try:
+            check(lib.ckpt_optimizer_step_masked(
+                handle, (ctypes.c_void_p * k)(*grads), (ctypes.c_void_p * k)(*params), k, mask,
+                n, _DTYPES[self._local_grads.dtype], scale, 0, stream, ctypes.byref(skipped)))
+        except CkptError as e:
+            failure = e
+        # Before the exchange: a rank whose step failed would otherwise leave the others
+        # waiting in it.
+        if self._any_rank(failure is not None):
+            if failure is not None:
+                raise failure
+            raise CkptError(10, "step(): another rank of the process group failed in its step; "
+                                "this rank stepped its own pieces, which the others did not "
+                                "receive: load the last checkpoint")
         self._exchange(self._local_params)
         self._scatter(self._flat, only=stepped)
         return loss
 
-    def _agree(self, stepped):
+    def _agree(self, stepped, failed=False):
         """Data parallel: the parameters any rank has a gradient for (the ranks must step the
-        same ones; a rank without one contributes zeros to the average)."""
+        same ones; a rank without one contributes zeros to the average), and whether any rank
+        `failed` (one collective)."""
         import torch.distributed as dist
-        flags = self._reduced("stepped", len(stepped), torch.int32)
-        flags.copy_(torch.tensor(stepped, dtype=torch.int32))
+        flags = self._reduced("stepped", len(stepped) + 1, torch.int32)
+        flags.copy_(torch.tensor([*stepped, failed], dtype=torch.int32))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group_handle)
-        return [bool(x) for x in flags.tolist()]
+        agreed = [bool(x) for x in flags.tolist()]
+        return agreed[:-1], agreed[-1]
 
     def _any_rank(self, flag):
         """Data parallel: whether `flag` holds on any rank (collective)."""
@@ -1134,8 +1164,10 @@ class StagedAdamW(torch.optim.Optimizer):
         tensor after the call returned, and if that is the last one while the interpreter exits,
         freeing it takes the GIL from a dying thread and aborts the process
         (pytorch/pytorch#179291). Kept here, the last reference is never gloo's."""
-        if name not in self._scratch:
+        if name not in self._scratch or self._scratch[name].numel() != count:
             buf = torch.zeros(count, dtype=dtype, device=self._device)
+            if name in self._scratch:  # Resized (parameters added): the old one stays ours.
+                self._scratch.setdefault("retired", []).append(self._scratch[name])
             self._scratch[name] = buf
             if name == "state":
                 self._scratch["state_words"] = buf.view(torch.int32)

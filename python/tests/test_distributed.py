@@ -107,6 +107,28 @@ def test_bf16_parameters_average_their_gradients_in_fp32(tmp_path):
         assert torch.equal(weights, master.bfloat16()), name
 
 
+def test_a_step_failing_on_one_rank_raises_on_every_rank_and_nobody_hangs(tmp_path):
+    # dp_failure_worker.py: rank 1's step fails before the collectives (a NaN lr: ValueError
+    # there, ABORTED on rank 0) and inside ckpt's step (INTERNAL there, ABORTED on rank 0); the
+    # steps between and after succeed on both ranks, which end with the same masters.
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp_failure_worker.py")
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", str(init)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}:\n{outs[r]}"
+    lines = [dict(line.split(" ", 2)[1:] for line in out.splitlines()
+                  if line[:1].isdigit() and line.split(" ", 2)[0] == str(r))
+             for r, out in enumerate(outs)]
+    assert [lines[0][str(s)] for s in range(1, 6)] == \
+        ["ok", "CkptError ABORTED", "ok", "CkptError ABORTED", "ok"], outs[0]
+    assert [lines[1][str(s)] for s in range(1, 6)] == \
+        ["ok", "ValueError -", "ok", "CkptError INTERNAL", "ok"], outs[1]
+    assert lines[0]["master"] == lines[1]["master"]
+
+
 def test_sharded_state_dicts_follow_torchs_convention(tmp_path):
     # Consolidation on rank 0 (Lightning's way), each rank's own shard saved and loaded back
     # exactly, another rank's shard refused (dp_state_dict_worker.py asserts those), with
