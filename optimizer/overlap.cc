@@ -20,7 +20,8 @@
 // 6. Skipped: rewrite the speculated units' weights from the current side (as they were).
 // 7. Not held otherwise: order after every speculated write (Barrier), then Step in place on the
 //    current side, untouched by speculation, with the final arguments (every weight rewritten).
-// 8. Abandoned: as 6, without a report.
+// 8. Abandoned: as 6, without a report. A batch the engine failed part-way through counts as
+//    speculated (some of its units' weights may be written), so that all of them are rewritten.
 //
 // A gated overlap (OverlapOptions::gate, CUDA engine; docs/design/overlap.md, "The gate"):
 // G1. Begin: per-unit events made; the last step's gate, if still open, awaited on the stream.
@@ -294,13 +295,14 @@ void StagedAdamW::Feed() {
     std::lock_guard<std::mutex> lock(st.mu);
     st.busy = false;
     st.cv.notify_all();
+    // A failed batch may have written some of its units' weights: counted as speculated, so
+    // that the abandon (the step is abandoned) rewrites them all from the current side.
+    for (uint32_t u : ready) st.speculated[u] = 1;
+    st.speculated_units += ready.size();
     if (!status.ok()) {
-      // Units of a failed batch may be half queued: the step is abandoned.
       if (st.error.ok()) st.error = status;
       return;
     }
-    for (uint32_t u : ready) st.speculated[u] = 1;
-    st.speculated_units += ready.size();
   }
 }
 
@@ -334,12 +336,14 @@ absl::Status StagedAdamW::SpeculateNow(const std::vector<uint32_t>& ready) {
   absl::Status status = engine_->Step(st.args, batch, st.plan, view, size_).status();
   st.plan.unit_ids = {};
   st.plan.wait_unit_ready = false;
+  // A failed batch may have queued some of its units: counted as speculated, so that the
+  // abandon rewrites all their weights from the current side.
+  for (uint32_t u : ready) st.speculated[u] = 1;
+  st.speculated_units += ready.size();
   if (!status.ok()) {
     st.error = status;  // Finish abandons the step.
     return status;
   }
-  for (uint32_t u : ready) st.speculated[u] = 1;
-  st.speculated_units += ready.size();
   return absl::OkStatus();
 }
 

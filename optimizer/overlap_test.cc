@@ -2,6 +2,9 @@
 // runs the same steps on two optimizers built alike, one plainly and one overlapped, and
 // compares weights, masters, moments and step counts after every step.
 #include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -9,14 +12,61 @@
 
 #include "ckpt/base/status_macros.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/engine.h"
 #include "optimizer/unit_fence.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"
 
 namespace ckpt::optimizer {
+
+// Reaches StagedAdamW's engine (a friend): wraps it to inject failures.
+class StagedAdamWPeer {
+ public:
+  template <typename Wrap>
+  static void WrapEngine(StagedAdamW& opt, Wrap wrap) {
+    opt.engine_ = wrap(std::move(opt.engine_));
+  }
+};
+
 namespace {
 
 using formats::DType;
+
+// The engine it wraps, except that an armed Step call updates the first unit of its batch and
+// then fails, as a device error part-way through a batch would.
+class FailingEngine : public internal::Engine {
+ public:
+  explicit FailingEngine(std::unique_ptr<internal::Engine> inner) : inner_(std::move(inner)) {}
+  bool armed = false;
+  int failures = 0;
+
+  absl::StatusOr<StepReport> Step(const StepArgs& args, const std::vector<Unit>& units,
+                                  const StepPlan& plan, const SlabView& slabs,
+                                  uint64_t elements) override {
+    if (!armed || units.size() < 2) return inner_->Step(args, units, plan, slabs, elements);
+    armed = false;
+    ++failures;
+    const std::vector<Unit> first(units.begin(), units.begin() + 1);
+    CKPT_RETURN_IF_ERROR(inner_->Step(args, first, plan, slabs, elements).status());
+    return absl::InternalError("injected: the engine failed after the batch's first unit");
+  }
+  absl::StatusOr<StepReport> CheckFinite(const StepArgs& args, const std::vector<Unit>& units,
+                                         const StepPlan& plan, const SlabView& slabs,
+                                         uint64_t elements) override {
+    return inner_->CheckFinite(args, units, plan, slabs, elements);
+  }
+  absl::Status WriteWeights(const SlabView& slabs, const std::vector<Unit>& units,
+                            const StepArgs& dest,
+                            const std::optional<CudaStreamView>& stream) override {
+    return inner_->WriteWeights(slabs, units, dest, stream);
+  }
+  void SetSpareCores(int cores) override { inner_->SetSpareCores(cores); }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+  std::string name() const override { return inner_->name(); }
+
+ private:
+  std::unique_ptr<internal::Engine> inner_;
+};
 using testing::IsOk;
 using testing::StatusIs;
 using testing::StatusIsWith;
@@ -227,6 +277,36 @@ TEST_P(OverlapTest, AGatedStepOnTheCpuEngineIsThePlainStep) {
     ASSERT_THAT(report, IsOk());
     EXPECT_FALSE(report->gated);
     EXPECT_FALSE(overlapped_.opt->gate_open());
+    ExpectSame(plain_, overlapped_);
+  }
+}
+
+TEST_P(OverlapTest, AnEngineFailingPartWayThroughABatchLeavesTheWeightsAsTheMasters) {
+  // Piece 1 ("b", 1001 elements) lies in many 64-element units, all made ready by its one
+  // Release: one batch, whose first unit the engine updates (weights written) before failing.
+  // The abandoned step must put every weight of that batch back: the model equals the plain
+  // optimizer's that has not stepped, and the next step equals its step.
+  FailingEngine* failing = nullptr;
+  StagedAdamWPeer::WrapEngine(*overlapped_.opt, [&](std::unique_ptr<internal::Engine> inner) {
+    auto wrapped = std::make_unique<FailingEngine>(std::move(inner));
+    failing = wrapped.get();
+    return wrapped;
+  });
+  FillGradients(plain_, overlapped_, 0);
+  const std::vector<std::vector<std::byte>> before = overlapped_.weights;
+  failing->armed = true;
+  absl::StatusOr<StepReport> report =
+      Overlapped(overlapped_, 1.0f, Final(1.0f), BackwardOrder(options_.pieces.size()));
+  EXPECT_THAT(report, StatusIsWith(absl::StatusCode::kInternal, "injected"));
+  EXPECT_EQ(failing->failures, 1);
+  ASSERT_THAT(overlapped_.opt->Synchronize(), IsOk());
+  EXPECT_TRUE(overlapped_.weights == before) << "a weight the failed batch wrote stayed";
+  ExpectSame(plain_, overlapped_);  // Neither has stepped.
+  for (int s = 1; s < 3; ++s) {  // And the step goes on as the plain one.
+    FillGradients(plain_, overlapped_, s);
+    ASSERT_THAT(Plain(plain_, Final(1.0f)), IsOk());
+    ASSERT_THAT(Overlapped(overlapped_, 1.0f, Final(1.0f), BackwardOrder(options_.pieces.size())),
+                IsOk());
     ExpectSame(plain_, overlapped_);
   }
 }

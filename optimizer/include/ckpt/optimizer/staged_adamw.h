@@ -452,6 +452,7 @@ class StagedAdamW {
 
  private:
   struct Slabs;
+  friend class StagedAdamWPeer;  // Tests: wraps the engine to inject its failures.
   StagedAdamW();
   // Create, with the max_exp_avg_sq slab also when no group asks for amsgrad (`keep_max`: an
   // AddParams keeps the slab it had).
