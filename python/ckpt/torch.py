@@ -414,13 +414,12 @@ class StagedAdamW(torch.optim.Optimizer):
             if not cuda:
                 raise ValueError("engine='cuda' needs parameters on a CUDA device")
             device = next(iter(cuda))
-        if engine == "cuda" and \
-                torch.cuda.get_device_capability(device)[0] < self._min_capability:
-            raise ValueError(f"engine='cuda' needs compute capability {self._min_capability} "
-                             f"or newer for {type(self).__name__}; {device} has "
-                             f"{torch.cuda.get_device_capability(device)}: use engine='auto'")
-        if device.type == "cuda" and \
-                torch.cuda.get_device_capability(device)[0] < self._min_capability:
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is not None and capability[0] < self._min_capability:
+            if engine == "cuda":
+                raise ValueError(f"engine='cuda' needs compute capability "
+                                 f"{self._min_capability} or newer for {type(self).__name__}; "
+                                 f"{device} has {capability}: use engine='auto'")
             # StagedMuon on a GPU without BF16 tensor cores: the CPU engine, the CUDA parameters
             # staged through host copies.
             device = torch.device("cpu")

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt  # noqa: E402
 import ckpt.torch  # noqa: E402
 from test_torch_optimizer import TinyGPT, groups, shard_loss  # noqa: E402
+from rank_exit import run_then_exit  # noqa: E402
 
 
 class FailingStep:
@@ -64,7 +65,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # As dp_worker.py: not the interpreter's exit (pytorch/pytorch#179291).
+    run_then_exit(main)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt.torch  # noqa: E402
 from test_torch_optimizer import TinyGPT, groups, shard_loss  # noqa: E402
+from rank_exit import run_then_exit  # noqa: E402
 
 
 def train(model, opt, first, last, rank, world):
@@ -95,8 +96,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # As dp_worker.py: not the interpreter's own exit (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_then_exit(main)

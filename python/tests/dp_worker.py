@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt  # noqa: E402
 import ckpt.torch  # noqa: E402
 from test_torch_optimizer import TinyGPT, groups, muon_groups, shard_loss  # noqa: E402
+from rank_exit import run_then_exit  # noqa: E402
 
 
 def main():
@@ -65,11 +66,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Not the interpreter's own exit: torch's gloo worker threads may still free the work
-    # object of a finished collective while the interpreter finalizes, which takes the GIL
-    # from a dying thread and aborts the process (pytorch/pytorch#179291, seen here with torch
-    # 2.13 about once in ten runs). Everything of this rank is closed and written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_then_exit(main)
