@@ -4,7 +4,8 @@ ckpt.torch.StagedAdamW on the CUDA engine, plain (the step after backward), over
 parameter's update streamed from its post-accumulate-grad hook while backward goes on) and
 overlap="forward" (the tail left when backward ends runs behind the next forward, each module
 waiting for its own parameters), with F32 and BF16 moments, and on the CPU engine
-(ckpt-cpu-*: gradients to the host, the step on every core, weights back; plain), with and
+(ckpt-cpu-*: gradients to the host, the step on every core, weights back; plain, and
+overlapped: each gradient copied out as backward finishes it and stepped meanwhile), with and
 without gradient clipping at 1.0. Prints each row's step time and peak GPU memory, both against the torch row (the goals
 of #24: overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the
 memory), and the time against two bounds measured in the same run: the larger of forward +
@@ -35,7 +36,7 @@ thread.
     CKPT_LIB=build/capi/libckpt_c.so PYTHONPATH=python python3 bench/train_step.py \\
         [--layers 24] [--hidden 1024] [--batch 8] [--seq 512] [--rounds 8] [--round-steps 4]
         [--warmup 4] [--max-norm 1.0] [--clipping both|off|on] [--only ckpt-f32-overlap]
-        [--phases] [--unit-mib 8]
+        [--phases] [--unit-mib 8] [--cpu-threads 0]
 """
 import argparse
 import gc
@@ -139,12 +140,14 @@ class NoStep:
 
 
 class Ckpt:
-    def __init__(self, net, clip, moments, overlap, unit_bytes=0, engine="auto"):
+    def __init__(self, net, clip, moments, overlap, unit_bytes=0, engine="auto", threads=0):
         self.opt = ckpt.torch.StagedAdamW(net.named_parameters(), lr=1e-4, weight_decay=0.1,
                                           moments=moments, overlap=overlap,
-                                          unit_bytes=unit_bytes, engine=engine)
+                                          unit_bytes=unit_bytes, engine=engine,
+                                          threads=threads)
         self.clip = clip
         self.held = 0
+        self.early = 0  # Units updated during backward, over the steps counted.
         self.hook_s, self.hook_calls = 0.0, 0  # Host time in the gradient hooks, and calls.
         release = self.opt._release
 
@@ -170,6 +173,7 @@ class Ckpt:
         self.opt.step()
         last = self.opt.last_overlap
         self.held += bool(last and last[1])
+        self.early += last[0] if last else 0
 
 
 def pcie_rates(nbytes=1 << 30):
@@ -253,7 +257,8 @@ class Row:
             parts = name.split("-")
             overlap = {"plain": False, "overlap": True, "forward": "forward"}[parts[-1]]
             self.opt = Ckpt(self.net, clip, parts[-2], overlap, args.unit_mib << 20,
-                            engine="cpu" if parts[1] == "cpu" else "auto")
+                            engine="cpu" if parts[1] == "cpu" else "auto",
+                            threads=args.cpu_threads)
         torch.cuda.synchronize()
         free_after, _ = torch.cuda.mem_get_info()
         # ckpt's device buffers: outside torch's allocator.
@@ -279,7 +284,7 @@ class Row:
         self.peak = torch.cuda.max_memory_allocated() - allocated + outside
         if isinstance(self.opt, Ckpt):
             self.opt.hook_s, self.opt.hook_calls, self.opt.left_gated = 0.0, 0, 0
-            self.opt.held = 0
+            self.opt.held = self.opt.early = 0
 
     def step(self, timed, forward_done=None):
         e = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else None
@@ -381,6 +386,8 @@ def main():
                     help="also print each row's forward, backward and step time")
     ap.add_argument("--max-norm", type=float, default=1.0,
                     help="the clipped runs' max_norm (clip_grad_norm_ / clip_grad_norm)")
+    ap.add_argument("--cpu-threads", type=int, default=0,
+                    help="the CPU engine rows' threads (0: every core)")
     ap.add_argument("--unit-mib", type=int, default=0,
                     help="ckpt's unit size in MiB of masters (0: its default, 8)")
     ap.add_argument("--clipping", choices=("both", "off", "on"), default="both",
@@ -388,7 +395,8 @@ def main():
     ap.add_argument("--only", action="append", default=None,
                     help="run only these rows (ckpt-f32-plain, ckpt-f32-overlap, "
                          "ckpt-f32-forward, ckpt-bf16-plain, ckpt-bf16-overlap, "
-                         "ckpt-bf16-forward, ckpt-cpu-f32-plain, ckpt-cpu-bf16-plain: the CPU "
+                         "ckpt-bf16-forward, ckpt-cpu-f32-plain, ckpt-cpu-f32-overlap, "
+                         "ckpt-cpu-bf16-plain, ckpt-cpu-bf16-overlap: the CPU "
                          "engine); torch-fused and the reference rows always run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -400,7 +408,8 @@ def main():
     del net
     ckpt_rows = ["ckpt-f32-plain", "ckpt-f32-overlap", "ckpt-f32-forward",
                  "ckpt-bf16-plain", "ckpt-bf16-overlap", "ckpt-bf16-forward",
-                 "ckpt-cpu-f32-plain", "ckpt-cpu-bf16-plain"]
+                 "ckpt-cpu-f32-plain", "ckpt-cpu-f32-overlap", "ckpt-cpu-bf16-plain",
+                 "ckpt-cpu-bf16-overlap"]
     if args.only:
         ckpt_rows = [r for r in ckpt_rows if r in args.only]
     moments_used = [m for m in STATE_BYTES
@@ -436,7 +445,7 @@ def main():
             for row in built:
                 print(row.phases())
         print(f"{'row':20} {'step ms':>9} {'x torch':>8} {'x floor':>8} {'peak GiB':>9} "
-              f"{'x torch':>8}  speculation held")
+              f"{'x torch':>8}  speculation held, units updated early")
         for row in built:
             ratio = statistics.median(a / b for a, b in zip(row.rounds, torch_row.rounds))
             streamed = row.name.startswith("ckpt-") and not row.name.startswith("ckpt-cpu-")
@@ -444,7 +453,8 @@ def main():
             floor = f"{row.ms() / floors[moments]:8.2f}" if moments else ""
             held = getattr(row.opt, "held", None)
             note = "" if held is None or "plain" in row.name else \
-                f"  {held}/{row.steps_run}"
+                f"  {held}/{row.steps_run}, {row.opt.early / max(1, row.steps_run):.0f} " \
+                f"units a step during backward"
             print(f"{row.name:20} {row.ms():9.1f} {ratio:8.2f} {floor:>8} "
                   f"{row.peak / 2 ** 30:9.2f} {row.peak / torch_row.peak:8.2f}{note}",
                   flush=True)

@@ -8,6 +8,7 @@ torch, so torch.optim.lr_scheduler schedulers work unchanged; hyper-parameters a
 step. Checkpoints go through ckpt.Checkpointer (transactions, async save, rollback, resharding).
 """
 import bisect
+import collections
 import contextlib
 import ctypes
 import functools
@@ -197,6 +198,116 @@ class _OverlapRun:
         self.speculate = True
         self.in_place = False
         self.hooks = []
+        # Parameter index -> its ckpt_overlap_release arguments (index, gradient, weight),
+        # made at its first hook and refilled at the next ones.
+        self.args = {}
+
+
+class _HostMirror:
+    """engine="cpu" with CUDA parameters: each such parameter's gradient and weight where the
+    CPU engine reads and writes them, in pinned host memory (one buffer of each, made at the
+    first step and again when parameters are added). A plain step copies the gradients out on
+    the current stream. An overlapped step copies each one out as its hook runs, on a stream
+    of the mirror's own that waits for the stream the gradient was made on, and hands it to
+    ckpt once the copy has landed (an event query at the next hooks: backward never waits for
+    the copies). After the step the weights ckpt wrote are copied back in place on the current
+    stream; ckpt writes the buffer again only after those copies have run."""
+
+    def __init__(self, device):
+        self.device = device
+        self.shape = None  # (parameters, gradient dtype) the buffers were made for.
+        self.grads, self.weights = {}, {}  # Parameter index -> its 1-D pinned view.
+        self.grad_ptr, self.weight_ptr = {}, {}  # Their addresses, as ckpt is handed them.
+        self.stream = None  # Where an overlapped step's gradients are copied out.
+        self.events = {}  # Parameter index -> the event after its gradient's copy (reused).
+        self.pending = collections.deque()  # (index, event): copies not yet seen landed.
+        self.written = None  # The event after the last copies of weights back.
+
+    @staticmethod
+    def takes(p, g, grad_dtype):
+        """Whether the mirror carries this CUDA parameter and its gradient as they are."""
+        return (p.is_cuda and g.device == p.device and g.dtype is grad_dtype and
+                g.is_contiguous() and p.is_contiguous())
+
+    def fit(self, params, grad_dtype):
+        """The buffers for these parameters and gradient dtype (made again when either
+        changed: add_param_group, a group of another dtype)."""
+        shape = (len(params), grad_dtype)
+        if self.shape == shape:
+            return
+        self.discard()
+        self.wait_written()
+        index = [i for i, p in enumerate(params) if p.is_cuda]
+        self.grads = self._views({i: (params[i].numel(), grad_dtype) for i in index})
+        self.weights = self._views({i: (params[i].numel(), params[i].dtype) for i in index})
+        self.grad_ptr = {i: t.data_ptr() for i, t in self.grads.items()}
+        self.weight_ptr = {i: t.data_ptr() for i, t in self.weights.items()}
+        self.shape = shape
+
+    @staticmethod
+    def _views(spans):
+        """One pinned buffer cut into a 1-D view per index (64-byte aligned)."""
+        at, where = 0, {}
+        for i, (count, dtype) in spans.items():
+            at += -at % 64
+            size = count * torch.empty((), dtype=dtype).element_size()
+            where[i] = (at, size, dtype)
+            at += size
+        buf = torch.empty(max(at, 1), dtype=torch.uint8, pin_memory=True)
+        return {i: buf[a:a + size].view(dtype) for i, (a, size, dtype) in where.items()}
+
+    def copy_out(self, index, g):
+        """An overlapped step's gradient, out to the host behind the stream that made it."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = self.events.get(index)
+        if event is None:
+            event = self.events[index] = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.grads[index].copy_(g.view(-1), non_blocking=True)
+            event.record(self.stream)
+        self.pending.append((index, event))
+
+    def landed(self):
+        """The indices whose copies have run since the last call (in the order they were
+        queued: one stream runs them in that order)."""
+        out = []
+        while self.pending and self.pending[0][1].query():
+            out.append(self.pending.popleft()[0])
+        return out
+
+    def flush(self):
+        """Every queued copy, waited for: their indices."""
+        out = [i for i, _ in self.pending]
+        if out:
+            self.stream.synchronize()
+            self.pending.clear()
+        return out
+
+    def discard(self):
+        """Queued copies are waited for and forgotten (the buffer is written next by someone
+        else, on another stream)."""
+        self.flush()
+
+    def copy_in(self, params, indices, seen):
+        """The weights ckpt wrote for these parameters, back in place on the current stream;
+        `seen` (the optimizer's versions) learns the versions the copies gave them."""
+        if not indices:
+            return
+        with torch.no_grad():
+            for i in indices:
+                p = params[i]
+                p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
+                seen[i] = (p._version, p.data_ptr())
+        if self.written is None:
+            self.written = torch.cuda.Event()
+        self.written.record(torch.cuda.current_stream(self.device))
+
+    def wait_written(self):
+        """The last copies of weights back have read the buffer: ckpt may write it."""
+        if self.written is not None:
+            self.written.synchronize()
 
 
 def _weights_on_host(params, dtype):
@@ -343,6 +454,8 @@ class StagedAdamW(torch.optim.Optimizer):
     _total = _shared("total")
     _local_count = _shared("local_count")
     _max_slab = _shared("max_slab")  # ckpt keeps max_exp_avg_sq (some group had amsgrad).
+    # The CPU engine's host copies of CUDA parameters and their gradients (None otherwise).
+    _mirror = _shared("mirror")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -434,6 +547,7 @@ class StagedAdamW(torch.optim.Optimizer):
             raise NotImplementedError("parameters of several dtypes with a process_group are not "
                                       "supported yet: one dtype per data-parallel optimizer")
         self._dtype, self._device = dtype, device
+        self._mirror = _HostMirror(next(iter(cuda))) if device.type == "cpu" and cuda else None
         self._params = plist
         self._names = [names.get(id(p), f"param.{i}") for i, p in enumerate(plist)]
         if len(set(self._names)) != len(self._names):
@@ -659,6 +773,8 @@ class StagedAdamW(torch.optim.Optimizer):
         self._names.extend(new_names)
         self._dtypes.extend(p.dtype for p in new)
         self._devices.extend(p.device for p in new)
+        if self._mirror is None and self._device.type == "cpu" and cuda:
+            self._mirror = _HostMirror(next(iter(cuda)))
         self._seen.extend((p._version, p.data_ptr()) for p in new)
         self._total = self._local_count = total
         self._layout.pop("consolidated", None)
@@ -728,63 +844,113 @@ class StagedAdamW(torch.optim.Optimizer):
         return (g.dtype is self._grad_dtype and g.is_contiguous() and g.device == self._device
                 and p.device == self._device and p.is_contiguous())
 
+    def _overlappable(self, p, g):
+        """Whether an overlapped step can take this gradient: where ckpt reads it, or (the CPU
+        engine's CUDA parameters) through the host mirror."""
+        mirror = self._mirror
+        if mirror is not None and p.is_cuda:
+            return mirror.takes(p, g, self._grad_dtype)
+        return self._fast(p, g)
+
     def _release(self, index, p):
-        """The post-accumulate-grad hook's work: parameter `index`'s gradient is final."""
+        """The post-accumulate-grad hook's work: parameter `index`'s gradient is final. Runs on
+        backward's thread at every parameter, whose host time a host-bound backward waits for:
+        the ctypes arguments of each parameter are made once and refilled."""
         run = self._ov
         if (not run.enabled or not run.speculate or run.depth > 0 or run.failed or
                 self._native is None or self._native.closed):
             return  # This step runs plainly.
         g = p.grad
-        if g is None or not self._fast(p, g):
+        if g is None or not self._overlappable(p, g):
             self._drop_overlap()
             run.failed = True
             return
-        if run.native is None:
-            scale, flip = self._grad_scale()
-            if flip:
-                run.failed = True
-                return
-            handle = self._push_groups()  # Hyper-parameters and edited parameters, first.
-            out = ctypes.c_void_p()
-            run.stream = torch.cuda.current_stream(self._device) \
-                if self._device.type == "cuda" else None
-            self.wait_for_step()  # The last step's gate, if a forward left it open.
-            try:
-                if run.gate and run.stream is not None:
-                    check(lib.ckpt_overlap_begin_gated(
-                        handle, _DTYPES[self._grad_dtype], scale, run.stream.cuda_stream, 0,
-                        ctypes.byref(out)))
-                else:  # Speculate: a step that would not, runs plainly.
-                    check(lib.ckpt_overlap_begin(
-                        handle, _DTYPES[self._grad_dtype], scale,
-                        run.stream.cuda_stream if run.stream is not None else None,
-                        1, ctypes.byref(out)))
-            except CkptError as e:
-                # E.g. no host memory for the spare side: this step and the next ones run
-                # plainly.
-                warnings.warn(f"ckpt: the overlapped step could not begin ({e}); stepping "
-                              "plainly from now on")
-                run.failed, run.enabled = True, False
-                return
-            run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
-                                parents=(self._native,))
+        if run.native is None and not self._begin_overlap(run):
+            return
+        mirror = self._mirror
+        if mirror is not None and p.is_cuda:
+            # CPU engine: out to the host first; ckpt gets the gradients whose copies landed.
+            mirror.copy_out(index, g)
+            run.keep.append((p, g))
+            twice = index in run.released  # ckpt refuses it (undeclared accumulation): now.
+            run.released[index] = g._version
+            self._hand_over(mirror.flush() if twice else mirror.landed())
+            return
         if run.stream is not None and _current_stream_id(run.stream) != run.stream.stream_id:
             # This gradient was made on another stream.
             run.stream.wait_stream(torch.cuda.current_stream(self._device))
         run.keep.append((p, g))
+        args = run.args.get(index)
+        if args is None:
+            args = run.args[index] = ((ctypes.c_uint32 * 1)(index), (ctypes.c_void_p * 1)(),
+                                      (ctypes.c_void_p * 1)())
+        args[1][0], args[2][0] = g.data_ptr(), p.data_ptr()
         try:
-            check(lib.ckpt_overlap_release(
-                run.native.handle, (ctypes.c_uint32 * 1)(index), (ctypes.c_void_p * 1)(g.data_ptr()),
-                (ctypes.c_void_p * 1)(p.data_ptr()), 1))
+            check(lib.ckpt_overlap_release(run.native.handle, args[0], args[1], args[2], 1))
         except CkptError:
             self._drop_overlap()  # Abandoned by ckpt: the weights are the masters again.
             raise
         run.released[index] = g._version
 
+    def _begin_overlap(self, run):
+        """Opens the overlapped step at backward's first hook. False when it cannot (this
+        step runs plainly)."""
+        scale, flip = self._grad_scale()
+        if flip:
+            run.failed = True
+            return False
+        handle = self._push_groups()  # Hyper-parameters and edited parameters, first.
+        out = ctypes.c_void_p()
+        run.stream = torch.cuda.current_stream(self._device) \
+            if self._device.type == "cuda" else None
+        self.wait_for_step()  # The last step's gate, if a forward left it open.
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.fit(self._params, self._grad_dtype)
+            mirror.discard()
+            mirror.wait_written()  # ckpt writes the weights' buffer from now on.
+        try:
+            if run.gate and run.stream is not None:
+                check(lib.ckpt_overlap_begin_gated(
+                    handle, _DTYPES[self._grad_dtype], scale, run.stream.cuda_stream, 0,
+                    ctypes.byref(out)))
+            else:  # Speculate: a step that would not, runs plainly.
+                check(lib.ckpt_overlap_begin(
+                    handle, _DTYPES[self._grad_dtype], scale,
+                    run.stream.cuda_stream if run.stream is not None else None,
+                    1, ctypes.byref(out)))
+        except CkptError as e:
+            # E.g. no host memory for the spare side: this step and the next ones run
+            # plainly.
+            warnings.warn(f"ckpt: the overlapped step could not begin ({e}); stepping "
+                          "plainly from now on")
+            run.failed, run.enabled = True, False
+            return False
+        run.native = Native(out, lib.ckpt_overlap_destroy, "overlapped step",
+                            parents=(self._native,))
+        return True
+
+    def _hand_over(self, indices):
+        """The CPU engine's CUDA parameters whose gradients have reached the host mirror, to
+        ckpt (which updates their units on its feeder thread, writing the mirror's weights)."""
+        if not indices:
+            return
+        mirror, k = self._mirror, len(indices)
+        try:
+            check(lib.ckpt_overlap_release(
+                self._ov.native.handle, (ctypes.c_uint32 * k)(*indices),
+                (ctypes.c_void_p * k)(*[mirror.grad_ptr[i] for i in indices]),
+                (ctypes.c_void_p * k)(*[mirror.weight_ptr[i] for i in indices]), k))
+        except CkptError:
+            self._drop_overlap()  # Abandoned by ckpt: the CUDA weights were never written.
+            raise
+
     def _drain_overlap(self):
         """Waits until ckpt has updated every parameter released so far (tests: the step
         then finds them all speculated)."""
         if self._ov.native is not None:
+            if self._mirror is not None:
+                self._hand_over(self._mirror.flush())
             check(lib.ckpt_overlap_drain(self._ov.native.handle))
 
     def _drop_overlap(self):
@@ -792,6 +958,8 @@ class StagedAdamW(torch.optim.Optimizer):
         the weights it wrote are rewritten from the masters."""
         run = self._ov
         native, run.native, run.released = run.native, None, {}
+        if self._mirror is not None:
+            self._mirror.discard()  # Before the gradients the copies read can go.
         if native is not None:
             native.close()
         run.keep = []
@@ -848,7 +1016,7 @@ class StagedAdamW(torch.optim.Optimizer):
             stepped = [g is not None for g in grad_of]
             scale, flip = self._grad_scale()
             if (not any(stepped) or flip or
-                    not all(self._fast(p, g) for p, g in zip(self._params, grad_of)
+                    not all(self._overlappable(p, g) for p, g in zip(self._params, grad_of)
                             if g is not None)):
                 return False
             handle = self._live()
@@ -864,22 +1032,44 @@ class StagedAdamW(torch.optim.Optimizer):
             self._cache.clear()
             self._layout.pop("consolidated", None)
             n = len(self._params)
-            grads = (ctypes.c_void_p * n)(*[g.data_ptr() if g is not None else None
-                                            for g in grad_of])
-            params = (ctypes.c_void_p * n)(*[p.data_ptr() if g is not None else None
-                                             for p, g in zip(self._params, grad_of)])
+            grads = [g.data_ptr() if g is not None else None for g in grad_of]
+            params = [p.data_ptr() if g is not None else None
+                      for p, g in zip(self._params, grad_of)]
+            mirror = self._mirror
+            mirrored = []  # The CPU engine's CUDA parameters, stepped through the mirror.
+            if mirror is not None:
+                # Every copy queued has landed; those ckpt was not handed yet are stepped by
+                # Finish like any unit not speculated. A gradient without a copy (no hook ran
+                # for it) or changed since its copy is copied now.
+                mirror.flush()
+                late = False
+                for i, g in enumerate(grad_of):
+                    if g is None or not self._params[i].is_cuda:
+                        continue
+                    mirrored.append(i)
+                    grads[i], params[i] = mirror.grad_ptr[i], mirror.weight_ptr[i]
+                    if changed or i not in released:
+                        mirror.grads[i].copy_(g.view(-1), non_blocking=True)
+                        late = True
+                if late:
+                    torch.cuda.current_stream(mirror.device).synchronize()
             skipped, held = ctypes.c_int(0), ctypes.c_int(0)
             speculated = ctypes.c_uint64(0)
             check(lib.ckpt_overlap_finish(
-                native.handle, grads, params, n, (ctypes.c_uint8 * n)(*stepped), n,
-                _DTYPES[self._grad_dtype], scale * coef, 0, self._stream(),
-                ctypes.byref(skipped), ctypes.byref(speculated), ctypes.byref(held)))
+                native.handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params),
+                n, (ctypes.c_uint8 * n)(*stepped), n, _DTYPES[self._grad_dtype], scale * coef,
+                0, self._stream(), ctypes.byref(skipped), ctypes.byref(speculated),
+                ctypes.byref(held)))
             run.last = (speculated.value, bool(held.value))
+            if mirrored and not skipped.value:
+                mirror.copy_in(self._params, mirrored, self._seen)
             if held.value and run.gate:
                 self._open_gate(grad_of)
             return True
         finally:
             native.close()
+            if self._mirror is not None:
+                self._mirror.discard()  # Copies still queued read gradients `keep` holds.
             del keep
 
     @property
@@ -948,11 +1138,29 @@ class StagedAdamW(torch.optim.Optimizer):
             grads, params = [], []
             want = self._grad_dtype
             device = self._device
+            mirror = self._mirror
+            mirrored = []  # CUDA parameters the CPU engine steps through the host mirror.
+            if mirror is not None:
+                mirror.fit(self._params, want)
+                mirror.discard()
             for i, (p, g, ptr, home) in enumerate(zip(self._params, grad_of, self._seen,
                                                        self._devices)):
                 if g is None:
                     grads.append(None)
                     params.append(None)
+                    continue
+                if mirror is not None and home.type == "cuda" and p.is_contiguous():
+                    # Converted on the GPU if need be, then out to the pinned host copy.
+                    if g.dtype is not want or not g.is_contiguous():
+                        g = g.to(dtype=want).contiguous()
+                        keep.append(g)
+                    if i in flip:
+                        g = g.neg()
+                        keep.append(g)
+                    mirror.grads[i].copy_(g.view(-1), non_blocking=True)
+                    grads.append(mirror.grad_ptr[i])
+                    params.append(mirror.weight_ptr[i])
+                    mirrored.append(i)
                     continue
                 if g.dtype is not want or not g.is_contiguous() or home != device:
                     g = g.to(device=device, dtype=want).contiguous()
@@ -979,10 +1187,15 @@ class StagedAdamW(torch.optim.Optimizer):
                 if gated.value:
                     self._open_gate(grad_of)
                 return loss
+            if mirrored:
+                torch.cuda.current_stream(mirror.device).synchronize()  # The gradients landed.
+                mirror.wait_written()  # The last step's weights have left the buffer.
             check(lib.ckpt_optimizer_step_masked(
                 handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
                 mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
             del keep
+            if mirrored and not skipped.value:
+                mirror.copy_in(self._params, mirrored, self._seen)
             if staged:
                 for p, copy in staged:
                     p.detach().copy_(copy)

@@ -84,9 +84,11 @@ def test_parity_with_torch_adamw_on_cuda_parameters_stepped_in_place():
 
 
 @pytest.mark.parametrize("moments", ["f32", "bf16"])
-def test_the_cpu_engine_steps_cuda_parameters_as_the_cuda_engine_does(moments):
-    """engine="cpu": CUDA parameters' gradients go to the host, every core steps them, and the
-    weights come back in place: bit for bit what the CUDA engine writes, state included."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_cpu_engine_steps_cuda_parameters_as_the_cuda_engine_does(moments, overlap):
+    """engine="cpu": CUDA parameters' gradients go to the host (overlapped: each as backward
+    finishes it, while backward goes on), every core steps them, and the weights come back in
+    place: bit for bit what the CUDA engine writes, state included."""
     models, opts = [], []
     for engine in ("auto", "cpu"):
         torch.manual_seed(0)
@@ -94,11 +96,22 @@ def test_the_cpu_engine_steps_cuda_parameters_as_the_cuda_engine_does(moments):
                                 torch.nn.Linear(256, 64)).to("cuda", torch.bfloat16)
         models.append(m)
         opts.append(ckpt.torch.StagedAdamW(list(m.named_parameters()), lr=1e-2,
-                                           weight_decay=0.1, moments=moments, engine=engine))
+                                           weight_decay=0.1, moments=moments, engine=engine,
+                                           unit_bytes=4096, overlap=overlap and engine == "cpu"))
     assert opts[0]._device.type == "cuda" and opts[1]._device.type == "cpu"
     storages = [p.data_ptr() for p in models[1].parameters()]
-    for model, opt in zip(models, opts):
-        train(model, opt, 4)
+    for s in range(4):
+        for model, opt in zip(models, opts):
+            g = torch.Generator(device="cuda").manual_seed(100 + s)
+            x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            if opt._ov.enabled:
+                opt._drain_overlap()  # Every copy landed and handed over: all speculated.
+            opt.step()
+            if opt._ov.enabled:
+                speculated, held = opt.last_overlap
+                assert speculated > 0 and held
     assert [p.data_ptr() for p in models[1].parameters()] == storages
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
@@ -129,3 +142,53 @@ def test_construction_copies_the_weights_to_the_host_one_parameter_at_a_time(mix
     for p in model.parameters():
         assert torch.equal(opt.master(p).reshape(-1), p.detach().float().cpu().reshape(-1))
     opt.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="post-accumulate-grad hooks: torch >= 2.1")
+@pytest.mark.parametrize("clip", [None, 1e9, 1e-3])
+def test_an_overlapped_cpu_engine_step_of_cuda_and_cpu_parameters_is_the_plain_one(clip):
+    """engine="cpu", overlap=True, a model with CUDA layers and a CPU layer in one optimizer:
+    the CPU layer's gradients reach ckpt where they are, the CUDA ones through the host mirror,
+    and a step whose clipping fires is redone; every step, weights and state equal the plain
+    CPU-engine step's bit for bit."""
+    def build():
+        torch.manual_seed(0)
+        head = torch.nn.Linear(64, 16).to(torch.bfloat16)  # Stays on the CPU.
+        body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 64)).to("cuda", torch.bfloat16)
+        return body, head
+
+    runs = []
+    for overlap in (False, True):
+        body, head = build()
+        params = [("body." + n, p) for n, p in body.named_parameters()] + \
+                 [("head." + n, p) for n, p in head.named_parameters()]
+        opt = ckpt.torch.StagedAdamW(params, lr=1e-2, weight_decay=0.1, engine="cpu",
+                                     unit_bytes=2048, overlap=overlap)
+        assert opt._device.type == "cpu" and (opt._mirror is not None)
+        runs.append((body, head, opt))
+    for step in range(4):
+        for body, head, opt in runs:
+            g = torch.Generator(device="cuda").manual_seed(200 + step)
+            x = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16, generator=g)
+            opt.zero_grad()
+            head(body(x).cpu()).float().pow(2).mean().backward()
+            opt._drain_overlap()  # A no-op for the plain one.
+            if clip is not None:
+                opt.clip_grad_norm(clip)
+            opt.step()
+        last = runs[1][2].last_overlap
+        if clip == 1e-3 and step > 0:
+            assert last is None  # Clipping fired at the first step: plain from then on.
+        else:
+            assert last[0] > 0 and last[1] == (clip != 1e-3), (step, last)
+        for a, b in zip(list(runs[0][0].parameters()) + list(runs[0][1].parameters()),
+                        list(runs[1][0].parameters()) + list(runs[1][1].parameters())):
+            assert torch.equal(a, b), step
+    sa, sb = runs[0][2].state_dict()["state"], runs[1][2].state_dict()["state"]
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][key]), torch.as_tensor(sb[k][key]))
+    for _, _, opt in runs:
+        opt.close()
