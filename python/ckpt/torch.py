@@ -12,6 +12,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import threading
 import warnings
 import weakref
 
@@ -181,7 +182,9 @@ class _OverlapRun:
         self.index_of = {}
         self.whole = ()  # StagedAdamW.gate_whole, as the gate opened.
         self.native = None
-        self.released = {}  # Parameter index -> its gradient's _version when released.
+        # Parameter index -> (its gradient, the gradient's _version) when released: a gradient
+        # replaced since (p.grad = ...) or changed in place is seen at step().
+        self.released = {}
         self.failed = False  # This backward cannot overlap: the step runs plainly.
         self.depth = 0  # Open accumulating() blocks.
         self.coef = None  # clip_grad_norm's coefficient (a tensor), for the next step.
@@ -201,6 +204,10 @@ class _OverlapRun:
         # Parameter index -> its ckpt_overlap_release arguments (index, gradient, weight),
         # made at its first hook and refilled at the next ones.
         self.args = {}
+        # Held by each hook and by abandoning: the hooks of CPU parameters run on backward's
+        # calling thread and those of CUDA parameters on the device's autograd thread, at the
+        # same time when one step mixes them (the CPU engine's host mirror).
+        self.lock = threading.RLock()
 
 
 class _HostMirror:
@@ -219,7 +226,9 @@ class _HostMirror:
         self.grads, self.weights = {}, {}  # Parameter index -> its 1-D pinned view.
         self.grad_ptr, self.weight_ptr = {}, {}  # Their addresses, as ckpt is handed them.
         self.stream = None  # Where an overlapped step's gradients are copied out.
-        self.events = {}  # Parameter index -> the event after its gradient's copy (reused).
+        self.current = None  # The stream backward's hooks last ran on (its object).
+        # Parameter index -> (event where its gradient was made, event after its copy).
+        self.events = {}
         self.pending = collections.deque()  # (index, event): copies not yet seen landed.
         self.written = None  # The event after the last copies of weights back.
 
@@ -257,17 +266,29 @@ class _HostMirror:
         return {i: buf[a:a + size].view(dtype) for i, (a, size, dtype) in where.items()}
 
     def copy_out(self, index, g):
-        """An overlapped step's gradient, out to the host behind the stream that made it."""
+        """An overlapped step's gradient, out to the host behind the stream that made it. At
+        every hook on backward's thread, so in the fewest host calls (27 us on the GPU host
+        where `with torch.cuda.stream` and a fresh current_stream took 42): the current
+        stream's object is kept while its id stays, and events are made once per parameter."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        event = self.events.get(index)
-        if event is None:
-            event = self.events[index] = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
+        sid = _current_stream_id(self.stream)
+        if self.current is None or self.current.stream_id != sid:
+            self.current = torch.cuda.current_stream(self.device)
+        current = self.current
+        events = self.events.get(index)
+        if events is None:
+            events = self.events[index] = (torch.cuda.Event(), torch.cuda.Event())
+        made, copied = events
+        made.record(current)  # Where backward's stream is: the gradient is final there.
+        self.stream.wait_event(made)
+        torch.cuda.set_stream(self.stream)
+        try:
             self.grads[index].copy_(g.view(-1), non_blocking=True)
-            event.record(self.stream)
-        self.pending.append((index, event))
+            copied.record(self.stream)
+        finally:
+            torch.cuda.set_stream(current)
+        self.pending.append((index, copied))
 
     def landed(self):
         """The indices whose copies have run since the last call (in the order they were
@@ -856,6 +877,10 @@ class StagedAdamW(torch.optim.Optimizer):
         """The post-accumulate-grad hook's work: parameter `index`'s gradient is final. Runs on
         backward's thread at every parameter, whose host time a host-bound backward waits for:
         the ctypes arguments of each parameter are made once and refilled."""
+        with self._ov.lock:
+            self._release_locked(index, p)
+
+    def _release_locked(self, index, p):
         run = self._ov
         if (not run.enabled or not run.speculate or run.depth > 0 or run.failed or
                 self._native is None or self._native.closed):
@@ -873,7 +898,7 @@ class StagedAdamW(torch.optim.Optimizer):
             mirror.copy_out(index, g)
             run.keep.append((p, g))
             twice = index in run.released  # ckpt refuses it (undeclared accumulation): now.
-            run.released[index] = g._version
+            run.released[index] = (g, g._version)
             self._hand_over(mirror.flush() if twice else mirror.landed())
             return
         if run.stream is not None and _current_stream_id(run.stream) != run.stream.stream_id:
@@ -890,7 +915,7 @@ class StagedAdamW(torch.optim.Optimizer):
         except CkptError:
             self._drop_overlap()  # Abandoned by ckpt: the weights are the masters again.
             raise
-        run.released[index] = g._version
+        run.released[index] = (g, g._version)
 
     def _begin_overlap(self, run):
         """Opens the overlapped step at backward's first hook. False when it cannot (this
@@ -957,12 +982,13 @@ class StagedAdamW(torch.optim.Optimizer):
         """Abandons the open overlapped step, if any: the state stays as before the step and
         the weights it wrote are rewritten from the masters."""
         run = self._ov
-        native, run.native, run.released = run.native, None, {}
-        if self._mirror is not None:
-            self._mirror.discard()  # Before the gradients the copies read can go.
-        if native is not None:
-            native.close()
-        run.keep = []
+        with run.lock:
+            native, run.native, run.released = run.native, None, {}
+            if self._mirror is not None:
+                self._mirror.discard()  # Before the gradients the copies read can go.
+            if native is not None:
+                native.close()
+            run.keep = []
 
     # Module types whose forward pre-hook waits for their whole subtree (overlap="forward").
     gate_whole = _GATE_WHOLE
@@ -1023,8 +1049,8 @@ class StagedAdamW(torch.optim.Optimizer):
             for gi, g in enumerate(self.param_groups):  # A scheduler may have run since.
                 self._check_group(g, gi)
                 check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(g))))
-            changed = any(grad_of[i] is None or grad_of[i]._version != v
-                          for i, v in released.items())
+            changed = any(grad_of[i] is not g or g._version != v
+                          for i, (g, v) in released.items())
             if changed:
                 check(lib.ckpt_overlap_invalidate(native.handle))  # Changed in place since.
             run.speculate = coef == 1.0 and not changed
@@ -1042,6 +1068,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 # Finish like any unit not speculated. A gradient without a copy (no hook ran
                 # for it) or changed since its copy is copied now.
                 mirror.flush()
+                if changed:  # Its feeder reads no mirror gradient while they are copied again.
+                    check(lib.ckpt_overlap_drain(native.handle))
                 late = False
                 for i, g in enumerate(grad_of):
                     if g is None or not self._params[i].is_cuda:
@@ -1495,6 +1523,8 @@ class StagedAdamW(torch.optim.Optimizer):
                 if run is not None:
                     run.gated = {}
                     _drop_gate_hook(run)
+                    if run.native is not None:
+                        self._drop_overlap()  # Its queued copies read gradients it holds.
                 if self._native is not None:
                     self._native.close()
 

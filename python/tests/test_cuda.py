@@ -192,3 +192,38 @@ def test_an_overlapped_cpu_engine_step_of_cuda_and_cpu_parameters_is_the_plain_o
             assert torch.equal(torch.as_tensor(sa[k][key]), torch.as_tensor(sb[k][key]))
     for _, _, opt in runs:
         opt.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="post-accumulate-grad hooks: torch >= 2.1")
+def test_a_gradient_replaced_after_backward_is_stepped_by_the_cpu_engines_overlapped_step():
+    """p.grad = p.grad * 0.5 between backward and step() makes a new tensor at version 0, as
+    the one the hook copied to the host mirror was: the overlapped CPU-engine step sees the
+    replacement, redoes the step from the new gradient, and equals the plain step bit for
+    bit."""
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).to("cuda", torch.bfloat16)
+        runs.append((m, ckpt.torch.StagedAdamW(list(m.named_parameters()), lr=1e-2,
+                                               engine="cpu", unit_bytes=4096, overlap=overlap)))
+    for s in range(3):
+        for m, opt in runs:
+            g = torch.Generator(device="cuda").manual_seed(300 + s)
+            x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+            opt.zero_grad()
+            m(x).float().pow(2).mean().backward()
+            opt._drain_overlap()
+            first = m[0].weight
+            first.grad = first.grad * 0.5  # A new tensor, not an in-place change.
+            opt.step()
+        last = runs[1][1].last_overlap
+        if s == 0:
+            assert last[0] > 0 and last[1] is False  # Redone from the replaced gradient.
+        else:
+            assert last is None  # Changed after release: the next steps run plainly.
+        for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+            assert torch.equal(a, b), s
+    for _, opt in runs:
+        opt.close()
