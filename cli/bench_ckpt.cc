@@ -21,8 +21,8 @@ int RunBenchCkpt(const BenchCkptArgs& args) {
       CheckFitsInMemory(args.params > UINT64_MAX / 18 ? UINT64_MAX : args.params * 18,
                         absl::StrCat("bench ckpt --params ", args.params));
   if (!fits.ok()) return ReportError("bench ckpt", fits);
-  absl::StatusOr<bench::CkptFigures> f =
-      bench::RunCkptBench({.dir = args.dir, .params = args.params, .ranks = args.ranks});
+  absl::StatusOr<bench::CkptFigures> f = bench::RunCkptBench(
+      {.dir = args.dir, .params = args.params, .ranks = args.ranks, .tensors = args.tensors});
   if (!f.ok()) return ReportError("bench ckpt", f.status());
   const double save_ratio = f->save_gbps / f->write_bound_gbps;
   const double load_ratio = f->load_gbps / f->read_bound_gbps;
@@ -31,6 +31,7 @@ int RunBenchCkpt(const BenchCkptArgs& args) {
   if (args.json) {
     PrintJson({{"params", args.params},
                {"ranks", args.ranks},
+               {"tensors", args.tensors},
                {"state_bytes", f->state_bytes},
                {"save_gbps", f->save_gbps},
                {"write_bound_gbps", f->write_bound_gbps},
@@ -46,12 +47,12 @@ int RunBenchCkpt(const BenchCkptArgs& args) {
     return kExitOk;
   }
   std::cout << absl::StrFormat(
-      "optimizer state %s (%d rank(s), 14 B/param)\n"
+      "optimizer state %s (%d rank(s), %d tensor(s), 14 B/param)\n"
       "save                  %6.2f GB/s   O_DIRECT write bound %6.2f GB/s   ratio %.2f\n"
       "load (undo: a step)   %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n"
       "load (fresh process)  %6.2f GB/s   O_DIRECT read  bound %6.2f GB/s   ratio %.2f\n"
       "load (undo: a spill)  %6.2f GB/s   write then read    %6.2f GB/s   ratio %.2f\n",
-      FormatBytes(f->state_bytes), args.ranks, f->save_gbps, f->write_bound_gbps, save_ratio,
+      FormatBytes(f->state_bytes), args.ranks, args.tensors, f->save_gbps, f->write_bound_gbps, save_ratio,
       f->load_gbps, f->read_bound_gbps, load_ratio, f->load_fresh_gbps, f->read_bound_gbps,
       fresh_ratio, f->load_spill_gbps, f->spill_bound_gbps, spill_ratio);
   return kExitOk;

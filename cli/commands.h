@@ -85,6 +85,7 @@ struct BenchCkptArgs {
   std::string dir;
   uint64_t params = 0;
   int ranks = 1;
+  uint64_t tensors = 1;
   bool json = false;
 };
 int RunBenchCkpt(const BenchCkptArgs& args);

@@ -271,6 +271,9 @@ int main(int argc, char** argv) {
       ->check(WholeNumber(1, UINT64_MAX));
   ckpt_cmd->add_option("--ranks", bench_ckpt.ranks, "Ranks, run as threads")
       ->check(WholeNumber(1, 256));
+  ckpt_cmd->add_option("--tensors", bench_ckpt.tensors,
+                       "Parameters of about equal size the elements are split into")
+      ->check(WholeNumber(1, 1u << 24));
   ckpt_cmd->add_flag("--json", bench_ckpt.json, "Print one JSON object");
 
   BenchAsyncSaveArgs bench_async;

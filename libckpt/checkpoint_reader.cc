@@ -8,6 +8,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "ckpt/base/checksum.h"
@@ -66,6 +67,61 @@ struct CheckpointReader::DecodeCache {
   }
 };
 
+// The manifest's lookups, made once: a tensor's index by name (the first tensor of a name, as
+// a scan in manifest order finds it) and each tensor's pieces ordered by begin, with `reach`,
+// the largest end among a piece and those before it in that order. The pieces that overlap
+// [begin, end) all lie from the first position whose reach passes begin up to the first
+// piece that begins at or after end.
+struct CheckpointReader::Index {
+  absl::flat_hash_map<std::string, uint32_t> tensor_of;
+  std::vector<uint32_t> order;   // Piece indices, grouped by tensor, each group by begin.
+  std::vector<uint64_t> reach;   // Parallel to order.
+  std::vector<size_t> first;     // Tensor t's group is order[first[t], first[t + 1]).
+
+  explicit Index(const formats::Manifest& m) {
+    tensor_of.reserve(m.tensors.size());
+    for (uint32_t t = 0; t < m.tensors.size(); ++t) tensor_of.emplace(m.tensors[t].name, t);
+    first.assign(m.tensors.size() + 1, 0);
+    for (const formats::PieceInfo& p : m.pieces) {
+      if (p.tensor < m.tensors.size()) ++first[p.tensor + 1];
+    }
+    for (size_t t = 0; t < m.tensors.size(); ++t) first[t + 1] += first[t];
+    order.resize(first.back());
+    std::vector<size_t> at(first.begin(), first.end() - 1);
+    for (uint32_t i = 0; i < m.pieces.size(); ++i) {
+      if (m.pieces[i].tensor < m.tensors.size()) order[at[m.pieces[i].tensor]++] = i;
+    }
+    reach.resize(order.size());
+    for (size_t t = 0; t < m.tensors.size(); ++t) {
+      const auto group_begin = order.begin() + static_cast<ptrdiff_t>(first[t]);
+      const auto group_end = order.begin() + static_cast<ptrdiff_t>(first[t + 1]);
+      std::stable_sort(group_begin, group_end, [&](uint32_t a, uint32_t b) {
+        return m.pieces[a].begin < m.pieces[b].begin;
+      });
+      uint64_t most = 0;
+      for (size_t k = first[t]; k < first[t + 1]; ++k) {
+        const formats::PieceInfo& p = m.pieces[order[k]];
+        most = std::max(most, p.begin + p.count);
+        reach[k] = most;
+      }
+    }
+  }
+
+  // Tensor `t`'s pieces that overlap [begin, end), by begin.
+  template <typename Fn>
+  void ForEachOverlapping(const formats::Manifest& m, uint32_t t, uint64_t begin, uint64_t end,
+                          Fn&& fn) const {
+    const auto from = std::upper_bound(reach.begin() + static_cast<ptrdiff_t>(first[t]),
+                                       reach.begin() + static_cast<ptrdiff_t>(first[t + 1]),
+                                       begin);
+    for (size_t k = static_cast<size_t>(from - reach.begin()); k < first[t + 1]; ++k) {
+      const formats::PieceInfo& p = m.pieces[order[k]];
+      if (p.begin >= end) break;
+      if (begin < p.begin + p.count) fn(p);
+    }
+  }
+};
+
 CheckpointReader::CheckpointReader(std::string dir, const StoreOptions& options, Env* env)
     : dir_(std::move(dir)), options_(options), env_(env), cache_(std::make_unique<DecodeCache>()) {}
 
@@ -114,31 +170,32 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::Open(
     }
     reader->files_.push_back(std::move(file));
   }
+  reader->index_ = std::make_unique<const Index>(reader->manifest_);
   return reader;
 }
 
 absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
     absl::string_view name) const {
-  for (const formats::TensorInfo& t : manifest_.tensors) {
-    if (t.name == name) return &t;
-  }
+  const auto it = index_->tensor_of.find(name);
+  if (it != index_->tensor_of.end()) return &manifest_.tensors[it->second];
   return absl::NotFoundError(absl::StrCat(dir_, ": no tensor \"", name, "\""));
 }
 
 bool CheckpointReader::Covers(absl::string_view tensor, uint64_t begin, uint64_t count) const {
-  uint32_t index = 0;
-  while (index < manifest_.tensors.size() && manifest_.tensors[index].name != tensor) ++index;
-  if (index == manifest_.tensors.size()) return false;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const formats::PieceInfo& p : manifest_.pieces) {
-    if (p.tensor == index) ranges.emplace_back(p.begin, p.begin + p.count);
-  }
-  std::sort(ranges.begin(), ranges.end());
+  const auto it = index_->tensor_of.find(tensor);
+  if (it == index_->tensor_of.end()) return false;
   uint64_t at = begin;
-  for (const auto& [lo, hi] : ranges) {
-    if (lo > at) break;
-    at = std::max(at, hi);
-  }
+  bool gap = false;
+  // Pieces ending at or before `begin` cannot move `at`; the first that begins past it is a
+  // hole (those after it begin later still).
+  index_->ForEachOverlapping(manifest_, it->second, begin, UINT64_MAX,
+                             [&](const formats::PieceInfo& p) {
+                               if (gap || p.begin > at) {
+                                 gap = true;
+                                 return;
+                               }
+                               at = std::max(at, p.begin + p.count);
+                             });
   return at >= begin + count;
 }
 
@@ -255,12 +312,9 @@ absl::Status CheckpointReader::PlanRange(absl::string_view tensor, uint64_t begi
                                                    " bytes, expected ", count * esize));
   }
   const uint64_t end = begin + count;
-  std::vector<const formats::PieceInfo*> pieces;
-  for (const formats::PieceInfo& p : manifest_.pieces) {
-    if (p.tensor == index && p.begin < end && begin < p.begin + p.count) pieces.push_back(&p);
-  }
-  std::sort(pieces.begin(), pieces.end(),
-            [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  std::vector<const formats::PieceInfo*> pieces;  // Those overlapping the range, by begin.
+  index_->ForEachOverlapping(manifest_, index, begin, end,
+                             [&](const formats::PieceInfo& p) { pieces.push_back(&p); });
   uint64_t covered = begin;
   for (const formats::PieceInfo* p : pieces) {
     if (p->begin > covered) break;

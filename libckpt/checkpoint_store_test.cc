@@ -88,6 +88,76 @@ TEST_F(StoreTest, RangeReadsCrossRankBoundariesAndChunks) {
   }
 }
 
+// A step of many tensors, each cut into pieces that ranks wrote out of order, some with a piece
+// nobody wrote: every lookup (a tensor by name, the pieces of a range, coverage) answers as the
+// pieces say, for ranges read one at a time and all at once.
+TEST_F(StoreTest, ManyTensorsOfPiecesOutOfOrderReadAndCoverAsTheirPiecesSay) {
+  constexpr int kRanks = 3, kTensors = 120, kPieces = 7;
+  auto size_of = [](int t) { return static_cast<uint64_t>(50 + 37 * t); };
+  auto cut = [&](int t, int k) { return size_of(t) * static_cast<uint64_t>(k) / kPieces; };
+  auto has_gap = [](int t) { return t % 10 == 0; };  // Piece 3 of these is never written.
+  std::vector<std::vector<float>> w;
+  for (int t = 0; t < kTensors; ++t) w.push_back(testing::RandomFloats(size_of(t), t + 1));
+  auto results = RunRanks(kRanks, [&](int r, Coordinator* c, CheckpointStore* s) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(auto txn, s->BeginSave(3, c));
+    for (int t = kTensors - 1; t >= 0; --t) {
+      CKPT_RETURN_IF_ERROR(
+          txn->DeclareTensor({absl::StrCat("t", t), formats::DType::kF32, {size_of(t)}}));
+    }
+    for (int k = kPieces - 1; k >= 0; --k) {  // Later pieces first: the manifest is unordered.
+      for (int t = 0; t < kTensors; ++t) {
+        if (k % kRanks != r || (has_gap(t) && k == 3)) continue;
+        const uint64_t lo = cut(t, k), hi = cut(t, k + 1);
+        CKPT_RETURN_IF_ERROR(txn->WritePiece(
+            absl::StrCat("t", t), lo, hi - lo,
+            std::as_bytes(std::span(w[static_cast<size_t>(t)]).subspan(lo, hi - lo))));
+      }
+    }
+    return txn->Commit();
+  });
+  for (const auto& s : results) CKPT_ASSERT_OK(s);
+  auto reader = Open()->OpenLatest();
+  CKPT_ASSERT_OK(reader);
+  const CheckpointReader& rd = **reader;
+  EXPECT_THAT(rd.FindTensor("t120"), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_FALSE(rd.Covers("t120", 0, 1));
+  std::vector<CheckpointReader::RangeRead> ranges;
+  std::vector<std::vector<float>> outs(kTensors);
+  for (int t = 0; t < kTensors; ++t) {
+    const std::string name = absl::StrCat("t", t);
+    const uint64_t n = size_of(t), gap_lo = cut(t, 3), gap_hi = cut(t, 4);
+    auto info = rd.FindTensor(name);
+    CKPT_ASSERT_OK(info);
+    EXPECT_EQ((*info)->name, name);
+    EXPECT_EQ((*info)->numel(), n);
+    EXPECT_EQ(rd.Covers(name, 0, n), !has_gap(t)) << name;
+    EXPECT_TRUE(rd.Covers(name, 0, gap_lo)) << name;
+    EXPECT_TRUE(rd.Covers(name, gap_hi, n - gap_hi)) << name;
+    EXPECT_EQ(rd.Covers(name, gap_lo - 1, 2), !has_gap(t)) << name;
+    EXPECT_TRUE(rd.Covers(name, n, 0)) << name;
+    // One range crossing every written piece boundary but the gap, read in one pipeline.
+    const uint64_t begin = has_gap(t) ? gap_hi : 1;
+    outs[static_cast<size_t>(t)].resize(n - begin - 1);
+    ranges.push_back({name, begin, n - begin - 1,
+                      std::as_writable_bytes(std::span(outs[static_cast<size_t>(t)]))});
+    if (has_gap(t)) {
+      std::vector<float> out(gap_hi - gap_lo + 2);
+      EXPECT_THAT(
+          rd.ReadRange(name, gap_lo - 1, out.size(), std::as_writable_bytes(std::span(out))),
+          testing::StatusIsWith(absl::StatusCode::kNotFound,
+                                absl::StrCat("no piece holds element ", gap_lo, " of \"", name)));
+    }
+  }
+  CKPT_ASSERT_OK(rd.ReadRanges(ranges));
+  for (int t = 0; t < kTensors; ++t) {
+    const auto& out = outs[static_cast<size_t>(t)];
+    const uint64_t begin = has_gap(t) ? cut(t, 4) : 1;
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), w[static_cast<size_t>(t)].begin() +
+                                                       static_cast<ptrdiff_t>(begin)))
+        << "t" << t;
+  }
+}
+
 // Every thread of a save, a read and retention starts through the store's Env, and each part
 // starts no more than its option says: write_threads writers per save, read_threads I/O
 // threads and at most as many workers per read, one remover per store.

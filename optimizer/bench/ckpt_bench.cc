@@ -61,9 +61,17 @@ absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, T
     const uint64_t lo = options.params * static_cast<uint64_t>(r) / static_cast<uint64_t>(n);
     const uint64_t hi = options.params * static_cast<uint64_t>(r + 1) / static_cast<uint64_t>(n);
     optimizer::StagedAdamWOptions o;
-    o.params = {{"w", {options.params}, formats::DType::kBF16, 0}};
+    const uint64_t t = options.tensors;
+    for (uint64_t i = 0; i < t; ++i) {
+      const uint64_t a = options.params * i / t, b = options.params * (i + 1) / t;
+      o.params.push_back({t == 1 ? std::string("w") : absl::StrCat("w.", i), {b - a},
+                          formats::DType::kBF16, 0});
+      if (b > lo && a < hi) {
+        const uint64_t from = std::max(a, lo);
+        o.pieces.push_back({static_cast<uint32_t>(i), from - a, std::min(b, hi) - from});
+      }
+    }
     o.groups = {optimizer::ParamGroup{}};
-    o.pieces = {{0, lo, hi - lo}};
     o.threads = std::max(1, cores / n);
     rank.weights.assign(hi - lo, formats::FloatToBf16(0.5f));
     rank.grads.assign(hi - lo, 0.25f);
@@ -84,8 +92,11 @@ absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, T
 }  // namespace
 
 absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
-  if (options.params == 0 || options.ranks < 1) {
-    return absl::InvalidArgumentError("bench ckpt needs parameters and at least one rank");
+  if (options.params == 0 || options.ranks < 1 || options.tensors < 1 ||
+      options.tensors > options.params) {
+    return absl::InvalidArgumentError(
+        "bench ckpt needs parameters, at least one rank and from one tensor to one per "
+        "parameter");
   }
   const int n = options.ranks;
   CkptFigures fig;

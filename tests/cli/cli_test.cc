@@ -293,6 +293,13 @@ TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {
   EXPECT_FALSE(std::filesystem::exists(tmp_.path() + "/ckpt-bench-optimizer"))
       << "the benchmark's store is removed";
   EXPECT_EQ(RunTool("bench ckpt --dir " + tmp_.path() + " --params 0").exit_code, 2);
+  // Seven parameters over two ranks: the middle one is cut between them.
+  r = RunTool("bench ckpt --dir " + tmp_.path() + " --params 300001 --ranks 2 --tensors 7 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["tensors"].get<uint64_t>(), 7u);
+  EXPECT_EQ(j["state_bytes"].get<uint64_t>(), 300001u * 14);
+  EXPECT_GT(j["load_fresh_gbps"].get<double>(), 0);
 }
 
 TEST_F(CliTest, BenchAsyncSaveReportsReturnStepsAndDurabilityAgainstTheirBounds) {

@@ -73,6 +73,7 @@ class CheckpointReader {
  private:
   struct ChunkRead;
   struct DecodeCache;
+  struct Index;
   CheckpointReader(std::string dir, const StoreOptions& options, Env* env);
   // Appends the chunk reads of ReadRange(tensor, begin, count, out) to `reads`.
   absl::Status PlanRange(absl::string_view tensor, uint64_t begin, uint64_t count,
@@ -92,6 +93,10 @@ class CheckpointReader {
   formats::Manifest manifest_;
   std::vector<std::unique_ptr<RandomAccessFile>> files_;  // Parallel to manifest_.files.
   std::unique_ptr<DecodeCache> cache_;
+  // Built by Open from manifest_: tensors by name and each tensor's pieces by begin, so that
+  // finding a tensor and planning a range cost neither a scan of every tensor nor of every
+  // piece (a load of T tensors was O(T^2)).
+  std::unique_ptr<const Index> index_;
 };
 
 }  // namespace ckpt

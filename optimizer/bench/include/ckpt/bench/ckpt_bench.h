@@ -18,6 +18,9 @@ struct CkptBenchOptions {
   std::string dir;      // An existing directory; the store is dir/ckpt-bench-optimizer.
   uint64_t params = 0;  // Parameters in all (BF16 weights, FP32 masters and moments).
   int ranks = 1;        // Data-parallel ranks, run as threads.
+  // Parameters ("w.0", "w.1", ...) the elements are split into, about equally (each rank saves
+  // its share of the flat order: the pieces of the parameters that cross it).
+  uint64_t tensors = 1;
 };
 
 // Each figure in GB/s of state (14 bytes per parameter: weights, master, two moments) and the
