@@ -16,13 +16,17 @@ int RunBenchCkpt(const BenchCkptArgs& args) {
   if (!is_dir.ok() || !*is_dir) {
     return ReportError("bench ckpt", absl::NotFoundError(args.dir + ": not a directory"));
   }
-  // Slabs (12 B), weights (2 B) and gradients (4 B) per parameter.
-  absl::Status fits =
-      CheckFitsInMemory(args.params > UINT64_MAX / 18 ? UINT64_MAX : args.params * 18,
-                        absl::StrCat("bench ckpt --params ", args.params));
+  // Slabs (12 B), weights (2 B) and gradients (4 B) per parameter, and each rank's tables of
+  // the tensors (some hundred bytes each, counted as 512).
+  const uint64_t tables = args.tensors * static_cast<uint64_t>(args.ranks) * 512;
+  absl::Status fits = CheckFitsInMemory(
+      args.params > (UINT64_MAX - tables) / 18 ? UINT64_MAX : args.params * 18 + tables,
+      absl::StrCat("bench ckpt --params ", args.params, " --tensors ", args.tensors));
   if (!fits.ok()) return ReportError("bench ckpt", fits);
-  absl::StatusOr<bench::CkptFigures> f = bench::RunCkptBench(
-      {.dir = args.dir, .params = args.params, .ranks = args.ranks, .tensors = args.tensors});
+  absl::StatusOr<bench::CkptFigures> f = bench::RunCkptBench({.dir = args.dir,
+                                                              .params = args.params,
+                                                              .ranks = args.ranks,
+                                                              .tensors = args.tensors});
   if (!f.ok()) return ReportError("bench ckpt", f.status());
   const double save_ratio = f->save_gbps / f->write_bound_gbps;
   const double load_ratio = f->load_gbps / f->read_bound_gbps;

@@ -107,7 +107,7 @@ struct CheckpointReader::Index {
     }
   }
 
-  // Tensor `t`'s pieces that overlap [begin, end), by begin.
+  // Tensor `t`'s pieces that overlap [begin, end), by begin, until `fn` returns false.
   template <typename Fn>
   void ForEachOverlapping(const formats::Manifest& m, uint32_t t, uint64_t begin, uint64_t end,
                           Fn&& fn) const {
@@ -117,7 +117,7 @@ struct CheckpointReader::Index {
     for (size_t k = static_cast<size_t>(from - reach.begin()); k < first[t + 1]; ++k) {
       const formats::PieceInfo& p = m.pieces[order[k]];
       if (p.begin >= end) break;
-      if (begin < p.begin + p.count) fn(p);
+      if (begin < p.begin + p.count && !fn(p)) break;
     }
   }
 };
@@ -184,19 +184,19 @@ absl::StatusOr<const formats::TensorInfo*> CheckpointReader::FindTensor(
 bool CheckpointReader::Covers(absl::string_view tensor, uint64_t begin, uint64_t count) const {
   const auto it = index_->tensor_of.find(tensor);
   if (it == index_->tensor_of.end()) return false;
+  if (count == 0) return true;
+  const uint64_t numel = manifest_.tensors[it->second].numel();
+  if (begin >= numel || count > numel - begin) return false;  // No piece lies past the end.
+  const uint64_t end = begin + count;
   uint64_t at = begin;
-  bool gap = false;
-  // Pieces ending at or before `begin` cannot move `at`; the first that begins past it is a
-  // hole (those after it begin later still).
-  index_->ForEachOverlapping(manifest_, it->second, begin, UINT64_MAX,
-                             [&](const formats::PieceInfo& p) {
-                               if (gap || p.begin > at) {
-                                 gap = true;
-                                 return;
-                               }
-                               at = std::max(at, p.begin + p.count);
-                             });
-  return at >= begin + count;
+  // The pieces that overlap the range, by begin: each extends `at` until one begins past it
+  // (a hole: those after it begin later still) or `at` reaches the end.
+  index_->ForEachOverlapping(manifest_, it->second, begin, end, [&](const formats::PieceInfo& p) {
+    if (p.begin > at) return false;
+    at = std::max(at, p.begin + p.count);
+    return at < end;
+  });
+  return at >= end;
 }
 
 absl::Status CheckpointReader::DeliverChunk(std::span<const ChunkRead* const> reads,
@@ -313,8 +313,10 @@ absl::Status CheckpointReader::PlanRange(absl::string_view tensor, uint64_t begi
   }
   const uint64_t end = begin + count;
   std::vector<const formats::PieceInfo*> pieces;  // Those overlapping the range, by begin.
-  index_->ForEachOverlapping(manifest_, index, begin, end,
-                             [&](const formats::PieceInfo& p) { pieces.push_back(&p); });
+  index_->ForEachOverlapping(manifest_, index, begin, end, [&](const formats::PieceInfo& p) {
+    pieces.push_back(&p);
+    return true;
+  });
   uint64_t covered = begin;
   for (const formats::PieceInfo* p : pieces) {
     if (p->begin > covered) break;

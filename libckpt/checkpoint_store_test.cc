@@ -134,7 +134,12 @@ TEST_F(StoreTest, ManyTensorsOfPiecesOutOfOrderReadAndCoverAsTheirPiecesSay) {
     EXPECT_TRUE(rd.Covers(name, 0, gap_lo)) << name;
     EXPECT_TRUE(rd.Covers(name, gap_hi, n - gap_hi)) << name;
     EXPECT_EQ(rd.Covers(name, gap_lo - 1, 2), !has_gap(t)) << name;
+    EXPECT_EQ(rd.Covers(name, gap_lo, 1), !has_gap(t)) << name;  // Starting in the hole.
+    EXPECT_EQ(rd.Covers(name, gap_hi - 1, 1), !has_gap(t)) << name;
+    EXPECT_TRUE(rd.Covers(name, cut(t, 5) + 1, 1)) << name;  // Inside a later piece.
     EXPECT_TRUE(rd.Covers(name, n, 0)) << name;
+    EXPECT_FALSE(rd.Covers(name, n - 1, 2)) << name;  // Past the end.
+    EXPECT_FALSE(rd.Covers(name, 1, UINT64_MAX)) << name;  // Its end would wrap.
     // One range crossing every written piece boundary but the gap, read in one pipeline.
     const uint64_t begin = has_gap(t) ? gap_hi : 1;
     outs[static_cast<size_t>(t)].resize(n - begin - 1);

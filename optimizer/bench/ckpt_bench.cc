@@ -93,7 +93,7 @@ absl::Status MakeJob(const CkptBenchOptions& options, const std::string& root, T
 
 absl::StatusOr<CkptFigures> RunCkptBench(const CkptBenchOptions& options) {
   if (options.params == 0 || options.ranks < 1 || options.tensors < 1 ||
-      options.tensors > options.params) {
+      options.tensors > options.params || options.tensors > UINT32_MAX) {
     return absl::InvalidArgumentError(
         "bench ckpt needs parameters, at least one rank and from one tensor to one per "
         "parameter");

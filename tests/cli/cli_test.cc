@@ -300,6 +300,7 @@ TEST_F(CliTest, BenchCkptReportsSaveAndBothLoadsAgainstTheirBounds) {
   EXPECT_EQ(j["tensors"].get<uint64_t>(), 7u);
   EXPECT_EQ(j["state_bytes"].get<uint64_t>(), 300001u * 14);
   EXPECT_GT(j["load_fresh_gbps"].get<double>(), 0);
+  EXPECT_NE(RunTool("bench ckpt --dir " + tmp_.path() + " --params 5 --tensors 6").exit_code, 0);
 }
 
 TEST_F(CliTest, BenchAsyncSaveReportsReturnStepsAndDurabilityAgainstTheirBounds) {
