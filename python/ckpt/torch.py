@@ -1208,19 +1208,21 @@ class StagedAdamW(torch.optim.Optimizer):
                 # overlap="forward" with nothing speculated (clipping fired): the plain step,
                 # gated, so that the next forward still hides it layer by layer.
                 gated = ctypes.c_int(0)
-                check(lib.ckpt_optimizer_step_gated(
-                    handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
-                    mask, n, _DTYPES[self._grad_dtype], scale, 0, stream,
-                    ctypes.byref(skipped), ctypes.byref(gated)))
+                with self._device_settled_on_failure():
+                    check(lib.ckpt_optimizer_step_gated(
+                        handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
+                        mask, n, _DTYPES[self._grad_dtype], scale, 0, stream,
+                        ctypes.byref(skipped), ctypes.byref(gated)))
                 if gated.value:
                     self._open_gate(grad_of)
                 return loss
             if mirrored:
                 torch.cuda.current_stream(mirror.device).synchronize()  # The gradients landed.
                 mirror.wait_written()  # The last step's weights have left the buffer.
-            check(lib.ckpt_optimizer_step_masked(
-                handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
-                mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
+            with self._device_settled_on_failure():
+                check(lib.ckpt_optimizer_step_masked(
+                    handle, (ctypes.c_void_p * n)(*grads), (ctypes.c_void_p * n)(*params), n,
+                    mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
             del keep
             if mirrored and not skipped.value:
                 mirror.copy_in(self._params, mirrored, self._seen)
@@ -1265,6 +1267,21 @@ class StagedAdamW(torch.optim.Optimizer):
         self._exchange(self._local_params)
         self._scatter(self._flat, only=stepped)
         return loss
+
+    @contextlib.contextmanager
+    def _device_settled_on_failure(self):
+        """A native step that fails on the CUDA engine may have queued work that still reads
+        the gradients: the device is waited for before the error reaches the caller, who may
+        then free them (the converted copies go at once) or zero them in place."""
+        try:
+            yield
+        except CkptError:
+            if self._device.type == "cuda":
+                try:
+                    torch.cuda.synchronize(self._device)
+                except RuntimeError:
+                    pass  # A device error: nothing it queued runs any more.
+            raise
 
     def _agree(self, stepped, failed=False):
         """Data parallel: the parameters any rank has a gradient for (the ranks must step the
