@@ -244,7 +244,7 @@ class _HostMirror:
         shape = (len(params), grad_dtype)
         if self.shape == shape:
             return
-        self.discard()
+        self.flush()
         self.wait_written()
         index = [i for i, p in enumerate(params) if p.is_cuda]
         self.grads = self._views({i: (params[i].numel(), grad_dtype) for i in index})
@@ -299,17 +299,13 @@ class _HostMirror:
         return out
 
     def flush(self):
-        """Every queued copy, waited for: their indices."""
+        """Every queued copy, waited for and forgotten: their indices (callers that only need
+        the buffer free of the mirror's stream ignore them)."""
         out = [i for i, _ in self.pending]
         if out:
             self.stream.synchronize()
             self.pending.clear()
         return out
-
-    def discard(self):
-        """Queued copies are waited for and forgotten (the buffer is written next by someone
-        else, on another stream)."""
-        self.flush()
 
     def copy_in(self, params, indices, seen):
         """The weights ckpt wrote for these parameters, back in place on the current stream;
@@ -932,7 +928,7 @@ class StagedAdamW(torch.optim.Optimizer):
         mirror = self._mirror
         if mirror is not None:
             mirror.fit(self._params, self._grad_dtype)
-            mirror.discard()
+            mirror.flush()
             mirror.wait_written()  # ckpt writes the weights' buffer from now on.
         try:
             if run.gate and run.stream is not None:
@@ -985,7 +981,7 @@ class StagedAdamW(torch.optim.Optimizer):
         with run.lock:
             native, run.native, run.released = run.native, None, {}
             if self._mirror is not None:
-                self._mirror.discard()  # Before the gradients the copies read can go.
+                self._mirror.flush()  # Before the gradients the copies read can go.
             if native is not None:
                 native.close()
             run.keep = []
@@ -1097,7 +1093,7 @@ class StagedAdamW(torch.optim.Optimizer):
         finally:
             native.close()
             if self._mirror is not None:
-                self._mirror.discard()  # Copies still queued read gradients `keep` holds.
+                self._mirror.flush()  # Copies still queued read gradients `keep` holds.
             del keep
 
     @property
@@ -1170,7 +1166,7 @@ class StagedAdamW(torch.optim.Optimizer):
             mirrored = []  # CUDA parameters the CPU engine steps through the host mirror.
             if mirror is not None:
                 mirror.fit(self._params, want)
-                mirror.discard()
+                mirror.flush()
             for i, (p, g, ptr, home) in enumerate(zip(self._params, grad_of, self._seen,
                                                        self._devices)):
                 if g is None:
