@@ -253,30 +253,68 @@ absl::Status CheckpointReader::CopyOut(const ChunkRead& read, std::span<const st
 // (libckpt/read_pipeline.h), so the device is kept busy while earlier chunks are checksummed.
 // A chunk is read (and checksummed) once however many of `reads` it serves, and its slices
 // are delivered in order of their offset (a compressed chunk's stream then only goes forward).
+// Small chunks (extents of at most kMergeChunkBytes) near each other in one file are read as
+// one extent (up to kMergedReadBytes, skipping gaps of at most kMergeGapBytes): a checkpoint of
+// many small tensors is then read in requests of megabytes, not one 4 KiB request per chunk.
+// Larger chunks keep a range each, so that their checks and copies spread over the workers.
 absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
+  constexpr uint64_t kMergeChunkBytes = uint64_t{256} << 10;
+  constexpr uint64_t kMergedReadBytes = uint64_t{4} << 20;
+  constexpr uint64_t kMergeGapBytes = uint64_t{64} << 10;
   std::vector<const ChunkRead*> order;
   order.reserve(reads.size());
   for (const ChunkRead& r : reads) order.push_back(&r);
   std::stable_sort(order.begin(), order.end(), [](const ChunkRead* a, const ChunkRead* b) {
     return std::tie(a->file, a->chunk, a->raw_offset) < std::tie(b->file, b->chunk, b->raw_offset);
   });
-  std::vector<internal::PipelinedRead> ranges;
   std::vector<size_t> group_begin;  // Into `order`; one group per chunk.
   for (size_t i = 0; i < order.size(); ++i) {
     if (i > 0 && order[i]->file == order[i - 1]->file && order[i]->chunk == order[i - 1]->chunk) {
       continue;
     }
-    const ChunkInfo& c = manifest_.files[order[i]->file].chunks[order[i]->chunk];
-    ranges.push_back(
-        {files_[order[i]->file].get(), c.offset, formats::ChunkExtentBytes(c.stored_bytes)});
     group_begin.push_back(i);
   }
+  const size_t groups = group_begin.size();
   group_begin.push_back(order.size());
+  auto chunk = [&](size_t g) -> const ChunkInfo& {
+    const ChunkRead& first = *order[group_begin[g]];
+    return manifest_.files[first.file].chunks[first.chunk];
+  };
+  // Each range reads the chunks of groups [range_begin[k], range_begin[k + 1]), in offset order
+  // (chunks are numbered in the order of their offsets within a file).
+  std::vector<internal::PipelinedRead> ranges;
+  std::vector<size_t> range_begin;
+  bool last_small = false;  // The last range holds small chunks only.
+  for (size_t g = 0; g < groups; ++g) {
+    const ChunkInfo& c = chunk(g);
+    const uint64_t end = c.offset + formats::ChunkExtentBytes(c.stored_bytes);
+    const bool small = end - c.offset <= kMergeChunkBytes;
+    const RandomAccessFile* file = files_[order[group_begin[g]]->file].get();
+    if (small && last_small) {
+      internal::PipelinedRead& last = ranges.back();
+      const uint64_t last_end = last.offset + last.length;
+      if (last.file == file && c.offset >= last_end && c.offset - last_end <= kMergeGapBytes &&
+          end - last.offset <= kMergedReadBytes) {
+        last.length = end - last.offset;
+        continue;
+      }
+    }
+    ranges.push_back({file, c.offset, end - c.offset});
+    range_begin.push_back(g);
+    last_small = small;
+  }
+  range_begin.push_back(groups);
   return internal::RunReadPipeline(
-      env_, ranges, options_.read_threads, [&](size_t g, std::span<const std::byte> bytes) {
-        return DeliverChunk(std::span<const ChunkRead* const>(order.data() + group_begin[g],
-                                                              group_begin[g + 1] - group_begin[g]),
-                            bytes);
+      env_, ranges, options_.read_threads, [&](size_t k, std::span<const std::byte> bytes) {
+        const uint64_t base = ranges[k].offset;
+        for (size_t g = range_begin[k]; g < range_begin[k + 1]; ++g) {
+          const ChunkInfo& c = chunk(g);
+          CKPT_RETURN_IF_ERROR(DeliverChunk(
+              std::span<const ChunkRead* const>(order.data() + group_begin[g],
+                                                group_begin[g + 1] - group_begin[g]),
+              bytes.subspan(c.offset - base, formats::ChunkExtentBytes(c.stored_bytes))));
+        }
+        return absl::OkStatus();
       });
 }
 

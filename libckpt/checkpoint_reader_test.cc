@@ -1,5 +1,6 @@
 #include "ckpt/checkpoint_reader.h"
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
@@ -274,6 +276,114 @@ TEST_F(CheckpointReaderTest, ReadRangesDeliversEachRangeAndDecodesAChunkOnce) {
   EXPECT_EQ((*reader)->decoded_bytes(), (510u + 1000u + 1u) * 4);
   ranges.push_back({"nope", 0, 1, {}});
   EXPECT_THAT((*reader)->ReadRanges(ranges), testing::StatusIs(absl::StatusCode::kNotFound));
+}
+
+// Counts the reads of the files it opens.
+class ReadCountingEnv : public EnvWrapper {
+ public:
+  explicit ReadCountingEnv(Env* target) : EnvWrapper(target) {}
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> NewRandomAccessFile(
+      const std::string& path, const FileOptions& options) override {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> f,
+                          EnvWrapper::NewRandomAccessFile(path, options));
+    return std::unique_ptr<RandomAccessFile>(new Counted(std::move(f), &reads_));
+  }
+  int reads() const { return reads_.load(); }
+
+ private:
+  class Counted : public RandomAccessFile {
+   public:
+    Counted(std::unique_ptr<RandomAccessFile> f, std::atomic<int>* reads)
+        : f_(std::move(f)), reads_(reads) {}
+    absl::Status Read(uint64_t offset, std::span<std::byte> out) const override {
+      reads_->fetch_add(1);
+      return f_->Read(offset, out);
+    }
+    uint64_t size() const override { return f_->size(); }
+
+   private:
+    std::unique_ptr<RandomAccessFile> f_;
+    std::atomic<int>* reads_;
+  };
+  std::atomic<int> reads_{0};
+};
+
+// 3000 tensors of 100 floats, one chunk (one 4 KiB extent) each: a read of every tensor but each
+// third is a few requests of megabytes, the unread chunks between read ones skipped over; each
+// chunk is still checked on its own, and a bad one that no range reads fails nothing.
+TEST_F(CheckpointReaderTest, SmallChunksNearEachOtherAreReadInFewRequests) {
+  constexpr int kTensors = 3000;
+  ReadCountingEnv counting(env_.get());
+  options_.env = &counting;
+  std::vector<std::vector<float>> saved(kTensors, std::vector<float>(100));
+  {
+    auto store = CheckpointStore::Open(kRoot, options_);
+    CKPT_ASSERT_OK(store);
+    auto opened = (*store)->BeginSave(7);
+    CKPT_ASSERT_OK(opened);
+    SaveTransaction* txn = opened->get();
+    for (int t = 0; t < kTensors; ++t) {
+      const std::string name = absl::StrCat("t", t);
+      for (int i = 0; i < 100; ++i) saved[t][i] = static_cast<float>(t * 1000 + i);
+      CKPT_ASSERT_OK(txn->DeclareTensor({name, formats::DType::kF32, {100}}));
+      CKPT_ASSERT_OK(txn->WritePiece(name, 0, 100, std::as_bytes(std::span(saved[t]))));
+    }
+    CKPT_ASSERT_OK(txn->Commit());
+  }
+  auto read_all_but_each_third = [&](const CheckpointReader& reader,
+                                     std::vector<std::vector<float>>* out) {
+    std::vector<CheckpointReader::RangeRead> ranges;
+    out->assign(kTensors, std::vector<float>(100, -1.0f));
+    for (int t = 0; t < kTensors; ++t) {
+      if (t % 3 == 2) continue;
+      ranges.push_back({absl::StrCat("t", t), 0, 100,
+                        std::as_writable_bytes(std::span((*out)[t]))});
+    }
+    return reader.ReadRanges(ranges);
+  };
+  std::string path;
+  uint64_t skipped_chunk_offset = 0, read_chunk_offset = 0;
+  {
+    auto opened = Open(7);
+    CKPT_ASSERT_OK(opened);
+    const CheckpointReader* reader = opened->get();
+    const int before = counting.reads();
+    std::vector<std::vector<float>> out;
+    CKPT_ASSERT_OK(read_all_but_each_third(*reader, &out));
+    // 3000 extents of 4 KiB (12 MiB, 8 MiB of them read): in requests of up to 4 MiB.
+    EXPECT_LE(counting.reads() - before, 4);
+    for (int t = 0; t < kTensors; ++t) {
+      EXPECT_EQ(out[t], t % 3 == 2 ? std::vector<float>(100, -1.0f) : saved[t]) << t;
+    }
+    const formats::Manifest& m = reader->manifest();
+    path = JoinPath(StepDir(7), m.files[0].name);
+    auto chunk_of = [&](int t) {
+      for (const formats::PieceInfo& p : m.pieces) {
+        if (m.tensors[p.tensor].name == absl::StrCat("t", t)) {
+          return m.files[p.file].chunks[p.first_chunk].offset;
+        }
+      }
+      return uint64_t{0};
+    };
+    skipped_chunk_offset = chunk_of(1502);  // In the middle of a merged request, never read.
+    read_chunk_offset = chunk_of(1504);
+  }
+  CKPT_ASSERT_OK(FlipByte(path, skipped_chunk_offset + formats::kChunkHeaderBytes));
+  {
+    auto reader = Open(7);
+    CKPT_ASSERT_OK(reader);
+    std::vector<std::vector<float>> out;
+    CKPT_ASSERT_OK(read_all_but_each_third(**reader, &out));
+    EXPECT_EQ(out[1504], saved[1504]);
+  }
+  CKPT_ASSERT_OK(FlipByte(path, read_chunk_offset + formats::kChunkHeaderBytes));
+  auto reader = Open(7);
+  CKPT_ASSERT_OK(reader);
+  std::vector<std::vector<float>> out;
+  const absl::Status bad = read_all_but_each_third(**reader, &out);
+  EXPECT_THAT(bad, StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(std::string(bad.message()),
+              ::testing::HasSubstr(absl::StrCat("at offset ", read_chunk_offset)));
 }
 
 // A range streamed in several WritePiece calls, each of whole chunks but the last, is recorded

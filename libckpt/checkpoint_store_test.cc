@@ -172,14 +172,18 @@ TEST_F(StoreTest, EachPartStartsTheThreadsItsOptionSaysThroughTheEnv) {
   options_.write_threads = 3;
   options_.read_threads = 2;
   options_.retention.keep_last = 1;
-  std::vector<float> w(20000, 0.5f);  // 80 chunks of 1000 bytes.
+  options_.chunk_bytes = 1 << 20;
+  // 5 chunks of 1 MiB, a read each (reads merge only chunks of at most 256 KiB): at least as
+  // many as the reader threads asked for.
+  const uint64_t n = 5 * (1 << 20) / 4;
+  std::vector<float> w(n, 0.5f);
   auto store = Open();
   for (uint64_t step : {1, 2}) {
     counting.Reset();
     auto txn = store->BeginSave(step);
     CKPT_ASSERT_OK(txn);
-    CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {20000}}));
-    CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, 20000, testing::Bytes(w)));
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({"w", formats::DType::kF32, {n}}));
+    CKPT_ASSERT_OK((*txn)->WritePiece("w", 0, n, testing::Bytes(w)));
     CKPT_ASSERT_OK((*txn)->Commit());
     store->WaitForRemovals();
     // The second commit retires step 1: the remover is started then, once.
@@ -188,8 +192,8 @@ TEST_F(StoreTest, EachPartStartsTheThreadsItsOptionSaysThroughTheEnv) {
   counting.Reset();
   auto reader = store->OpenLatest();
   CKPT_ASSERT_OK(reader);
-  std::vector<float> out(20000);
-  CKPT_ASSERT_OK((*reader)->ReadRange("w", 0, 20000, std::as_writable_bytes(std::span(out))));
+  std::vector<float> out(n);
+  CKPT_ASSERT_OK((*reader)->ReadRange("w", 0, n, std::as_writable_bytes(std::span(out))));
   EXPECT_EQ(out, w);
   const int workers = std::min(2, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   EXPECT_EQ(counting.started(), 2 + workers - 1);
@@ -253,20 +257,23 @@ TEST_F(StoreTest, EveryWriterThreadCountWritesTheSameBytes) {
 TEST_F(StoreTest, AFailedChunkWriteNamesItsOwnTensorAndOffset) {
   // The writer threads report an error wherever the caller happens to be; the message must
   // name the chunk that failed, not the piece being queued then. One thread: the file header
-  // is the first write, "a" the second.
+  // is the first write, "a" the second (a chunk of 400 KB, too large to be gathered with b's:
+  // ManySmallChunksAreWrittenInFewWrites names a batch's chunks).
   testing::FaultInjectionEnv fault(env_.get());
   options_.env = &fault;
   options_.write_threads = 1;
+  options_.chunk_bytes = 1 << 20;
   auto store = Open();
   auto txn = store->BeginSave(1);
   CKPT_ASSERT_OK(txn);
-  std::vector<float> w(200, 1.0f);
-  CKPT_ASSERT_OK((*txn)->DeclareTensor({"a", formats::DType::kF32, {200}}));
-  CKPT_ASSERT_OK((*txn)->DeclareTensor({"b", formats::DType::kF32, {200}}));
+  const uint64_t n = 100000;
+  std::vector<float> w(n, 1.0f);
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"a", formats::DType::kF32, {n}}));
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"b", formats::DType::kF32, {n}}));
   fault.FailNth(2, EIO, testing::FaultInjectionEnv::Op::kAppend);
   // Whichever call sees the failure (a's own, b's, or the commit) reports a's chunk.
-  std::vector<absl::Status> seen = {(*txn)->WritePiece("a", 0, 200, testing::Bytes(w)),
-                                    (*txn)->WritePiece("b", 0, 200, testing::Bytes(w)),
+  std::vector<absl::Status> seen = {(*txn)->WritePiece("a", 0, n, testing::Bytes(w)),
+                                    (*txn)->WritePiece("b", 0, n, testing::Bytes(w)),
                                     (*txn)->Commit()};
   EXPECT_THAT(seen.back(), StatusIs(absl::StatusCode::kUnknown));
   for (const absl::Status& s : seen) {
@@ -275,6 +282,73 @@ TEST_F(StoreTest, AFailedChunkWriteNamesItsOwnTensorAndOffset) {
     EXPECT_THAT(std::string(s.message()), HasSubstr("at offset 4096"));
     EXPECT_THAT(std::string(s.message()), ::testing::Not(HasSubstr("tensor b")));
   }
+}
+
+// 3000 tensors of 100 floats: their chunks (one 4 KiB extent each) reach the data file in
+// writes of up to 4 MiB, not one write each, whether queued without a wait between them (step 1)
+// or written by WritePiece from one buffer the caller refills at once (step 2: small chunks are
+// copied as they are gathered). Where the batches end depends on the calls only: both saves make
+// the same number of calls. A failed write of a batch (step 3) names its first and last chunk.
+TEST_F(StoreTest, ManySmallChunksAreWrittenInFewWrites) {
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  auto store = Open();
+  constexpr size_t kTensors = 3000;
+  auto value = [](uint64_t step, size_t t, size_t i) {
+    return static_cast<float>(step * 1e6 + t * 100 + i);
+  };
+  std::vector<std::vector<float>> queued(kTensors, std::vector<float>(100));
+  uint64_t calls[2] = {0, 0};
+  for (uint64_t step : {1, 2}) {
+    const uint64_t before = fault.mutating_calls();
+    auto txn = store->BeginSave(step);
+    CKPT_ASSERT_OK(txn);
+    std::vector<float> reused(100);
+    for (size_t t = 0; t < kTensors; ++t) {
+      const std::string name = absl::StrCat("t", t);
+      CKPT_ASSERT_OK((*txn)->DeclareTensor({name, formats::DType::kF32, {100}}));
+      if (step == 1) {
+        for (size_t i = 0; i < 100; ++i) queued[t][i] = value(step, t, i);
+        CKPT_ASSERT_OK((*txn)->stream().Queue(name, 0, 100, testing::Bytes(queued[t])).status());
+      } else {
+        for (size_t i = 0; i < 100; ++i) reused[i] = value(step, t, i);
+        CKPT_ASSERT_OK((*txn)->WritePiece(name, 0, 100, testing::Bytes(reused)));
+      }
+    }
+    CKPT_ASSERT_OK((*txn)->Commit());
+    calls[step - 1] = fault.mutating_calls() - before;
+    auto reader = store->OpenLatest();
+    CKPT_ASSERT_OK(reader);
+    std::vector<float> out(100);
+    for (size_t t = 0; t < kTensors; ++t) {
+      CKPT_ASSERT_OK((*reader)->ReadRange(absl::StrCat("t", t), 0, 100,
+                                          std::as_writable_bytes(std::span(out))));
+      for (size_t i = 0; i < 100; ++i) ASSERT_EQ(out[i], value(step, t, i)) << t;
+    }
+  }
+  // 12 MiB of chunks in writes of 4 MiB; the header, the part, MANIFEST, LATEST, their syncs,
+  // renames and removals make the rest.
+  EXPECT_LT(calls[0], 40u);
+  EXPECT_EQ(calls[0], calls[1]);
+  // One writer thread: the file header is the first write, the first batch the second.
+  options_.write_threads = 1;
+  store.reset();
+  store = Open();
+  auto txn = store->BeginSave(3);
+  CKPT_ASSERT_OK(txn);
+  fault.FailNth(2, EIO, testing::FaultInjectionEnv::Op::kAppend);
+  absl::Status failed;
+  for (size_t t = 0; t < kTensors && failed.ok(); ++t) {
+    const std::string name = absl::StrCat("t", t);
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({name, formats::DType::kF32, {100}}));
+    failed = (*txn)->WritePiece(name, 0, 100, testing::Bytes(queued[t]));
+  }
+  if (failed.ok()) failed = (*txn)->Commit();
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kUnknown));
+  EXPECT_THAT(std::string(failed.message()),
+              HasSubstr("save step 3 tensor t0 (the first of 1024 chunks written together, the "
+                        "last save step 3 tensor t1023)"));
+  EXPECT_EQ(store->latest_step(), 2u);
 }
 
 TEST_F(StoreTest, AbortAndDestructionWithoutCommitLeaveNoTrace) {

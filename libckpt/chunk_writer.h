@@ -9,8 +9,14 @@
 // the checksumming and the disk's writes of different chunks overlap: one thread no longer
 // bounds a save when other work (a training step) competes for memory bandwidth.
 //
-// Memory: one buffer of the largest extent per worker, and the jobs queued (at most two per
-// worker; a job's body is the caller's memory unless the job owns it).
+// SubmitBatch queues jobs that lie back to back in the file as one entry: one worker builds
+// them all (each checksummed on its own, each consumed as it is copied) and writes them with one
+// WriteAt. The save transaction gathers its small chunks so (libckpt/store/transaction.cc):
+// a checkpoint of many small tensors is then written in requests of megabytes, not one 4 KiB
+// request per chunk, which the file system serializes (each extends the file).
+//
+// Memory: one buffer of the largest extent (or batch) per worker, and the entries queued (at
+// most two per worker; a job's body is the caller's memory unless the job owns it).
 #ifndef CKPT_LIBCKPT_CHUNK_WRITER_H_
 #define CKPT_LIBCKPT_CHUNK_WRITER_H_
 
@@ -53,8 +59,12 @@ class ChunkWriter {
   ChunkWriter& operator=(const ChunkWriter&) = delete;
 
   // Queues `job` and returns its number (0, 1, ... in the order of the calls); blocks while two
-  // jobs per worker wait. After a failure returns the first error, once no job runs any more.
+  // entries per worker wait. After a failure returns the first error, once no job runs any more.
   absl::StatusOr<uint64_t> Submit(Job job);
+  // Queues `jobs` (not empty; each at the offset where the one before it ends) to be written
+  // by one WriteAt, and returns the number of the first; the others have the numbers after it.
+  // Its error names the first and the last job.
+  absl::StatusOr<uint64_t> SubmitBatch(std::vector<Job> jobs);
   // Wait until jobs [0, n) have been copied out of the caller's memory (consumed) or written
   // to the file (WriteAt returned). Return the first error of any job; then no job runs any
   // more and none will (the queued ones are skipped), so no caller memory is read after it.
@@ -70,9 +80,15 @@ class ChunkWriter {
 
  private:
   enum Flag : uint8_t { kConsumed = 1, kWritten = 2 };
+  struct Entry {
+    uint64_t first = 0;     // The number of jobs[0].
+    std::vector<Job> jobs;  // Back to back in the file.
+  };
   void WorkerMain();
-  // Builds job `n`'s extent in `buffer` (grown as needed), marks it consumed, writes it.
-  absl::Status Run(const Job& job, uint64_t n, AlignedBuffer* buffer);
+  // Builds the entry's extents in `buffer` (grown as needed), marking each job consumed as it
+  // is copied, then writes them in one WriteAt.
+  absl::Status Run(const Entry& entry, AlignedBuffer* buffer);
+  static size_t ExtentBytes(const Job& job);
   void MarkLocked(uint64_t n, Flag flag);  // REQUIRES: mu_ held.
   absl::Status WaitFor(uint64_t n, const uint64_t* watermark);
   bool QuietLocked() const { return running_ == 0 && queue_.empty(); }  // REQUIRES: mu_ held.
@@ -83,7 +99,7 @@ class ChunkWriter {
   mutable std::mutex mu_;
   std::condition_variable work_;     // A job was queued, or the writer stops.
   std::condition_variable changed_;  // A job was taken or finished.
-  std::deque<std::pair<uint64_t, Job>> queue_;  // Guarded by mu_, as everything below.
+  std::deque<Entry> queue_;  // Guarded by mu_, as everything below.
   uint64_t submitted_ = 0;
   std::vector<uint8_t> flags_;        // Per job: Flag bits.
   std::vector<uint64_t> checksums_;   // Per job.

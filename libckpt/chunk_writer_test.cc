@@ -207,6 +207,68 @@ TEST(ChunkWriterTest, CancelSkipsTheQueueAndReturnsOnlyOnceNothingRuns) {
   EXPECT_THAT(writer.Drain(), StatusIs(absl::StatusCode::kAborted));
 }
 
+// A batch of 200 small jobs back to back is one WriteAt, each job with its own checksum and its
+// own number; a failure of that write names the first and the last of them. A batch whose jobs
+// leave a gap is refused before anything is queued.
+TEST(ChunkWriterTest, ABatchIsWrittenByOneWriteEachJobWithItsOwnChecksum) {
+  for (bool fail : {false, true}) {
+    TestFile file;
+    ChunkWriter writer(Env::Default(), &file, 3);
+    std::vector<std::string> bodies;
+    for (int i = 0; i < 200; ++i) {
+      std::string b((i * 37) % 6000 + 1, '\0');
+      for (size_t k = 0; k < b.size(); ++k) b[k] = static_cast<char>(k * 13 + i);
+      bodies.push_back(std::move(b));
+    }
+    ChunkWriter::Job header;
+    header.prefix = "file header";
+    ASSERT_TRUE(writer.Submit(std::move(header)).ok());
+    std::string expected = std::string("file header");
+    expected.resize(RoundUp(expected.size()), '\0');
+    std::vector<uint64_t> sums;
+    std::vector<ChunkWriter::Job> batch;
+    for (size_t i = 0; i < bodies.size(); ++i) {
+      ChunkWriter::Job job;
+      job.offset = expected.size();
+      job.prefix = "chunk-" + std::to_string(i);
+      if (i % 3 == 0) {
+        job.owned = bodies[i];
+      } else {
+        job.borrowed = AsBytes(bodies[i]);
+      }
+      job.checksum = true;
+      job.what = "job " + std::to_string(i + 1);
+      std::string extent = job.prefix + bodies[i];
+      extent.resize(RoundUp(extent.size()), '\0');
+      sums.push_back(Checksum(AsBytes(extent)));
+      expected += extent;
+      batch.push_back(std::move(job));
+    }
+    std::vector<ChunkWriter::Job> gap(2);
+    gap[1].offset = 2 * kWriteAtAlignment;  // gap[0] is one block at 0.
+    EXPECT_THAT(writer.SubmitBatch(std::move(gap)).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+    if (fail) file.FailAt(kWriteAtAlignment);
+    absl::StatusOr<uint64_t> first = writer.SubmitBatch(std::move(batch));
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(*first, 1u);
+    const absl::Status drained = writer.Drain();
+    EXPECT_EQ(file.writes(), 2);
+    if (fail) {
+      EXPECT_THAT(drained, StatusIs(absl::StatusCode::kUnknown));
+      EXPECT_THAT(std::string(drained.message()),
+                  ::testing::HasSubstr("job 1 (the first of 200 chunks written together, the "
+                                       "last job 200)"));
+      continue;
+    }
+    ASSERT_TRUE(drained.ok()) << drained;
+    EXPECT_TRUE(file.bytes() == expected);
+    for (size_t i = 0; i < sums.size(); ++i) {
+      EXPECT_EQ(writer.checksum(i + 1), sums[i]) << "job " << i + 1;
+    }
+  }
+}
+
 TEST(ChunkWriterTest, DestructionSkipsQueuedJobsAndWaitsForRunningOnes) {
   TestFile file;
   auto writer = std::make_unique<ChunkWriter>(Env::Default(), &file, 1);

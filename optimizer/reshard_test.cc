@@ -295,7 +295,7 @@ TEST_F(ReshardTest, ANewRootAppearsWholeOrNotAtAll) {
   ASSERT_THAT(before, IsOk());
   std::sort(before->begin(), before->end());
   int failed = 0;
-  for (uint64_t k = 1; k <= calls; k += 3) {
+  for (uint64_t k = 1; k <= calls; ++k) {
     fault_.FailNth(k, EIO);
     auto r = Reshard(*source, "/new", Options(3));
     fault_.Disarm();

@@ -1,6 +1,7 @@
 #include "optimizer/state_io.h"
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -45,8 +46,13 @@ StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin) {
 absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,
                         uint64_t chunk_bytes) {
   // Everything is queued (the slabs do not change during the call): the writer threads copy one
-  // block of weights while this thread rounds the next into the other buffer.
-  std::vector<std::byte> weights[2];
+  // buffer of rounded weights while this thread rounds the next blocks into the other. A buffer
+  // holds the blocks of as many runs as fit (many small tensors' weights then go to the store
+  // together, not with a wait between every two); it is never resized while queued.
+  // Every block below fits an empty buffer: at most max(kWeightBlockBytes, one chunk) bytes.
+  const uint64_t capacity = std::max<uint64_t>({kWeightBlockBytes, chunk_bytes, 8});
+  std::unique_ptr<std::byte[]> weights[2];
+  uint64_t used[2] = {0, 0};
   uint64_t queued_as[2] = {0, 0};  // The ticket each buffer's last block was queued as.
   bool in_use[2] = {false, false};
   size_t next = 0;
@@ -76,17 +82,22 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
       }
       for (uint64_t done = 0; done < run.count; done += block) {
         const uint64_t n = std::min(block, run.count - done);
-        std::vector<std::byte>& buffer = weights[next];
-        // Reusable once the writer threads copied it out (not yet written: the disk overlaps).
-        if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.stream().WaitCopied(queued_as[next]));
-        buffer.resize(n * wsize);
+        if (used[next] + n * wsize > capacity) {
+          next ^= 1;
+          used[next] = 0;
+          // Reusable once the writer threads copied it out (not yet written: the disk overlaps).
+          if (in_use[next]) CKPT_RETURN_IF_ERROR(txn.stream().WaitCopied(queued_as[next]));
+        }
+        if (weights[next] == nullptr) {
+          weights[next] = std::make_unique_for_overwrite<std::byte[]>(capacity);
+        }
+        const std::span<std::byte> out(weights[next].get() + used[next], n * wsize);
         formats::Convert(DType::kF32, {slabs.master + 4 * (run.slab_offset + done), 4 * n}, model,
-                         buffer);
-        CKPT_ASSIGN_OR_RETURN(ticket,
-                              txn.stream().Queue(name, run.tensor_begin + done, n, buffer));
+                         out);
+        CKPT_ASSIGN_OR_RETURN(ticket, txn.stream().Queue(name, run.tensor_begin + done, n, out));
+        used[next] += n * wsize;
         queued_as[next] = ticket;
         in_use[next] = queued = true;
-        next ^= 1;
       }
     }
   }
@@ -126,6 +137,10 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
 
 absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout,
                        const MutableStateBytes& to) {
+  // Every range stored in the slabs' dtype is read in one ReadRanges: one pipeline of reads for
+  // the whole state (a checkpoint of many small tensors is then read in large requests, not
+  // one pipeline per tensor); the others are converted in bounded batches.
+  std::vector<CheckpointReader::RangeRead> direct;
   std::vector<std::byte> batch;
   for (const StateRun& run : layout.Runs()) {
     for (StateKind kind : layout.kinds(run.param)) {
@@ -136,7 +151,7 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
       const size_t size = formats::DTypeSize(want);
       std::span<std::byte> out(KindBytes(to, kind) + run.slab_offset * size, run.count * size);
       if (info->dtype == want) {
-        CKPT_RETURN_IF_ERROR(reader.ReadRange(name, run.tensor_begin, run.count, out));
+        direct.push_back({name, run.tensor_begin, run.count, out});
         continue;
       }
       const size_t in_size = formats::DTypeSize(info->dtype);
@@ -148,7 +163,7 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
       }
     }
   }
-  return absl::OkStatus();
+  return reader.ReadRanges(direct);
 }
 
 }  // namespace ckpt::optimizer::internal

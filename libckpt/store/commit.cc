@@ -94,6 +94,7 @@ absl::Status internal::Transaction::Prepare() {
 void internal::Transaction::MarkFailed(absl::Status why) {
   if (why.ok()) return;
   error_.Update(why);
+  pending_.clear();  // Never queued: their memory is not read.
   if (writer_ != nullptr) writer_->Cancel(why);
   // A prepared rank already chose its vote; a later failure still turns it into a no.
   if (prepared_) prepare_status_.Update(why);

@@ -27,10 +27,10 @@
 #include "ckpt/coordinator.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/manifest.h"
+#include "libckpt/chunk_writer.h"
 
 namespace ckpt::internal {
 
-class ChunkWriter;  // libckpt/chunk_writer.h.
 class Transaction;
 
 class StoreImpl final : public CheckpointStore {
@@ -139,6 +139,8 @@ class Transaction final : public SaveTransaction, public PieceStream {
   absl::Status Fail(absl::Status s);
   // Step 2: the data file's header, before the first chunk or at the commit.
   absl::Status WriteHeaderOnce();
+  // Queues pending_ on writer_ as one batch.
+  absl::Status FlushPending();
   absl::Status FinishLocal(std::string* vote);
   absl::Status Finish(bool vote_yes);
   absl::Status CommitAsRoot(const std::vector<std::string>& votes);
@@ -155,8 +157,20 @@ class Transaction final : public SaveTransaction, public PieceStream {
   // after file_ so that they stop before it goes; stopped (queued jobs skipped) by FinishLocal.
   std::unique_ptr<ChunkWriter> writer_;
   uint64_t next_offset_;            // Where the next chunk's extent goes.
-  uint64_t jobs_ = 0;               // Jobs queued on writer_ (the file header's included).
+  // Job numbers handed out (the file header's included): those queued on writer_, then those
+  // of pending_.
+  uint64_t jobs_ = 0;
   std::vector<uint64_t> chunk_job_;  // Per chunk of part_.files[0]: its job (for its checksum).
+  // Small chunks gathered to be written together (ChunkWriter::SubmitBatch), not queued yet:
+  // jobs jobs_ - pending_.size() to jobs_ - 1. Queued when they would pass kBatchBytes, before
+  // a chunk that is not small, and before any wait (FlushPending).
+  std::vector<ChunkWriter::Job> pending_;
+  uint64_t pending_bytes_ = 0;
+  // Set by WritePiece: small chunks take a copy of their bytes (so that the piece's memory is
+  // free at once and its chunks may wait in pending_); `borrowed_` then says whether a chunk
+  // still reads the caller's memory.
+  bool copy_small_ = false;
+  bool borrowed_ = false;
   formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
   // Lookups into part_: tensor index by name; per tensor, this rank's ranges (begin -> end).
   std::map<std::string, uint32_t, std::less<>> tensor_index_;
