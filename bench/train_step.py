@@ -4,8 +4,9 @@ ckpt.torch.StagedAdamW on the CUDA engine, plain (the step after backward), over
 parameter's update streamed from its post-accumulate-grad hook while backward goes on) and
 overlap="forward" (the tail left when backward ends runs behind the next forward, each module
 waiting for its own parameters), with F32 and BF16 moments, and on the CPU engine
-(ckpt-cpu-*: gradients to the host, the step on every core, weights back; plain, and
-overlapped: each gradient copied out as backward finishes it and stepped meanwhile), with and
+(ckpt-cpu-*: gradients to the host, the step on every core, weights back; plain,
+overlapped: each gradient copied out as backward finishes it and stepped meanwhile, and
+forward: the weights' copies back awaited by each module of the next forward), with and
 without gradient clipping at 1.0. Prints each row's step time and peak GPU memory, both against the torch row (the goals
 of #24: overlapped <= 1.10x the time with F32 moments, <= 1.05x with BF16, at <= 0.65x the
 memory), and the time against two bounds measured in the same run: the larger of forward +
@@ -396,7 +397,8 @@ def main():
                     help="run only these rows (ckpt-f32-plain, ckpt-f32-overlap, "
                          "ckpt-f32-forward, ckpt-bf16-plain, ckpt-bf16-overlap, "
                          "ckpt-bf16-forward, ckpt-cpu-f32-plain, ckpt-cpu-f32-overlap, "
-                         "ckpt-cpu-bf16-plain, ckpt-cpu-bf16-overlap: the CPU "
+                         "ckpt-cpu-f32-forward, ckpt-cpu-bf16-plain, "
+                         "ckpt-cpu-bf16-overlap, ckpt-cpu-bf16-forward: the CPU "
                          "engine); torch-fused and the reference rows always run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -408,8 +410,8 @@ def main():
     del net
     ckpt_rows = ["ckpt-f32-plain", "ckpt-f32-overlap", "ckpt-f32-forward",
                  "ckpt-bf16-plain", "ckpt-bf16-overlap", "ckpt-bf16-forward",
-                 "ckpt-cpu-f32-plain", "ckpt-cpu-f32-overlap", "ckpt-cpu-bf16-plain",
-                 "ckpt-cpu-bf16-overlap"]
+                 "ckpt-cpu-f32-plain", "ckpt-cpu-f32-overlap", "ckpt-cpu-f32-forward",
+                 "ckpt-cpu-bf16-plain", "ckpt-cpu-bf16-overlap", "ckpt-cpu-bf16-forward"]
     if args.only:
         ckpt_rows = [r for r in ckpt_rows if r in args.only]
     moments_used = [m for m in STATE_BYTES

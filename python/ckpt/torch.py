@@ -174,6 +174,10 @@ class _OverlapRun:
         # A gated step's parameters whose weights no forward has waited for yet: index -> its
         # gradient, alive until then (the step's kernels may still read it).
         self.gated = {}
+        # What `gated` maps to: False, each parameter's gradient (the CUDA engine's gate, which
+        # ckpt awaits); True, the event after its weight's copy back (the CPU engine's host
+        # mirror, which the stream waits for).
+        self.by_events = False
         self.gate_hook = None  # The global module forward pre-hook, once a gate opened.
         # What the hook needs, here rather than on the optimizer (wrappers copy its __dict__):
         # the optimizer's Native, its device, and id(parameter) -> index.
@@ -218,7 +222,8 @@ class _HostMirror:
     of the mirror's own that waits for the stream the gradient was made on, and hands it to
     ckpt once the copy has landed (an event query at the next hooks: backward never waits for
     the copies). After the step the weights ckpt wrote are copied back in place on the current
-    stream; ckpt writes the buffer again only after those copies have run."""
+    stream (overlap="forward": on the mirror's stream, each module's next forward waiting for
+    its own); ckpt writes the buffer again only after those copies have run."""
 
     def __init__(self, device):
         self.device = device
@@ -231,6 +236,7 @@ class _HostMirror:
         self.events = {}
         self.pending = collections.deque()  # (index, event): copies not yet seen landed.
         self.written = None  # The event after the last copies of weights back.
+        self.back = {}  # Parameter index -> the event after its weight's gated copy back.
 
     @staticmethod
     def takes(p, g, grad_dtype):
@@ -307,19 +313,44 @@ class _HostMirror:
             self.pending.clear()
         return out
 
-    def copy_in(self, params, indices, seen):
+    def copy_in(self, params, indices, seen, gated=False):
         """The weights ckpt wrote for these parameters, back in place on the current stream;
-        `seen` (the optimizer's versions) learns the versions the copies gave them."""
+        `seen` (the optimizer's versions) learns the versions the copies gave them. Gated
+        (overlap="forward"): on the mirror's stream instead, behind what the current stream has
+        queued (backward's kernels may still read the weights), in parameter order, an event
+        after each; returns {index: event}, which each module's next forward waits for."""
         if not indices:
-            return
-        with torch.no_grad():
-            for i in indices:
-                p = params[i]
-                p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
-                seen[i] = (p._version, p.data_ptr())
+            return {}
+        current = torch.cuda.current_stream(self.device)
         if self.written is None:
             self.written = torch.cuda.Event()
-        self.written.record(torch.cuda.current_stream(self.device))
+        after = {}
+        with torch.no_grad():
+            if not gated:
+                for i in indices:
+                    p = params[i]
+                    p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
+                    seen[i] = (p._version, p.data_ptr())
+                self.written.record(current)
+                return after
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(current)
+            with torch.cuda.stream(self.stream):
+                for i in indices:
+                    p = params[i]
+                    # A parameter whose storage is let go before the copy has run (p.data = ...,
+                    # module.to(...)) is not reused by the allocator until then.
+                    p.detach().record_stream(self.stream)
+                    p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
+                    seen[i] = (p._version, p.data_ptr())
+                    event = self.back.get(i)
+                    if event is None:
+                        event = self.back[i] = torch.cuda.Event()
+                    event.record(self.stream)
+                    after[i] = event
+            self.written.record(self.stream)
+        return after
 
     def wait_written(self):
         """The last copies of weights back have read the buffer: ckpt may write it."""
@@ -378,6 +409,13 @@ def _await_params(run, params):
     indices = [i for i in (index_of.get(id(p)) for p in params if p is not None)
                if i is not None and i in gated]
     if not indices:
+        return
+    if run.by_events:  # The host mirror's copies back, each with its event.
+        stream = torch.cuda.current_stream(run.device)
+        for i in indices:
+            stream.wait_event(gated.pop(i))
+        if not gated:
+            _drop_gate_hook(run)
         return
     native = run.optimizer
     if native is None or native.closed:
@@ -448,8 +486,9 @@ class StagedAdamW(torch.optim.Optimizer):
       leaves the gradients as they are) rather than torch's clip_grad_norm_, and wrap every
       micro-batch but the last of an accumulation in `with opt.accumulating():`.
       overlap="forward" (CUDA parameters) also hides the step's tail behind the next forward:
-      what is left of the step when backward ends is written in parameter order, and each
-      module's forward waits (a forward pre-hook) only for its own parameters' writes. Code
+      what is left of the step when backward ends is written in parameter order (on the CPU
+      engine: the weights' copies back to the GPU), and each module's forward waits (a forward
+      pre-hook) only for its own parameters' writes. Code
       that reads the parameters outside their module's forward before the next forward (an
       EMA, a weight read in a parent module) calls `opt.wait_for_step()` first.
     torch AdamW's own keyword arguments are accepted: foreach, fused and capturable at any value
@@ -992,13 +1031,23 @@ class StagedAdamW(torch.optim.Optimizer):
     def _open_gate(self, grad_of):
         """After a gated step held: each stepped parameter waits for its module's forward (or
         wait_for_step), its gradient kept alive until then."""
-        run = self._ov
         is_open = ctypes.c_int(0)
         check(lib.ckpt_optimizer_gate_open(self._native.handle, ctypes.byref(is_open)))
         if not is_open.value:
             return
-        run.gated = {i: g for i, g in enumerate(grad_of) if g is not None}
-        run.optimizer, run.device, run.whole = self._native, self._device, tuple(self.gate_whole)
+        self._gate_on({i: g for i, g in enumerate(grad_of) if g is not None}, False,
+                      self._device)
+
+    def _gate_mirror(self, after):
+        """After the host mirror's gated copies back (overlap="forward" on the CPU engine):
+        each parameter waits for its copy's event at its module's forward (or wait_for_step)."""
+        if after:
+            self._gate_on(after, True, self._mirror.device)
+
+    def _gate_on(self, gated, by_events, device):
+        run = self._ov
+        run.gated, run.by_events = gated, by_events
+        run.optimizer, run.device, run.whole = self._native, device, tuple(self.gate_whole)
         if len(run.index_of) != len(self._params):  # add_param_group added some.
             run.index_of = {id(p): i for i, p in enumerate(self._params)}
         if run.gate_hook is None:
@@ -1015,7 +1064,9 @@ class StagedAdamW(torch.optim.Optimizer):
         run = getattr(self, "_ov", None)
         if run is None or not run.gated:
             return
-        if self._native is not None and not self._native.closed:
+        if run.by_events:  # The host mirror's copies back: the event after the last one.
+            torch.cuda.current_stream(run.device).wait_event(self._mirror.written)
+        elif self._native is not None and not self._native.closed:
             check(lib.ckpt_optimizer_await_step(self._native.handle, self._stream()))
         run.gated = {}  # Freed after the wait: on the stream that waited.
         _drop_gate_hook(run)
@@ -1086,8 +1137,9 @@ class StagedAdamW(torch.optim.Optimizer):
                 ctypes.byref(held)))
             run.last = (speculated.value, bool(held.value))
             if mirrored and not skipped.value:
-                mirror.copy_in(self._params, mirrored, self._seen)
-            if held.value and run.gate:
+                self._gate_mirror(mirror.copy_in(self._params, mirrored, self._seen,
+                                                 gated=run.gate))
+            elif held.value and run.gate:
                 self._open_gate(grad_of)
             return True
         finally:
@@ -1221,7 +1273,8 @@ class StagedAdamW(torch.optim.Optimizer):
                     mask, n, _DTYPES[self._grad_dtype], scale, 0, stream, ctypes.byref(skipped)))
             del keep
             if mirrored and not skipped.value:
-                mirror.copy_in(self._params, mirrored, self._seen)
+                self._gate_mirror(mirror.copy_in(self._params, mirrored, self._seen,
+                                                 gated=self._ov.gate))
             if staged:
                 for p, copy in staged:
                     p.detach().copy_(copy)
@@ -1495,6 +1548,7 @@ class StagedAdamW(torch.optim.Optimizer):
         rounded to their dtype, written in place (data-parallel: collective, the ranks exchange
         their pieces)."""
         handle = self._live()
+        self.wait_for_step()  # A gated step's writes come first.
         self._cache.clear()  # The state just changed under the cached view.
         self._layout.pop("consolidated", None)
         if self._owned is None:

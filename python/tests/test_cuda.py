@@ -227,3 +227,73 @@ def test_a_gradient_replaced_after_backward_is_stepped_by_the_cpu_engines_overla
             assert torch.equal(a, b), s
     for _, opt in runs:
         opt.close()
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason="post-accumulate-grad hooks: torch >= 2.1")
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_each_module_waits_for_its_weights_copied_back_by_the_cpu_engines_gated_step(clip):
+    """engine="cpu", overlap="forward": the weights go back to the GPU on the host mirror's
+    stream and each module's next forward waits for its own copies. The mirror's stream is held
+    back here (a spin kernel ahead of the copies), so that a read that did not wait sees the
+    weights from before the step (checked); the next forward's outputs, the weights and the
+    state still equal the plain CPU-engine step's bit for bit. Clipping at 1e-3 fires every
+    step: a redone step, then plain steps, whose copies back are gated all the same."""
+    runs = []
+    for overlap in (False, "forward"):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64)).to("cuda", torch.bfloat16)
+        runs.append((m, ckpt.torch.StagedAdamW(list(m.named_parameters()), lr=1e-2,
+                                               engine="cpu", unit_bytes=4096, overlap=overlap)))
+    gated = runs[1][1]
+    copy_in = gated._mirror.copy_in
+
+    def held_back(*args, **kwargs):  # The copies queue behind ~50 ms of spinning.
+        if gated._mirror.stream is None:
+            gated._mirror.stream = torch.cuda.Stream(gated._mirror.device)
+        with torch.cuda.stream(gated._mirror.stream):
+            torch.cuda._sleep(100_000_000)
+        return copy_in(*args, **kwargs)
+
+    gated._mirror.copy_in = held_back
+    first = runs[1][0][0].weight
+    for s in range(5):
+        outs = []
+        for m, opt in runs:
+            g = torch.Generator(device="cuda").manual_seed(400 + s)
+            x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+            opt.zero_grad()
+            out = m(x)
+            outs.append(out.detach().clone())
+            out.float().pow(2).mean().backward()
+            opt._drain_overlap()
+            if clip is not None:
+                opt.clip_grad_norm(clip)
+            if opt is gated:
+                before = first.detach().clone()
+            opt.step()
+            if opt is gated:
+                assert gated._ov.gated, "open until the next forward"
+            if opt is gated and s == 0:  # The control: the window a forward must wait out.
+                early = first.detach().clone()  # Not waited for: the copy has not run.
+                torch.cuda.synchronize()
+                assert torch.equal(early, before)
+                assert not torch.equal(first, before)
+            if opt is gated and s == 2:  # wait_for_step: the current stream waits, no host sync.
+                gated.wait_for_step()
+                assert not gated._ov.gated
+                assert torch.equal(first, runs[0][0][0].weight)
+        # Steps 2 and 4: the forward above ran while the last step's copies were held back.
+        assert torch.equal(outs[0], outs[1]), s
+    # A forward that waits for every module, then the weights and the state.
+    runs[1][0](torch.zeros(1, 64, device="cuda", dtype=torch.bfloat16))
+    assert not gated._ov.gated and gated._ov.gate_hook is None
+    for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        assert torch.equal(a, b)
+    sa, sb = runs[0][1].state_dict()["state"], runs[1][1].state_dict()["state"]
+    for k in sa:
+        for key in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][key]), torch.as_tensor(sb[k][key]))
+    for _, opt in runs:
+        opt.close()
