@@ -30,9 +30,11 @@ struct Checkpointer::Undo {
   std::string spill_dir;
   uint64_t step = 0;  // In the store, or 1 in the spill.
   // Set when the state is re-derived instead (CopyIfDerivable): the groups to put back, and
-  // the masters in the model dtype (exact: each master is a model-dtype value).
+  // the masters in `derived_dtype` (exact: the model dtype when each master is a value of it,
+  // FP32 when the parameters mix dtypes).
   std::optional<std::vector<ParamGroup>> derived_groups;
   std::unique_ptr<std::byte[]> derived_masters;
+  DType derived_dtype = DType::kF32;
 };
 
 absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
@@ -49,7 +51,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   }
   // A fresh (or model-loaded) state is re-derived on a rollback from the masters in the model
   // dtype, kept in memory: nothing to write.
-  if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(); copy != nullptr) {
+  if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(&undo->derived_dtype);
+      copy != nullptr) {
     undo->derived_groups = optimizer_->groups();
     undo->derived_masters = std::move(copy);
     return undo;
@@ -75,15 +78,26 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   options.write_threads = std::min(options.write_threads, 2);
   // A spill that fails (ENOSPC, say) must not stay behind, possibly nearly a full copy.
   absl::Cleanup remove = [&] { RemoveSpill(*undo); };
-  CKPT_ASSIGN_OR_RETURN(undo->spill_store, CheckpointStore::Open(undo->spill_dir, options));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<SaveTransaction> txn, undo->spill_store->BeginSave(1));
-  absl::Status written = SaveInto(*txn, {}, options.chunk_bytes);
+  // Its errors say what was being written: the spill's own "save step 1" would read as if the
+  // checkpoint were being rewritten.
+  const std::string what = absl::StrCat(
+      "writing the load's undo copy of the optimizer state to ", undo->spill_dir,
+      " (the checkpoints of the store are untouched)");
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> spill =
+      CheckpointStore::Open(undo->spill_dir, options);
+  if (!spill.ok()) return Annotate(spill.status(), what);
+  undo->spill_store = *std::move(spill);
+  absl::StatusOr<std::unique_ptr<SaveTransaction>> txn = undo->spill_store->BeginSave(1);
+  if (!txn.ok()) return Annotate(txn.status(), what);
+  absl::Status written = SaveInto(**txn, {}, options.chunk_bytes);
   if (!written.ok()) {
     // Already failing with `written`; the abort only ends this private transaction.
-    txn->Abort().IgnoreError();
-    return written;
+    (*txn)->Abort().IgnoreError();
+    return Annotate(written, what);
   }
-  CKPT_RETURN_IF_ERROR(txn->Commit());
+  if (absl::Status committed = (*txn)->Commit(); !committed.ok()) {
+    return Annotate(committed, what);
+  }
   undo->step = 1;
   CKPT_RETURN_IF_ERROR(undo->spill_store->OpenStep(undo->step).status());
   std::move(remove).Cancel();
@@ -134,13 +148,15 @@ internal::ThreadPool& Checkpointer::Pool() {
   return *pool_;
 }
 
-std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable() {
+std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype) {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return nullptr;
   }
-  // Parameters of several dtypes: the undo is spilled (no single dtype holds every master).
-  if (optimizer_->mixed_dtypes()) return nullptr;
-  const DType model = optimizer_->model_dtype();
+  // Parameters of several dtypes: no single one holds every master, FP32 does (twice the
+  // memory of a BF16 copy, still nothing written: a new process resumes on a full disk or a
+  // read-only store whatever its parameters' dtypes).
+  const DType model = optimizer_->mixed_dtypes() ? DType::kF32 : optimizer_->model_dtype();
+  *dtype = model;
   const size_t wsize = formats::DTypeSize(model);
   const std::span<const float> master = optimizer_->master();
   // Not being able to hold the copy is not an error: the caller spills instead.
@@ -191,10 +207,10 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope
   if (undo.derived_groups.has_value()) {
     // The state again: the masters from their exact model-dtype copy, the moments zero.
     const std::span<float> master = optimizer_->mutable_master();
-    formats::Convert(optimizer_->model_dtype(),
+    formats::Convert(undo.derived_dtype,
                      std::span<const std::byte>(undo.derived_masters.get(),
                                                 master.size() *
-                                                    formats::DTypeSize(optimizer_->model_dtype())),
+                                                    formats::DTypeSize(undo.derived_dtype)),
                      DType::kF32, std::as_writable_bytes(master));
     for (std::span<std::byte> moment :
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),

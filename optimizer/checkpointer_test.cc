@@ -383,6 +383,26 @@ TEST_F(CheckpointerTest, FailedApplyRollsBackFromASpillWhenTheStateMovedOn) {
               ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
 }
 
+// A spill that cannot be written (the disk is full) fails the load before anything changes,
+// and says it was the load's undo copy that failed, not a save of the store's steps.
+TEST_F(CheckpointerTest, ASpillThatFailsSaysItWasTheLoadsUndoCopy) {
+  Job job(&env_, 1, 500);
+  job.Step(0);
+  ExpectAllOk(job.Save(1));
+  job.Step(1);  // Unsaved: only a spill can restore this.
+  const std::string before = job.Gather();
+  env_.FailNth(4, ENOSPC, testing::FaultInjectionEnv::Op::kAppend);
+  const std::vector<absl::Status> loads = job.Load(1);
+  EXPECT_THAT(loads[0], StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(std::string(loads[0].message()),
+              ::testing::HasSubstr("writing the load's undo copy of the optimizer state to"));
+  EXPECT_THAT(std::string(loads[0].message()),
+              ::testing::HasSubstr("(the checkpoints of the store are untouched)"));
+  EXPECT_EQ(job.Gather(), before);
+  EXPECT_THAT(test_job::RootEntries(mem_.get()),
+              ::testing::Not(::testing::Contains(::testing::StartsWith(".undo"))));
+}
+
 TEST_F(CheckpointerTest, FailedRollbackPoisonsUntilACompleteLoad) {
   Job job(&env_, 2, 500);
   job.Step(0);

@@ -1480,9 +1480,11 @@ class StagedAdamW(torch.optim.Optimizer):
         return self._scratch[name]
 
     def _of(self, p, which):
+        """Parameter p's slice of one state tensor, as a tensor of its own (a view would keep
+        the whole state's copy alive as long as the caller keeps the result)."""
         for q, (o, n) in zip(self._params, self._slices):
             if q is p:
-                return self._state(which)[o:o + n].view(p.shape)
+                return self._state(which)[o:o + n].view(p.shape).clone()
         raise KeyError("not a parameter of this optimizer")
 
     def master(self, p):

@@ -283,6 +283,72 @@ def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     train(model, opt, 1, first=3)  # Steps as before.
 
 
+def test_a_fresh_optimizer_of_mixed_dtypes_resumes_without_writing(tmp_path):
+    """A new process's optimizer over parameters of several dtypes loads from a read-only
+    handle, and a load that fails restores it as built, writing nothing under the root: its
+    rollback keeps the masters in memory (FP32 when the dtypes mix), not a spill on disk."""
+    def build(value):
+        params = [(f"p{i}", torch.nn.Parameter(torch.full((300,), value + i).to(d)))
+                  for i, d in enumerate((torch.float32, torch.bfloat16, torch.float16))]
+        return params, ckpt.torch.StagedAdamW(params, lr=1e-2)
+
+    params, opt = build(1.0)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ck.save(1)
+    saved = {n: (p.detach().clone(), opt.master(p), opt.exp_avg(p)) for n, p in params}
+    ck.close()
+    opt.close()
+
+    def files():
+        return sorted(str(f.relative_to(tmp_path)) for f in (tmp_path / "root").rglob("*"))
+
+    listing = files()
+    params, opt = build(3.0)
+    reader = ckpt.Checkpointer(tmp_path / "root", opt, read_only=True)
+    reader.load()
+    for n, p in params:
+        assert torch.equal(p.detach(), saved[n][0]) and torch.equal(opt.master(p), saved[n][1])
+        assert torch.equal(opt.exp_avg(p), saved[n][2])
+    reader.close()
+    opt.close()
+    data = tmp_path / "root" / "step-00000001" / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[master_chunk_offset(tmp_path / "root" / "step-00000001") + 24 + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    params, opt = build(5.0)
+    before = {n: (p.detach().clone(), opt.master(p), opt.exp_avg(p)) for n, p in params}
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    with pytest.raises(ckpt.CkptError) as failure:
+        ck.load()
+    assert failure.value.code == "DATA_LOSS"
+    assert files() == listing, "the undo was written under the root"
+    for n, p in params:
+        assert all(torch.equal(a, b) for a, b in
+                   zip(before[n], (p.detach(), opt.master(p), opt.exp_avg(p)))), n
+    assert opt.lifecycle == "clean"
+    ck.close()
+    opt.close()
+
+
+def test_a_parameters_state_is_a_copy_of_that_parameter_alone():
+    """master(p), exp_avg(p) and exp_avg_sq(p) hold p's elements only: keeping many of them
+    does not keep a copy of the whole state each."""
+    params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(20)]
+    opt = ckpt.torch.StagedAdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for get in (opt.master, opt.exp_avg, opt.exp_avg_sq):
+        t = get(params[3])
+        storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+        nbytes = storage.nbytes() if hasattr(storage, "nbytes") else storage.size() * 4
+        assert nbytes == 1000 * 4
+    opt.close()
+
+
 def test_a_damaged_latest_falls_back_only_when_asked(tmp_path):
     model, opt = fresh()
     ck = ckpt.Checkpointer(tmp_path / "root", opt)

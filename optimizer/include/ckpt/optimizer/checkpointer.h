@@ -247,10 +247,12 @@ class Checkpointer {
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
   // When the state is what a rollback can re-derive without disk (every group's step 0, both
-  // moments zero, every master exactly a model-dtype value, as a freshly built or model-loaded
-  // optimizer's are): the masters in the model dtype, size() elements. Null otherwise, or when
-  // that copy cannot be allocated.
-  std::unique_ptr<std::byte[]> CopyIfDerivable();
+  // moments zero, and every master exactly a model-dtype value, as a freshly built or
+  // model-loaded optimizer's are): the masters in the model dtype, size() elements; with
+  // parameters of several dtypes, the masters as they are (FP32: exact whatever each
+  // parameter's dtype). `*dtype` is the copy's. Null otherwise, or when that copy cannot be
+  // allocated.
+  std::unique_ptr<std::byte[]> CopyIfDerivable(formats::DType* dtype);
   // The Checkpointer's workers: the optimizer's `threads` (0: every core), made at first use.
   internal::ThreadPool& Pool();
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs, uint64_t chunk_bytes);
