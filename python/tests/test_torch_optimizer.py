@@ -263,6 +263,15 @@ def master_chunk_offset(step_dir):
     raise AssertionError("no master piece in " + str(step_dir))
 
 
+def damage_a_master(step_dir):
+    """Flips a payload byte of the first chunk of a master piece (its chunk header is 24
+    bytes): a load of the step then fails DATA_LOSS."""
+    data = step_dir / "rank-00000.data"
+    raw = bytearray(data.read_bytes())
+    raw[master_chunk_offset(step_dir) + 24 + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+
+
 def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     model, opt = fresh()
     ck = ckpt.Checkpointer(tmp_path / "root", opt)
@@ -270,10 +279,7 @@ def test_failed_load_rolls_back_and_steps_afterwards(tmp_path):
     ck.save(2)
     train(model, opt, 1, first=2)
     before = snapshot(model, opt)
-    data = tmp_path / "root" / "step-00000002" / "rank-00000.data"
-    raw = bytearray(data.read_bytes())
-    raw[master_chunk_offset(tmp_path / "root" / "step-00000002") + 24 + 1] ^= 0x10
-    data.write_bytes(bytes(raw))
+    damage_a_master(tmp_path / "root" / "step-00000002")
     with pytest.raises(ckpt.CkptError) as failure:
         ck.load(2)
     assert failure.value.code == "DATA_LOSS"
@@ -314,10 +320,7 @@ def test_a_fresh_optimizer_of_mixed_dtypes_resumes_without_writing(tmp_path):
         assert torch.equal(opt.exp_avg(p), saved[n][2])
     reader.close()
     opt.close()
-    data = tmp_path / "root" / "step-00000001" / "rank-00000.data"
-    raw = bytearray(data.read_bytes())
-    raw[master_chunk_offset(tmp_path / "root" / "step-00000001") + 24 + 1] ^= 0x10
-    data.write_bytes(bytes(raw))
+    damage_a_master(tmp_path / "root" / "step-00000001")
     params, opt = build(5.0)
     before = {n: (p.detach().clone(), opt.master(p), opt.exp_avg(p)) for n, p in params}
     ck = ckpt.Checkpointer(tmp_path / "root", opt)
@@ -359,10 +362,7 @@ def test_a_damaged_latest_falls_back_only_when_asked(tmp_path):
     ck.save(2, extra={"at": 2})
     ck.close()
     opt.close()
-    data = tmp_path / "root" / "step-00000002" / "rank-00000.data"
-    raw = bytearray(data.read_bytes())
-    raw[master_chunk_offset(tmp_path / "root" / "step-00000002") + 24 + 1] ^= 0x10
-    data.write_bytes(bytes(raw))
+    damage_a_master(tmp_path / "root" / "step-00000002")
     model, opt = fresh()
     ck = ckpt.Checkpointer(tmp_path / "root", opt)
     before = snapshot(model, opt)
