@@ -257,7 +257,18 @@ absl::Status CheckpointReader::CopyOut(const ChunkRead& read, std::span<const st
 // one extent (up to kMergedReadBytes, skipping gaps of at most kMergeGapBytes): a checkpoint of
 // many small tensors is then read in requests of megabytes, not one 4 KiB request per chunk.
 // Larger chunks keep a range each, so that their checks and copies spread over the workers.
+// A merged read also reads bytes nobody asked for (the gaps, the chunks between): when it fails
+// short of a checksum (EIO on a bad sector), every chunk is read again alone, so that damage
+// outside the chunks asked for fails nothing that would have read without the merging.
 absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) const {
+  bool merged = false;
+  absl::Status s = ReadChunksOnce(reads, /*merge=*/true, &merged);
+  if (s.ok() || !merged || s.code() == absl::StatusCode::kDataLoss) return s;
+  return ReadChunksOnce(reads, /*merge=*/false, &merged);
+}
+
+absl::Status CheckpointReader::ReadChunksOnce(const std::vector<ChunkRead>& reads, bool merge,
+                                              bool* merged) const {
   constexpr uint64_t kMergeChunkBytes = uint64_t{256} << 10;
   constexpr uint64_t kMergedReadBytes = uint64_t{4} << 20;
   constexpr uint64_t kMergeGapBytes = uint64_t{64} << 10;
@@ -290,12 +301,13 @@ absl::Status CheckpointReader::ReadChunks(const std::vector<ChunkRead>& reads) c
     const uint64_t end = c.offset + formats::ChunkExtentBytes(c.stored_bytes);
     const bool small = end - c.offset <= kMergeChunkBytes;
     const RandomAccessFile* file = files_[order[group_begin[g]]->file].get();
-    if (small && last_small) {
+    if (merge && small && last_small) {
       internal::PipelinedRead& last = ranges.back();
       const uint64_t last_end = last.offset + last.length;
       if (last.file == file && c.offset >= last_end && c.offset - last_end <= kMergeGapBytes &&
           end - last.offset <= kMergedReadBytes) {
         last.length = end - last.offset;
+        *merged = true;
         continue;
       }
     }

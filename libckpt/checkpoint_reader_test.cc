@@ -278,7 +278,8 @@ TEST_F(CheckpointReaderTest, ReadRangesDeliversEachRangeAndDecodesAChunkOnce) {
   EXPECT_THAT((*reader)->ReadRanges(ranges), testing::StatusIs(absl::StatusCode::kNotFound));
 }
 
-// Counts the reads of the files it opens.
+// Counts the reads of the files it opens, and fails with EIO every read that covers the byte
+// at FailReadsOf's offset (a bad sector).
 class ReadCountingEnv : public EnvWrapper {
  public:
   explicit ReadCountingEnv(Env* target) : EnvWrapper(target) {}
@@ -286,26 +287,32 @@ class ReadCountingEnv : public EnvWrapper {
       const std::string& path, const FileOptions& options) override {
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> f,
                           EnvWrapper::NewRandomAccessFile(path, options));
-    return std::unique_ptr<RandomAccessFile>(new Counted(std::move(f), &reads_));
+    return std::unique_ptr<RandomAccessFile>(new Counted(std::move(f), this));
   }
   int reads() const { return reads_.load(); }
+  void FailReadsOf(uint64_t offset) { bad_ = offset; }
 
  private:
   class Counted : public RandomAccessFile {
    public:
-    Counted(std::unique_ptr<RandomAccessFile> f, std::atomic<int>* reads)
-        : f_(std::move(f)), reads_(reads) {}
+    Counted(std::unique_ptr<RandomAccessFile> f, ReadCountingEnv* env)
+        : f_(std::move(f)), env_(env) {}
     absl::Status Read(uint64_t offset, std::span<std::byte> out) const override {
-      reads_->fetch_add(1);
+      env_->reads_.fetch_add(1);
+      const uint64_t bad = env_->bad_.load();
+      if (bad >= offset && bad - offset < out.size()) {
+        return absl::UnknownError(absl::StrCat("injected EIO at offset ", bad));
+      }
       return f_->Read(offset, out);
     }
     uint64_t size() const override { return f_->size(); }
 
    private:
     std::unique_ptr<RandomAccessFile> f_;
-    std::atomic<int>* reads_;
+    ReadCountingEnv* env_;
   };
   std::atomic<int> reads_{0};
+  std::atomic<uint64_t> bad_{UINT64_MAX};
 };
 
 // 3000 tensors of 100 floats, one chunk (one 4 KiB extent) each: a read of every tensor but each
@@ -368,6 +375,21 @@ TEST_F(CheckpointReaderTest, SmallChunksNearEachOtherAreReadInFewRequests) {
     skipped_chunk_offset = chunk_of(1502);  // In the middle of a merged request, never read.
     read_chunk_offset = chunk_of(1504);
   }
+  // An unreadable sector in a chunk no range asks for: the merged read fails, the chunks are
+  // read again alone, and everything asked for arrives; a read of that chunk itself fails.
+  counting.FailReadsOf(skipped_chunk_offset + formats::kChunkHeaderBytes);
+  {
+    auto reader = Open(7);
+    CKPT_ASSERT_OK(reader);
+    std::vector<std::vector<float>> out;
+    CKPT_ASSERT_OK(read_all_but_each_third(**reader, &out));
+    EXPECT_EQ(out[1501], saved[1501]);
+    EXPECT_EQ(out[1503], saved[1503]);
+    std::vector<float> one(100);
+    EXPECT_THAT((*reader)->ReadRange("t1502", 0, 100, std::as_writable_bytes(std::span(one))),
+                StatusIs(absl::StatusCode::kUnknown));
+  }
+  counting.FailReadsOf(UINT64_MAX);
   CKPT_ASSERT_OK(FlipByte(path, skipped_chunk_offset + formats::kChunkHeaderBytes));
   {
     auto reader = Open(7);

@@ -79,6 +79,10 @@ class CheckpointReader {
   absl::Status PlanRange(absl::string_view tensor, uint64_t begin, uint64_t count,
                          std::span<std::byte> out, std::vector<ChunkRead>* reads) const;
   absl::Status ReadChunks(const std::vector<ChunkRead>& reads) const;
+  // One pass of ReadChunks: small neighbouring chunks merged into one read when `merge`
+  // (`*merged` says whether any were).
+  absl::Status ReadChunksOnce(const std::vector<ChunkRead>& reads, bool merge,
+                              bool* merged) const;
   // Checks one chunk whose whole extent is `bytes`, then delivers each of `reads` (all of that
   // chunk) from it.
   absl::Status DeliverChunk(std::span<const ChunkRead* const> reads,
