@@ -163,7 +163,8 @@ class Transaction final : public SaveTransaction, public PieceStream {
   std::vector<uint64_t> chunk_job_;  // Per chunk of part_.files[0]: its job (for its checksum).
   // Small chunks gathered to be written together (ChunkWriter::SubmitBatch), not queued yet:
   // jobs jobs_ - pending_.size() to jobs_ - 1. Queued when they would pass kBatchBytes, before
-  // a chunk that is not small, and before any wait (FlushPending).
+  // a chunk that is not small (which then passes through alone), and before any wait
+  // (FlushPending).
   std::vector<ChunkWriter::Job> pending_;
   uint64_t pending_bytes_ = 0;
   // Set by WritePiece: small chunks take a copy of their bytes (so that the piece's memory is

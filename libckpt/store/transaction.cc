@@ -179,23 +179,13 @@ absl::Status internal::Transaction::AppendChunk(std::span<const std::byte> raw, 
   info->stored_bytes = payload.size();
   info->codec = codec;
   info->checksum = 0;  // FinishLocal fills it in from the writer.
+  // One way to the writer for every chunk: a larger one is queued alone, at once.
   if (!small || pending_bytes_ + extent > kBatchBytes) CKPT_RETURN_IF_ERROR(FlushPending());
-  const uint64_t n = jobs_;
-  if (small) {
-    pending_.push_back(std::move(job));
-    pending_bytes_ += extent;
-    jobs_ = n + 1;
-  } else {
-    CKPT_ASSIGN_OR_RETURN(const uint64_t queued, writer_->Submit(std::move(job)));
-    if (queued != n) {
-      return absl::InternalError(absl::StrCat("save step ", step_, ": the writer numbered job ",
-                                              n, " as ", queued));
-    }
-    jobs_ = n + 1;
-  }
-  chunk_job_.push_back(n);
-  next_offset_ += formats::ChunkExtentBytes(info->stored_bytes);
-  return absl::OkStatus();
+  pending_.push_back(std::move(job));
+  pending_bytes_ += extent;
+  chunk_job_.push_back(jobs_++);
+  next_offset_ += extent;
+  return small ? absl::OkStatus() : FlushPending();
 }
 
 absl::Status internal::Transaction::WritePiece(absl::string_view tensor, uint64_t begin, uint64_t count,
