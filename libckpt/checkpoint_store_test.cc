@@ -1,6 +1,7 @@
 #include "ckpt/checkpoint_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <map>
@@ -282,6 +283,38 @@ TEST_F(StoreTest, AFailedChunkWriteNamesItsOwnTensorAndOffset) {
     EXPECT_THAT(std::string(s.message()), HasSubstr("at offset 4096"));
     EXPECT_THAT(std::string(s.message()), ::testing::Not(HasSubstr("tensor b")));
   }
+}
+
+// Small pieces are gathered without waiting for the writer; a write that failed meanwhile must
+// fail the next piece (naming the chunk that failed), not the flush of a batch 4 MiB later. One
+// thread: the header is the first write, "big" (400 KB, queued alone) the second, which fails.
+// Before the failure lands, small pieces succeed; the writer has seconds to land it, far less
+// than the 1024 pieces of 4 KiB that would fill a batch and report it anyway.
+TEST_F(StoreTest, AWriteThatFailedFailsTheNextSmallPiece) {
+  testing::FaultInjectionEnv fault(env_.get());
+  options_.env = &fault;
+  options_.write_threads = 1;
+  options_.chunk_bytes = 1 << 20;
+  auto store = Open();
+  auto txn = store->BeginSave(1);
+  CKPT_ASSERT_OK(txn);
+  std::vector<float> big(100000, 1.0f), small(100, 2.0f);
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"big", formats::DType::kF32, {big.size()}}));
+  fault.FailNth(2, EIO, testing::FaultInjectionEnv::Op::kAppend);
+  // Queued, not waited for: the failure lands while the small pieces are being written.
+  absl::Status failed = (*txn)->stream().Queue("big", 0, big.size(), testing::Bytes(big)).status();
+  size_t pieces = 0;
+  for (; pieces < 1000 && failed.ok(); ++pieces) {
+    const std::string name = absl::StrCat("s", pieces);
+    CKPT_ASSERT_OK((*txn)->DeclareTensor({name, formats::DType::kF32, {small.size()}}));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    failed = (*txn)->WritePiece(name, 0, small.size(), testing::Bytes(small));
+  }
+  EXPECT_LT(pieces, 1000u) << "no small piece reported the failed write";
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kUnknown));
+  EXPECT_THAT(std::string(failed.message()), HasSubstr("save step 1 tensor big"));
+  EXPECT_THAT((*txn)->Commit(), StatusIs(absl::StatusCode::kUnknown));
+  EXPECT_EQ(store->latest_step(), std::nullopt);
 }
 
 // 3000 tensors of 100 floats: their chunks (one 4 KiB extent each) reach the data file in

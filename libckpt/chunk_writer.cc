@@ -88,6 +88,11 @@ absl::Status ChunkWriter::Drain() {
   return WaitWritten(n);
 }
 
+absl::Status ChunkWriter::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
 uint64_t ChunkWriter::checksum(uint64_t n) const {
   std::lock_guard<std::mutex> lock(mu_);
   return checksums_[n];

@@ -75,6 +75,9 @@ class ChunkWriter {
   // Fails the writer with `why` (unless it failed already) and waits until no job runs: the
   // queued jobs are skipped, so no caller memory is read once it returns.
   void Cancel(absl::Status why);
+  // The first error of any job so far, without waiting (OK while none failed). A caller that
+  // queues without waiting checks it to report a failure at its next call, not megabytes later.
+  absl::Status error() const;
   // The checksum of job `n`, a checksummed job that WaitWritten has seen written.
   uint64_t checksum(uint64_t n) const;
 

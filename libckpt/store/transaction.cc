@@ -214,6 +214,12 @@ absl::StatusOr<uint64_t> internal::Transaction::Queue(absl::string_view tensor,
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
+  // A write that failed since the last call fails this one: small chunks are gathered without
+  // touching the writer, which would otherwise report it only at the next flush, up to
+  // kBatchBytes later. Fail waits until no job runs and names the chunk that failed.
+  if (writer_ != nullptr) {
+    if (absl::Status s = writer_->error(); !s.ok()) return Fail(s);
+  }
   auto found = tensor_index_.find(tensor);
   if (found == tensor_index_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", tensor, "\" was not declared"));
