@@ -5,10 +5,9 @@
 //    record (groups, valid hyper-parameters, every parameter in the same group as here). Vote.
 // 2. Fix the undo source, the cheapest that holds: (a) the step the state last equalled, if the
 //    optimizer's state_version() has not moved since and it is not the step being loaded (it
-//    costs nothing); (b) the state re-derived (CopyIfDerivable: every step 0, both moments
-//    zero, each master exactly a model-dtype value, as a freshly built or model-loaded
-//    optimizer's are; the masters are kept in memory in the model dtype, or as they are, FP32,
-//    when the parameters mix dtypes), so a resume in a new
+//    costs nothing); (b) the state re-derived (CopyIfDerivable: every step 0 and both moments
+//    zero, as a freshly built or model-loaded optimizer's are; the masters are kept in memory
+//    in the model dtype when each is a value of it, else in FP32), so a resume in a new
 //    process writes nothing before it reads and works on a full disk or a read-only store;
 //    otherwise (c) spill the state into a private store
 //    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory

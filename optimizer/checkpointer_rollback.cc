@@ -31,7 +31,7 @@ struct Checkpointer::Undo {
   uint64_t step = 0;  // In the store, or 1 in the spill.
   // Set when the state is re-derived instead (CopyIfDerivable): the groups to put back, and
   // the masters in `derived_dtype` (exact: the model dtype when each master is a value of it,
-  // FP32 when the parameters mix dtypes).
+  // FP32 otherwise).
   std::optional<std::vector<ParamGroup>> derived_groups;
   std::unique_ptr<std::byte[]> derived_masters;
   DType derived_dtype = DType::kF32;
@@ -49,8 +49,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
       return undo;
     }
   }
-  // A fresh (or model-loaded) state is re-derived on a rollback from the masters in the model
-  // dtype, kept in memory: nothing to write.
+  // A fresh (or model-loaded) state is re-derived on a rollback from a copy of the masters
+  // kept in memory: nothing to write.
   if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(&undo->derived_dtype);
       copy != nullptr) {
     undo->derived_groups = optimizer_->groups();
@@ -152,15 +152,18 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype) {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return nullptr;
   }
-  // Parameters of several dtypes: no single one holds every master, FP32 does (twice the
-  // memory of a BF16 copy, still nothing written: a new process resumes on a full disk or a
-  // read-only store whatever its parameters' dtypes).
-  const DType model = optimizer_->mixed_dtypes() ? DType::kF32 : optimizer_->model_dtype();
-  *dtype = model;
-  const size_t wsize = formats::DTypeSize(model);
+  // The copy is in the model dtype when every master is a value of it (2 bytes per element for
+  // BF16); otherwise (parameters of several dtypes, or masters loaded from an FP32 source into
+  // BF16 parameters) in FP32: twice the memory, still nothing written, so a new process
+  // resumes on a full disk or a read-only store whatever its parameters and masters.
+  DType model = optimizer_->mixed_dtypes() ? DType::kF32 : optimizer_->model_dtype();
   const std::span<const float> master = optimizer_->master();
   // Not being able to hold the copy is not an error: the caller spills instead.
-  std::unique_ptr<std::byte[]> copy(new (std::nothrow) std::byte[master.size() * wsize + 1]);
+  auto allocate = [&](DType d) {
+    return std::unique_ptr<std::byte[]>(
+        new (std::nothrow) std::byte[master.size() * formats::DTypeSize(d) + 1]);
+  };
+  std::unique_ptr<std::byte[]> copy = allocate(model);
   if (copy == nullptr) return nullptr;
   // Blocks of 4 MiB of masters, scanned on the optimizer's threads (a fresh process's load
   // runs this scan before it reads: one core alone would cost a fifth of the load).
@@ -172,34 +175,52 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype) {
   const bool check_moments = !optimizer_->moments_untouched();
   const size_t moment_block = kBlock * optimizer_->moment_bytes();
   const size_t blocks = (master.size() + kBlock - 1) / kBlock;
-  std::atomic<bool> differs{false};
+  std::atomic<bool> moments_differ{false};
+  std::atomic<bool> inexact{false};  // A master that is no value of `model`.
   Pool().ParallelFor(blocks, [&](size_t b) {
-    if (differs.load(std::memory_order_relaxed)) return;
+    if (moments_differ.load(std::memory_order_relaxed)) return;
     const size_t at = b * kBlock;
     const size_t end = std::min(master.size(), at + kBlock);
-    bool same = true;
     if (check_moments) {
       for (std::span<const std::byte> m : {exp_avg, exp_avg_sq, max_exp_avg_sq}) {
         if (m.empty()) continue;
         const size_t lo = std::min(m.size(), b * moment_block);
-        same = same && AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)));
+        if (!AllZero(m.subspan(lo, std::min(m.size() - lo, moment_block)))) {
+          moments_differ.store(true, std::memory_order_relaxed);
+          return;
+        }
       }
     }
     // The masters rounded into the copy, then widened back a stack block at a time: equal
-    // when each master is exactly a model-dtype value.
+    // when each master is exactly a model-dtype value. Once one is not, the FP32 copy below
+    // replaces this one: only the moments are still checked.
+    const size_t wsize = formats::DTypeSize(model);
     constexpr size_t kWiden = 2048;
     float widened[kWiden];
-    for (size_t i = at; same && i < end; i += kWiden) {
+    for (size_t i = at; i < end && !inexact.load(std::memory_order_relaxed); i += kWiden) {
       const size_t n = std::min(kWiden, end - i);
       const std::span<std::byte> rounded(copy.get() + i * wsize, n * wsize);
       formats::Convert(DType::kF32, std::as_bytes(master.subspan(i, n)), model, rounded);
       if (model == DType::kF32) continue;
       formats::Convert(model, rounded, DType::kF32, std::as_writable_bytes(std::span(widened, n)));
-      same = std::memcmp(widened, master.data() + i, n * 4) == 0;
+      if (std::memcmp(widened, master.data() + i, n * 4) != 0) {
+        inexact.store(true, std::memory_order_relaxed);
+      }
     }
-    if (!same) differs.store(true, std::memory_order_relaxed);
   });
-  if (differs.load()) return nullptr;
+  if (moments_differ.load()) return nullptr;
+  if (inexact.load()) {
+    copy.reset();  // Before the larger one: the load's peak holds one copy, not both.
+    model = DType::kF32;
+    copy = allocate(model);
+    if (copy == nullptr) return nullptr;
+    Pool().ParallelFor(blocks, [&](size_t b) {
+      const size_t at = b * kBlock;
+      const size_t n = std::min(master.size(), at + kBlock) - at;
+      std::memcpy(copy.get() + at * 4, master.data() + at, n * 4);
+    });
+  }
+  *dtype = model;
   return copy;
 }
 

@@ -267,9 +267,11 @@ TEST_F(CheckpointerTest, AFailedLoadIntoAFreshOptimizerRestoresItWithoutTheTrain
   EXPECT_EQ(differ, 0u) << "elements whose masters or moments did not come back";
 }
 
-// Masters that are not model-dtype values (set directly, as a trainer may) are no fresh
-// state: the undo is spilled (written), and the rollback restores them bit for bit.
-TEST_F(CheckpointerTest, MastersThatAreNotModelDTypeValuesAreSpilledNotDerived) {
+// Masters that are not model-dtype values (set directly, as a trainer may, or model-loaded
+// from an FP32 source into BF16 parameters) with the moments still zero: the undo is a copy of
+// the masters in FP32, kept in memory (nothing written, even on a full disk), and the rollback
+// restores them bit for bit. Once the state has stepped (moments not zero), it is spilled.
+TEST_F(CheckpointerTest, MastersThatAreNotModelDTypeValuesAreKeptInFp32NotSpilled) {
   {
     Job job(&env_, 1, 500);
     job.Step(0);
@@ -279,13 +281,23 @@ TEST_F(CheckpointerTest, MastersThatAreNotModelDTypeValuesAreSpilledNotDerived) 
   Job job(&env_, 1, 500);
   std::span<float> master = job.rank(0).opt->mutable_master();
   master[master.size() / 2] = 1.0f + 0x1p-20f;  // Not a BF16 value.
+  master[0] = -0x1p-140f;                        // Subnormal in FP32, zero in BF16.
   const std::vector<float> before(master.begin(), master.end());
   const uint64_t calls = env_.mutating_calls();
+  env_.FailNth(1, ENOSPC);  // Any write would fail.
   ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
-  EXPECT_GT(env_.mutating_calls(), calls) << "no spill was written";
+  env_.Disarm();
+  EXPECT_EQ(env_.mutating_calls(), calls) << "the undo was written to disk";
   const std::span<const float> after = job.rank(0).opt->master();
   ASSERT_EQ(after.size(), before.size());
   EXPECT_EQ(std::memcmp(after.data(), before.data(), 4 * before.size()), 0);
+
+  job.Step(1);  // Moments no longer zero: no construction state, the undo is spilled.
+  const std::vector<float> stepped(after.begin(), after.end());
+  const uint64_t calls_stepped = env_.mutating_calls();
+  ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
+  EXPECT_GT(env_.mutating_calls(), calls_stepped) << "no spill was written";
+  EXPECT_EQ(std::memcmp(job.rank(0).opt->master().data(), stepped.data(), 4 * stepped.size()), 0);
 }
 
 TEST_F(CheckpointerTest, ALoadThatPutsParametersInOtherGroupsIsRefusedNamingThem) {

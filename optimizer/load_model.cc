@@ -16,8 +16,8 @@
 //     from the masters (StagedAdamW::WriteModelWeights).
 // M4. Vote; on failure every rank restores from its undo source or is poisoned (Load's step 4);
 //     remove the spill (step 5).
-// M5. The state now equals no committed step, so the next load re-derives it (masters that are
-//     model-dtype values) or spills it as its undo.
+// M5. The state now equals no committed step but is a construction state, so the next load
+//     re-derives it from a copy of the masters (Load's step 2 (b)) and writes nothing.
 #include <algorithm>
 #include <cstring>
 #include <map>

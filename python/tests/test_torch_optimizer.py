@@ -336,6 +336,48 @@ def test_a_fresh_optimizer_of_mixed_dtypes_resumes_without_writing(tmp_path):
     opt.close()
 
 
+def test_bf16_parameters_model_loaded_from_fp32_masters_resume_read_only(tmp_path):
+    """BF16 parameters whose masters came from an FP32 source (load_model of another run's
+    masters) are no BF16 values, yet still a construction state: a load from a read-only
+    handle that fails keeps its undo in memory (FP32), writes nothing under the root, and puts
+    those masters back bit for bit."""
+    def build(dtype, value):
+        params = [(f"p{i}", torch.nn.Parameter(torch.full((300,), value + i).to(dtype)))
+                  for i in range(2)]
+        return params, ckpt.torch.StagedAdamW(params, lr=1e-2)
+
+    def run(root, dtype):
+        params, opt = build(dtype, 1.0)
+        for _, p in params:
+            p.grad = torch.full_like(p, 0.3)
+        opt.step()
+        ck = ckpt.Checkpointer(root, opt)
+        ck.save(1)
+        ck.close()
+        opt.close()
+
+    run(tmp_path / "f32", torch.float32)   # Masters 1 - lr * ..., no BF16 values.
+    run(tmp_path / "bf16", torch.bfloat16)
+    damage_a_master(tmp_path / "bf16" / "step-00000001")
+    listing = sorted(str(f) for f in (tmp_path / "bf16").rglob("*"))
+    params, opt = build(torch.bfloat16, 7.0)
+    ck = ckpt.Checkpointer(tmp_path / "bf16", opt, read_only=True)
+    ck.load_model(tmp_path / "f32", masters=True)
+    masters = {n: opt.master(p) for n, p in params}
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+    with pytest.raises(ckpt.CkptError) as failure:
+        ck.load()
+    assert failure.value.code == "DATA_LOSS"
+    assert sorted(str(f) for f in (tmp_path / "bf16").rglob("*")) == listing
+    for n, p in params:
+        assert torch.equal(opt.master(p), masters[n]), n
+        assert torch.equal(p.detach(), masters[n].bfloat16()), n
+        assert not opt.exp_avg(p).any()
+    assert opt.lifecycle == "clean"
+    ck.close()
+    opt.close()
+
+
 def test_a_parameters_state_is_a_copy_of_that_parameter_alone():
     """master(p), exp_avg(p) and exp_avg_sq(p) hold p's elements only: keeping many of them
     does not keep a copy of the whole state each."""

@@ -35,10 +35,10 @@ struct LoadReport {
   uint64_t step = 0;              // The step loaded.
   uint32_t saved_world_size = 0;  // Ranks that saved it (any number loads into any other).
   bool undo_spilled = false;      // The undo source was a spill of the state (not a checkpoint).
-  // The state was its construction state (moments zero, every step 0, each master exactly a
-  // model-dtype value, as a freshly built or model-loaded optimizer's), which a rollback
-  // re-derives from a copy of the masters in the model dtype kept in memory during the load
-  // (size() x 2 bytes for a BF16 model): nothing was written to disk for the undo.
+  // The state was its construction state (moments zero, every step 0: a freshly built or
+  // model-loaded optimizer's), which a rollback re-derives from a copy of the masters kept in
+  // memory during the load (size() x 2 bytes for a BF16 model whose masters are all BF16
+  // values, x 4 otherwise): nothing was written to disk for the undo.
   bool undo_derived = false;
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
@@ -246,12 +246,11 @@ class Checkpointer {
   absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
-  // When the state is what a rollback can re-derive without disk (every group's step 0, both
-  // moments zero, and every master exactly a model-dtype value, as a freshly built or
-  // model-loaded optimizer's are): the masters in the model dtype, size() elements; with
-  // parameters of several dtypes, the masters as they are (FP32: exact whatever each
-  // parameter's dtype). `*dtype` is the copy's. Null otherwise, or when that copy cannot be
-  // allocated.
+  // When the state is what a rollback can re-derive without disk (every group's step 0 and
+  // both moments zero, as a freshly built or model-loaded optimizer's are): the masters in the
+  // model dtype (size() elements) when each is a value of it, else in FP32 (exact whatever the
+  // parameters' dtypes or the masters' values). `*dtype` is the copy's. Null otherwise, or
+  // when that copy cannot be allocated.
   std::unique_ptr<std::byte[]> CopyIfDerivable(formats::DType* dtype);
   // The Checkpointer's workers: the optimizer's `threads` (0: every core), made at first use.
   internal::ThreadPool& Pool();
