@@ -107,6 +107,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_get_group);
   CKPT_FUNC(ckpt_optimizer_set_group);
   CKPT_FUNC(ckpt_optimizer_read_state);
+  CKPT_FUNC(ckpt_optimizer_read_state_range);
   CKPT_FUNC(ckpt_optimizer_set_state);
   CKPT_FUNC(ckpt_optimizer_step_masked);
   CKPT_FUNC(ckpt_optimizer_param_steps);

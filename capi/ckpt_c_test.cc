@@ -67,7 +67,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 69);
+  EXPECT_EQ(functions, 70);
   EXPECT_EQ(constants, 43);
   EXPECT_EQ(structs, 6);
 }
@@ -189,6 +189,43 @@ TEST(CkptCTest, CreateStepSaveLoadThroughTheAbi) {
   ckpt_checkpointer_destroy(ck);
   ckpt_store_close(store);
   ckpt_optimizer_destroy(opt);
+}
+
+// ABI 14: a range of a state tensor is the whole tensor's slice (FP32 and BF16 moments, widened
+// exactly), a range past the end is refused, and an empty range at the end reads nothing.
+TEST(CkptCTest, ReadStateRangeIsTheSliceOfTheWholeState) {
+  const uint64_t shape[1] = {10};
+  ckpt_param param = {"w", shape, 1, CKPT_F32, 0};
+  ckpt_group group = AdamW(0.1, 0.0);
+  ckpt_piece piece = {0, 0, 10};
+  for (int moments : {CKPT_MOMENTS_F32, CKPT_MOMENTS_BF16}) {
+    ckpt_optimizer_options options = {CKPT_ENGINE_CPU, 0, 1, 0, moments};
+    std::vector<float> w(10), g(10);
+    for (int i = 0; i < 10; ++i) {
+      w[i] = 1.0f + 0.37f * i;
+      g[i] = 0.1f * (i - 4.5f);
+    }
+    ckpt_optimizer* opt = nullptr;
+    ASSERT_EQ(ckpt_optimizer_create(&param, 1, &group, 1, &piece, 1, &options, w.data(), 40, &opt),
+              CKPT_OK)
+        << ckpt_last_error();
+    ASSERT_EQ(ckpt_optimizer_step(opt, g.data(), CKPT_F32, 1.0f, w.data(), 0, nullptr, nullptr),
+              CKPT_OK);
+    for (int which : {CKPT_MASTER, CKPT_EXP_AVG, CKPT_EXP_AVG_SQ}) {
+      std::vector<float> whole(10), range(4, -1.0f);
+      ASSERT_EQ(ckpt_optimizer_read_state(opt, which, whole.data(), 10), CKPT_OK);
+      ASSERT_EQ(ckpt_optimizer_read_state_range(opt, which, 3, range.data(), 4), CKPT_OK);
+      EXPECT_EQ(range, std::vector<float>(whole.begin() + 3, whole.begin() + 7)) << which;
+      EXPECT_EQ(ckpt_optimizer_read_state_range(opt, which, 7, range.data(), 4),
+                CKPT_OUT_OF_RANGE);
+      EXPECT_EQ(ckpt_optimizer_read_state_range(opt, which, 10, nullptr, 0), CKPT_OK);
+    }
+    float one = 0;
+    EXPECT_EQ(ckpt_optimizer_read_state_range(opt, CKPT_MAX_EXP_AVG_SQ, 0, &one, 1),
+              CKPT_INVALID_ARGUMENT);
+    EXPECT_EQ(ckpt_optimizer_read_state_range(opt, 99, 0, &one, 1), CKPT_INVALID_ARGUMENT);
+    ckpt_optimizer_destroy(opt);
+  }
 }
 
 // ABI 11: a Muon group beside an AdamW one, its hyper-parameters kept and read back, the Muon

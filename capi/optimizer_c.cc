@@ -505,22 +505,40 @@ int ckpt_optimizer_set_group(ckpt_optimizer* o, size_t index, const ckpt_group* 
   return Guard("ckpt_optimizer_set_group", [&]() -> int { return Done(o->opt->SetGroup(index, Group(*group))); });
 }
 
+namespace {
+
+absl::StatusOr<opt::StagedAdamW::StateTensor> StateTensorOf(int which) {
+  using State = opt::StagedAdamW::StateTensor;
+  switch (which) {
+    case CKPT_MASTER: return State::kMaster;
+    case CKPT_EXP_AVG: return State::kExpAvg;
+    case CKPT_EXP_AVG_SQ: return State::kExpAvgSq;
+    case CKPT_MAX_EXP_AVG_SQ: return State::kMaxExpAvgSq;
+    default: return absl::InvalidArgumentError(absl::StrCat("state tensor ", which));
+  }
+}
+
+}  // namespace
+
 int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t count) {
   return Guard("ckpt_optimizer_read_state", [&]() -> int {
     if (o == nullptr || (count > 0 && out == nullptr)) return Invalid("optimizer or out is NULL");
     if (count != o->opt->size()) {
       return Invalid(absl::StrCat("read_state: ", count, " elements asked, the optimizer has ", o->opt->size()));
     }
-    using State = opt::StagedAdamW::StateTensor;
-    State tensor;
-    switch (which) {
-      case CKPT_MASTER: tensor = State::kMaster; break;
-      case CKPT_EXP_AVG: tensor = State::kExpAvg; break;
-      case CKPT_EXP_AVG_SQ: tensor = State::kExpAvgSq; break;
-      case CKPT_MAX_EXP_AVG_SQ: tensor = State::kMaxExpAvgSq; break;
-      default: return Invalid(absl::StrCat("state tensor ", which));
-    }
-    return Done(o->opt->CopyStateAsF32(tensor, std::span<float>(out, count)));
+    absl::StatusOr<opt::StagedAdamW::StateTensor> tensor = StateTensorOf(which);
+    if (!tensor.ok()) return Done(tensor.status());
+    return Done(o->opt->CopyStateAsF32(*tensor, std::span<float>(out, count)));
+  });
+}
+
+int ckpt_optimizer_read_state_range(ckpt_optimizer* o, int which, uint64_t offset, float* out,
+                                    uint64_t count) {
+  return Guard("ckpt_optimizer_read_state_range", [&]() -> int {
+    if (o == nullptr || (count > 0 && out == nullptr)) return Invalid("optimizer or out is NULL");
+    absl::StatusOr<opt::StagedAdamW::StateTensor> tensor = StateTensorOf(which);
+    if (!tensor.ok()) return Done(tensor.status());
+    return Done(o->opt->CopyStateRangeAsF32(*tensor, offset, std::span<float>(out, count)));
   });
 }
 

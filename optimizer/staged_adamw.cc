@@ -751,25 +751,37 @@ absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out
     return absl::InvalidArgumentError(
         absl::StrCat("state copy: ", out.size(), " elements asked, the optimizer has ", size_));
   }
-  CKPT_RETURN_IF_ERROR(Synchronize());
-  if (which == StateTensor::kMaster) {
-    std::memcpy(out.data(), master().data(), size_ * 4);
-    return absl::OkStatus();
+  return CopyStateRangeAsF32(which, 0, out);
+}
+
+absl::Status StagedAdamW::CopyStateRangeAsF32(StateTensor which, uint64_t offset,
+                                              std::span<float> out) {
+  if (offset > size_ || out.size() > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat("state copy: elements [", offset, ", +",
+                                              out.size(), ") lie past the optimizer's ", size_));
   }
   if (which == StateTensor::kMaxExpAvgSq && !has_max_) {
     return absl::InvalidArgumentError(
         "state copy: this optimizer keeps no max_exp_avg_sq (no group uses amsgrad)");
   }
+  CKPT_RETURN_IF_ERROR(Synchronize());
+  if (which == StateTensor::kMaster) {
+    std::memcpy(out.data(), master().data() + offset, out.size() * 4);
+    return absl::OkStatus();
+  }
   const std::span<const std::byte> bytes = which == StateTensor::kExpAvg    ? exp_avg_bytes()
                                            : which == StateTensor::kExpAvgSq ? exp_avg_sq_bytes()
                                                                              : max_exp_avg_sq_bytes();
-  if (moment_bytes() == 4) {
-    std::memcpy(out.data(), bytes.data(), size_ * 4);
+  const size_t esize = moment_bytes();
+  const std::span<const std::byte> range = bytes.subspan(offset * esize, out.size() * esize);
+  if (esize == 4) {
+    std::memcpy(out.data(), range.data(), range.size());
     return absl::OkStatus();
   }
-  formats::Convert(DType::kBF16, bytes, DType::kF32, std::as_writable_bytes(out));
+  formats::Convert(DType::kBF16, range, DType::kF32, std::as_writable_bytes(out));
   return absl::OkStatus();
 }
+
 absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<const float> exp_avg,
                                    std::span<const float> exp_avg_sq,
                                    std::span<const uint64_t> param_steps,

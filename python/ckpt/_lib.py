@@ -8,7 +8,7 @@ import ctypes
 import ctypes.util
 import os
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 OK = 0
 CODE_NAMES = {
@@ -142,6 +142,8 @@ _sig = {
     "ckpt_optimizer_get_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
     "ckpt_optimizer_set_group": ([_p, ctypes.c_size_t, ctypes.POINTER(Group)], ctypes.c_int),
     "ckpt_optimizer_read_state": ([_p, ctypes.c_int, _p, ctypes.c_uint64], ctypes.c_int),
+    "ckpt_optimizer_read_state_range": ([_p, ctypes.c_int, ctypes.c_uint64, _p, ctypes.c_uint64],
+                                        ctypes.c_int),
     "ckpt_optimizer_set_state": ([_p, _p, _p, _p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64),
                                   ctypes.c_size_t], ctypes.c_int),
     "ckpt_optimizer_step_masked": ([_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_size_t,

@@ -1475,17 +1475,41 @@ class StagedAdamW(torch.optim.Optimizer):
             if name in self._scratch:  # Resized (parameters added): the old one stays ours.
                 self._scratch.setdefault("retired", []).append(self._scratch[name])
             self._scratch[name] = buf
-            if name == "state":
-                self._scratch["state_words"] = buf.view(torch.int32)
+            if name in ("state", "param"):
+                self._scratch[name + "_words"] = buf.view(torch.int32)
         return self._scratch[name]
 
     def _of(self, p, which):
-        """Parameter p's slice of one state tensor, as a tensor of its own (a view would keep
-        the whole state's copy alive as long as the caller keeps the result)."""
+        """Parameter p's slice of one state tensor, as a tensor of its own: only p's elements
+        are read (data-parallel: gathered from the ranks that own them, so every rank must
+        call it), so reading every parameter's state one by one costs one read of the state."""
         for q, (o, n) in zip(self._params, self._slices):
             if q is p:
-                return self._state(which)[o:o + n].view(p.shape).clone()
-        raise KeyError("not a parameter of this optimizer")
+                break
+        else:
+            raise KeyError("not a parameter of this optimizer")
+        handle = self._live()
+        self._refresh_edited()
+        if self._owned is None:
+            out = torch.empty(n, dtype=torch.float32)
+            check(lib.ckpt_optimizer_read_state_range(handle, which, o, out.data_ptr(), n))
+            return out.view(p.shape)
+        import torch.distributed as dist
+        # This rank's pieces of p into a buffer of the largest parameter's size (kept: see
+        # _reduced), zero elsewhere, then summed as int32 words across the ranks (each element
+        # comes from the one rank that owns it).
+        full = self._reduced("param", max(k for _, k in self._slices), torch.float32)
+        full.zero_()
+        for flat_at, local_at, k in self._owned:
+            lo, hi = max(flat_at, o), min(flat_at + k, o + n)
+            if lo >= hi:
+                continue
+            piece = torch.empty(hi - lo, dtype=torch.float32)
+            check(lib.ckpt_optimizer_read_state_range(handle, which, local_at + lo - flat_at,
+                                                      piece.data_ptr(), hi - lo))
+            full[lo - o:hi - o].copy_(piece)
+        dist.all_reduce(self._scratch["param_words"], group=self._group_handle)
+        return full[:n].to("cpu", copy=True).view(p.shape)
 
     def master(self, p):
         """The FP32 master weights of parameter `p` (a copy)."""

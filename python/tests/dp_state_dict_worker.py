@@ -65,12 +65,21 @@ def main():
     assert shard["shard"]["rank"] == rank and shard["shard"]["world_size"] == world
     owned = sum(n for _, _, n in shard["shard"]["pieces"])
     assert owned < sum(p.numel() for p in model.parameters()), "a shard is not the whole"
+    numel = [q.numel() for g in opt.param_groups for q in g["params"]]
+    assert any(n < numel[i] for i, _, n in shard["shard"]["pieces"]), "no parameter is cut"
     torch.save(shard, os.path.join(out, f"shard-{rank}.pt"))
     weights = [p.detach().clone() for p in model.parameters()]
     dist.barrier()
 
     train(model, opt, 4, 5, rank, world)
     after = opt.state_dict()  # Collective: every rank gets the whole state.
+    # Per parameter, collective too: p's elements gathered from the ranks that own them (its
+    # pieces lie on both ranks for some) equal the whole state's entry bit for bit.
+    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
+        for key, read in (("master", opt.master), ("exp_avg", opt.exp_avg),
+                          ("exp_avg_sq", opt.exp_avg_sq), ("max_exp_avg_sq", opt.max_exp_avg_sq)):
+            got = read(p)
+            assert got.shape == p.shape and torch.equal(got, after["state"][i][key]), (key, i)
     after_weights = [p.detach().clone() for p in model.parameters()]
 
     # Another rank's shard is refused on every rank, with nothing changed.

@@ -41,8 +41,9 @@ extern "C" {
  * adds ckpt_rank_pieces_keeping_whole. 12 only adds the gated overlapped step
  * (ckpt_overlap_begin_gated, ckpt_optimizer_gate_open, ckpt_optimizer_await_pieces,
  * ckpt_optimizer_await_step): a library of 12 serves callers of 11. 13 only adds
- * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. */
-#define CKPT_ABI_VERSION 13
+ * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. 14 only adds
+ * ckpt_optimizer_read_state_range: a library of 14 serves callers of 13. */
+#define CKPT_ABI_VERSION 14
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -292,6 +293,11 @@ CKPT_C_EXPORT int ckpt_optimizer_set_group(ckpt_optimizer* opt, size_t index, co
  * CKPT_MAX_EXP_AVG_SQ when the optimizer keeps it) as FP32 into `out` (`count` = the
  * optimizer's size). */
 CKPT_C_EXPORT int ckpt_optimizer_read_state(ckpt_optimizer* opt, int which, float* out, uint64_t count);
+/* (ABI 14) ckpt_optimizer_read_state of slab elements [offset, offset + count) only (one
+ * parameter's state, say, at the cost of its own elements); CKPT_OUT_OF_RANGE past the
+ * optimizer's size. */
+CKPT_C_EXPORT int ckpt_optimizer_read_state_range(ckpt_optimizer* opt, int which, uint64_t offset,
+                                                  float* out, uint64_t count);
 /* (ABI 6) Replaces the whole state at once (StagedAdamW::SetState): `master` (NULL: the masters
  * stay), `exp_avg` and `exp_avg_sq` as FP32, `count` (the optimizer's size) elements each, and
  * every group's step counter (`nsteps` = the number of groups). All or nothing: a size or

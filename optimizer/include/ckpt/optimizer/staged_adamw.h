@@ -415,6 +415,9 @@ class StagedAdamW {
   // has_max_exp_avg_sq().
   enum class StateTensor { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq };
   absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
+  // The same for slab elements [offset, offset + out.size()) only (one parameter's state
+  // costs its own elements, not the whole state's); kOutOfRange past size().
+  absl::Status CopyStateRangeAsF32(StateTensor which, uint64_t offset, std::span<float> out);
   // Replaces the whole state at once, as a load does (torch's load_state_dict): `master` (or
   // the masters as they are, when empty), both moments as FP32 (rounded to BF16, nearest even,
   // in MomentDType::kBF16), size() elements each in slab order, and every parameter's step
