@@ -19,10 +19,11 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <set>
+#include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "absl/functional/function_ref.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -37,7 +38,6 @@ namespace {
 
 using internal::Invalid;
 using internal::kMaxWorldSize;
-using nlohmann::json;
 
 constexpr int kMaxJsonDepth = 16;
 constexpr uint64_t kMaxRank = 64;  // dims of a tensor
@@ -46,57 +46,102 @@ absl::string_view Magic(ManifestKind kind) {
   return kind == ManifestKind::kManifest ? kManifestMagic : kPartMagic;
 }
 
-// Reads JSON fields with type checks; the first failure is kept and names the field.
-class Reader {
+// JSON as nlohmann's dump(1) writes it (one space per level, each element on its own line,
+// "key": value, empty containers as [] and {}), written straight into a string: building a DOM
+// of a manifest of 60,000 tensors to dump it cost more than the rest of a save of them.
+class PrettyJson {
  public:
-  explicit Reader(std::string file) : file_(std::move(file)) {}
-  absl::Status status() const { return status_; }
-
-  const json* Field(const json& obj, const char* key, absl::string_view where) {
-    if (!status_.ok()) return nullptr;
-    if (!obj.is_object()) return Fail(where, "is not an object");
-    auto it = obj.find(key);
-    if (it == obj.end()) return Fail(where, absl::StrCat("lacks \"", key, "\""));
-    return &*it;
+  explicit PrettyJson(std::string* out) : out_(out) {}
+  void BeginObject() { Open('{'); }
+  void EndObject() { Close('}'); }
+  void BeginArray() { Open('['); }
+  void EndArray() { Close(']'); }
+  // A key of the open object; its value comes next.
+  void Key(absl::string_view key) {
+    Element();
+    Quoted(key);
+    out_->append(": ");
+    after_key_ = true;
   }
-  uint64_t U64(const json& obj, const char* key, absl::string_view where, uint64_t max = ~0ull) {
-    const json* v = Field(obj, key, where);
-    if (v == nullptr) return 0;
-    return U64Value(*v, absl::StrCat(where, ".", key), max);
+  void U64(uint64_t v) {
+    Element();
+    char digits[20];
+    char* end = digits + sizeof(digits);
+    char* at = end;
+    do {
+      *--at = static_cast<char>('0' + v % 10);
+      v /= 10;
+    } while (v != 0);
+    out_->append(at, end);
   }
-  uint64_t U64Value(const json& v, absl::string_view where, uint64_t max = ~0ull) {
-    if (!status_.ok()) return 0;
-    if (!v.is_number_unsigned()) return Fail(where, "is not an unsigned integer"), 0;
-    uint64_t x = v.get<uint64_t>();
-    if (x > max) return Fail(where, absl::StrCat("is ", x, ", above the limit ", max)), 0;
-    return x;
+  // 16 lowercase hex digits, quoted.
+  void Hex64(uint64_t v) {
+    Element();
+    char text[18];
+    text[0] = text[17] = '"';
+    for (int i = 16; i >= 1; --i, v >>= 4) text[i] = "0123456789abcdef"[v & 15];
+    out_->append(text, sizeof(text));
   }
-  std::string Str(const json& obj, const char* key, absl::string_view where) {
-    const json* v = Field(obj, key, where);
-    if (v == nullptr) return {};
-    if (!v->is_string()) return Fail(absl::StrCat(where, ".", key), "is not a string"), "";
-    return v->get_ref<const std::string&>();
-  }
-  const json* Array(const json& obj, const char* key, absl::string_view where) {
-    const json* v = Field(obj, key, where);
-    if (v == nullptr) return nullptr;
-    if (!v->is_array()) return Fail(absl::StrCat(where, ".", key), "is not an array");
-    return v;
-  }
-  std::nullptr_t Fail(absl::string_view where, absl::string_view what) {
-    if (status_.ok()) status_ = absl::DataLossError(absl::StrCat(file_, ": ", where, " ", what));
-    return nullptr;
+  void String(absl::string_view s) {
+    Element();
+    Quoted(s);
   }
 
  private:
-  std::string file_;
-  absl::Status status_;
-};
+  // Before a value or a key: the separator and indentation of the open container, if any.
+  void Element() {
+    if (after_key_) {
+      after_key_ = false;
+      return;
+    }
+    if (counts_.empty()) return;
+    out_->append(counts_.back()++ == 0 ? "\n" : ",\n");
+    out_->append(counts_.size(), ' ');
+  }
+  void Open(char c) {
+    Element();
+    out_->push_back(c);
+    counts_.push_back(0);
+  }
+  void Close(char c) {
+    if (counts_.back() != 0) {
+      out_->push_back('\n');
+      out_->append(counts_.size() - 1, ' ');
+    }
+    counts_.pop_back();
+    out_->push_back(c);
+  }
+  // JSON escapes: quote, backslash and control characters; other bytes (UTF-8: IsValidName
+  // requires it of names) as they are.
+  void Quoted(absl::string_view s) {
+    out_->push_back('"');
+    for (char ch : s) {
+      const unsigned char c = static_cast<unsigned char>(ch);
+      switch (c) {
+        case '"': out_->append("\\\""); break;
+        case '\\': out_->append("\\\\"); break;
+        case '\b': out_->append("\\b"); break;
+        case '\t': out_->append("\\t"); break;
+        case '\n': out_->append("\\n"); break;
+        case '\f': out_->append("\\f"); break;
+        case '\r': out_->append("\\r"); break;
+        default:
+          if (c < 0x20) {
+            out_->append("\\u00");
+            out_->push_back("0123456789abcdef"[c >> 4]);
+            out_->push_back("0123456789abcdef"[c & 15]);
+          } else {
+            out_->push_back(ch);
+          }
+      }
+    }
+    out_->push_back('"');
+  }
 
-json ChunkToJson(const ChunkInfo& c) {
-  return json::array({c.offset, c.stored_bytes, c.raw_bytes, static_cast<uint64_t>(c.codec),
-                      absl::StrFormat("%016x", c.checksum)});
-}
+  std::string* out_;
+  std::vector<uint64_t> counts_;  // Elements written so far in each open container.
+  bool after_key_ = false;
+};
 
 bool ParseHex64(absl::string_view s, uint64_t* out) {
   if (s.size() != 16) return false;
@@ -106,94 +151,405 @@ bool ParseHex64(absl::string_view s, uint64_t* out) {
   return absl::SimpleHexAtoi(s, out);
 }
 
-void ParseTensors(Reader& r, const json& root, Manifest* m) {
-  const json* tensors = r.Array(root, "tensors", "manifest");
-  if (tensors == nullptr) return;
-  for (size_t i = 0; i < tensors->size() && r.status().ok(); ++i) {
-    const json& t = (*tensors)[i];
-    std::string where = absl::StrCat("tensors[", i, "]");
-    TensorInfo info;
-    info.name = r.Str(t, "name", where);
-    std::string dtype = r.Str(t, "dtype", where);
-    if (!r.status().ok()) return;
-    absl::StatusOr<DType> parsed = ParseDType(dtype);
-    if (!parsed.ok()) return void(r.Fail(where, absl::StrCat("has unknown dtype \"", dtype, "\"")));
-    info.dtype = *parsed;
-    const json* shape = r.Array(t, "shape", where);
-    if (shape == nullptr) return;
-    if (shape->size() > kMaxRank) return void(r.Fail(where, "has too many dimensions"));
-    for (size_t d = 0; d < shape->size(); ++d) {
-      info.shape.push_back(r.U64Value((*shape)[d], absl::StrCat(where, ".shape[", d, "]")));
-    }
-    m->tensors.push_back(std::move(info));
-  }
-}
+// A manifest's JSON parsed straight into a Manifest on SAX events, under StrictSax's rules: no
+// DOM (a manifest of 60,000 tensors built one at several allocations per field, most of what a
+// load of it cost). The fields are checked as the walk of a DOM checked them, and the first
+// error in that walk's order is the one reported: the root's format, version, step and
+// world_size, then each section in turn (tensors, files, pieces, blobs), its records in order,
+// each record's fields in a fixed order. Keys outside the schema are allowed and skipped.
+enum class Kind : uint8_t { kAbsent, kUnsigned, kString, kArray, kOther };
+struct Value {
+  Value() = default;
+  explicit Value(Kind k, uint64_t x = 0, std::string text = {})
+      : kind(k), u(x), s(std::move(text)) {}
+  Kind kind = Kind::kAbsent;
+  uint64_t u = 0;
+  std::string s;
+};
 
-void ParseFiles(Reader& r, const json& root, Manifest* m) {
-  const json* files = r.Array(root, "files", "manifest");
-  if (files == nullptr) return;
-  for (size_t i = 0; i < files->size() && r.status().ok(); ++i) {
-    const json& f = (*files)[i];
-    std::string where = absl::StrCat("files[", i, "]");
-    DataFileInfo info;
-    info.name = r.Str(f, "name", where);
-    info.rank = static_cast<uint32_t>(r.U64(f, "rank", where, kMaxWorldSize));
-    info.size_bytes = r.U64(f, "size", where);
-    const json* chunks = r.Array(f, "chunks", where);
-    if (chunks == nullptr) return;
-    for (size_t c = 0; c < chunks->size() && r.status().ok(); ++c) {
-      const json& e = (*chunks)[c];
-      std::string cw = absl::StrCat(where, ".chunks[", c, "]");
-      if (!e.is_array() || e.size() != 5) return void(r.Fail(cw, "is not a 5-element array"));
-      ChunkInfo ci;
-      ci.offset = r.U64Value(e[0], cw);
-      ci.stored_bytes = r.U64Value(e[1], cw, kMaxChunkBytes);
-      ci.raw_bytes = r.U64Value(e[2], cw, kMaxChunkBytes);
-      ci.codec = static_cast<Codec>(r.U64Value(e[3], cw, 1));
-      if (!r.status().ok()) return;
-      if (!e[4].is_string() || !ParseHex64(e[4].get_ref<const std::string&>(), &ci.checksum)) {
-        return void(r.Fail(cw, "has a checksum that is not 16 lowercase hex digits"));
+enum Section { kTensors, kFiles, kPieces, kBlobs, kSectionCount };
+constexpr const char* kSectionNames[kSectionCount] = {"tensors", "files", "pieces", "blobs"};
+// Each object's known keys, by index into its Value slots. The root's sections are its slots
+// 4 to 7, in Section order.
+constexpr int kMaxFields = 8;
+constexpr const char* kRootFields[kMaxFields] = {"format", "version", "step", "world_size",
+                                                 "tensors", "files", "pieces", "blobs"};
+constexpr const char* kTensorFields[kMaxFields] = {"name", "dtype", "shape"};
+constexpr const char* kFileFields[kMaxFields] = {"name", "rank", "size", "chunks"};
+constexpr const char* kPieceFields[kMaxFields] = {"tensor", "rank", "begin", "count",
+                                                  "file", "first_chunk", "chunk_count",
+                                                  "chunk_elems"};
+constexpr const char* kBlobFields[kMaxFields] = {"name", "rank", "file", "size",
+                                                 "first_chunk", "chunk_count"};
+constexpr const char* const* kRecordFields[kSectionCount] = {kTensorFields, kFileFields,
+                                                             kPieceFields, kBlobFields};
+constexpr int kShapeField = 2;   // Of a tensor.
+constexpr int kChunksField = 3;  // Of a file.
+
+// The fields of one object, checked in the order they are asked for; the first failure is
+// kept, as "<where> <what>" (where: "manifest", "tensors[3]", ...). `where` is called only to
+// name a failure, and must outlive this.
+class Fields {
+ public:
+  Fields(Value* values, std::string* error, absl::FunctionRef<std::string()> where)
+      : values_(values), error_(error), where_(where) {}
+  bool ok() const { return error_->empty(); }
+  uint64_t U64(int i, const char* key, uint64_t max = ~0ull) {
+    const Value& v = values_[i];
+    if (!Present(v, key)) return 0;
+    if (v.kind != Kind::kUnsigned) return Fail(absl::StrCat(where_(), ".", key), "is not an unsigned integer"), 0;
+    if (v.u > max) {
+      return Fail(absl::StrCat(where_(), ".", key), absl::StrCat("is ", v.u, ", above the limit ", max)), 0;
+    }
+    return v.u;
+  }
+  std::string Str(int i, const char* key) {
+    Value& v = values_[i];
+    if (!Present(v, key)) return {};
+    if (v.kind != Kind::kString) return Fail(absl::StrCat(where_(), ".", key), "is not a string"), "";
+    return std::move(v.s);
+  }
+  bool Array(int i, const char* key) {
+    const Value& v = values_[i];
+    if (!Present(v, key)) return false;
+    if (v.kind != Kind::kArray) return Fail(absl::StrCat(where_(), ".", key), "is not an array"), false;
+    return true;
+  }
+  void Fail(absl::string_view at, absl::string_view what) {
+    if (error_->empty()) *error_ = absl::StrCat(at, " ", what);
+  }
+  void FailHere(absl::string_view what) { Fail(where_(), what); }
+
+ private:
+  bool Present(const Value& v, const char* key) {
+    if (!ok()) return false;
+    if (v.kind == Kind::kAbsent) return FailHere(absl::StrCat("lacks \"", key, "\"")), false;
+    return true;
+  }
+  Value* values_;
+  std::string* error_;
+  absl::FunctionRef<std::string()> where_;
+};
+
+class ManifestSax : public internal::StrictSax {
+ public:
+  ManifestSax() : StrictSax(kMaxJsonDepth) {}
+
+  // After RunStrict returned true: the manifest, or the first error in the walk's order.
+  absl::StatusOr<Manifest> Finish(absl::string_view file) &&;
+
+  bool null() override { return Scalar(Value(Kind::kOther)); }
+  bool boolean(bool) override { return Scalar(Value(Kind::kOther)); }
+  bool number_integer(number_integer_t) override { return Scalar(Value(Kind::kOther)); }
+  bool number_unsigned(number_unsigned_t v) override { return Scalar(Value(Kind::kUnsigned, v)); }
+  bool number_float(number_float_t, const string_t&) override {
+    return Scalar(Value(Kind::kOther));
+  }
+  bool string(string_t& v) override { return Scalar(Value(Kind::kString, 0, std::move(v))); }
+  bool binary(binary_t&) override { return Scalar(Value(Kind::kOther)); }
+  bool start_object(std::size_t) override { return Open(/*object=*/true); }
+  bool start_array(std::size_t) override { return Open(/*object=*/false); }
+  bool end_object() override { return Close(); }
+  bool end_array() override { return Close(); }
+  bool key(string_t& k) override;
+
+ private:
+  enum class Role : uint8_t { kRoot, kSection, kRecord, kShape, kChunks, kChunk, kSkip };
+  struct Frame {
+    Role role = Role::kSkip;
+    bool object = false;
+    Section section = kTensors;
+    uint64_t index = 0;  // Arrays: the elements so far.
+    uint32_t seen = 0;   // Root and records: a bit per known key seen.
+    int pending = -1;    // Objects: the slot of the next value (-1: a key outside the schema).
+    // Keys outside the schema (every key of a skipped object), to refuse one seen twice.
+    std::unique_ptr<std::set<std::string>> other_keys;
+  };
+  // Where the next value goes: a slot, or nowhere (nullptr) when it is skipped.
+  Value* Slot();
+  // Opens a container as the next value, placed by the frame it is in.
+  bool Open(bool object);
+  bool Close();
+  bool Scalar(Value v);
+  Role ContainerRole(bool object);
+  void StartRecord(Section section, uint64_t index);
+  void FinishRecord();
+  void FinishChunk(uint64_t index, uint64_t count);
+  std::string RecordWhere() const { return absl::StrCat(kSectionNames[section_], "[", record_, "]"); }
+
+  std::vector<Frame> stack_;
+  bool root_object_ = false;
+  Value root_[kMaxFields];
+  Manifest manifest_;
+  std::string section_error_[kSectionCount];  // The first failure of a section's records.
+  // The record open (at most one: records do not nest).
+  Section section_ = kTensors;
+  uint64_t record_ = 0;
+  Value fields_[kMaxFields];
+  std::vector<uint64_t> shape_;
+  uint64_t shape_count_ = 0;
+  int64_t bad_dim_ = -1;  // The first dimension that is not an unsigned integer.
+  std::vector<ChunkInfo> chunks_;
+  std::string chunk_error_;
+  Value chunk_[5];
+};
+
+bool ManifestSax::key(string_t& k) {
+  Frame& f = stack_.back();
+  f.pending = -1;
+  if (f.role == Role::kRoot || f.role == Role::kRecord) {
+    const char* const* names = f.role == Role::kRoot ? kRootFields : kRecordFields[f.section];
+    for (int i = 0; i < kMaxFields && names[i] != nullptr; ++i) {
+      if (k == names[i]) {
+        if (f.seen & (1u << i)) return Repeated(std::move(k));
+        f.seen |= 1u << i;
+        f.pending = i;
+        return true;
       }
-      info.chunks.push_back(ci);
     }
-    m->files.push_back(std::move(info));
+  }
+  if (f.other_keys == nullptr) f.other_keys = std::make_unique<std::set<std::string>>();
+  if (!f.other_keys->insert(k).second) return Repeated(std::move(k));
+  return true;
+}
+
+Value* ManifestSax::Slot() {
+  Frame& f = stack_.back();
+  if (f.role == Role::kRoot) return f.pending >= 0 ? &root_[f.pending] : nullptr;
+  if (f.role == Role::kRecord) return f.pending >= 0 ? &fields_[f.pending] : nullptr;
+  return nullptr;
+}
+
+bool ManifestSax::Scalar(Value v) {
+  if (stack_.empty()) return true;  // A top-level scalar: not an object (Finish).
+  Frame& f = stack_.back();
+  const uint64_t index = f.index++;
+  switch (f.role) {
+    case Role::kRoot:
+    case Role::kRecord:
+      if (Value* slot = Slot()) *slot = std::move(v);
+      break;
+    case Role::kSection:
+      if (section_error_[f.section].empty()) {
+        section_error_[f.section] =
+            absl::StrCat(kSectionNames[f.section], "[", index, "] is not an object");
+      }
+      break;
+    case Role::kShape:
+      if (v.kind == Kind::kUnsigned) {
+        if (shape_.size() <= kMaxRank) shape_.push_back(v.u);
+      } else if (bad_dim_ < 0) {
+        bad_dim_ = static_cast<int64_t>(index);
+      }
+      ++shape_count_;
+      break;
+    case Role::kChunks:
+      FinishChunk(index, 0);  // Not an array: refused as one of the wrong size.
+      break;
+    case Role::kChunk:
+      if (index < 5) chunk_[index] = std::move(v);
+      break;
+    case Role::kSkip:
+      break;
+  }
+  return true;
+}
+
+ManifestSax::Role ManifestSax::ContainerRole(bool object) {
+  if (stack_.empty()) {
+    root_object_ = object;
+    return object ? Role::kRoot : Role::kSkip;
+  }
+  Frame& f = stack_.back();
+  const uint64_t index = f.index++;
+  switch (f.role) {
+    case Role::kRoot:
+      if (f.pending < 0) return Role::kSkip;
+      root_[f.pending] = Value(object || f.pending < 4 ? Kind::kOther : Kind::kArray);
+      return root_[f.pending].kind == Kind::kArray ? Role::kSection : Role::kSkip;
+    case Role::kRecord: {
+      if (f.pending < 0) return Role::kSkip;
+      const bool nested = !object && ((f.section == kTensors && f.pending == kShapeField) ||
+                                      (f.section == kFiles && f.pending == kChunksField));
+      fields_[f.pending] = Value(nested ? Kind::kArray : Kind::kOther);
+      if (!nested) return Role::kSkip;
+      return f.section == kTensors ? Role::kShape : Role::kChunks;
+    }
+    case Role::kSection:
+      if (!object || !section_error_[f.section].empty()) {
+        if (section_error_[f.section].empty()) {
+          section_error_[f.section] =
+              absl::StrCat(kSectionNames[f.section], "[", index, "] is not an object");
+        }
+        return Role::kSkip;
+      }
+      StartRecord(f.section, index);
+      return Role::kRecord;
+    case Role::kShape:
+      if (bad_dim_ < 0) bad_dim_ = static_cast<int64_t>(index);
+      ++shape_count_;
+      return Role::kSkip;
+    case Role::kChunks:
+      if (object) {
+        FinishChunk(index, 0);
+        return Role::kSkip;
+      }
+      for (Value& v : chunk_) v.kind = Kind::kAbsent;
+      return Role::kChunk;
+    case Role::kChunk:
+      if (index < 5) chunk_[index] = Value(Kind::kOther);
+      return Role::kSkip;
+    case Role::kSkip:
+      return Role::kSkip;
+  }
+  return Role::kSkip;
+}
+
+bool ManifestSax::Open(bool object) {
+  if (!Enter()) return false;
+  const Role role = ContainerRole(object);
+  Section section = stack_.empty() ? kTensors : stack_.back().section;
+  if (!stack_.empty() && stack_.back().role == Role::kRoot && role == Role::kSection) {
+    section = static_cast<Section>(stack_.back().pending - 4);
+  }
+  Frame frame;
+  frame.role = role;
+  frame.object = object;
+  frame.section = section;
+  stack_.push_back(std::move(frame));
+  return true;
+}
+
+bool ManifestSax::Close() {
+  const Frame f = std::move(stack_.back());
+  stack_.pop_back();
+  Leave();
+  if (f.role == Role::kRecord) FinishRecord();
+  if (f.role == Role::kChunk) FinishChunk(stack_.back().index - 1, f.index);
+  return true;
+}
+
+void ManifestSax::StartRecord(Section section, uint64_t index) {
+  section_ = section;
+  record_ = index;
+  for (Value& v : fields_) v.kind = Kind::kAbsent;
+  shape_.clear();
+  shape_count_ = 0;
+  bad_dim_ = -1;
+  chunks_.clear();
+  chunk_error_.clear();
+}
+
+void ManifestSax::FinishChunk(uint64_t index, uint64_t count) {
+  if (!chunk_error_.empty()) return;
+  auto where = [&] { return absl::StrCat(RecordWhere(), ".chunks[", index, "]"); };
+  Fields c(chunk_, &chunk_error_, where);
+  if (count != 5) return c.FailHere("is not a 5-element array");
+  // The entries' errors name the chunk alone, not the entry.
+  auto entry = [&](int i, uint64_t max) -> uint64_t {
+    const Value& v = chunk_[i];
+    if (!c.ok()) return 0;
+    if (v.kind != Kind::kUnsigned) return c.FailHere("is not an unsigned integer"), 0;
+    if (v.u > max) return c.FailHere(absl::StrCat("is ", v.u, ", above the limit ", max)), 0;
+    return v.u;
+  };
+  ChunkInfo ci;
+  ci.offset = entry(0, ~0ull);
+  ci.stored_bytes = entry(1, kMaxChunkBytes);
+  ci.raw_bytes = entry(2, kMaxChunkBytes);
+  ci.codec = static_cast<Codec>(entry(3, 1));
+  if (!c.ok()) return;
+  if (chunk_[4].kind != Kind::kString || !ParseHex64(chunk_[4].s, &ci.checksum)) {
+    return c.FailHere("has a checksum that is not 16 lowercase hex digits");
+  }
+  chunks_.push_back(ci);
+}
+
+void ManifestSax::FinishRecord() {
+  std::string& error = section_error_[section_];
+  if (!error.empty()) return;
+  auto where = [&] { return RecordWhere(); };
+  Fields r(fields_, &error, where);
+  switch (section_) {
+    case kTensors: {
+      TensorInfo info;
+      info.name = r.Str(0, "name");
+      const std::string dtype = r.Str(1, "dtype");
+      if (!r.ok()) return;
+      absl::StatusOr<DType> parsed = ParseDType(dtype);
+      if (!parsed.ok()) return r.FailHere(absl::StrCat("has unknown dtype \"", dtype, "\""));
+      info.dtype = *parsed;
+      if (!r.Array(kShapeField, "shape")) return;
+      if (shape_count_ > kMaxRank) return r.FailHere("has too many dimensions");
+      if (bad_dim_ >= 0) {
+        return r.Fail(absl::StrCat(RecordWhere(), ".shape[", bad_dim_, "]"),
+                      "is not an unsigned integer");
+      }
+      info.shape = shape_;
+      manifest_.tensors.push_back(std::move(info));
+      return;
+    }
+    case kFiles: {
+      DataFileInfo info;
+      info.name = r.Str(0, "name");
+      info.rank = static_cast<uint32_t>(r.U64(1, "rank", kMaxWorldSize));
+      info.size_bytes = r.U64(2, "size");
+      if (!r.Array(kChunksField, "chunks")) return;
+      if (!chunk_error_.empty()) return void(error = std::move(chunk_error_));
+      info.chunks = std::move(chunks_);
+      chunks_.clear();
+      manifest_.files.push_back(std::move(info));
+      return;
+    }
+    case kPieces: {
+      PieceInfo info;
+      info.tensor = static_cast<uint32_t>(r.U64(0, "tensor", UINT32_MAX));
+      info.rank = static_cast<uint32_t>(r.U64(1, "rank", kMaxWorldSize));
+      info.begin = r.U64(2, "begin");
+      info.count = r.U64(3, "count");
+      info.file = static_cast<uint32_t>(r.U64(4, "file", UINT32_MAX));
+      info.first_chunk = r.U64(5, "first_chunk");
+      info.chunk_count = r.U64(6, "chunk_count");
+      info.chunk_elems = r.U64(7, "chunk_elems");
+      if (r.ok()) manifest_.pieces.push_back(info);
+      return;
+    }
+    case kBlobs: {
+      BlobInfo info;
+      info.name = r.Str(0, "name");
+      info.rank = static_cast<uint32_t>(r.U64(1, "rank", kMaxWorldSize));
+      info.file = static_cast<uint32_t>(r.U64(2, "file", UINT32_MAX));
+      info.size_bytes = r.U64(3, "size");
+      info.first_chunk = r.U64(4, "first_chunk");
+      info.chunk_count = r.U64(5, "chunk_count");
+      if (r.ok()) manifest_.blobs.push_back(std::move(info));
+      return;
+    }
+    case kSectionCount:
+      return;
   }
 }
 
-void ParsePieces(Reader& r, const json& root, Manifest* m) {
-  const json* pieces = r.Array(root, "pieces", "manifest");
-  if (pieces == nullptr) return;
-  for (size_t i = 0; i < pieces->size() && r.status().ok(); ++i) {
-    const json& p = (*pieces)[i];
-    std::string where = absl::StrCat("pieces[", i, "]");
-    PieceInfo info;
-    info.tensor = static_cast<uint32_t>(r.U64(p, "tensor", where, UINT32_MAX));
-    info.rank = static_cast<uint32_t>(r.U64(p, "rank", where, kMaxWorldSize));
-    info.begin = r.U64(p, "begin", where);
-    info.count = r.U64(p, "count", where);
-    info.file = static_cast<uint32_t>(r.U64(p, "file", where, UINT32_MAX));
-    info.first_chunk = r.U64(p, "first_chunk", where);
-    info.chunk_count = r.U64(p, "chunk_count", where);
-    info.chunk_elems = r.U64(p, "chunk_elems", where);
-    m->pieces.push_back(info);
+absl::StatusOr<Manifest> ManifestSax::Finish(absl::string_view file) && {
+  if (!root_object_) return Invalid(file, "manifest is not an object");
+  std::string error;
+  auto where = [] { return std::string("manifest"); };
+  Fields r(root_, &error, where);
+  if (r.Str(0, "format") != "ckpt" && r.ok()) {
+    return Invalid(file, "JSON format field is not \"ckpt\"");
   }
-}
-
-void ParseBlobs(Reader& r, const json& root, Manifest* m) {
-  const json* blobs = r.Array(root, "blobs", "manifest");
-  if (blobs == nullptr) return;
-  for (size_t i = 0; i < blobs->size() && r.status().ok(); ++i) {
-    const json& b = (*blobs)[i];
-    std::string where = absl::StrCat("blobs[", i, "]");
-    BlobInfo info;
-    info.name = r.Str(b, "name", where);
-    info.rank = static_cast<uint32_t>(r.U64(b, "rank", where, kMaxWorldSize));
-    info.file = static_cast<uint32_t>(r.U64(b, "file", where, UINT32_MAX));
-    info.size_bytes = r.U64(b, "size", where);
-    info.first_chunk = r.U64(b, "first_chunk", where);
-    info.chunk_count = r.U64(b, "chunk_count", where);
-    m->blobs.push_back(std::move(info));
+  if (r.U64(1, "version") != kFormatVersion && r.ok()) {
+    return Invalid(file, "JSON version disagrees with the header");
   }
+  manifest_.step = r.U64(2, "step");
+  manifest_.world_size = static_cast<uint32_t>(r.U64(3, "world_size", kMaxWorldSize));
+  for (int s = 0; s < kSectionCount && r.ok(); ++s) {
+    if (r.Array(4 + s, kSectionNames[s]) && !section_error_[s].empty()) {
+      error = std::move(section_error_[s]);
+    }
+  }
+  if (!error.empty()) return Invalid(file, error);
+  return std::move(manifest_);
 }
 
 }  // namespace
@@ -205,50 +561,82 @@ uint64_t TensorInfo::numel() const {
 }
 
 std::string EncodeManifest(const Manifest& m, ManifestKind kind) {
-  json root = json::object();
-  root["format"] = "ckpt";
-  root["version"] = kFormatVersion;
-  root["step"] = m.step;
-  root["world_size"] = m.world_size;
-  json tensors = json::array();
-  for (const TensorInfo& t : m.tensors) {
-    tensors.push_back(
-        {{"name", t.name}, {"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}});
-  }
-  json files = json::array();
-  for (const DataFileInfo& f : m.files) {
-    json chunks = json::array();
-    for (const ChunkInfo& c : f.chunks) chunks.push_back(ChunkToJson(c));
-    files.push_back(
-        {{"name", f.name}, {"rank", f.rank}, {"size", f.size_bytes}, {"chunks", chunks}});
-  }
-  json pieces = json::array();
-  for (const PieceInfo& p : m.pieces) {
-    pieces.push_back({{"tensor", p.tensor},
-                      {"rank", p.rank},
-                      {"begin", p.begin},
-                      {"count", p.count},
-                      {"file", p.file},
-                      {"first_chunk", p.first_chunk},
-                      {"chunk_count", p.chunk_count},
-                      {"chunk_elems", p.chunk_elems}});
-  }
-  json blobs = json::array();
+  // Keys in sorted order, as the DOM this once was dumped them (the format's bytes unchanged).
+  std::string body;
+  body.reserve(256 + 80 * m.tensors.size() + 160 * m.pieces.size() + 160 * m.blobs.size() +
+               [&] {
+                 size_t chunks = 0;
+                 for (const DataFileInfo& f : m.files) chunks += f.chunks.size();
+                 return 100 * chunks;
+               }());
+  PrettyJson w(&body);
+  w.BeginObject();
+  w.Key("blobs");
+  w.BeginArray();
   for (const BlobInfo& b : m.blobs) {
-    blobs.push_back({{"name", b.name},
-                     {"rank", b.rank},
-                     {"file", b.file},
-                     {"size", b.size_bytes},
-                     {"first_chunk", b.first_chunk},
-                     {"chunk_count", b.chunk_count}});
+    w.BeginObject();
+    w.Key("chunk_count"), w.U64(b.chunk_count);
+    w.Key("file"), w.U64(b.file);
+    w.Key("first_chunk"), w.U64(b.first_chunk);
+    w.Key("name"), w.String(b.name);
+    w.Key("rank"), w.U64(b.rank);
+    w.Key("size"), w.U64(b.size_bytes);
+    w.EndObject();
   }
-  root["tensors"] = std::move(tensors);
-  root["files"] = std::move(files);
-  root["pieces"] = std::move(pieces);
-  root["blobs"] = std::move(blobs);
-  // Replacement of invalid UTF-8 keeps dump() from aborting under -fno-exceptions; names are
-  // validated before they get here, so it never changes a valid manifest.
-  std::string body = root.dump(1, ' ', false, json::error_handler_t::replace);
+  w.EndArray();
+  w.Key("files");
+  w.BeginArray();
+  for (const DataFileInfo& f : m.files) {
+    w.BeginObject();
+    w.Key("chunks");
+    w.BeginArray();
+    for (const ChunkInfo& c : f.chunks) {
+      w.BeginArray();
+      w.U64(c.offset), w.U64(c.stored_bytes), w.U64(c.raw_bytes);
+      w.U64(static_cast<uint64_t>(c.codec));
+      w.Hex64(c.checksum);
+      w.EndArray();
+    }
+    w.EndArray();
+    w.Key("name"), w.String(f.name);
+    w.Key("rank"), w.U64(f.rank);
+    w.Key("size"), w.U64(f.size_bytes);
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("format"), w.String("ckpt");
+  w.Key("pieces");
+  w.BeginArray();
+  for (const PieceInfo& p : m.pieces) {
+    w.BeginObject();
+    w.Key("begin"), w.U64(p.begin);
+    w.Key("chunk_count"), w.U64(p.chunk_count);
+    w.Key("chunk_elems"), w.U64(p.chunk_elems);
+    w.Key("count"), w.U64(p.count);
+    w.Key("file"), w.U64(p.file);
+    w.Key("first_chunk"), w.U64(p.first_chunk);
+    w.Key("rank"), w.U64(p.rank);
+    w.Key("tensor"), w.U64(p.tensor);
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("step"), w.U64(m.step);
+  w.Key("tensors");
+  w.BeginArray();
+  for (const TensorInfo& t : m.tensors) {
+    w.BeginObject();
+    w.Key("dtype"), w.String(DTypeName(t.dtype));
+    w.Key("name"), w.String(t.name);
+    w.Key("shape");
+    w.BeginArray();
+    for (uint64_t d : t.shape) w.U64(d);
+    w.EndArray();
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("version"), w.U64(kFormatVersion);
+  w.Key("world_size"), w.U64(m.world_size);
+  w.EndObject();
 
   std::string out(Magic(kind));
   PutFixed32(&out, kFormatVersion);
@@ -289,29 +677,15 @@ absl::StatusOr<Manifest> ParseManifest(std::span<const std::byte> bytes, absl::s
         absl::StrCat(file, ": manifest format version ", version, " is not supported"));
   }
   absl::string_view text = AsStringView(bytes.subspan(kManifestHeaderBytes));
-  internal::StrictJson parsed = internal::ParseStrictJson(text, kMaxJsonDepth);
-  if (parsed.too_deep) return Invalid(file, "JSON nests too deeply");
-  if (!parsed.duplicate.empty()) {
-    return Invalid(file, absl::StrCat("key \"", parsed.duplicate, "\" appears twice"));
+  ManifestSax sax;
+  if (!internal::RunStrict(text, &sax)) {
+    if (sax.too_deep()) return Invalid(file, "JSON nests too deeply");
+    if (!sax.duplicate().empty()) {
+      return Invalid(file, absl::StrCat("key \"", sax.duplicate(), "\" appears twice"));
+    }
+    return Invalid(file, "JSON does not parse");
   }
-  if (!parsed.ok()) return Invalid(file, "JSON does not parse");
-  const json& root = parsed.value;
-
-  Reader r{std::string(file)};
-  Manifest m;
-  if (r.Str(root, "format", "manifest") != "ckpt" && r.status().ok()) {
-    return Invalid(file, "JSON format field is not \"ckpt\"");
-  }
-  if (r.U64(root, "version", "manifest") != kFormatVersion && r.status().ok()) {
-    return Invalid(file, "JSON version disagrees with the header");
-  }
-  m.step = r.U64(root, "step", "manifest");
-  m.world_size = static_cast<uint32_t>(r.U64(root, "world_size", "manifest", kMaxWorldSize));
-  ParseTensors(r, root, &m);
-  ParseFiles(r, root, &m);
-  ParsePieces(r, root, &m);
-  ParseBlobs(r, root, &m);
-  CKPT_RETURN_IF_ERROR(r.status());
+  CKPT_ASSIGN_OR_RETURN(Manifest m, std::move(sax).Finish(file));
   CKPT_RETURN_IF_ERROR(ValidateManifest(m, file));
   return m;
 }

@@ -5,7 +5,9 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "absl/strings/str_format.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
 #include "tests/support/status_matchers.h"
@@ -68,6 +70,57 @@ std::string Frame(absl::string_view json, uint32_t version = 1) {
 }
 
 std::string JsonOf(const Manifest& m) { return EncodeManifest(m).substr(kManifestHeaderBytes); }
+
+// The JSON of a manifest is what nlohmann's dump(1) of the same fields as a DOM writes (how
+// it was encoded before it was written straight into a string): the format's bytes, key order
+// and layout included, do not change; names with quotes, non-ASCII UTF-8, empty shapes and
+// empty lists included.
+TEST(ManifestTest, EncodingIsTheJsonDumpOfItsFields) {
+  using nlohmann::json;
+  Manifest m = ValidManifest();
+  m.tensors.push_back({"quote\"d \xc3\xa9t\xc3\xa9 \xf0\x9f\x99\x82", DType::kBF16, {3, 1, 4}});
+  m.step = ~0ull;
+  for (const Manifest& each : {m, Manifest{}}) {
+    json root = json::object();
+    root["format"] = "ckpt";
+    root["version"] = kFormatVersion;
+    root["step"] = each.step;
+    root["world_size"] = each.world_size;
+    json tensors = json::array(), files = json::array(), pieces = json::array(),
+         blobs = json::array();
+    for (const TensorInfo& t : each.tensors) {
+      tensors.push_back(
+          {{"name", t.name}, {"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}});
+    }
+    for (const DataFileInfo& f : each.files) {
+      json chunks = json::array();
+      for (const ChunkInfo& c : f.chunks) {
+        chunks.push_back(json::array({c.offset, c.stored_bytes, c.raw_bytes,
+                                      static_cast<uint64_t>(c.codec),
+                                      absl::StrFormat("%016x", c.checksum)}));
+      }
+      files.push_back(
+          {{"name", f.name}, {"rank", f.rank}, {"size", f.size_bytes}, {"chunks", chunks}});
+    }
+    for (const PieceInfo& p : each.pieces) {
+      pieces.push_back({{"tensor", p.tensor}, {"rank", p.rank}, {"begin", p.begin},
+                        {"count", p.count}, {"file", p.file}, {"first_chunk", p.first_chunk},
+                        {"chunk_count", p.chunk_count}, {"chunk_elems", p.chunk_elems}});
+    }
+    for (const BlobInfo& b : each.blobs) {
+      blobs.push_back({{"name", b.name}, {"rank", b.rank}, {"file", b.file},
+                       {"size", b.size_bytes}, {"first_chunk", b.first_chunk},
+                       {"chunk_count", b.chunk_count}});
+    }
+    root["tensors"] = tensors;
+    root["files"] = files;
+    root["pieces"] = pieces;
+    root["blobs"] = blobs;
+    EXPECT_EQ(JsonOf(each), root.dump(1));
+  }
+  m.tensors.back().name = "tab\there";  // Escaped as JSON requires (IsValidName refuses it).
+  EXPECT_THAT(JsonOf(m), ::testing::HasSubstr("\"tab\\there\""));
+}
 
 struct BadCase {
   std::string rule;
@@ -238,6 +291,15 @@ TEST(NameTest, AcceptsDottedModelNamesAndRejectsPaths) {
   EXPECT_FALSE(IsValidName("."));
   EXPECT_FALSE(IsValidName("a/b"));
   EXPECT_FALSE(IsValidName(std::string("a\0b", 3)));
+}
+
+TEST(NameTest, AcceptsUtf8AndRejectsOtherBytes) {
+  EXPECT_TRUE(IsValidName("caf\xc3\xa9.\xe4\xb8\xad.\xf0\x9f\x99\x82.\xf4\x8f\xbf\xbf"));
+  for (const char* bad : {"\xff", "latin1 caf\xe9", "\xc0\x80", "\xc3", "\xe2\x82",
+                          "\xed\xa0\x80", "\xe0\x80\x80", "\xf0\x80\x80\x80",
+                          "\xf4\x90\x80\x80", "\x80", "\xc3\xa9\xa9"}) {
+    EXPECT_FALSE(IsValidName(bad)) << bad;
+  }
 }
 
 }  // namespace

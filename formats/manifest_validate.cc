@@ -21,6 +21,42 @@ using internal::kMaxTensorBytes;
 using internal::Invalid;
 using internal::kMaxWorldSize;
 
+// Well-formed UTF-8 (RFC 3629): no stray continuation bytes, no overlong forms, no surrogates,
+// nothing above U+10FFFF, no sequence cut short; what a JSON parser accepts in a string.
+bool IsValidUtf8(absl::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    const unsigned char c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    int n;
+    unsigned char lo = 0x80, hi = 0xbf;  // The second byte's range.
+    if (c >= 0xc2 && c <= 0xdf) {
+      n = 1;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      n = 2;
+      if (c == 0xe0) lo = 0xa0;
+      if (c == 0xed) hi = 0x9f;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      n = 3;
+      if (c == 0xf0) lo = 0x90;
+      if (c == 0xf4) hi = 0x8f;
+    } else {
+      return false;
+    }
+    if (end - p <= n) return false;
+    if (p[1] < lo || p[1] > hi) return false;
+    for (int i = 2; i <= n; ++i) {
+      if (p[i] < 0x80 || p[i] > 0xbf) return false;
+    }
+    p += n + 1;
+  }
+  return true;
+}
+
 absl::Status ValidateTensors(const Manifest& m, absl::string_view file) {
   std::set<absl::string_view> names;
   for (size_t i = 0; i < m.tensors.size(); ++i) {
@@ -177,7 +213,7 @@ bool IsValidName(absl::string_view name) {
   for (char c : name) {
     if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f || c == '\\') return false;
   }
-  return true;
+  return IsValidUtf8(name);
 }
 
 absl::Status ValidateManifest(const Manifest& m, absl::string_view file) {

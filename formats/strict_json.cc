@@ -10,9 +10,9 @@ using nlohmann::json;
 
 // Builds the DOM from SAX events. A key is checked against the object being built, whose
 // lookup is logarithmic, so duplicates cost no second pass and no set per object.
-class StrictBuilder : public nlohmann::json_sax<json> {
+class StrictBuilder : public StrictSax {
  public:
-  StrictBuilder(StrictJson* out, int max_depth) : out_(out), max_depth_(max_depth) {}
+  StrictBuilder(json* out, int max_depth) : StrictSax(max_depth), out_(out) {}
 
   bool null() override { return Put(json(nullptr)) != nullptr; }
   bool boolean(bool v) override { return Put(json(v)) != nullptr; }
@@ -26,24 +26,17 @@ class StrictBuilder : public nlohmann::json_sax<json> {
   bool start_array(std::size_t) override { return Open(json::array()); }
   bool end_array() override { return Close(); }
   bool key(string_t& k) override {
-    if (stack_.back()->contains(k)) {
-      out_->duplicate = k;
-      return false;
-    }
+    if (stack_.back()->contains(k)) return Repeated(std::move(k));
     key_ = std::move(k);
     return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-    out_->syntax_error = true;
-    return false;
   }
 
  private:
   // Places `v` where the next value goes: the root, the end of an array or under the key.
   json* Put(json&& v) {
     if (stack_.empty()) {
-      out_->value = std::move(v);
-      return &out_->value;
+      *out_ = std::move(v);
+      return out_;
     }
     json* parent = stack_.back();
     if (parent->is_array()) {
@@ -55,32 +48,36 @@ class StrictBuilder : public nlohmann::json_sax<json> {
     return &slot;
   }
   bool Open(json&& container) {
-    if (static_cast<int>(stack_.size()) >= max_depth_) {
-      out_->too_deep = true;
-      return false;
-    }
+    if (!Enter()) return false;
     stack_.push_back(Put(std::move(container)));
     return true;
   }
   bool Close() {
     stack_.pop_back();
+    Leave();
     return true;
   }
 
-  StrictJson* out_;
-  const int max_depth_;
+  json* out_;
   std::vector<json*> stack_;
   std::string key_;
 };
 
 }  // namespace
 
+bool RunStrict(absl::string_view text, StrictSax* sax) {
+  const bool parsed = json::sax_parse(text.begin(), text.end(), sax);
+  if (!parsed && sax->ok()) sax->syntax_error_ = true;
+  return parsed && sax->ok();
+}
+
 StrictJson ParseStrictJson(absl::string_view text, int max_depth) {
   StrictJson out;
-  StrictBuilder builder(&out, max_depth);
-  const bool parsed = json::sax_parse(text.begin(), text.end(), &builder);
-  if (!parsed && out.ok()) out.syntax_error = true;
-  if (!out.ok()) out.value = json();
+  StrictBuilder builder(&out.value, max_depth);
+  if (!RunStrict(text, &builder)) out.value = json();
+  out.syntax_error = builder.syntax_error();
+  out.too_deep = builder.too_deep();
+  out.duplicate = builder.duplicate();
   return out;
 }
 

@@ -102,8 +102,9 @@ absl::StatusOr<Manifest> ParseManifest(std::span<const std::byte> bytes, absl::s
 // Checks the rules ParseManifest checks, on a Manifest built in memory.
 absl::Status ValidateManifest(const Manifest& manifest, absl::string_view file);
 
-// True if `name` may name a tensor, blob or file: non-empty, at most 4096 bytes, no "/", no
-// "..", no control characters, not ".".
+// True if `name` may name a tensor, blob or file: non-empty, at most 4096 bytes of valid UTF-8
+// (a manifest is JSON: other bytes could not be written as they are), no "/", no "..", no
+// control characters, no backslash, not ".".
 bool IsValidName(absl::string_view name);
 
 }  // namespace ckpt::formats
