@@ -6,8 +6,9 @@
 //    and file size); Sync; Close.
 // 4. Vote (AllGather, EncodeResult): "ok <XXH3 of the part>" or "no <code> <message>". Any
 //    "no" aborts.
-// 5. Rank 0, all votes ok: read every part, check it against its digest, merge the parts into
-//    one manifest and validate it (declarations agree; pieces do not overlap across ranks).
+// 5. Rank 0, all votes ok: read every other rank's part and check it against its digest (its
+//    own is the one in memory), merge the parts into one manifest and validate it
+//    (declarations agree; pieces do not overlap across ranks).
 // 6. Rank 0: write MANIFEST; Sync; Close; remove the parts; SyncDir(staging), so the data
 //    files' names, MANIFEST and the removals survive a crash.
 // 7. Rank 0: rename staging -> step-N; SyncDir(root). The step now exists but is unpublished:
@@ -177,17 +178,24 @@ absl::Status internal::Transaction::CommitAsRoot(const std::vector<std::string>&
       return absl::Status(vote.status().code(),
                           absl::StrCat("rank ", r, " voted no: ", vote.status().message()));
     }
-    const std::string path =
-        JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
-    CKPT_ASSIGN_OR_RETURN(std::string bytes,
-                          ReadFileToString(env_, path, formats::kMaxManifestBytes,
-                                           FileOptions{.follow_symlinks = false}));
-    if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != *vote) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
+    // This rank's own part is the one in memory (what its file holds, validated before it
+    // was written): parsing it back would cost as much as the rest of a save of many small
+    // tensors.
+    Manifest parsed;
+    if (r != 0) {
+      const std::string path =
+          JoinPath(staging_dir_, internal::PartFileName(static_cast<uint32_t>(r)));
+      CKPT_ASSIGN_OR_RETURN(std::string bytes,
+                            ReadFileToString(env_, path, formats::kMaxManifestBytes,
+                                             FileOptions{.follow_symlinks = false}));
+      if (absl::StrFormat("%016x", Checksum(AsBytes(bytes))) != *vote) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": does not match the digest rank ", r, " voted"));
+      }
+      CKPT_ASSIGN_OR_RETURN(parsed, formats::ParseManifest(AsBytes(bytes), path,
+                                                           formats::ManifestKind::kRankPart));
     }
-    CKPT_ASSIGN_OR_RETURN(Manifest part, formats::ParseManifest(AsBytes(bytes), path,
-                                                                formats::ManifestKind::kRankPart));
+    Manifest& part = r == 0 ? part_ : parsed;
     std::vector<uint32_t> remap;
     for (const formats::TensorInfo& t : part.tensors) {
       auto [it, inserted] =
