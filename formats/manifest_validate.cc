@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/base/coding.h"
@@ -58,7 +61,8 @@ bool IsValidUtf8(absl::string_view s) {
 }
 
 absl::Status ValidateTensors(const Manifest& m, absl::string_view file) {
-  std::set<absl::string_view> names;
+  absl::flat_hash_set<absl::string_view> names;
+  names.reserve(m.tensors.size());
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     const TensorInfo& t = m.tensors[i];
     if (!IsValidName(t.name)) {
@@ -97,19 +101,20 @@ absl::Status ValidateFiles(const Manifest& m, absl::string_view file) {
     uint64_t next = kDataFileHeaderBytes;
     for (size_t c = 0; c < f.chunks.size(); ++c) {
       const ChunkInfo& ch = f.chunks[c];
-      std::string where = absl::StrCat("chunk ", c, " of ", f.name, " at offset ", ch.offset);
+      // Named only on failure: a file of 60,000 chunks is checked with no string built.
+      auto where = [&] { return absl::StrCat("chunk ", c, " of ", f.name, " at offset ", ch.offset); };
       if (ch.offset != next) {
         return Invalid(
-            file, absl::StrCat(where, " does not start where its predecessor ends (", next, ")"));
+            file, absl::StrCat(where(), " does not start where its predecessor ends (", next, ")"));
       }
       if (ch.stored_bytes > kMaxChunkBytes || ch.raw_bytes > kMaxChunkBytes ||
           (ch.codec == Codec::kRaw && ch.stored_bytes != ch.raw_bytes)) {
-        return Invalid(file, absl::StrCat(where, " has absurd sizes"));
+        return Invalid(file, absl::StrCat(where(), " has absurd sizes"));
       }
       uint64_t extent = ChunkExtentBytes(ch.stored_bytes);
       if (ch.offset > f.size_bytes || extent > f.size_bytes - ch.offset) {
         return Invalid(file,
-                       absl::StrCat(where, " extends past the file's ", f.size_bytes, " bytes"));
+                       absl::StrCat(where(), " extends past the file's ", f.size_bytes, " bytes"));
       }
       next = ch.offset + extent;
     }
@@ -121,14 +126,16 @@ absl::Status ValidateFiles(const Manifest& m, absl::string_view file) {
   return absl::OkStatus();
 }
 
-// Marks chunks [first, first + count) of `f` as used by `owner`; each chunk has one owner.
+// Marks chunks [first, first + count) of `f` as used by `owner` (named only on failure); each
+// chunk has one owner.
 absl::Status ClaimChunks(const DataFileInfo& f, uint64_t first, uint64_t count,
-                         std::vector<bool>* used, absl::string_view owner, absl::string_view file) {
+                         std::vector<bool>* used, absl::FunctionRef<std::string()> owner,
+                         absl::string_view file) {
   if (first > f.chunks.size() || count > f.chunks.size() - first) {
-    return Invalid(file, absl::StrCat(owner, " names chunks outside ", f.name));
+    return Invalid(file, absl::StrCat(owner(), " names chunks outside ", f.name));
   }
   for (uint64_t c = first; c < first + count; ++c) {
-    if ((*used)[c]) return Invalid(file, absl::StrCat(owner, " shares chunk ", c, " of ", f.name));
+    if ((*used)[c]) return Invalid(file, absl::StrCat(owner(), " shares chunk ", c, " of ", f.name));
     (*used)[c] = true;
   }
   return absl::OkStatus();
@@ -136,24 +143,33 @@ absl::Status ClaimChunks(const DataFileInfo& f, uint64_t first, uint64_t count,
 
 absl::Status ValidatePieces(const Manifest& m, absl::string_view file,
                             std::vector<std::vector<bool>>* used) {
-  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;  // tensor -> [b, e)
+  struct Range {
+    uint32_t tensor;
+    uint64_t begin, end;
+    bool operator<(const Range& o) const {
+      return std::tie(tensor, begin, end) < std::tie(o.tensor, o.begin, o.end);
+    }
+  };
+  std::vector<Range> ranges;
+  ranges.reserve(m.pieces.size());
   for (size_t i = 0; i < m.pieces.size(); ++i) {
     const PieceInfo& p = m.pieces[i];
-    std::string owner = absl::StrCat("pieces[", i, "]");
-    if (p.tensor >= m.tensors.size()) return Invalid(file, owner + " names no tensor");
+    if (p.tensor >= m.tensors.size()) {
+      return Invalid(file, absl::StrCat("pieces[", i, "] names no tensor"));
+    }
     const TensorInfo& t = m.tensors[p.tensor];
-    owner = absl::StrCat(owner, " of tensor \"", t.name, "\"");
+    auto owner = [&] { return absl::StrCat("pieces[", i, "] of tensor \"", t.name, "\""); };
     uint64_t numel = t.numel();
     if (p.count == 0 || p.begin > numel || p.count > numel - p.begin) {
-      return Invalid(file, absl::StrCat(owner, " [", p.begin, ", +", p.count, ") lies outside its ",
-                                        numel, " elements"));
+      return Invalid(file, absl::StrCat(owner(), " [", p.begin, ", +", p.count,
+                                        ") lies outside its ", numel, " elements"));
     }
     if (p.file >= m.files.size() || m.files[p.file].rank != p.rank || p.rank >= m.world_size) {
-      return Invalid(file, owner + " names a file of another rank or none");
+      return Invalid(file, owner() + " names a file of another rank or none");
     }
     if (p.chunk_elems == 0 ||
         p.chunk_count != p.count / p.chunk_elems + (p.count % p.chunk_elems != 0 ? 1 : 0)) {
-      return Invalid(file, owner + " has an inconsistent chunk count");
+      return Invalid(file, owner() + " has an inconsistent chunk count");
     }
     const DataFileInfo& f = m.files[p.file];
     CKPT_RETURN_IF_ERROR(
@@ -162,18 +178,17 @@ absl::Status ValidatePieces(const Manifest& m, absl::string_view file,
     for (uint64_t j = 0; j < p.chunk_count; ++j) {
       uint64_t elems = std::min(p.chunk_elems, p.count - j * p.chunk_elems);
       if (f.chunks[p.first_chunk + j].raw_bytes != elems * esize) {
-        return Invalid(file, absl::StrCat(owner, " chunk ", j, " holds the wrong byte count"));
+        return Invalid(file, absl::StrCat(owner(), " chunk ", j, " holds the wrong byte count"));
       }
     }
-    ranges[p.tensor].push_back({p.begin, p.begin + p.count});
+    ranges.push_back({p.tensor, p.begin, p.begin + p.count});
   }
-  for (auto& [tensor, rs] : ranges) {
-    std::sort(rs.begin(), rs.end());
-    for (size_t k = 1; k < rs.size(); ++k) {
-      if (rs[k].first < rs[k - 1].second) {
-        return Invalid(file, absl::StrCat("pieces of tensor \"", m.tensors[tensor].name,
-                                          "\" overlap at element ", rs[k].first));
-      }
+  // By tensor, then begin: the first overlap found is in the lowest tensor, at its lowest begin.
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    if (ranges[k].tensor == ranges[k - 1].tensor && ranges[k].begin < ranges[k - 1].end) {
+      return Invalid(file, absl::StrCat("pieces of tensor \"", m.tensors[ranges[k].tensor].name,
+                                        "\" overlap at element ", ranges[k].begin));
     }
   }
   return absl::OkStatus();
@@ -181,24 +196,24 @@ absl::Status ValidatePieces(const Manifest& m, absl::string_view file,
 
 absl::Status ValidateBlobs(const Manifest& m, absl::string_view file,
                            std::vector<std::vector<bool>>* used) {
-  std::set<std::pair<uint32_t, absl::string_view>> names;
+  absl::flat_hash_set<std::pair<uint32_t, absl::string_view>> names;
   for (const BlobInfo& b : m.blobs) {
-    std::string owner = absl::StrCat("blob \"", b.name, "\" of rank ", b.rank);
+    auto owner = [&] { return absl::StrCat("blob \"", b.name, "\" of rank ", b.rank); };
     if (!IsValidName(b.name)) return Invalid(file, "a blob has an invalid name");
     if (b.size_bytes > kMaxBlobBytes) {
-      return Invalid(file, absl::StrCat(owner, " declares ", b.size_bytes,
+      return Invalid(file, absl::StrCat(owner(), " declares ", b.size_bytes,
                                         " bytes, more than a blob may hold (", kMaxBlobBytes, ")"));
     }
-    if (!names.insert({b.rank, b.name}).second) return Invalid(file, owner + " appears twice");
+    if (!names.insert({b.rank, b.name}).second) return Invalid(file, owner() + " appears twice");
     if (b.file >= m.files.size() || m.files[b.file].rank != b.rank) {
-      return Invalid(file, owner + " names a file of another rank or none");
+      return Invalid(file, owner() + " names a file of another rank or none");
     }
     const DataFileInfo& f = m.files[b.file];
     CKPT_RETURN_IF_ERROR(
         ClaimChunks(f, b.first_chunk, b.chunk_count, &(*used)[b.file], owner, file));
     uint64_t total = 0;
     for (uint64_t j = 0; j < b.chunk_count; ++j) total += f.chunks[b.first_chunk + j].raw_bytes;
-    if (total != b.size_bytes) return Invalid(file, owner + " chunks do not add up to its size");
+    if (total != b.size_bytes) return Invalid(file, owner() + " chunks do not add up to its size");
   }
   return absl::OkStatus();
 }

@@ -27,6 +27,8 @@
 #include <set>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -158,29 +160,31 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   const formats::Manifest& m = reader.manifest();
   const StagedAdamWOptions& o = optimizer_->options();
   const std::string where = absl::StrCat("step ", m.step);
-  std::map<std::string, uint32_t> index;
-  for (uint32_t i = 0; i < m.tensors.size(); ++i) index[m.tensors[i].name] = i;
+  // Read once (its failure is reported last, after what the tensors say).
+  const absl::StatusOr<formats::OptimizerRecord> record = ReadRecord(reader, where);
   // Groups of another algorithm first: that, not the tensors it makes differ, is what to say.
-  if (absl::StatusOr<formats::OptimizerRecord> early = ReadRecord(reader, where); early.ok()) {
-    CKPT_RETURN_IF_ERROR(CheckAlgorithms(*early, o.groups, where));
-  }
-  std::set<std::string> expected;
+  if (record.ok()) CKPT_RETURN_IF_ERROR(CheckAlgorithms(*record, o.groups, where));
+  // Names are looked up in the reader's index, and in a hash set of views into the layout: a
+  // step of many small tensors costs no ordered copies of every name.
+  absl::flat_hash_set<absl::string_view> expected;
   std::vector<std::string> missing, extra;
   const StateLayout layout = StateLayout::Of(*optimizer_);
   for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (StateKind kind : layout.kinds(p)) expected.insert(layout.name(p, kind));
+    for (StateKind kind : layout.kinds(p)) {
+      const std::string& name = layout.name(p, kind);
+      if (expected.insert(name).second && !reader.FindTensor(name).ok()) missing.push_back(name);
+    }
   }
-  for (const std::string& name : expected) {
-    if (!index.count(name)) missing.push_back(name);
+  for (const formats::TensorInfo& t : m.tensors) {
+    if (!expected.contains(t.name)) extra.push_back(t.name);
   }
-  for (const auto& [name, i] : index) {
-    if (!expected.count(name)) extra.push_back(name);
-  }
+  std::sort(missing.begin(), missing.end());
+  std::sort(extra.begin(), extra.end());
   // AMSGrad's maximum on one side only: say so before listing every tensor it makes differ.
   const std::string max_prefix = internal::StateTensorName(StateKind::kMaxExpAvgSq, "");
-  const bool saved_max =
-      index.lower_bound(max_prefix) != index.end() &&
-      index.lower_bound(max_prefix)->first.compare(0, max_prefix.size(), max_prefix) == 0;
+  const bool saved_max = std::any_of(m.tensors.begin(), m.tensors.end(), [&](const auto& t) {
+    return absl::StartsWith(t.name, max_prefix);
+  });
   if (saved_max != layout.has_max_exp_avg_sq()) {
     return absl::InvalidArgumentError(absl::StrCat(
         where,
@@ -199,13 +203,13 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
                                      ListNames(extra))));
   }
   // The moments may be stored as F32 or BF16 (a load converts them), both alike.
-  const DType moments = m.tensors[index[layout.name(0, layout.kinds(0)[2])]].dtype;
+  const DType moments = (*reader.FindTensor(layout.name(0, layout.kinds(0)[2])))->dtype;
   for (uint32_t p = 0; p < o.params.size(); ++p) {
     for (StateKind kind : layout.kinds(p)) {
       const bool moment = internal::IsMoment(kind);
       const DType want = moment ? moments : layout.dtype(kind, p);
       const std::string& name = layout.name(p, kind);
-      const formats::TensorInfo& t = m.tensors[index[name]];
+      const formats::TensorInfo& t = **reader.FindTensor(name);
       if (t.shape != o.params[p].shape || t.dtype != want ||
           (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -225,9 +229,9 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
       }
     }
   }
-  CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record, ReadRecord(reader, where));
-  CKPT_RETURN_IF_ERROR(RecordGroups(record, o.groups.size(), where).status());
-  return CheckParamGroups(record, o.params, where);
+  CKPT_RETURN_IF_ERROR(record.status());
+  CKPT_RETURN_IF_ERROR(RecordGroups(*record, o.groups.size(), where).status());
+  return CheckParamGroups(*record, o.params, where);
 }
 
 absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <map>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -171,7 +172,7 @@ absl::Status internal::Transaction::CommitAsRoot(const std::vector<std::string>&
   Manifest merged;
   merged.step = step_;
   merged.world_size = static_cast<uint32_t>(votes.size());
-  std::map<std::string, uint32_t> tensor_index;
+  absl::flat_hash_map<std::string, uint32_t> tensor_index;
   for (size_t r = 0; r < votes.size(); ++r) {
     absl::StatusOr<std::string> vote = DecodeResult(votes[r]);
     if (!vote.ok()) {

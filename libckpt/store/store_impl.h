@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/coordinator.h"
@@ -174,8 +175,8 @@ class Transaction final : public SaveTransaction, public PieceStream {
   bool borrowed_ = false;
   formats::Manifest part_;  // This rank's tensors, file, pieces and blobs.
   // Lookups into part_: tensor index by name; per tensor, this rank's ranges (begin -> end).
-  std::map<std::string, uint32_t, std::less<>> tensor_index_;
-  std::map<uint32_t, std::map<uint64_t, uint64_t>> ranges_;
+  absl::flat_hash_map<std::string, uint32_t> tensor_index_;
+  std::vector<std::map<uint64_t, uint64_t>> ranges_;  // Per tensor (empty maps allocate nothing).
   absl::Status error_;      // First local error; the rank votes no when set.
   bool ended_ = false;
   bool latest_may_name_step_ = false;  // Publish could not undo a LATEST it wrote (step 8).

@@ -140,6 +140,7 @@ absl::Status internal::Transaction::DeclareTensor(const TensorSpec& spec) {
   if (!valid.ok()) return absl::InvalidArgumentError(valid.message());
   tensor_index_[spec.name] = static_cast<uint32_t>(part_.tensors.size());
   part_.tensors.push_back({spec.name, spec.dtype, spec.shape});
+  ranges_.emplace_back();
   return absl::OkStatus();
 }
 
