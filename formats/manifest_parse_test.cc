@@ -20,6 +20,7 @@
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/manifest.h"
 #include "formats/manifest_internal.h"
+#include "formats/manifest_testing.h"
 #include "formats/strict_json.h"
 
 namespace ckpt::formats {
@@ -206,35 +207,7 @@ absl::StatusOr<Manifest> ParseByDomWalk(absl::string_view text, absl::string_vie
   return m;
 }
 
-std::string Frame(absl::string_view text) {
-  std::string out = "CKPTMANI";
-  PutFixed32(&out, kFormatVersion);
-  PutFixed32(&out, 0);
-  PutFixed64(&out, text.size());
-  StreamingChecksum sum;
-  sum.Update(AsBytes(out));
-  sum.Update(AsBytes(text));
-  PutFixed64(&out, sum.Digest());
-  out.append(text.data(), text.size());
-  return out;
-}
-
-// Two ranks, a tensor in two pieces, a scalar tensor, a blob.
-Manifest Valid() {
-  Manifest m;
-  m.step = 7;
-  m.world_size = 2;
-  m.tensors = {{"w", DType::kF32, {10}}, {"b", DType::kBF16, {}}};
-  DataFileInfo f{"rank-00000.data", 0, 4 * kBlockBytes, {}};
-  f.chunks = {{kBlockBytes, 24, 24, Codec::kRaw, 1},
-              {2 * kBlockBytes, 16, 16, Codec::kRaw, 2},
-              {3 * kBlockBytes, 5, 5, Codec::kRaw, 3}};
-  m.files = {f, DataFileInfo{"rank-00001.data", 1, 2 * kBlockBytes,
-                             {{kBlockBytes, 2, 2, Codec::kRaw, 4}}}};
-  m.pieces = {{0, 0, 0, 6, 0, 0, 1, 6}, {0, 0, 6, 4, 0, 1, 1, 4}, {1, 1, 0, 1, 1, 0, 1, 1}};
-  m.blobs = {{"s", 0, 0, 5, 2, 1}};
-  return m;
-}
+using testing::Frame;
 
 // Both parsers on `text`: the same manifest, or the same error.
 void ExpectSame(const std::string& text, const std::string& what) {
@@ -262,7 +235,7 @@ void Values(json& node, const std::string& path, std::vector<std::pair<json*, st
 
 TEST(ManifestParseTest, AgreesWithTheDomWalkOnEveryMutation) {
   const std::string valid =
-      EncodeManifest(Valid()).substr(kManifestHeaderBytes);
+      EncodeManifest(testing::ValidManifest()).substr(kManifestHeaderBytes);
   ExpectSame(valid, "valid");
   const json replacements[] = {
       json("x"), json(-1), json(1.5), json(true), json(nullptr), json::object(), json::array(),

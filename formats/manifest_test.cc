@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
+#include "formats/manifest_testing.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt::formats {
@@ -18,24 +19,8 @@ namespace {
 using ::ckpt::testing::IsOk;
 using ::ckpt::testing::StatusIs;
 
-// One rank, tensor "w" (F32 [10]) in two pieces, blob "s"; every chunk one block.
-Manifest ValidManifest() {
-  Manifest m;
-  m.step = 7;
-  m.world_size = 2;
-  m.tensors = {{"w", DType::kF32, {10}}, {"b", DType::kBF16, {}}};
-  DataFileInfo f{"rank-00000.data", 0, 4 * kBlockBytes, {}};
-  f.chunks = {{kBlockBytes, 24, 24, Codec::kRaw, 1},
-              {2 * kBlockBytes, 16, 16, Codec::kRaw, 2},
-              {3 * kBlockBytes, 5, 5, Codec::kRaw, 3}};
-  m.files = {
-      f,
-      DataFileInfo{
-          "rank-00001.data", 1, kBlockBytes + kBlockBytes, {{kBlockBytes, 2, 2, Codec::kRaw, 4}}}};
-  m.pieces = {{0, 0, 0, 6, 0, 0, 1, 6}, {0, 0, 6, 4, 0, 1, 1, 4}, {1, 1, 0, 1, 1, 0, 1, 1}};
-  m.blobs = {{"s", 0, 0, 5, 2, 1}};
-  return m;
-}
+using testing::Frame;
+using testing::ValidManifest;
 
 TEST(ManifestTest, RoundTripsEveryField) {
   Manifest m = ValidManifest();
@@ -53,20 +38,6 @@ TEST(ManifestTest, RankPartHasItsOwnMagic) {
   EXPECT_THAT(ParseManifest(AsBytes(part), "p", ManifestKind::kRankPart), IsOk());
   EXPECT_THAT(ParseManifest(AsBytes(part), "p", ManifestKind::kManifest),
               StatusIs(absl::StatusCode::kDataLoss));
-}
-
-// Re-frames JSON text with a valid header, so rules past the checksum are exercised.
-std::string Frame(absl::string_view json, uint32_t version = 1) {
-  std::string out = "CKPTMANI";
-  PutFixed32(&out, version);
-  PutFixed32(&out, 0);
-  PutFixed64(&out, json.size());
-  StreamingChecksum sum;
-  sum.Update(AsBytes(out));
-  sum.Update(AsBytes(json));
-  PutFixed64(&out, sum.Digest());
-  out.append(json.data(), json.size());
-  return out;
 }
 
 std::string JsonOf(const Manifest& m) { return EncodeManifest(m).substr(kManifestHeaderBytes); }
