@@ -196,7 +196,8 @@ absl::Status internal::Transaction::CommitAsRoot(const std::vector<std::string>&
       CKPT_ASSIGN_OR_RETURN(parsed, formats::ParseManifest(AsBytes(bytes), path,
                                                            formats::ManifestKind::kRankPart));
     }
-    Manifest& part = r == 0 ? part_ : parsed;
+    // part_ is only read (copied from): the transaction's own record stays whole.
+    const Manifest& part = r == 0 ? part_ : parsed;
     std::vector<uint32_t> remap;
     for (const formats::TensorInfo& t : part.tensors) {
       auto [it, inserted] =
@@ -210,7 +211,7 @@ absl::Status internal::Transaction::CommitAsRoot(const std::vector<std::string>&
       remap.push_back(it->second);
     }
     const uint32_t file_index = static_cast<uint32_t>(merged.files.size());
-    for (formats::DataFileInfo& f : part.files) merged.files.push_back(std::move(f));
+    for (const formats::DataFileInfo& f : part.files) merged.files.push_back(f);
     for (formats::PieceInfo p : part.pieces) {
       p.tensor = remap[p.tensor];
       p.file += file_index;
