@@ -57,6 +57,8 @@ std::unique_ptr<EnvThread> Env::StartThread(std::function<void()> fn) {
   return std::make_unique<StdEnvThread>(std::move(fn));
 }
 
+std::optional<uint64_t> Env::AvailableMemoryBytes() { return std::nullopt; }
+
 std::string DefaultEnvFallbackReason() { return DefaultState().fallback_reason; }
 
 std::string JoinPath(absl::string_view dir, absl::string_view name) {

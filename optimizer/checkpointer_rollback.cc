@@ -51,7 +51,8 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   }
   // A fresh (or model-loaded) state is re-derived on a rollback from a copy of the masters
   // kept in memory: nothing to write.
-  if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(&undo->derived_dtype);
+  std::string why_not_derived;
+  if (std::unique_ptr<std::byte[]> copy = CopyIfDerivable(&undo->derived_dtype, &why_not_derived);
       copy != nullptr) {
     undo->derived_groups = optimizer_->groups();
     undo->derived_masters = std::move(copy);
@@ -60,10 +61,11 @@ absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
   // A private single-rank store below the root: its chunks are checksummed and written from the
   // slabs as they are, so the spill holds no second copy of the state in memory.
   if (store_->options().read_only) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(store_->root(),
-                     ": a load whose undo source must be spilled needs a writable store "
-                     "handle (the spill goes below the root)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        store_->root(),
+        ": a load whose undo source must be spilled needs a writable store handle (the spill "
+        "goes below the root)",
+        why_not_derived.empty() ? "" : absl::StrCat("; ", why_not_derived)));
   }
   undo->spill_dir =
       JoinPath(store_->root(), absl::StrFormat(".undo-rank-%05d-%016x", coordinator_->rank(),
@@ -148,7 +150,8 @@ internal::ThreadPool& Checkpointer::Pool() {
   return *pool_;
 }
 
-std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype) {
+std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype,
+                                                          std::string* why_not) {
   for (const ParamGroup& g : optimizer_->groups()) {
     if (g.step != 0) return nullptr;
   }
@@ -158,10 +161,31 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype) {
   // resumes on a full disk or a read-only store whatever its parameters and masters.
   DType model = optimizer_->mixed_dtypes() ? DType::kF32 : optimizer_->model_dtype();
   const std::span<const float> master = optimizer_->master();
-  // Not being able to hold the copy is not an error: the caller spills instead.
-  auto allocate = [&](DType d) {
-    return std::unique_ptr<std::byte[]>(
-        new (std::nothrow) std::byte[master.size() * formats::DTypeSize(d) + 1]);
+  // Not being able to hold the copy is not an error: the caller spills instead. Linux
+  // overcommits, so an allocation that succeeds may still meet the OOM killer as the copy
+  // touches its pages, or as the load then touches moments never written: the copy is taken
+  // only when it and those moments fit in the memory the Env says is available.
+  const std::optional<uint64_t> available = store_->env()->AvailableMemoryBytes();
+  const uint64_t faulted_moments =
+      optimizer_->moments_untouched()
+          ? optimizer_->exp_avg_bytes().size() + optimizer_->exp_avg_sq_bytes().size() +
+                optimizer_->max_exp_avg_sq_bytes().size()
+          : 0;
+  auto allocate = [&](DType d) -> std::unique_ptr<std::byte[]> {
+    const uint64_t bytes = master.size() * formats::DTypeSize(d);
+    if (available.has_value() && bytes + faulted_moments > *available) {
+      *why_not = absl::StrFormat(
+          "a copy of the masters in memory instead would need %d bytes (and the load %d for "
+          "the moments), more than the %d available",
+          bytes, faulted_moments, *available);
+      return nullptr;
+    }
+    std::unique_ptr<std::byte[]> copy(new (std::nothrow) std::byte[bytes + 1]);
+    if (copy == nullptr) {
+      *why_not = absl::StrFormat("a copy of the masters in memory instead (%d bytes) could "
+                                 "not be allocated", bytes);
+    }
+    return copy;
   };
   std::unique_ptr<std::byte[]> copy = allocate(model);
   if (copy == nullptr) return nullptr;

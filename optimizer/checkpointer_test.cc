@@ -300,6 +300,53 @@ TEST_F(CheckpointerTest, MastersThatAreNotModelDTypeValuesAreKeptInFp32NotSpille
   EXPECT_EQ(std::memcmp(job.rank(0).opt->master().data(), stepped.data(), 4 * stepped.size()), 0);
 }
 
+// A fresh state's undo is kept in memory only when the copy (and the moments the load will
+// touch) fit in the memory the Env says is available: Linux overcommits, so an allocation that
+// succeeds may still be OOM-killed as it is touched. Otherwise the undo is spilled, and a
+// read-only handle refuses, saying why; with the memory there, nothing is written.
+TEST_F(CheckpointerTest, AnUndoCopyThatWouldNotFitInAvailableMemoryIsSpilled) {
+  std::string saved;
+  {
+    Job job(&env_, 1, 500);
+    job.Step(0);
+    ExpectAllOk(job.Save(1));
+    saved = job.Gather();
+  }
+  env_.SetAvailableMemory(1000);
+  {
+    Job fresh(&env_, 1, 500);
+    auto report = fresh.rank(0).ckpt->Load(std::nullopt);
+    ASSERT_THAT(report, IsOk());
+    EXPECT_TRUE(report->undo_spilled);
+    EXPECT_FALSE(report->undo_derived);
+    ASSERT_THAT(fresh.WriteWeights(0), IsOk());
+    EXPECT_TRUE(fresh.Gather() == saved);
+  }
+  {
+    Job fresh(&env_, 1, 500);
+    StoreOptions so;
+    so.env = &env_;
+    so.primary = false;
+    so.read_only = true;
+    auto read_only = CheckpointStore::Open(kRoot, so);
+    ASSERT_THAT(read_only, IsOk());
+    SingleProcessCoordinator solo;
+    auto ck = Checkpointer::Create(fresh.rank(0).opt.get(), read_only->get(), &solo);
+    ASSERT_THAT(ck, IsOk());
+    auto refused = (*ck)->Load(1);
+    EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition));
+    EXPECT_THAT(std::string(refused.status().message()),
+                ::testing::HasSubstr("more than the 1000 available"));
+  }
+  env_.SetAvailableMemory(uint64_t{1} << 40);
+  Job fresh(&env_, 1, 500);
+  const uint64_t calls = env_.mutating_calls();
+  auto report = fresh.rank(0).ckpt->Load(std::nullopt);
+  ASSERT_THAT(report, IsOk());
+  EXPECT_TRUE(report->undo_derived);
+  EXPECT_EQ(env_.mutating_calls(), calls);
+}
+
 TEST_F(CheckpointerTest, ALoadThatPutsParametersInOtherGroupsIsRefusedNamingThem) {
   {
     Job job(&env_, 2, 500);

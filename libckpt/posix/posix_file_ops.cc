@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
@@ -276,6 +277,26 @@ absl::Status PosixReadAt(int fd, std::byte* out, size_t n, uint64_t offset,
     offset += static_cast<uint64_t>(r);
   }
   return absl::OkStatus();
+}
+
+std::optional<uint64_t> PosixAvailableMemoryBytes() {
+  ScopedFd fd(::open("/proc/meminfo", O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return std::nullopt;
+  char text[8192];
+  size_t size = 0;
+  while (size < sizeof(text) - 1) {
+    const ssize_t n = ::read(fd.get(), text + size, sizeof(text) - 1 - size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    size += static_cast<size_t>(n);
+  }
+  text[size] = '\0';
+  const char* line = std::strstr(text, "MemAvailable:");
+  if (line == nullptr) return std::nullopt;  // Kernels before 3.14.
+  char* end = nullptr;
+  const unsigned long long kib = std::strtoull(line + std::strlen("MemAvailable:"), &end, 10);
+  if (end == line + std::strlen("MemAvailable:")) return std::nullopt;
+  return static_cast<uint64_t>(kib) * 1024;
 }
 
 }  // namespace ckpt::internal

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,8 @@ absl::StatusOr<bool> PosixIsDirectory(const std::string& path);
 absl::StatusOr<FileInfo> PosixStat(const std::string& path);
 absl::StatusOr<std::unique_ptr<FileLock>> PosixLockFile(const std::string& path);
 absl::StatusOr<std::string> PosixRealPath(const std::string& path);
+// MemAvailable of /proc/meminfo in bytes; nullopt where it cannot be read.
+std::optional<uint64_t> PosixAvailableMemoryBytes();
 
 // A regular file opened for reading, with its identity and size at open.
 struct OpenedFile {
@@ -76,6 +79,7 @@ class PosixMetadataEnv : public Env {
   absl::StatusOr<std::string> RealPath(const std::string& path) override {
     return PosixRealPath(path);
   }
+  std::optional<uint64_t> AvailableMemoryBytes() override { return PosixAvailableMemoryBytes(); }
 };
 
 }  // namespace ckpt::internal

@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -239,6 +241,21 @@ TEST_P(EnvConformanceTest, WriteFileAtomicallyLeavesNoTemp) {
   CKPT_ASSERT_OK(WriteFileAtomically(env_.get(), Path("LATEST"), "v2"));
   EXPECT_EQ(*ReadFileToString(env_.get(), Path("LATEST"), 1 << 20), "v2");
   EXPECT_THAT(*env_->GetChildren(root_), UnorderedElementsAre("LATEST"));
+}
+
+// The disk-backed Envs read MemAvailable (Linux): some memory, no more than the machine has.
+// In-memory Envs do not know (nullopt), and a wrapper says what its target says.
+TEST_P(EnvConformanceTest, AvailableMemoryIsTheKernelsEstimateOnDisk) {
+  const std::optional<uint64_t> available = env_->AvailableMemoryBytes();
+  if (!GetParam().on_disk) {
+    EXPECT_EQ(available, std::nullopt);
+    return;
+  }
+  ASSERT_TRUE(available.has_value());
+  EXPECT_GT(*available, uint64_t{0});
+  const uint64_t physical =
+      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  EXPECT_LE(*available, physical);
 }
 
 TEST_P(EnvConformanceTest, UseAfterCloseFails) {

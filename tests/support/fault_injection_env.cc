@@ -130,6 +130,19 @@ void FaultInjectionEnv::Disarm() {
   read_failures_.clear();
 }
 
+void FaultInjectionEnv::SetAvailableMemory(std::optional<uint64_t> bytes) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  available_memory_ = bytes;
+}
+
+std::optional<uint64_t> FaultInjectionEnv::AvailableMemoryBytes() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (available_memory_.has_value()) return *available_memory_;
+  }
+  return EnvWrapper::AvailableMemoryBytes();
+}
+
 uint64_t FaultInjectionEnv::mutating_calls() const {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   return calls_;

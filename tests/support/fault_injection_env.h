@@ -49,6 +49,8 @@ class FaultInjectionEnv : public EnvWrapper {
   void FailReadOpens(const std::string& path_suffix, int errnum, int skip = 0);
   // Clears every armed failure.
   void Disarm();
+  // AvailableMemoryBytes reports `bytes` from now on (nullopt: unknown), not the target's.
+  void SetAvailableMemory(std::optional<uint64_t> bytes);
 
   uint64_t mutating_calls() const;
   bool crashed() const;
@@ -72,6 +74,7 @@ class FaultInjectionEnv : public EnvWrapper {
   absl::StatusOr<bool> IsDirectory(const std::string& path) override;
   absl::StatusOr<FileInfo> Stat(const std::string& path) override;
   absl::StatusOr<std::unique_ptr<FileLock>> LockFile(const std::string& path) override;
+  std::optional<uint64_t> AvailableMemoryBytes() override;
 
  private:
   class File;
@@ -118,6 +121,7 @@ class FaultInjectionEnv : public EnvWrapper {
   };
   std::vector<ReadFailure> read_failures_;
   bool crashed_ = false;
+  std::optional<std::optional<uint64_t>> available_memory_;  // Set: what AvailableMemoryBytes says.
   std::map<std::string, std::shared_ptr<FileState>> files_;
   std::vector<DirOp> pending_;
 };

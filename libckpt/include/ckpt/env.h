@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -164,6 +165,11 @@ class Env {
   // a read's I/O and worker threads, the remover of retired steps), so that an Env can count,
   // bound or name them (LevelDB's Env::StartThread). The default is a std::thread.
   virtual std::unique_ptr<EnvThread> StartThread(std::function<void()> fn);
+  // Bytes of memory this process could allocate and touch now without swapping or meeting the
+  // OOM killer (Linux: MemAvailable of /proc/meminfo), or nullopt when unknown. Linux
+  // overcommits, so an allocation that succeeds says nothing of this: a copy kept in memory
+  // rather than written out (a load's undo) asks first. The default is nullopt.
+  virtual std::optional<uint64_t> AvailableMemoryBytes();
 };
 
 // Forwards every call to a target Env; test Envs override only what they change.
@@ -206,6 +212,9 @@ class EnvWrapper : public Env {
   }
   std::unique_ptr<EnvThread> StartThread(std::function<void()> fn) override {
     return target_->StartThread(std::move(fn));
+  }
+  std::optional<uint64_t> AvailableMemoryBytes() override {
+    return target_->AvailableMemoryBytes();
   }
 
  private:

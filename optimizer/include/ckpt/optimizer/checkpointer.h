@@ -250,8 +250,9 @@ class Checkpointer {
   // both moments zero, as a freshly built or model-loaded optimizer's are): the masters in the
   // model dtype (size() elements) when each is a value of it, else in FP32 (exact whatever the
   // parameters' dtypes or the masters' values). `*dtype` is the copy's. Null otherwise, or
-  // when that copy cannot be allocated.
-  std::unique_ptr<std::byte[]> CopyIfDerivable(formats::DType* dtype);
+  // when that copy cannot be allocated or would not fit (beside the moments a load of a fresh
+  // state touches) in the memory the store's Env says is available: then `*why_not` says so.
+  std::unique_ptr<std::byte[]> CopyIfDerivable(formats::DType* dtype, std::string* why_not);
   // The Checkpointer's workers: the optimizer's `threads` (0: every core), made at first use.
   internal::ThreadPool& Pool();
   absl::Status SaveInto(SaveTransaction& txn, const Blobs& blobs, uint64_t chunk_bytes);
