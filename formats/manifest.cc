@@ -170,7 +170,7 @@ struct Value {
 enum Section { kTensors, kFiles, kPieces, kBlobs, kSectionCount };
 constexpr const char* kSectionNames[kSectionCount] = {"tensors", "files", "pieces", "blobs"};
 // Each object's known keys, by index into its Value slots. The root's sections are its slots
-// 4 to 7, in Section order.
+// kFirstSection on, in Section order.
 constexpr int kMaxFields = 8;
 constexpr const char* kRootFields[kMaxFields] = {"format", "version", "step", "world_size",
                                                  "tensors", "files", "pieces", "blobs"};
@@ -183,6 +183,7 @@ constexpr const char* kBlobFields[kMaxFields] = {"name", "rank", "file", "size",
                                                  "first_chunk", "chunk_count"};
 constexpr const char* const* kRecordFields[kSectionCount] = {kTensorFields, kFileFields,
                                                              kPieceFields, kBlobFields};
+constexpr int kFirstSection = 4;  // Of the root.
 constexpr int kShapeField = 2;   // Of a tensor.
 constexpr int kChunksField = 3;  // Of a file.
 
@@ -257,7 +258,6 @@ class ManifestSax : public internal::StrictSax {
   enum class Role : uint8_t { kRoot, kSection, kRecord, kShape, kChunks, kChunk, kSkip };
   struct Frame {
     Role role = Role::kSkip;
-    bool object = false;
     Section section = kTensors;
     uint64_t index = 0;  // Arrays: the elements so far.
     uint32_t seen = 0;   // Root and records: a bit per known key seen.
@@ -365,7 +365,7 @@ ManifestSax::Role ManifestSax::ContainerRole(bool object) {
   switch (f.role) {
     case Role::kRoot:
       if (f.pending < 0) return Role::kSkip;
-      root_[f.pending] = Value(object || f.pending < 4 ? Kind::kOther : Kind::kArray);
+      root_[f.pending] = Value(object || f.pending < kFirstSection ? Kind::kOther : Kind::kArray);
       return root_[f.pending].kind == Kind::kArray ? Role::kSection : Role::kSkip;
     case Role::kRecord: {
       if (f.pending < 0) return Role::kSkip;
@@ -410,11 +410,10 @@ bool ManifestSax::Open(bool object) {
   const Role role = ContainerRole(object);
   Section section = stack_.empty() ? kTensors : stack_.back().section;
   if (!stack_.empty() && stack_.back().role == Role::kRoot && role == Role::kSection) {
-    section = static_cast<Section>(stack_.back().pending - 4);
+    section = static_cast<Section>(stack_.back().pending - kFirstSection);
   }
   Frame frame;
   frame.role = role;
-  frame.object = object;
   frame.section = section;
   stack_.push_back(std::move(frame));
   return true;
@@ -544,7 +543,7 @@ absl::StatusOr<Manifest> ManifestSax::Finish(absl::string_view file) && {
   manifest_.step = r.U64(2, "step");
   manifest_.world_size = static_cast<uint32_t>(r.U64(3, "world_size", kMaxWorldSize));
   for (int s = 0; s < kSectionCount && r.ok(); ++s) {
-    if (r.Array(4 + s, kSectionNames[s]) && !section_error_[s].empty()) {
+    if (r.Array(kFirstSection + s, kSectionNames[s]) && !section_error_[s].empty()) {
       error = std::move(section_error_[s]);
     }
   }
