@@ -384,6 +384,20 @@ TEST_F(StoreTest, ManySmallChunksAreWrittenInFewWrites) {
   EXPECT_EQ(store->latest_step(), 2u);
 }
 
+// A name must be UTF-8 (a manifest is JSON): other bytes are refused when declared, not
+// written as something else, and the error shows them escaped (its message stays UTF-8).
+TEST_F(StoreTest, NamesThatAreNoUtf8AreRefusedWithTheBytesEscaped) {
+  auto store = Open();
+  auto txn = store->BeginSave(1);
+  CKPT_ASSERT_OK(txn);
+  absl::Status refused = (*txn)->DeclareTensor({"bad\xff", formats::DType::kF32, {1}});
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("invalid tensor name \"bad\\xff\""));
+  refused = (*txn)->WriteBlob("caf\xe9", AsBytes("x"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("invalid blob name \"caf\\xe9\""));
+  CKPT_ASSERT_OK((*txn)->DeclareTensor({"caf\xc3\xa9", formats::DType::kF32, {1}}));
+}
+
 TEST_F(StoreTest, AbortAndDestructionWithoutCommitLeaveNoTrace) {
   auto store = Open();
   {

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <map>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -129,7 +130,9 @@ absl::Status internal::Transaction::DeclareTensor(const TensorSpec& spec) {
   if (ended_) return absl::FailedPreconditionError("save transaction already ended");
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   if (!formats::IsValidName(spec.name)) {
-    return absl::InvalidArgumentError(absl::StrCat("invalid tensor name \"", spec.name, "\""));
+    // Escaped: the name may hold bytes that are no UTF-8, which an error message must not.
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid tensor name \"", absl::CHexEscape(spec.name), "\""));
   }
   if (tensor_index_.count(spec.name)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", spec.name, "\" declared twice"));
@@ -297,7 +300,8 @@ absl::Status internal::Transaction::WriteBlob(absl::string_view name, std::span<
   if (prepared_) return absl::FailedPreconditionError("save transaction already prepared");
   CKPT_RETURN_IF_ERROR(error_);
   if (!formats::IsValidName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("invalid blob name \"", name, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid blob name \"", absl::CHexEscape(name), "\""));
   }
   if (data.size() > formats::kMaxBlobBytes) {
     return absl::InvalidArgumentError(absl::StrCat("blob \"", name, "\" has ", data.size(),
