@@ -6,8 +6,10 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "ckpt/formats/manifest.h"
 
 namespace ckpt::formats::internal {
 
@@ -18,6 +20,11 @@ inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;
 inline absl::Status Invalid(absl::string_view file, absl::string_view what) {
   return absl::DataLossError(absl::StrCat(file, ": ", what));
 }
+
+// The JSON of a manifest (past its header) as a Manifest, not yet validated: kDataLoss naming
+// `file` and the field when it does not parse or a field has the wrong type
+// (formats/manifest_json.cc).
+absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text, absl::string_view file);
 
 }  // namespace ckpt::formats::internal
 
