@@ -217,15 +217,20 @@ std::string EncodeManifest(const Manifest& m, ManifestKind kind) {
   w.Key("world_size"), w.U64(m.world_size);
   w.EndObject();
 
+  return internal::FrameManifestJson(body, kind, kFormatVersion);
+}
+
+std::string internal::FrameManifestJson(absl::string_view json, ManifestKind kind,
+                                        uint32_t version) {
   std::string out(Magic(kind));
-  PutFixed32(&out, kFormatVersion);
+  PutFixed32(&out, version);
   PutFixed32(&out, 0);
-  PutFixed64(&out, body.size());
+  PutFixed64(&out, json.size());
   StreamingChecksum sum;
   sum.Update(AsBytes(out));
-  sum.Update(AsBytes(body));
+  sum.Update(AsBytes(json));
   PutFixed64(&out, sum.Digest());
-  out += body;
+  out.append(json.data(), json.size());
   return out;
 }
 

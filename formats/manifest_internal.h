@@ -4,6 +4,7 @@
 #define CKPT_FORMATS_MANIFEST_INTERNAL_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -25,6 +26,10 @@ inline absl::Status Invalid(absl::string_view file, absl::string_view what) {
 // `file` and the field when it does not parse or a field has the wrong type
 // (formats/manifest_json.cc).
 absl::StatusOr<Manifest> ParseManifestJson(absl::string_view text, absl::string_view file);
+
+// `json` behind a manifest header of `kind` and format `version`: magic, version, length and
+// the checksum over both (EncodeManifest; tests frame hand-made JSON with it).
+std::string FrameManifestJson(absl::string_view json, ManifestKind kind, uint32_t version);
 
 }  // namespace ckpt::formats::internal
 

@@ -5,9 +5,8 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "ckpt/base/checksum.h"
-#include "ckpt/base/coding.h"
 #include "ckpt/formats/manifest.h"
+#include "formats/manifest_internal.h"
 
 namespace ckpt::formats::testing {
 
@@ -34,16 +33,7 @@ inline Manifest ValidManifest() {
 // `json` with a valid MANIFEST header of format `version`, so that what lies past the checksum
 // is what a parser judges.
 inline std::string Frame(absl::string_view json, uint32_t version = kFormatVersion) {
-  std::string out = "CKPTMANI";
-  PutFixed32(&out, version);
-  PutFixed32(&out, 0);
-  PutFixed64(&out, json.size());
-  StreamingChecksum sum;
-  sum.Update(AsBytes(out));
-  sum.Update(AsBytes(json));
-  PutFixed64(&out, sum.Digest());
-  out.append(json.data(), json.size());
-  return out;
+  return internal::FrameManifestJson(json, ManifestKind::kManifest, version);
 }
 
 }  // namespace ckpt::formats::testing
