@@ -103,7 +103,7 @@ struct StepPlan {
 // decides what a skipped run costs it) and one model dtype that reads its gradients and writes
 // its weights contiguously: at the flat buffers, the range cut where the pieces' entries or
 // dtypes change; with StepArgs::pieces, cut at every piece boundary (a skipped piece's pointers
-// may be null, and are passed so). `gsize` is the gradient element size.
+// may be null, and are passed so). The empty piece of a parameter of no elements has no run. `gsize` is the gradient element size.
 template <typename Fn>
 void ForEachSegment(const StepArgs& args, const SlabView& slabs, const StepPlan& plan,
                     uint64_t offset, uint64_t count, size_t gsize, Fn fn) {
@@ -114,6 +114,10 @@ void ForEachSegment(const StepArgs& args, const SlabView& slabs, const StepPlan&
              1;
   const bool flat = args.pieces.empty();
   for (uint64_t at = offset, end = offset + count; at < end;) {
+    if (starts[k + 1] == starts[k]) {  // A parameter of no elements: no run to read or write.
+      ++k;
+      continue;
+    }
     const uint32_t c = plan.piece_constants[k];
     const formats::DType dtype = slabs.piece_dtypes[k];
     const size_t psize = formats::DTypeSize(dtype);

@@ -156,6 +156,7 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
   size_t u = 0;
   for (size_t k = 0; k < options_.pieces.size(); ++k) {
     const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
+    if (begin == end) continue;  // A parameter of no elements: no unit waits for it.
     while (u < units_.size() && units_[u].offset + units_[u].count <= begin) ++u;
     for (size_t v = u; v < units_.size() && units_[v].offset < end; ++v) {
       state->piece_units[k].push_back(static_cast<uint32_t>(v));
@@ -195,7 +196,7 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
       return absl::InvalidArgumentError(absl::StrCat("release: piece ", k, " does not exist (",
                                                      st.released.size(), " pieces)"));
     }
-    if (st.pieces_mode) {
+    if (st.pieces_mode && opt.options_.pieces[k].count != 0) {  // An empty piece has none.
       const PieceBuffers& b = buffers[i];
       if (b.grads == nullptr || b.params == nullptr || !Aligned(b.grads, gsize) ||
           !Aligned(b.params, formats::DTypeSize(opt.piece_dtypes_[k]))) {
@@ -587,6 +588,7 @@ absl::Status StagedAdamW::AwaitPieces(std::span<const uint32_t> pieces, CudaStre
   if (gate_left_ == 0) return absl::OkStatus();
   for (uint32_t k : pieces) {
     const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
+    if (begin == end) continue;  // A parameter of no elements: no unit writes it.
     // The first unit that ends after the piece begins; units lie in slab order.
     auto u = std::partition_point(units_.begin(), units_.end(), [&](const Unit& unit) {
       return unit.offset + unit.count <= begin;

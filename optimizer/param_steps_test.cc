@@ -189,6 +189,63 @@ TEST(ParamStepsTest, AMaskOfTheWrongSizeIsRefusedWithTheStateUntouched) {
   EXPECT_EQ(params, init);
 }
 
+// A parameter of no elements (torch steps one: its state is its step count) has one empty
+// piece, with null buffers: it is counted as the others are, in plain and overlapped steps,
+// and changes nothing else; an empty piece of a parameter with elements is still refused.
+TEST(ParamStepsTest, AParameterOfNoElementsHasAnEmptyPieceAndItsOwnCount) {
+  // "e" lies inside a unit of 64 elements, [256, 320), between "a" and "b".
+  StagedAdamWOptions without = Options(CpuIsa::kAuto);
+  without.params = {{"a", {300}, DType::kBF16, 0}, {"b", {3, 100}, DType::kBF16, 0}};
+  without.pieces = {{0, 0, 300}, {1, 0, 300}};
+  without.groups.resize(1);
+  StagedAdamWOptions with = without;
+  with.params.insert(with.params.begin() + 1, {"e", {0, 5}, DType::kBF16, 0});
+  with.pieces = {{0, 0, 300}, {1, 0, 0}, {2, 0, 300}};
+  const std::vector<uint16_t> init = Bf16(Random(Size(with), 7, 1.0f));
+  auto a = StagedAdamW::Create(with, std::as_bytes(std::span(init)));
+  auto b = StagedAdamW::Create(without, std::as_bytes(std::span(init)));
+  ASSERT_THAT(a, IsOk());
+  ASSERT_THAT(b, IsOk());
+  std::vector<uint16_t> pa = init, pb = init;
+  const std::vector<float> g = Random(Size(with), 9, 0.1f);
+  // Per-piece buffers into the flat arrays; the empty piece's stay null.
+  std::vector<PieceBuffers> buffers;
+  uint64_t at = 0;
+  for (const Piece& piece : with.pieces) {
+    buffers.push_back(piece.count == 0 ? PieceBuffers{}
+                                       : PieceBuffers{g.data() + at, pa.data() + at});
+    at += piece.count;
+  }
+  StepArgs plain;
+  plain.pieces = buffers;
+  ASSERT_THAT((*a)->Step(plain), IsOk());
+  ASSERT_THAT((*b)->Step({g.data(), DType::kF32, 1.0f, pb.data()}), IsOk());
+  EXPECT_EQ(pa, pb);
+  EXPECT_EQ((*a)->param_steps(), (std::vector<uint64_t>{1, 1, 1}));
+  // Overlapped, "e" released first (a hook runs for it too); then a step that skips it.
+  for (const std::vector<uint8_t>& mask :
+       {std::vector<uint8_t>{1, 1, 1}, std::vector<uint8_t>{1, 0, 1}}) {
+    auto ov = (*a)->BeginOverlap(plain);
+    ASSERT_THAT(ov, IsOk());
+    for (uint32_t k : {1u, 2u, 0u}) ASSERT_THAT(ov->Release({&k, 1}), IsOk());
+    ov->Drain();
+    StepArgs finish = plain;
+    finish.stepped = mask;
+    auto report = ov->Finish(finish);
+    ASSERT_THAT(report, IsOk());
+    // No unit holds "e": whether it is stepped changes no unit's update.
+    EXPECT_TRUE(report->speculation_held);
+    ASSERT_THAT((*b)->Step({g.data(), DType::kF32, 1.0f, pb.data()}), IsOk());
+    EXPECT_EQ(pa, pb);
+  }
+  EXPECT_EQ((*a)->param_steps(), (std::vector<uint64_t>{3, 2, 3}));
+  StagedAdamWOptions bad = without;
+  bad.pieces = {{0, 0, 300}, {1, 0, 0}, {1, 0, 300}};
+  auto refused = StagedAdamW::Create(bad, std::as_bytes(std::span(init)));
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("\"b\" is empty"));
+}
+
 // A trainer's in-place edit of a parameter reaches its master through SetMasters: the next step
 // continues from the edited value, as torch AdamW continues from the edited parameter, while
 // the moments and counts stay.

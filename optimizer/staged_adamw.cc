@@ -123,7 +123,9 @@ absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
       return absl::InvalidArgumentError(
           absl::StrCat("piece names param ", p.param, " of ", o.params.size()));
     const uint64_t numel = o.params[p.param].numel();
-    if (p.count == 0 || p.begin > numel || p.count > numel - p.begin) {
+    // A parameter of no elements has one empty piece (torch steps such a parameter: its
+    // state is its step count); any other piece holds elements.
+    if ((p.count == 0 && numel != 0) || p.begin > numel || p.count > numel - p.begin) {
       return absl::InvalidArgumentError(
           absl::StrCat("piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
                        "\" is empty or outside its ", numel, " elements"));
@@ -489,6 +491,7 @@ absl::Status StagedAdamW::CheckPieceBuffers(std::span<const PieceBuffers> pieces
     if (!stepped.empty() && stepped[param] == 0) {
       continue;  // Not stepped: its buffers are not touched and may be null.
     }
+    if (options_.pieces[k].count == 0) continue;  // A parameter of no elements: none either.
     const std::string& name = options_.params[param].name;
     if ((grad_dtype.has_value() && b.grads == nullptr) || b.params == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(

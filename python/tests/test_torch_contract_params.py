@@ -377,3 +377,55 @@ def test_parameters_on_two_devices_share_one_optimizer(engine):
     opt.load_state_dict(state)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert relative(a, b) <= 2e-6, name
+
+
+class WithEmpty(torch.nn.Module):
+    """Net after a parameter of no elements (a pruned head, a LoRA of rank 0): torch's AdamW
+    steps it (its state is a step count and two empty moments)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.empty(0, 24, device=DEVICE))
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parameters_of_no_elements_are_stepped_as_torch_steps_them(tmp_path, overlap):
+    if overlap and not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        pytest.skip(f"overlap=True needs torch >= 2.1; this is {torch.__version__}")
+    a, b = (WithEmpty(m) for m in pair())
+    opt = ckpt.torch.StagedAdamW(a.parameters(), lr=3e-3, weight_decay=0.1, overlap=overlap)
+    ropt = torch.optim.AdamW(b.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    for s, drop in enumerate([(), (), ("empty",), ()]):
+        for model, o in ((a, opt), (b, ropt)):
+            step_with(model, o, s, drop)
+    assert_close(a, b)
+    mine, theirs = opt.state_dict(), ropt.state_dict()
+    assert mine["state"].keys() == theirs["state"].keys()
+    for i, t in theirs["state"].items():
+        assert float(mine["state"][i]["step"]) == float(t["step"]), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert mine["state"][i][key].shape == t[key].shape, (i, key)
+    assert float(mine["state"][0]["step"]) == 3.0  # "empty": a step without its gradient.
+    assert opt.exp_avg(a.empty).shape == (0, 24) and opt.master(a.empty).shape == (0, 24)
+    # State dicts both ways, and a checkpoint written and resumed.
+    a2, b2 = copy.deepcopy(b), copy.deepcopy(a)
+    from_torch = ckpt.torch.StagedAdamW(a2.parameters(), lr=3e-3, weight_decay=0.1)
+    from_torch.load_state_dict(round_trip(theirs))
+    to_torch = torch.optim.AdamW(b2.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+    to_torch.load_state_dict(round_trip(mine))
+    assert from_torch.param_steps() == opt.param_steps() == [3, 4, 4, 4, 4, 4, 4]
+    ck = ckpt.Checkpointer(tmp_path / "root", opt)
+    ck.save(4)
+    for model, o in ((a, opt), (b, ropt), (a2, from_torch), (b2, to_torch)):
+        step_with(model, o, 4)
+    assert_close(a2, b)
+    assert_close(b2, b)
+    ck.load(4)
+    ck.close()
+    assert opt.param_steps() == [3, 4, 4, 4, 4, 4, 4]
+    step_with(a, opt, 4)
+    assert_close(a, b)

@@ -65,7 +65,8 @@ struct ParamGroup {
   MuonParams muon{};
 };
 
-// Elements [begin, begin + count) of params[param], in row-major flat order.
+// Elements [begin, begin + count) of params[param], in row-major flat order (count is 0 only
+// for a parameter of no elements).
 struct Piece {
   uint32_t param = 0;
   uint64_t begin = 0;

@@ -172,10 +172,12 @@ class StagedAdamW {
   // Validates the layout and allocates the slabs; masters are initialised from
   // `model_weights` (a flat model-weight buffer in host memory: this rank's pieces in slab
   // order, each element in its parameter's dtype; see weight_bytes()), moments to zero.
-  // Parameters may mix FP32, BF16 and FP16. kInvalidArgument for empty or overlapping pieces,
-  // pieces outside their tensor, groups that do not exist, unsupported model dtypes, a weight
-  // buffer of the wrong size, an unaligned or null buffer; kUnimplemented / kFailedPrecondition when the CUDA
-  // engine is asked for without a toolkit at build time or without a usable device;
+  // Parameters may mix FP32, BF16 and FP16. A parameter of no elements (torch steps one: its
+  // state is its step count) may have one empty piece, [0, +0), whose buffers are never read
+  // and may be null. kInvalidArgument for other empty pieces, overlapping pieces, pieces
+  // outside their tensor, groups that do not exist, unsupported model dtypes, a weight buffer
+  // of the wrong size, an unaligned or null buffer; kUnimplemented / kFailedPrecondition when
+  // the CUDA engine is asked for without a toolkit at build time or without a usable device;
   // kResourceExhausted when host or device memory runs out.
   static absl::StatusOr<std::unique_ptr<StagedAdamW>> Create(
       StagedAdamWOptions options, std::span<const std::byte> model_weights);
