@@ -414,6 +414,21 @@ class Checkpointer:
         check(lib.ckpt_store_latest(self._store.handle, ctypes.byref(has), ctypes.byref(step)))
         return step.value if has.value else None
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving a `with` block: an async save still in flight is finalized (collective) when
+        the block ended normally, and abandoned (nothing published) when it raised, as a
+        transaction commits or rolls back; then close(). A failed finalize raises after the
+        close."""
+        try:
+            if exc_type is None and self._pending is not None:
+                self._pending.finalize()
+        finally:
+            self.close()
+        return False
+
     def close(self):
         """Closes the checkpointer and its store (an async save in flight is abandoned: nothing
         published). Closing twice is harmless; without close(), both are closed when the last

@@ -189,6 +189,28 @@ def test_save_load_and_async_save_round_trip(tmp_path):
     ck2.close()
 
 
+def test_a_with_block_finalizes_an_async_save_or_abandons_it_when_it_raises(tmp_path):
+    model, opt = fresh()
+    train(model, opt, 3)
+    with ckpt.Checkpointer(tmp_path / "root", opt) as ck:
+        ck.save_async(3, extra={"data_position": 3})
+        train(model, opt, 1, first=3)  # A step while the save is written.
+    assert ck.pending is None
+    with pytest.raises(ckpt.CkptError, match="closed"):
+        ck.latest
+    saved = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        with ckpt.Checkpointer(tmp_path / "root", opt) as ck:
+            assert ck.latest == 3
+            ck.save_async(4)
+            raise RuntimeError("the loop failed")
+    with ckpt.Checkpointer(tmp_path / "root", opt) as ck:
+        assert ck.latest == 3  # Step 4 was abandoned, not published.
+        assert ck.load()["data_position"] == 3
+    train(model, opt, 1, first=3)
+    assert same(snapshot(model, opt), saved)
+
+
 def test_retention_keeps_the_newest_steps_and_the_multiples(tmp_path):
     model, opt = fresh()
     with pytest.raises(ValueError, match="keep_last"):
