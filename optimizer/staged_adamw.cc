@@ -175,6 +175,7 @@ std::vector<Unit> BuildUnits(const StagedAdamWOptions& o) {
   std::vector<Unit> units;
   uint64_t offset = 0;
   for (const Piece& p : o.pieces) {
+    if (p.count == 0) continue;  // A parameter of no elements: nothing to update.
     const uint32_t group = o.params[p.param].group;
     if (o.groups[group].algorithm == Algorithm::kMuon) {  // One whole matrix.
       units.push_back({offset, p.count, group, o.params[p.param].shape[0]});
