@@ -152,6 +152,8 @@ const BadCase kBadCases[] = {
     {"newer version", [] { return Frame(JsonOf(ValidManifest()), 2); },
      absl::StatusCode::kUnimplemented},
     {"not json", [] { return Frame("{\"format\": "); }},
+    {"byte-order mark before the json",
+     [] { return Frame("\xEF\xBB\xBF" + JsonOf(ValidManifest())); }},
     {"json array at top", [] { return Frame("[1, 2]"); }},
     {"nesting bomb", [] { return Frame(std::string(100000, '[') + std::string(100000, ']')); }},
     {"format field wrong", [] { return ReplaceInJson("\"ckpt\"", "\"nope\""); }},

@@ -3,6 +3,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
+
 namespace ckpt::formats::internal {
 namespace {
 
@@ -66,6 +68,12 @@ class StrictBuilder : public StrictSax {
 }  // namespace
 
 bool RunStrict(absl::string_view text, StrictSax* sax) {
+  // nlohmann skips a byte-order mark; RFC 8259 forbids writing one, and no writer of these
+  // files does (Python's json refuses one too).
+  if (absl::StartsWith(text, "\xEF\xBB\xBF")) {
+    sax->syntax_error_ = true;
+    return false;
+  }
   const bool parsed = json::sax_parse(text.begin(), text.end(), sax);
   if (!parsed && sax->ok()) sax->syntax_error_ = true;
   return parsed && sax->ok();

@@ -12,8 +12,8 @@
 
 namespace ckpt::formats::internal {
 
-// The rules, on nlohmann's SAX events: one JSON value (UTF-8, nothing but whitespace after
-// it), no object that repeats a key, arrays and objects nested no deeper than `max_depth`.
+// The rules, on nlohmann's SAX events: one JSON value (UTF-8 without a byte-order mark,
+// nothing but whitespace after it), no object that repeats a key, arrays and objects nested no deeper than `max_depth`.
 // Parsing stops at the first violation, in time linear in the input. A handler derives from
 // it, calls Enter() as a container opens (false: too deep, stop) and Leave() as it closes, and
 // Repeated(key) for a key its object already holds (how it knows is its own: a DOM looks it
