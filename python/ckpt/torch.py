@@ -1872,8 +1872,9 @@ class StagedAdamW(torch.optim.Optimizer):
     def _entry_step(entry, name):
         step = entry.get("step", 0)
         step = step.item() if isinstance(step, torch.Tensor) else step
-        if not _is_number(step) or step < 0 or step != int(step):
-            raise ValueError(f"the step of parameter {name} is {step!r}, not a count")
+        if not _is_number(step) or not 0 <= step < 2**64 or step != int(step):
+            raise ValueError(f"the step of parameter {name} is {step!r}, not a count (an "
+                             f"integer in [0, 2**64))")
         return int(step)
 
     def _whole_arrays(self, groups, state):
