@@ -421,12 +421,17 @@ class Checkpointer:
         """Leaving a `with` block: an async save still in flight is finalized (collective) when
         the block ended normally, and abandoned (nothing published) when it raised, as a
         transaction commits or rolls back; then close(). A failed finalize raises after the
-        close."""
+        close. One critical section: a Ctrl-C meanwhile comes after the close (and one that
+        lands while the section is being set up still finds the checkpointer closed)."""
         try:
-            if exc_type is None and self._pending is not None:
-                self._pending.finalize()
+            with _signals.deferred():
+                try:
+                    if exc_type is None and self._pending is not None:
+                        self._pending.finalize()
+                finally:
+                    self.close()
         finally:
-            self.close()
+            self.close()  # Harmless when closed; not, after a Ctrl-C in deferred()'s setup.
         return False
 
     def close(self):

@@ -330,7 +330,7 @@ class _HostMirror:
                 for i in indices:
                     p = params[i]
                     p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
-                    seen[i] = (p._version, p.data_ptr())
+                    seen[i] = (p._version, p.data_ptr(), p.shape)
                 self.written.record(current)
                 return after
             if self.stream is None:
@@ -343,7 +343,7 @@ class _HostMirror:
                     # module.to(...)) is not reused by the allocator until then.
                     p.detach().record_stream(self.stream)
                     p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
-                    seen[i] = (p._version, p.data_ptr())
+                    seen[i] = (p._version, p.data_ptr(), p.shape)
                     event = self.back.get(i)
                     if event is None:
                         event = self.back[i] = torch.cuda.Event()
@@ -551,7 +551,7 @@ class StagedAdamW(torch.optim.Optimizer):
         # The state as torch shapes it, made on demand and dropped by anything that changes it
         # (a step, a load); shared by objects that copy this one's __dict__.
         self._cache = {}
-        self._seen = []  # (version, data_ptr) of each parameter as ckpt last wrote it.
+        self._seen = []  # (version, data_ptr, shape) of each parameter as ckpt last wrote it.
         self.state = _StateView(self)
         plist = [p for g in self.param_groups for p in g["params"]]
         if not plist:
@@ -598,6 +598,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._devices = [p.device for p in plist]
         # Each parameter keeps its own dtype; _dtype is theirs when they share one, else None.
         self._dtypes = [p.dtype for p in plist]
+        self._shapes = [tuple(p.shape) for p in plist]  # As checkpoints record them.
         dtype = plist[0].dtype if len(set(self._dtypes)) == 1 else None
         if dtype is None and process_group is not None:
             raise NotImplementedError("parameters of several dtypes with a process_group are not "
@@ -828,10 +829,11 @@ class StagedAdamW(torch.optim.Optimizer):
         self._params.extend(new)
         self._names.extend(new_names)
         self._dtypes.extend(p.dtype for p in new)
+        self._shapes.extend(tuple(p.shape) for p in new)
         self._devices.extend(p.device for p in new)
         if self._mirror is None and self._device.type == "cpu" and cuda:
             self._mirror = _HostMirror(next(iter(cuda)))
-        self._seen.extend((p._version, p.data_ptr()) for p in new)
+        self._seen.extend((p._version, p.data_ptr(), p.shape) for p in new)
         self._total = self._local_count = total
         self._layout.pop("consolidated", None)
         if self._dtype is not None and any(p.dtype != self._dtype for p in new):
@@ -1352,10 +1354,11 @@ class StagedAdamW(torch.optim.Optimizer):
         return bool(word.item())
 
     def _note_versions(self):
-        """What each parameter is now (its version counter and storage), so that the next step
-        can tell which ones the trainer changed in place."""
+        """What each parameter is now (its version counter, storage and shape: `.data` set to
+        a view of it changes neither of the others), so that the next step can tell which ones
+        the trainer changed in place."""
         # In place: objects that copy this one's __dict__ share the list.
-        self._seen[:] = [(p._version, p.data_ptr()) for p in self._params]
+        self._seen[:] = [(p._version, p.data_ptr(), p.shape) for p in self._params]
 
     def _refresh_edited(self):
         """A parameter changed since ckpt last wrote it (model.load_state_dict, p.mul_() under
@@ -1364,7 +1367,7 @@ class StagedAdamW(torch.optim.Optimizer):
         continue from the edited value: the master takes the parameter's value widened to FP32
         (for a BF16 or FP16 parameter, the low bits the master had beyond the parameter's
         precision are gone). Moments and step counts stay."""
-        now = [(p._version, p.data_ptr()) for p in self._params]
+        now = [(p._version, p.data_ptr(), p.shape) for p in self._params]
         if now == self._seen:
             return
         edited = [i for i, (a, b) in enumerate(zip(now, self._seen)) if a != b]
@@ -1389,17 +1392,18 @@ class StagedAdamW(torch.optim.Optimizer):
         self._seen[:] = now
 
     def _check_parameters(self, indices):
-        """Each of these parameters (indices into _params) still of the dtype, device and size
-        ckpt reads and writes (CkptError naming the first that is not). Run on the parameters
-        whose version or storage changed: nothing else changes a parameter's dtype, device or
-        size."""
+        """Each of these parameters (indices into _params) still of the dtype, device and shape
+        ckpt reads and writes and its checkpoints record (CkptError naming the first that is
+        not; torch's AdamW fails on a reshaped parameter too). Run on the parameters whose
+        version or storage changed: nothing else changes a parameter's dtype, device or
+        shape."""
         for i in indices:
-            p, (_, n), name, dtype = self._params[i], self._slices[i], self._names[i], \
-                self._dtypes[i]
-            if p.dtype != dtype or p.device != self._devices[i] or p.numel() != n:
-                raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, "
-                                   f"{p.numel()} elements (built with {dtype} on "
-                                   f"{self._devices[i]}, {n})")
+            p, name, dtype, shape = self._params[i], self._names[i], self._dtypes[i], \
+                self._shapes[i]
+            if p.dtype != dtype or p.device != self._devices[i] or tuple(p.shape) != shape:
+                raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, shape "
+                                   f"{list(p.shape)} (built with {dtype} on "
+                                   f"{self._devices[i]}, shape {list(shape)})")
 
     def _scatter(self, flat, only=None):
         """A flat buffer in ckpt's order into the parameters (those `only` flags, or all), in

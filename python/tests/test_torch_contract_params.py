@@ -291,6 +291,16 @@ def test_a_parameter_resized_through_data_is_refused_before_it_is_read(tmp_path)
         with pytest.raises(ckpt.CkptError, match="fc1.bias|changed"):
             read()
     assert ck.latest is None
+    # Reshaped with its size kept (torch's AdamW fails on it too): a checkpoint would record
+    # the old shape, state_dict() the new one.
+    ours.fc1.bias.data = torch.zeros(24, device=DEVICE)
+    ours.fc2.weight.data = ours.fc2.weight.data.reshape(24, 5)
+    for read in (opt.state_dict, lambda: ck.save(2), opt.step):
+        # fc2.weight: param.1 (the second of the first group).
+        with pytest.raises(ckpt.CkptError, match=r"param.1 changed: .* shape \[24, 5\] "
+                                                 r"\(built with .* shape \[5, 24\]\)"):
+            read()
+    assert ck.latest is None
     ck.close()
 
 

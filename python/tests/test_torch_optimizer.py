@@ -211,6 +211,47 @@ def test_a_with_block_finalizes_an_async_save_or_abandons_it_when_it_raises(tmp_
     assert same(snapshot(model, opt), saved)
 
 
+def test_a_ctrl_c_anywhere_in_a_with_blocks_exit_still_closes_the_checkpointer(tmp_path):
+    """SIGINT at each traced event of __exit__ in turn, an async save in flight: whether the save
+    was committed or abandoned, the checkpointer is closed and the root opens again. The first
+    two events (the call, and its first line, before any try) are before Python can protect
+    anything."""
+    import signal
+    import sys
+    model, opt = fresh()
+    train(model, opt, 1)
+    target, finished = 3, False
+    while not finished and target < 5000:
+        root = tmp_path / f"root{target}"
+        count = [0]
+
+        def tracer(frame, event, arg):
+            if count[0] or (event == "call" and frame.f_code.co_name == "__exit__"):
+                count[0] += 1
+                if count[0] == target:
+                    sys.settrace(None)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return None
+                return tracer
+            return None
+        try:
+            with ckpt.Checkpointer(root, opt) as ck:
+                ck.save_async(1)
+                sys.settrace(tracer)
+            finished = True  # The block's exit ran before the target event.
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        with pytest.raises(ckpt.CkptError, match="closed"):
+            ck.latest
+        again = ckpt.Checkpointer(root, opt)
+        assert again.latest in (None, 1), target
+        again.close()
+        target += 1
+    assert finished and target > 50
+
+
 def test_retention_keeps_the_newest_steps_and_the_multiples(tmp_path):
     model, opt = fresh()
     with pytest.raises(ValueError, match="keep_last"):
