@@ -103,7 +103,8 @@ struct StepPlan {
 // decides what a skipped run costs it) and one model dtype that reads its gradients and writes
 // its weights contiguously: at the flat buffers, the range cut where the pieces' entries or
 // dtypes change; with StepArgs::pieces, cut at every piece boundary (a skipped piece's pointers
-// may be null, and are passed so). The empty piece of a parameter of no elements has no run. `gsize` is the gradient element size.
+// may be null, and are passed so). The empty piece of a parameter of no elements has no run.
+// `gsize` is the gradient element size.
 template <typename Fn>
 void ForEachSegment(const StepArgs& args, const SlabView& slabs, const StepPlan& plan,
                     uint64_t offset, uint64_t count, size_t gsize, Fn fn) {

@@ -36,6 +36,13 @@ def _torch_adamw_defaults():
     return {k: v for k, v in keys.items() if k not in ("lr", "betas", "eps", "weight_decay")}
 
 
+def _seen_of(p):
+    """What ckpt remembers of a parameter it wrote, to tell an edit by the trainer at the next
+    step: its version counter, storage and shape (`.data` set to a view of it changes neither
+    of the others)."""
+    return p._version, p.data_ptr(), p.shape
+
+
 def _is_number(value):
     """An int or float (not a bool), or a one-element tensor (torch accepts a tensor lr)."""
     if isinstance(value, torch.Tensor):
@@ -330,7 +337,7 @@ class _HostMirror:
                 for i in indices:
                     p = params[i]
                     p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
-                    seen[i] = (p._version, p.data_ptr(), p.shape)
+                    seen[i] = _seen_of(p)
                 self.written.record(current)
                 return after
             if self.stream is None:
@@ -343,7 +350,7 @@ class _HostMirror:
                     # module.to(...)) is not reused by the allocator until then.
                     p.detach().record_stream(self.stream)
                     p.detach().copy_(self.weights[i].view(p.shape), non_blocking=True)
-                    seen[i] = (p._version, p.data_ptr(), p.shape)
+                    seen[i] = _seen_of(p)
                     event = self.back.get(i)
                     if event is None:
                         event = self.back[i] = torch.cuda.Event()
@@ -833,7 +840,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._devices.extend(p.device for p in new)
         if self._mirror is None and self._device.type == "cpu" and cuda:
             self._mirror = _HostMirror(next(iter(cuda)))
-        self._seen.extend((p._version, p.data_ptr(), p.shape) for p in new)
+        self._seen.extend(_seen_of(p) for p in new)
         self._total = self._local_count = total
         self._layout.pop("consolidated", None)
         if self._dtype is not None and any(p.dtype != self._dtype for p in new):
@@ -1354,11 +1361,10 @@ class StagedAdamW(torch.optim.Optimizer):
         return bool(word.item())
 
     def _note_versions(self):
-        """What each parameter is now (its version counter, storage and shape: `.data` set to
-        a view of it changes neither of the others), so that the next step can tell which ones
-        the trainer changed in place."""
+        """What each parameter is now (_seen_of), so that the next step can tell which ones the
+        trainer changed in place."""
         # In place: objects that copy this one's __dict__ share the list.
-        self._seen[:] = [(p._version, p.data_ptr(), p.shape) for p in self._params]
+        self._seen[:] = [_seen_of(p) for p in self._params]
 
     def _refresh_edited(self):
         """A parameter changed since ckpt last wrote it (model.load_state_dict, p.mul_() under
@@ -1367,7 +1373,7 @@ class StagedAdamW(torch.optim.Optimizer):
         continue from the edited value: the master takes the parameter's value widened to FP32
         (for a BF16 or FP16 parameter, the low bits the master had beyond the parameter's
         precision are gone). Moments and step counts stay."""
-        now = [(p._version, p.data_ptr(), p.shape) for p in self._params]
+        now = [_seen_of(p) for p in self._params]
         if now == self._seen:
             return
         edited = [i for i, (a, b) in enumerate(zip(now, self._seen)) if a != b]
