@@ -15,6 +15,8 @@
 namespace ckpt::formats::internal {
 
 inline constexpr uint64_t kMaxWorldSize = uint64_t{1} << 20;
+// Dimensions of a tensor: the parser refuses more, so the writer must too.
+inline constexpr uint64_t kMaxRank = 64;
 inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 50;
 
 // Damage of manifest `file`: kDataLoss "<file>: <what>".

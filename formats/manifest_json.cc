@@ -22,10 +22,10 @@ namespace ckpt::formats {
 namespace {
 
 using internal::Invalid;
+using internal::kMaxRank;
 using internal::kMaxWorldSize;
 
 constexpr int kMaxJsonDepth = 16;
-constexpr uint64_t kMaxRank = 64;  // dims of a tensor
 
 bool ParseHex64(absl::string_view s, uint64_t* out) {
   if (s.size() != 16) return false;

@@ -258,6 +258,20 @@ TEST(ManifestTest, ChunkElemsLargerThanThePieceIsOneChunk) {
   EXPECT_THAT(ParseManifest(AsBytes(EncodeManifest(m)), "m"), IsOk());
 }
 
+// A tensor of more dimensions than the parser reads back is refused before it is written: a
+// committed manifest must always parse (ckpt.dcp committed a 65-dimension tensor it could not
+// read back).
+TEST(ManifestTest, ATensorOfMoreDimensionsThanTheParserReadsIsRefusedBeforeWriting) {
+  Manifest m = ValidManifest();
+  m.tensors[1].shape.assign(64, 1);
+  EXPECT_THAT(ValidateManifest(m, "m"), IsOk());
+  EXPECT_THAT(ParseManifest(AsBytes(EncodeManifest(m)), "m"), IsOk());
+  m.tensors[1].shape.assign(65, 1);
+  EXPECT_THAT(ValidateManifest(m, "m"), StatusIs(absl::StatusCode::kDataLoss));
+  EXPECT_THAT(ParseManifest(AsBytes(EncodeManifest(m)), "m"),
+              StatusIs(absl::StatusCode::kDataLoss));
+}
+
 TEST(NameTest, AcceptsDottedModelNamesAndRejectsPaths) {
   EXPECT_TRUE(IsValidName("model.layers.0.mlp.weight"));
   EXPECT_FALSE(IsValidName(".."));

@@ -22,6 +22,7 @@ namespace {
 
 using internal::kMaxTensorBytes;
 using internal::Invalid;
+using internal::kMaxRank;
 using internal::kMaxWorldSize;
 
 // Well-formed UTF-8 (RFC 3629): no stray continuation bytes, no overlong forms, no surrogates,
@@ -70,6 +71,10 @@ absl::Status ValidateTensors(const Manifest& m, absl::string_view file) {
     }
     if (!names.insert(t.name).second) {
       return Invalid(file, absl::StrCat("tensor \"", t.name, "\" appears twice"));
+    }
+    if (t.shape.size() > kMaxRank) {
+      return Invalid(file, absl::StrCat("tensor \"", t.name, "\" has ", t.shape.size(),
+                                        " dimensions, more than ", kMaxRank));
     }
     uint64_t numel = 1;
     for (uint64_t d : t.shape) {

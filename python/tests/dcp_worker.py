@@ -57,7 +57,7 @@ def main():
                            "wide": distribute_tensor(want["wide"], mesh, [Shard(1)])},
                  "note": {"text": "saved at world", "world": world}}
         if mode != "save" and rank == 1:
-            write_items = ckpt.dcp._write_items
+            write_items = ckpt._dcp_writer._write_items
 
             def stop_after_one(save, items, planner, results):
                 tensors = [i for i in items if i.tensor_data is not None]
@@ -65,7 +65,7 @@ def main():
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise OSError("injected: the disk went away")
-            ckpt.dcp._write_items = stop_after_one
+            ckpt._dcp_writer._write_items = stop_after_one
         try:
             dcp.save(state, storage_writer=ckpt.dcp.StorageWriter(root, step=step))
         except (Exception, dcp.api.CheckpointException) as e:  # DCP's is a BaseException.

@@ -17,6 +17,7 @@ pytest.importorskip("torch.distributed.checkpoint.state_dict")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import state_dict as dcp_sd  # noqa: E402
 
+import ckpt._dcp_writer  # noqa: E402
 import ckpt.dcp  # noqa: E402
 import ckpt.torch  # noqa: E402
 from test_trainer_generic import REPO, small_data, small_net  # noqa: E402
@@ -160,13 +161,13 @@ def test_a_writer_serves_one_save_at_a_time(tmp_path, monkeypatch):
     writer = ckpt.dcp.StorageWriter(root, step=1)
     weights = {"w": torch.randn(64)}
     writing, release = threading.Event(), threading.Event()
-    write_items = ckpt.dcp._write_items
+    write_items = ckpt._dcp_writer._write_items
 
     def held(*args):
         writing.set()
         release.wait(60)
         write_items(*args)
-    monkeypatch.setattr(ckpt.dcp, "_write_items", held)
+    monkeypatch.setattr(ckpt._dcp_writer, "_write_items", held)
     pending = dcp.async_save(weights, storage_writer=writer)
     pending = getattr(pending, "upload_completion", pending)
     assert writing.wait(60)
@@ -180,7 +181,7 @@ def test_a_writer_serves_one_save_at_a_time(tmp_path, monkeypatch):
     release.set()
     pending.result()
     assert ckpt.dcp.latest_step(root) == 1
-    monkeypatch.setattr(ckpt.dcp, "_write_items", write_items)
+    monkeypatch.setattr(ckpt._dcp_writer, "_write_items", write_items)
     dcp.save(weights, storage_writer=writer)  # Once it finished, the writer saves again.
     assert ckpt.dcp.latest_step(root) == 2
 
@@ -192,11 +193,11 @@ import ckpt.dcp
 root = sys.argv[1]
 dcp.save({"w": torch.full((64, 64), 1.0), "v": torch.full((8,), 1.0)},
          storage_writer=ckpt.dcp.StorageWriter(root, step=1))
-write_items = ckpt.dcp._write_items
+write_items = ckpt._dcp_writer._write_items
 def killed(save, items, planner, results):
     write_items(save, items[:1], planner, results)
     os.kill(os.getpid(), signal.SIGKILL)
-ckpt.dcp._write_items = killed
+ckpt._dcp_writer._write_items = killed
 dcp.save({"w": torch.full((64, 64), 2.0), "v": torch.full((8,), 2.0)},
          storage_writer=ckpt.dcp.StorageWriter(root, step=2))
 """
@@ -271,3 +272,21 @@ def test_a_rank_that_fails_its_writes_publishes_nothing(tmp_path, mode):
     dcp.load(state, storage_reader=ckpt.dcp.StorageReader(root))
     from dcp_worker import full
     assert torch.equal(state["model"]["rows"], full()["rows"])
+
+
+def test_tensors_of_any_rank_round_trip_or_are_refused_before_publishing(tmp_path):
+    # 17 and 64 dims: the reader asked for 16 dims and refused the step it had committed.
+    for n in (17, 64):
+        root = str(tmp_path / f"r{n}")
+        t = torch.arange(6, dtype=torch.float32).reshape([2, 3] + [1] * (n - 2))
+        dcp.save({"t": t}, storage_writer=ckpt.dcp.StorageWriter(root, step=1))
+        got = {"t": torch.zeros_like(t)}
+        dcp.load(got, storage_reader=ckpt.dcp.StorageReader(root))
+        assert torch.equal(got["t"], t)
+    # 65 dims (torch allows them): more than a manifest holds, refused before anything is
+    # published, naming the tensor.
+    root = str(tmp_path / "r65")
+    t = torch.zeros([1] * 65)
+    with pytest.raises(REFUSED, match="65 dimensions"):
+        dcp.save({"t": t}, storage_writer=ckpt.dcp.StorageWriter(root, step=1))
+    assert ckpt.dcp.latest_step(root) is None
