@@ -96,9 +96,13 @@ int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, size_t nkeep, 
     if (store == nullptr || (nkeep > 0 && keep == nullptr)) return Invalid("NULL argument");
     ckpt::RetentionPolicy policy;
     policy.keep_only = std::vector<uint64_t>(keep, keep + nkeep);
-    absl::StatusOr<std::vector<uint64_t>> gone = store->store->ApplyRetention(policy);
+    absl::StatusOr<ckpt::RetentionReport> gone = store->store->ApplyRetention(policy);
     if (!gone.ok()) return Fail(gone.status());
-    if (retired != nullptr) *retired = gone->size();
+    // Deleted or moved into quarantine/: either way the step left the store.
+    if (retired != nullptr) {
+      *retired = ckpt::StepsOf(*gone, ckpt::RecoveryAction::Kind::kRemove).size() +
+                 ckpt::StepsOf(*gone, ckpt::RecoveryAction::Kind::kQuarantine).size();
+    }
     return CKPT_OK;
   });
 }

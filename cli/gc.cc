@@ -1,7 +1,8 @@
 // ckpt-tool gc: recovers the root (through the primary handle's Open), applies a retention
 // policy, and on request deletes what recovery set aside in quarantine/. --dry-run takes no
 // LOCK and changes nothing: it prints the recovery plan (PlanRecovery, the very list the real
-// run then acts on, line for line) and the steps retention would delete after it.
+// run then acts on, line for line) and, per step retention retires after it, what retention
+// would do (PlanRetention: delete, quarantine or leave, the very list the real run acts on).
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
@@ -19,7 +20,7 @@ struct GcOutcome {
   std::vector<RecoveryAction> recovery;
   std::vector<std::string> quarantined_to;
   std::optional<uint64_t> latest;
-  std::vector<uint64_t> deleted;
+  RetentionReport retention;
   std::vector<std::string> purged;
 };
 
@@ -36,7 +37,10 @@ absl::StatusOr<GcOutcome> DryRun(const GcArgs& args, const std::string& root) {
     }
     if (!goes) left.push_back(step);
   }
-  out.deleted = RetiredSteps(left, plan.latest, {args.keep_last, args.keep_every});
+  CKPT_ASSIGN_OR_RETURN(out.retention,
+                        PlanRetention(Env::Default(), root,
+                                      RetiredSteps(left, plan.latest,
+                                                   {args.keep_last, args.keep_every})));
   out.recovery = std::move(plan.actions);
   out.latest = plan.latest;
   if (args.purge_quarantine) {
@@ -56,7 +60,8 @@ absl::StatusOr<GcOutcome> RealRun(const GcArgs& args) {
   out.recovery = store->recovery().actions;
   out.quarantined_to = store->recovery().quarantined;
   out.latest = store->latest_step();
-  CKPT_ASSIGN_OR_RETURN(out.deleted, store->ApplyRetention({args.keep_last, args.keep_every}));
+  CKPT_ASSIGN_OR_RETURN(out.retention,
+                        store->ApplyRetention({args.keep_last, args.keep_every}));
   if (args.purge_quarantine) {
     CKPT_ASSIGN_OR_RETURN(out.purged, store->PurgeQuarantine());
   }
@@ -76,6 +81,11 @@ int RunGc(const GcArgs& args) {
   if (!outcome.ok()) return ReportError("gc", outcome.status());
   std::vector<std::string> lines;
   for (const RecoveryAction& a : outcome->recovery) lines.push_back(DescribeAction(a));
+  std::vector<std::string> retention;
+  for (const RecoveryAction& a : outcome->retention.actions) {
+    retention.push_back(DescribeRetention(a, args.dry_run));
+  }
+  const std::vector<uint64_t> deleted = StepsOf(outcome->retention, RecoveryAction::Kind::kRemove);
   if (args.json) {
     PrintJson({{"root", args.root},
                {"dry_run", args.dry_run},
@@ -83,7 +93,12 @@ int RunGc(const GcArgs& args) {
                {"recovery_quarantined_to", outcome->quarantined_to},
                {"latest", outcome->latest.has_value() ? nlohmann::json(*outcome->latest)
                                                       : nlohmann::json(nullptr)},
-               {"deleted", outcome->deleted},
+               {"deleted", deleted},
+               {"retention_quarantined",
+                StepsOf(outcome->retention, RecoveryAction::Kind::kQuarantine)},
+               {"retention_left", StepsOf(outcome->retention, RecoveryAction::Kind::kKeep)},
+               {"retention", retention},
+               {"retention_quarantined_to", outcome->retention.quarantined},
                {"quarantine_purged", outcome->purged}});
     return kExitOk;
   }
@@ -92,10 +107,12 @@ int RunGc(const GcArgs& args) {
   for (const std::string& q : outcome->quarantined_to) {
     std::cout << "recovery moved an entry into " << Printable(q) << "\n";
   }
-  std::cout << (args.dry_run ? "would delete" : "deleted") << " " << outcome->deleted.size()
-            << " step(s)"
-            << (outcome->deleted.empty() ? "" : ": " + absl::StrJoin(outcome->deleted, ", "))
-            << "\n";
+  for (const std::string& line : retention) std::cout << Printable(line) << "\n";
+  for (const std::string& q : outcome->retention.quarantined) {
+    std::cout << "retention moved a step into " << Printable(q) << "\n";
+  }
+  std::cout << (args.dry_run ? "would delete" : "deleted") << " " << deleted.size() << " step(s)"
+            << (deleted.empty() ? "" : ": " + absl::StrJoin(deleted, ", ")) << "\n";
   if (args.purge_quarantine) {
     std::cout << (args.dry_run ? "would purge" : "purged") << " " << outcome->purged.size()
               << " quarantined entr" << (outcome->purged.size() == 1 ? "y" : "ies") << "\n";

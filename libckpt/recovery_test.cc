@@ -448,6 +448,23 @@ TEST_F(RecoveryTest, AStepOnAnotherMountIsNeverEnteredNorAdoptedAsLatest) {
   EXPECT_TRUE(fs::exists(root_ + "/step-00000009/MANIFEST"));
 }
 
+TEST_F(RecoveryTest, AdoptRefusesAStepOnAnotherMountOrALinkAndLatestStays) {
+  SaveThreeSteps();
+  CKPT_ASSERT_OK(testing::SaveSyntheticStep(tmp_.path() + "/other", options_, 2, 9));
+  CKPT_ASSERT_OK(testing::SaveSyntheticStep(tmp_.path() + "/other", options_, 2, 10));
+  fs::rename(tmp_.path() + "/other/step-00000009", root_ + "/step-00000009");
+  OtherMountEnv env(posix_.get(), root_ + "/step-00000009");
+  StoreOptions o = options_;
+  o.env = &env;
+  auto store = CheckpointStore::Open(root_, o);
+  CKPT_ASSERT_OK(store);
+  EXPECT_THAT((*store)->Adopt(9), StatusIs(absl::StatusCode::kFailedPrecondition));
+  fs::create_directory_symlink(tmp_.path() + "/other/step-00000010", root_ + "/step-00000010");
+  EXPECT_THAT((*store)->Adopt(10), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ((*store)->latest_step(), std::optional<uint64_t>(3));
+  EXPECT_EQ(*ReadLatest(posix_.get(), root_), std::optional<uint64_t>(3));
+}
+
 TEST_F(RecoveryTest, AStagingDirectoryThatIsAMountPointIsKeptAndOneHoldingAMountIsNotRemoved) {
   SaveThreeSteps();
   const std::string mounted = root_ + "/.staging-step-00000004-0123456789abcdef";

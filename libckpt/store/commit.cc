@@ -20,9 +20,11 @@
 //    if even that fails it keeps the step directory (LATEST may name it) and reports the error.
 // 9. Rank 0 broadcasts the outcome and every rank returns it. When rank 0 fails before step 8
 //    it removes the staging or step directory (best effort; recovery removes what remains).
-// 10. Rank 0 applies retention: it renames the steps it retires to .deleting-* names (one
-//     SyncDir) and leaves removing their files to the store's remover thread. Its failure is
-//     logged, not returned: the step is committed.
+// 10. Rank 0 applies retention (libckpt/store/retention.cc): it renames the steps it retires
+//     that hold only ckpt's files to .deleting-* names (one SyncDir), moves those holding
+//     anything else into quarantine/, leaves mount points, and leaves removing the renamed
+//     files to the store's remover thread. Its failure is logged, not returned: the step is
+//     committed.
 #include "ckpt/checkpoint_writer.h"
 
 #include <algorithm>
@@ -159,7 +161,7 @@ absl::Status internal::Transaction::Finish(bool vote_yes) {
   if (!outcome.ok()) return outcome;
   store_->OnCommitted(step_);
   if (rank == 0 && store_->options().retention.keep_last > 0) {
-    absl::StatusOr<std::vector<uint64_t>> removed =
+    absl::StatusOr<RetentionReport> removed =
         store_->Retire(store_->options().retention, /*dry_run=*/false, /*background=*/true);
     if (!removed.ok())
       store_->Log(absl::StrCat("retention after step ", step_, ": ", removed.status().message()));

@@ -64,6 +64,7 @@
 #include "absl/strings/str_join.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
+#include "libckpt/store/own_files.h"
 #include "libckpt/store/store_impl.h"
 #include "ckpt/formats/manifest.h"
 #include "libckpt/filename.h"
@@ -89,74 +90,6 @@ absl::Status Refuse(absl::string_view what, const absl::Status& cause) {
       "to an older step) and open again"));
 }
 
-// Own trees are shallow: a staging directory holds files, an undo spill a store of steps.
-constexpr int kMaxOwnDepth = 4;
-
-// The header a file of ckpt's own name starts with, or nullopt for a name ckpt never writes
-// inside its directories. An empty magic: the file is always empty (LOCK).
-std::optional<absl::string_view> MagicOfOwnFile(absl::string_view name) {
-  if (name == internal::kManifestName) return formats::kManifestMagic;
-  if (internal::IsPartFileName(name)) return formats::kPartMagic;
-  if (internal::IsDataFileName(name)) return formats::kDataFileMagic;
-  if (name == internal::kLatestName || name == absl::StrCat(internal::kLatestName, ".tmp")) {
-    return formats::kLatestMagic;
-  }
-  if (name == internal::kLockName) return absl::string_view();
-  return std::nullopt;
-}
-
-// "" when the file at `path` starts with `magic`, or with a prefix of it (a crash tears a file
-// at its last Sync); a data file may also start with zeros (its extents are written at
-// reserved offsets, the header with the first chunk, so a crash can leave a hole at 0).
-absl::StatusOr<std::string> HeaderProblem(Env* env, const std::string& path, const FileInfo& info,
-                                          absl::string_view magic, bool zeros_allowed) {
-  if (magic.empty()) {
-    return info.size_bytes == 0 ? std::string() : absl::StrCat(path, " is not empty");
-  }
-  const size_t n = static_cast<size_t>(std::min<uint64_t>(info.size_bytes, magic.size()));
-  if (n == 0) return std::string();
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RandomAccessFile> file,
-                        env->NewRandomAccessFile(path, FileOptions{.follow_symlinks = false}));
-  std::string head(n, '\0');
-  CKPT_RETURN_IF_ERROR(file->Read(0, std::as_writable_bytes(std::span<char>(head))));
-  if (head == magic.substr(0, n)) return std::string();
-  if (zeros_allowed && head == std::string(n, '\0')) return std::string();
-  return absl::StrCat(path, " does not start with ckpt's header for that name");
-}
-
-// "" when everything below the directory `path` is ckpt's own: directories of ckpt's names,
-// regular files of ckpt's names that start with their header, all on `mount`'s mount and
-// no deeper than kMaxOwnDepth. Otherwise the first thing that is not, in words.
-absl::StatusOr<std::string> OwnTreeProblem(Env* env, const std::string& path, const FileInfo& mount,
-                                           int depth) {
-  if (depth > kMaxOwnDepth) return absl::StrCat(path, " is deeper than ckpt ever nests");
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(path));
-  std::sort(names.begin(), names.end());
-  for (const std::string& name : names) {
-    const std::string child = JoinPath(path, name);
-    CKPT_ASSIGN_OR_RETURN(FileInfo info, env->Stat(child));
-    if (!info.SameMountAs(mount)) return absl::StrCat(child, " is a mount point");
-    if (info.type == Type::kDirectory) {
-      if (!internal::ParseStepDirName(name).has_value() && !internal::IsGarbageName(name)) {
-        return absl::StrCat(child, " is a directory ckpt never makes");
-      }
-      CKPT_ASSIGN_OR_RETURN(std::string problem, OwnTreeProblem(env, child, mount, depth + 1));
-      if (!problem.empty()) return problem;
-      continue;
-    }
-    if (info.type == Type::kSymlink) return absl::StrCat(child, " is a symbolic link");
-    std::optional<absl::string_view> magic = MagicOfOwnFile(name);
-    if (info.type != Type::kRegular || !magic.has_value()) {
-      return absl::StrCat(child, " is not a file ckpt writes");
-    }
-    CKPT_ASSIGN_OR_RETURN(
-        std::string problem,
-        HeaderProblem(env, child, info, *magic, internal::IsDataFileName(name)));
-    if (!problem.empty()) return problem;
-  }
-  return std::string();
-}
-
 absl::StatusOr<RecoveryAction> JudgeGarbage(Env* env, const std::string& root,
                                             const FileInfo& root_info, const std::string& name) {
   const std::string path = JoinPath(root, name);
@@ -173,9 +106,9 @@ absl::StatusOr<RecoveryAction> JudgeGarbage(Env* env, const std::string& root,
   std::string problem;
   if (tmp_file) {
     CKPT_ASSIGN_OR_RETURN(problem,
-                          HeaderProblem(env, path, info, formats::kLatestMagic, false));
+                          internal::HeaderProblem(env, path, info, formats::kLatestMagic, false));
   } else {
-    CKPT_ASSIGN_OR_RETURN(problem, OwnTreeProblem(env, path, root_info, 1));
+    CKPT_ASSIGN_OR_RETURN(problem, internal::OwnTreeProblem(env, path, root_info, 1));
   }
   // Step 2c.
   if (problem.empty()) {

@@ -1,23 +1,113 @@
-// Retention of a checkpoint root (StoreImpl::ApplyRetention, and after each commit).
+// Retention of a checkpoint root (StoreImpl::ApplyRetention, and after each commit), under
+// recovery's rule (DESIGN.md §3): it deletes only what ckpt wrote and can show it wrote, never
+// follows a link, never enters or moves another mount, and moves whole into quarantine/ what
+// it may not delete. The recogniser is recovery's own (own_files.h, CommittedStepProblem).
 //
-// Retention: every doomed step is renamed to .deleting-step-N-<nonce>, then the root is synced
-// once, then the renamed trees are removed. A step is never half there: it is renamed whole, and
-// a crash before the sync brings it back whole while one after it leaves garbage that step 2 of
-// recovery removes. (On a real file system the kernel may persist some of the renames before
-// the sync; each step is still whole, but a crash may then delete a subset of the doomed steps.)
-// After a commit the removal runs on the store's remover thread (the commit waits for the
-// renames and the sync only); WaitForRemovals and the destructor wait for it.
+// 1. Choose: RetiredSteps picks the committed steps the policy does not keep, among the step
+//    directories on the root's own mount (RetainableSteps): a link or a mount point under a
+//    step's name neither counts nor goes; steps above LATEST are recovery's.
+// 2. Judge every chosen step before anything changes (PlanRetention), so that a dry run
+//    prints exactly what the real run then does:
+//    a. it is, or holds at any depth, a mount point: leave it in place and report it. Moving
+//       it would move someone's mount (their path to it would change), and removing it would
+//       cross into the mount; nothing ckpt must reclaim is worth either;
+//    b. it holds exactly its MANIFEST and the data files that MANIFEST lists, as regular files
+//       with ckpt's headers (nothing else: the commit removes the parts before its rename):
+//       delete it (3, 5);
+//    c. it holds anything else (a user's file, a FIFO, a directory or a nested store, a link,
+//       an unlisted data file, no MANIFEST that parses): move it whole into quarantine/ (4);
+//    d. judging fails (permission, EIO): leave it and report why; we cannot tell.
+// 3. Rename every step of 2b to .deleting-step-N-<nonce>, then SyncDir(root) once: the
+//    deletion is decided at once. A step is never half there: it is renamed whole, and a crash
+//    before the sync brings it back whole while one after it leaves garbage that step 2 of
+//    recovery removes (it holds only ckpt's files, so recovery recognises it). (On a real
+//    file system the kernel may persist some renames before the sync; each step is still
+//    whole, but a crash may then delete a subset of the doomed steps.)
+// 4. Move every step of 2c into quarantine/<name>-<nonce> (one rename each), SyncDir
+//    (quarantine), SyncDir(root): nothing in it is lost; `gc --purge-quarantine` is the
+//    operator's decision.
+// 5. Remove the renamed trees, then SyncDir(root). After a commit this runs on the store's
+//    remover thread (the commit waits for 1-4 only); WaitForRemovals and the destructor wait
+//    for it.
 #include <algorithm>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "libckpt/filename.h"
+#include "libckpt/store/own_files.h"
 #include "libckpt/store/store_impl.h"
 
 namespace ckpt {
 
 using internal::StepDirName;
+using Kind = RecoveryAction::Kind;
+
+namespace {
+
+// Step 2, for one step.
+RecoveryAction JudgeRetired(Env* env, const std::string& root, const FileInfo& root_info,
+                            uint64_t step) {
+  const std::string name = StepDirName(step);
+  absl::StatusOr<internal::StepProblem> problem =
+      internal::CommittedStepProblem(env, JoinPath(root, name), root_info);
+  if (!problem.ok()) {  // Step 2d.
+    return {Kind::kKeep, name,
+            absl::StrCat("cannot tell whether it holds only ckpt's files: ",
+                         problem.status().message()),
+            step};
+  }
+  switch (problem->kind) {
+    case internal::StepProblem::Kind::kNone:  // Step 2b.
+      return {Kind::kRemove, name, "holds only ckpt's files", step};
+    case internal::StepProblem::Kind::kForeign:  // Step 2c.
+      return {Kind::kQuarantine, name, problem->why, step};
+    case internal::StepProblem::Kind::kMountPoint:  // Step 2a.
+      return {Kind::kKeep, name,
+              absl::StrCat("mount point: ",
+                           problem->entry == "." ? std::string("the step itself")
+                                                 : problem->entry,
+                           "; ckpt never enters nor moves another mount"),
+              step};
+  }
+  return {Kind::kKeep, name, "unknown verdict", step};
+}
+
+}  // namespace
+
+std::vector<uint64_t> StepsOf(const RetentionReport& report, RecoveryAction::Kind kind) {
+  std::vector<uint64_t> steps;
+  for (const RecoveryAction& a : report.actions) {
+    if (a.kind == kind && a.step.has_value()) steps.push_back(*a.step);
+  }
+  return steps;
+}
+
+std::string DescribeRetention(const RecoveryAction& action, bool dry_run) {
+  absl::string_view verb;
+  switch (action.kind) {
+    case Kind::kRemove:
+      verb = dry_run ? "would delete" : "deleted";
+      break;
+    case Kind::kQuarantine:
+      verb = dry_run ? "would quarantine" : "quarantined";
+      break;
+    case Kind::kKeep:
+    case Kind::kSetLatest:
+      verb = dry_run ? "would leave" : "left";
+      break;
+  }
+  return absl::StrCat(verb, " ", action.name, " (", action.reason, ")");
+}
+
+absl::StatusOr<RetentionReport> PlanRetention(Env* env, const std::string& root,
+                                              const std::vector<uint64_t>& doomed) {
+  RetentionReport report;
+  if (doomed.empty()) return report;
+  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env->Stat(root));
+  for (uint64_t step : doomed) report.actions.push_back(JudgeRetired(env, root, root_info, step));
+  return report;
+}
 
 absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::string& root) {
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListStepDirs(env, root));
@@ -81,13 +171,13 @@ void internal::StoreImpl::RemoverMain() {
   }
 }
 
-absl::StatusOr<std::vector<uint64_t>> internal::StoreImpl::ApplyRetention(const RetentionPolicy& policy,
-                                                                      bool dry_run) {
+absl::StatusOr<RetentionReport> internal::StoreImpl::ApplyRetention(const RetentionPolicy& policy,
+                                                                    bool dry_run) {
   return Retire(policy, dry_run, /*background=*/false);
 }
 
-absl::StatusOr<std::vector<uint64_t>> internal::StoreImpl::Retire(const RetentionPolicy& policy,
-                                                              bool dry_run, bool background) {
+absl::StatusOr<RetentionReport> internal::StoreImpl::Retire(const RetentionPolicy& policy,
+                                                            bool dry_run, bool background) {
   if (!dry_run && (!options_.primary || options_.read_only || options_.skip_recovery)) {
     return absl::FailedPreconditionError(
         "retention needs the primary, writable store handle (that recovered)");
@@ -100,27 +190,37 @@ absl::StatusOr<std::vector<uint64_t>> internal::StoreImpl::Retire(const Retentio
     }
     latest = latest_;
   }
+  // Steps 1 and 2.
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> own, RetainableSteps(env_, root_));
-  std::vector<uint64_t> doomed = RetiredSteps(own, latest, policy);
-  if (dry_run) return doomed;
-  if (doomed.empty()) return doomed;
-  // All renames first and one SyncDir: the deletion is decided at once, then carried out.
+  CKPT_ASSIGN_OR_RETURN(RetentionReport report,
+                        PlanRetention(env_, root_, RetiredSteps(own, latest, policy)));
+  if (dry_run) return report;
+  for (const RecoveryAction& a : report.actions) {
+    Log(absl::StrCat("retention: ", DescribeRetention(a, /*dry_run=*/false)));
+  }
+  // Step 3. All renames first and one SyncDir: the deletion is decided at once.
   std::vector<std::string> trash;
-  for (uint64_t step : doomed) {
+  for (uint64_t step : StepsOf(report, Kind::kRemove)) {
     trash.push_back(JoinPath(root_, internal::DeletingDirName(step, internal::NewNonce())));
     CKPT_RETURN_IF_ERROR(env_->RenameFile(JoinPath(root_, StepDirName(step)), trash.back()));
   }
-  CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
+  if (!trash.empty()) CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
+  // Step 4.
+  std::vector<std::string> foreign;
+  for (uint64_t step : StepsOf(report, Kind::kQuarantine)) foreign.push_back(StepDirName(step));
+  CKPT_ASSIGN_OR_RETURN(report.quarantined, QuarantineEntries(foreign));
+  // Step 5.
+  if (trash.empty()) return report;
   if (background) {
     std::lock_guard<std::mutex> lock(remove_mu_);
     for (std::string& dir : trash) to_remove_.push_back(std::move(dir));
     if (remover_ == nullptr) remover_ = env_->StartThread([this] { RemoverMain(); });
     remove_cv_.notify_all();
-    return doomed;
+    return report;
   }
   for (const std::string& dir : trash) CKPT_RETURN_IF_ERROR(RemoveRecursively(env_, dir));
   CKPT_RETURN_IF_ERROR(env_->SyncDir(root_));
-  return doomed;
+  return report;
 }
 
 }  // namespace ckpt

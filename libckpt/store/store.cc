@@ -200,6 +200,25 @@ absl::Status internal::StoreImpl::CheckWritableIdle(absl::string_view what) {
 
 absl::Status internal::StoreImpl::Adopt(uint64_t step) {
   CKPT_RETURN_IF_ERROR(CheckWritableIdle(absl::StrCat("adopting step ", step)));
+  // LATEST names only a directory of this root's own mount (docs/design/recovery.md): a link
+  // or a mount point under a step's name is someone else's, and recovery never makes it LATEST
+  // either (steps 3b and 4 of recovery.cc).
+  const std::string dir = JoinPath(root_, StepDirName(step));
+  absl::StatusOr<FileInfo> info = env_->Stat(dir);
+  if (absl::IsNotFound(info.status())) {
+    return absl::NotFoundError(absl::StrCat(root_, ": no step ", step));
+  }
+  CKPT_RETURN_IF_ERROR(info.status());
+  CKPT_ASSIGN_OR_RETURN(FileInfo root_info, env_->Stat(root_));
+  if (info->type == FileInfo::Type::kSymlink) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": is a symbolic link; LATEST never names a step outside ", root_, ", unchanged"));
+  }
+  if (!info->SameMountAs(root_info)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": is a mount point (another mount than ", root_,
+        "); LATEST never names a step that is not the store's own, unchanged"));
+  }
   CKPT_RETURN_IF_ERROR(OpenStep(step).status());
   CKPT_ASSIGN_OR_RETURN(StepVerifyReport report,
                         VerifyStepDir(env_, JoinPath(root_, StepDirName(step))));

@@ -50,8 +50,8 @@ class StoreImpl final : public CheckpointStore {
                                                              Coordinator* coordinator) override;
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStep(uint64_t step) const override;
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest() const override;
-  absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
-                                                       bool dry_run) override;
+  absl::StatusOr<RetentionReport> ApplyRetention(const RetentionPolicy& policy,
+                                                 bool dry_run) override;
   void WaitForRemovals() override;
   absl::StatusOr<std::vector<std::string>> PurgeQuarantine(bool dry_run) override;
   absl::Status Adopt(uint64_t step) override;
@@ -71,8 +71,8 @@ class StoreImpl final : public CheckpointStore {
   absl::Status SetAsideUnpublished(uint64_t step);
   void Log(absl::string_view message) const;
   // ApplyRetention; with `background`, the renamed steps are removed by the remover thread.
-  absl::StatusOr<std::vector<uint64_t>> Retire(const RetentionPolicy& policy, bool dry_run,
-                                               bool background);
+  absl::StatusOr<RetentionReport> Retire(const RetentionPolicy& policy, bool dry_run,
+                                         bool background);
   void RemoverMain();
   // Called by rank 0's transaction once LATEST durably names `step`.
   void OnCommitted(uint64_t step);

@@ -1,6 +1,8 @@
 // The recovery table through ckpt-tool: for every case, `gc --dry-run` prints exactly the
 // recovery lines the real `gc` then prints (and does); a real bind mount of another store's
-// step is never entered; adopt and quarantine are the operator's ways on.
+// step is never entered nor adopted; retention's dry run says per step what gc then does (a
+// step holding a user's file is quarantined, one holding a mount point is left whole); adopt
+// and quarantine are the operator's ways on.
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "ckpt/checkpoint_store.h"
 #include "ckpt/formats/chunk.h"
 #include "tests/support/recovery_cases.h"
 #include "tests/support/run_command.h"
@@ -108,6 +111,99 @@ TEST(RecoveryCliMountTest, BindMountedStepOfAnotherStoreSurvivesGc) {
   EXPECT_THAT(r.output, HasSubstr("verify=0"));
   EXPECT_EQ(RunTool("verify " + other + " --all").exit_code, 0);
   EXPECT_TRUE(fs::exists(other + "/step-00000009/MANIFEST"));
+}
+
+// Retention's lines of `output` ("deleted step-...", "would quarantine step-..."), each as
+// the real run words it: "would delete" -> "deleted", "would quarantine" -> "quarantined",
+// "would leave" -> "left".
+std::vector<std::string> RetentionLines(const std::string& output) {
+  std::vector<std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    for (auto [dry, real] : {std::pair<const char*, const char*>{"would delete step-", "deleted step-"},
+                             {"would quarantine step-", "quarantined step-"},
+                             {"would leave step-", "left step-"},
+                             {"deleted step-", "deleted step-"},
+                             {"quarantined step-", "quarantined step-"},
+                             {"left step-", "left step-"}}) {
+      absl::string_view view = line;
+      if (absl::ConsumePrefix(&view, dry)) out.push_back(absl::StrCat(real, view));
+    }
+  }
+  return out;
+}
+
+TEST(RetentionCliTest, GcDryRunSaysPerStepWhatRetentionThenDoes) {
+  testing::ScopedTempDir tmp;
+  const std::string root = tmp.path() + "/store";
+  ASSERT_TRUE(testing::PlantThreeSteps(root).ok());
+  Spit(root + "/step-00000001/notes.txt", "a user's notes");
+  const testing::CommandResult dry = RunTool("gc " + root + " --keep-last 1 --dry-run");
+  ASSERT_EQ(dry.exit_code, 0) << dry.output;
+  EXPECT_THAT(dry.output, HasSubstr("would quarantine step-00000001 (holds notes.txt"));
+  EXPECT_THAT(dry.output, HasSubstr("would delete step-00000002"));
+  EXPECT_THAT(dry.output, HasSubstr("would delete 1 step(s): 2"));
+  const testing::CommandResult real = RunTool("gc " + root + " --keep-last 1");
+  ASSERT_EQ(real.exit_code, 0) << real.output;
+  EXPECT_EQ(RetentionLines(dry.output), RetentionLines(real.output)) << real.output;
+  EXPECT_EQ(RetentionLines(real.output).size(), 2u) << real.output;
+  EXPECT_FALSE(fs::exists(root + "/step-00000001"));
+  bool kept = false;
+  for (const auto& e : fs::directory_iterator(root + "/quarantine")) {
+    kept |= fs::exists(e.path() / "notes.txt");
+  }
+  EXPECT_TRUE(kept) << "the user's file went with its step into quarantine/";
+}
+
+TEST(RetentionCliMountTest, GcLeavesADoomedStepHoldingAMountPointWholeAsItsDryRunSays) {
+  testing::ScopedTempDir tmp;
+  const std::string root = tmp.path() + "/store", theirs = tmp.path() + "/theirs";
+  ASSERT_TRUE(testing::PlantThreeSteps(root).ok());
+  fs::create_directory(theirs);
+  Spit(theirs + "/data.bin", "someone else's file system");
+  fs::create_directory(root + "/step-00000001/mnt");
+  const testing::TreeSnapshot before = testing::SnapshotTree(root + "/step-00000001");
+  const std::string tool = Tool();
+  const testing::CommandResult r = testing::RunCommand(absl::StrCat(
+      "unshare -m sh -c 'mount --bind ", theirs, " ", root, "/step-00000001/mnt || exit 77; ",
+      tool, " gc ", root, " --keep-last 1 --dry-run; echo dry=$?; ", tool, " gc ", root,
+      " --keep-last 1; echo gc=$?; test -f ", root, "/step-00000001/mnt/data.bin; echo in=$?'"));
+  ASSERT_NE(r.exit_code, 77) << "mount --bind is not permitted here: " << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("dry=0"));
+  EXPECT_THAT(r.output, HasSubstr("gc=0"));
+  EXPECT_THAT(r.output, HasSubstr("in=0"));
+  EXPECT_THAT(r.output, HasSubstr("would leave step-00000001 (mount point: mnt"));
+  EXPECT_THAT(r.output, HasSubstr("left step-00000001 (mount point: mnt"));
+  const std::vector<std::string> lines = RetentionLines(r.output);
+  ASSERT_EQ(lines.size(), 4u) << r.output;
+  EXPECT_EQ(std::vector<std::string>(lines.begin(), lines.begin() + 2),
+            std::vector<std::string>(lines.begin() + 2, lines.end()));
+  EXPECT_EQ(testing::DescribeDifference(before, testing::SnapshotTree(root + "/step-00000001")),
+            "");
+  EXPECT_TRUE(fs::exists(theirs + "/data.bin"));
+  EXPECT_FALSE(fs::exists(root + "/step-00000002"));
+}
+
+TEST(RecoveryCliMountTest, AdoptRefusesAStepThatIsABindMountOfAnotherStore) {
+  testing::ScopedTempDir tmp;
+  const std::string root = tmp.path() + "/store", other = tmp.path() + "/other";
+  ASSERT_TRUE(testing::PlantThreeSteps(root).ok());
+  StoreOptions options;
+  options.chunk_bytes = 1000;
+  ASSERT_TRUE(testing::SaveSyntheticStep(other, options, 2, 9).ok());
+  fs::create_directory(root + "/step-00000009");
+  const std::string tool = Tool();
+  const testing::CommandResult r = testing::RunCommand(absl::StrCat(
+      "unshare -m sh -c 'mount --bind ", other, "/step-00000009 ", root,
+      "/step-00000009 || exit 77; ", tool, " adopt ", root, " 9; echo adopt=$?'"));
+  ASSERT_NE(r.exit_code, 77) << "mount --bind is not permitted here: " << r.output;
+  EXPECT_THAT(r.output, HasSubstr("adopt=2")) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("mount point"));
+  absl::StatusOr<std::optional<uint64_t>> latest = ReadLatest(Env::Default(), root);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, std::optional<uint64_t>(3));
+  EXPECT_EQ(RunTool("verify " + other + " --all").exit_code, 0);
 }
 
 TEST(RecoveryCliOperatorTest, AdoptQuarantineAndStartingAfreshAfterEveryStepIsDamaged) {

@@ -341,9 +341,11 @@ CKPT_C_EXPORT void ckpt_store_close(ckpt_store* store);
 CKPT_C_EXPORT int ckpt_store_latest(const ckpt_store* store, int* has_latest, uint64_t* step);
 /* (ABI 8) Retention by the caller's list: every committed step but LATEST and the `nkeep` of
  * `keep` is removed (each renamed away whole, then deleted: a crash leaves every remaining
- * step whole). What a trainer whose own rotation decides which checkpoints exist calls (HF
- * Trainer's save_total_limit). *retired (may be NULL): how many steps went. The primary,
- * writable handle only, with no save in flight. */
+ * step whole); a step holding anything ckpt did not write moves whole into quarantine/
+ * instead, and one that is or holds a mount point stays (recovery's rule). What a trainer
+ * whose own rotation decides which checkpoints exist calls (HF Trainer's save_total_limit).
+ * *retired (may be NULL): how many steps went (deleted or quarantined). The primary, writable
+ * handle only, with no save in flight. */
 CKPT_C_EXPORT int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, size_t nkeep,
                                        size_t* retired);
 /* (ABI 8) Makes LATEST name the committed step `step` (ckpt-tool adopt), e.g. an older step a

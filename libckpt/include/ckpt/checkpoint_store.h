@@ -48,6 +48,12 @@ absl::StatusOr<std::vector<uint64_t>> RetainableSteps(Env* env, const std::strin
 // steps above LATEST are not committed and neither count nor go; LATEST always stays.
 std::vector<uint64_t> RetiredSteps(const std::vector<uint64_t>& steps,
                                    std::optional<uint64_t> latest, const RetentionPolicy& policy);
+// What retention does to each of the steps `doomed` of `root` (from RetiredSteps), by the rule
+// of libckpt/store/retention.cc: delete (only ckpt's files), quarantine (something else), or
+// leave (a mount point, or cannot tell). Changes nothing; the real run acts on this very list.
+// IO errors of the root's Stat as they come (an error judging one step leaves that step).
+absl::StatusOr<RetentionReport> PlanRetention(Env* env, const std::string& root,
+                                              const std::vector<uint64_t>& doomed);
 // The entries of `root` left by saves that never committed or deletions in progress (staging
 // and deleting directories, LATEST.tmp), sorted: what the next recovery removes.
 absl::StatusOr<std::vector<std::string>> ListUncommitted(Env* env, const std::string& root);
@@ -102,12 +108,14 @@ class CheckpointStore {
   // kNotFound when nothing has been committed.
   virtual absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest() const = 0;
 
-  // Deletes the committed steps `policy` does not keep (never the one LATEST names); each
-  // deletion is an atomic rename followed by removal, so a crash leaves every remaining step
-  // whole. With dry_run nothing changes. Returns the steps deleted (or that would be).
+  // Retires the committed steps `policy` does not keep (never the one LATEST names), by
+  // recovery's rule (PlanRetention): a step holding only ckpt's files is deleted, one holding
+  // anything else moves whole into quarantine/, one that is or holds a mount point stays.
+  // Each deletion is an atomic rename followed by removal, so a crash leaves every remaining
+  // step whole. With dry_run nothing changes. Returns what was done (or would be), per step.
   // kFailedPrecondition on a non-primary or read-only handle (a dry run works on any).
-  virtual absl::StatusOr<std::vector<uint64_t>> ApplyRetention(const RetentionPolicy& policy,
-                                                               bool dry_run = false) = 0;
+  virtual absl::StatusOr<RetentionReport> ApplyRetention(const RetentionPolicy& policy,
+                                                         bool dry_run = false) = 0;
   // Waits until the steps that retention retired after a commit are removed. A commit renames
   // the steps it retires away (one SyncDir) and leaves removing their files to a background
   // thread, so that a commit (and an async save's Finalize) does not wait for the file system
@@ -119,9 +127,10 @@ class CheckpointStore {
 
   // Makes LATEST name `step` (ckpt-tool adopt): an intact step recovery kept above LATEST, or
   // an older one to go back to. Every chunk is verified first. kNotFound when there is no such
-  // step, kDataLoss naming the chunk when it does not verify, kFailedPrecondition on a
-  // non-primary or read-only handle or while a save is in flight. On failure LATEST is
-  // unchanged.
+  // step, kDataLoss naming the chunk when it does not verify, kFailedPrecondition naming the
+  // step when it is a symbolic link or on another mount than the root (a bind mount of another
+  // store's step is never the store's own), on a non-primary or read-only handle or while a
+  // save is in flight. On failure LATEST is unchanged.
   virtual absl::Status Adopt(uint64_t step) = 0;
   // Moves `step` whole into quarantine/ (ckpt-tool quarantine). When LATEST named it, LATEST
   // then names the newest older step that opens intact; with none, LATEST stays and the next

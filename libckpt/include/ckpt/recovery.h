@@ -57,6 +57,25 @@ struct RecoveryReport {
   std::string latest_problem;            // Why, when latest_repaired.
 };
 
+// What retention did (or, for a dry run, would do) to the committed steps a policy retires,
+// under recovery's rule (libckpt/store/retention.cc has the steps): one action per retired
+// step, ascending. kRemove: it held exactly its MANIFEST and the data files that lists, and
+// was deleted. kQuarantine: it held something ckpt did not write (a user's file, a FIFO, a
+// directory, a nested store, a link), and was moved whole into quarantine/. kKeep: it is or
+// holds a mount point, or it could not be judged; it was left in place. `reason` says which.
+struct RetentionReport {
+  std::vector<RecoveryAction> actions;
+  std::vector<std::string> quarantined;  // Where: "quarantine/<name>-<nonce>" (real runs only).
+};
+
+// The steps of `report` whose action is `kind`, ascending.
+std::vector<uint64_t> StepsOf(const RetentionReport& report, RecoveryAction::Kind kind);
+
+// The line `ckpt-tool gc` prints for a retention action, the same words for a dry run (with
+// "would") and the real run: "would quarantine step-00000002 (holds notes.txt, which ckpt did
+// not write (...))", "deleted step-00000001 (...)", "left step-00000003 (...)".
+std::string DescribeRetention(const RecoveryAction& action, bool dry_run);
+
 }  // namespace ckpt
 
 #endif  // CKPT_RECOVERY_H_
