@@ -62,6 +62,43 @@ absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
   return false;
 }
 
+namespace {
+
+// A directory of another store that `path` is or lies inside, which that store's recovery or
+// retention would set aside with everything in it: a committed step (named like one, holding
+// a MANIFEST) or a staging or deleting directory, whose parent LooksLikeStore. nullopt when
+// none. The parents are walked by name, so only those named like such a directory are read.
+std::optional<std::pair<std::string, std::string>> EnclosingStoreEntry(Env* env,
+                                                                       const std::string& path) {
+  for (std::string dir = path; dir != "/" && dir != "." && !dir.empty(); dir = Dirname(dir)) {
+    absl::string_view name = dir;
+    while (name.size() > 1 && name.back() == '/') name.remove_suffix(1);
+    name = name.substr(name.rfind('/') + 1);
+    const bool step = internal::ParseStepDirName(name).has_value();
+    if (!step && !absl::StartsWith(name, internal::kStagingPrefix) &&
+        !absl::StartsWith(name, internal::kDeletingPrefix)) {
+      continue;
+    }
+    // A parent we cannot read is not taken for a store: the check refuses only what it sees.
+    if (step && !env->Stat(JoinPath(dir, internal::kManifestName)).ok()) continue;
+    const std::string parent = Dirname(dir);
+    absl::StatusOr<bool> store = LooksLikeStore(env, parent);
+    if (store.ok() && *store) return std::make_pair(parent, dir);
+  }
+  return std::nullopt;
+}
+
+absl::Status RefuseInsideAnotherStore(Env* env, const std::string& root, const std::string& path) {
+  std::optional<std::pair<std::string, std::string>> outer = EnclosingStoreEntry(env, path);
+  if (!outer.has_value()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      root, ": lies inside ", outer->second, ", a step or staging directory of the ckpt store ",
+      outer->first, "; that store's retention or recovery would delete or quarantine it with "
+      "everything in it. Give a root outside it"));
+}
+
+}  // namespace
+
 internal::StoreImpl::StoreImpl(std::string root, const StoreOptions& options, Env* env)
     : root_(std::move(root)), options_(options), env_(env) {}
 
@@ -90,11 +127,20 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
   const bool writable = options.primary && !options.read_only;
   absl::StatusOr<std::string> real = env->RealPath(root);
   if (absl::IsNotFound(real.status()) && writable) {
+    // Checked before the root is made, so that a refused root leaves nothing behind.
+    absl::StatusOr<std::string> parent = env->RealPath(Dirname(root));
+    if (parent.ok()) {
+      absl::string_view base = root;
+      while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
+      base = base.substr(base.rfind('/') + 1);
+      CKPT_RETURN_IF_ERROR(RefuseInsideAnotherStore(env, root, JoinPath(*parent, base)));
+    }
     CKPT_RETURN_IF_ERROR(env->CreateDir(root));
     CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(root)));
     real = env->RealPath(root);
   }
   CKPT_RETURN_IF_ERROR(real.status());
+  CKPT_RETURN_IF_ERROR(RefuseInsideAnotherStore(env, root, *real));
   CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(*real));
   if (!is_dir) return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
   std::unique_ptr<internal::StoreImpl> store(new internal::StoreImpl(*real, options, env));

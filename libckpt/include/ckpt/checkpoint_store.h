@@ -74,7 +74,9 @@ class CheckpointStore {
   // error, a newer format version, a link or FIFO where the store keeps a file) is left in
   // place while Open returns kFailedPrecondition naming it and why. A non-primary or read-only
   // handle only reads LATEST and changes nothing. Returns kNotFound when a non-primary or
-  // read-only root is missing, kFailedPrecondition when the LOCK is held, kDataLoss when no
+  // read-only root is missing, kFailedPrecondition when the LOCK is held or when the root is
+  // or lies inside a committed step or a staging directory of another store (naming both:
+  // that store's retention or recovery would take it along), kDataLoss when no
   // step is intact (primary) or a read-only handle finds LATEST damaged, IO errors as they
   // come.
   static absl::StatusOr<std::unique_ptr<CheckpointStore>> Open(const std::string& root,
