@@ -120,12 +120,13 @@ std::vector<std::string> RetentionLines(const std::string& output) {
   std::vector<std::string> out;
   std::istringstream in(output);
   for (std::string line; std::getline(in, line);) {
-    for (auto [dry, real] : {std::pair<const char*, const char*>{"would delete step-", "deleted step-"},
-                             {"would quarantine step-", "quarantined step-"},
-                             {"would leave step-", "left step-"},
-                             {"deleted step-", "deleted step-"},
-                             {"quarantined step-", "quarantined step-"},
-                             {"left step-", "left step-"}}) {
+    using Words = std::pair<const char*, const char*>;
+    for (auto [dry, real] : {Words{"would delete step-", "deleted step-"},
+                             Words{"would quarantine step-", "quarantined step-"},
+                             Words{"would leave step-", "left step-"},
+                             Words{"deleted step-", "deleted step-"},
+                             Words{"quarantined step-", "quarantined step-"},
+                             Words{"left step-", "left step-"}}) {
       absl::string_view view = line;
       if (absl::ConsumePrefix(&view, dry)) out.push_back(absl::StrCat(real, view));
     }
