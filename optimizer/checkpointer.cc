@@ -7,7 +7,9 @@
 //    of the state; the weights are the masters rounded, a block at a time: state_io.h), its
 //    optimizer record and the trainer's blobs; Commit votes and publishes
 //    (libckpt/store/commit.cc). The state is never changed.
-// 3. On success the step becomes the free undo source while the state stays unchanged.
+// 3. On success the step becomes the free undo source while the state stays unchanged, and
+//    its manifest's identity is remembered: a reload of it then reads nothing (Load's step
+//    2(a'), optimizer/checkpointer_load.cc).
 //
 // SaveAsync (collective) and Finalize (collective):
 // A1. As Save's step 1 (and no other async save in flight on this Checkpointer); BeginSave.
@@ -144,9 +146,22 @@ absl::Status Checkpointer::Save(uint64_t step, const Blobs& blobs) {
   }
   CKPT_RETURN_IF_ERROR(txn->Commit());
   // Step 3.
-  clean_step_ = step;
-  clean_version_ = optimizer_->state_version();
+  MarkClean(step, optimizer_->state_version(), nullptr);
   return absl::OkStatus();
+}
+
+void Checkpointer::MarkClean(uint64_t step, uint64_t version, const CheckpointReader* reader) {
+  clean_step_ = step;
+  clean_version_ = version;
+  clean_identity_.reset();
+  if (reader != nullptr) {
+    clean_identity_ = internal::ManifestIdentity(reader->manifest());
+    return;
+  }
+  // Just committed through this handle: what it wrote. Not opening it only costs the next
+  // reload of it its shortcut.
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> opened = store_->OpenStep(step);
+  if (opened.ok()) clean_identity_ = internal::ManifestIdentity((*opened)->manifest());
 }
 
 absl::StatusOr<std::unique_ptr<PendingSave>> Checkpointer::SaveAsync(uint64_t step,
@@ -201,10 +216,7 @@ absl::Status Checkpointer::FinalizeAsync(PendingSave& handle) {
   handle.report_ = {stats.units, stats.units_copied, stats.bytes_copied, stats.step_waits};
   // Step A5.
   absl::Status committed = in_flight_->save->txn().Commit();
-  if (committed.ok()) {
-    clean_step_ = in_flight_->step;
-    clean_version_ = in_flight_->version_at_call;
-  }
+  if (committed.ok()) MarkClean(in_flight_->step, in_flight_->version_at_call, nullptr);
   in_flight_.reset();
   return committed;
 }

@@ -3,24 +3,38 @@
 //    the CUDA engine's last copies are awaited; open the step, check names (missing and extra ones
 //    listed), dtypes, shapes, that its pieces cover every element this rank owns, and the layout
 //    record (groups, valid hyper-parameters, every parameter in the same group as here). Vote.
-// 2. Fix the undo source, the cheapest that holds: (a) the step the state last equalled, if the
-//    optimizer's state_version() has not moved since and it is not the step being loaded (it
-//    costs nothing); (b) the state re-derived (CopyIfDerivable: every step 0 and both moments
-//    zero, as a freshly built or model-loaded optimizer's are; the masters are kept in memory
-//    in the model dtype when each is a value of it, else in FP32), so a resume in a new
-//    process writes nothing before it reads and works on a full disk or a read-only store;
-//    otherwise (c) spill the state into a private store
+// 2. Fix the undo source, the cheapest that holds:
+//    (a') the state itself, when the step being loaded is the very step the state equals:
+//    the step it was last saved as or loaded from (clean_step_), the optimizer's
+//    state_version() unchanged since (every Step, SetGroup and mutable view bumps it), and the
+//    step's manifest the same as then (ManifestIdentity: a checksum of the parsed manifest,
+//    every chunk's checksum and every piece; recorded at that save or load, compared with the
+//    one just opened, so a step replaced since, quarantined and saved again through another
+//    handle, is read afresh). Then the slabs already hold exactly what step 3 would read into
+//    them, and the groups and step counts what it would restore: step 3 reads only the
+//    trainer's blobs and writes nothing to the state, so there is nothing to undo. Nothing is
+//    written, which is how a read-only handle reloads the step it loaded, and a full disk
+//    does not stop a reload (#44);
+//    (a) the step the state last equalled, if the optimizer's state_version() has not moved
+//    since and it is not the step being loaded (it costs nothing; outside (a') the step being
+//    loaded is no undo source for itself: a chunk that fails the apply, having written into
+//    the slabs, would fail the restore too); (b) the state re-derived (CopyIfDerivable: every
+//    step 0 and both moments zero, as a freshly built or model-loaded optimizer's are; the
+//    masters are kept in memory in the model dtype when each is a value of it, else in FP32),
+//    so a resume in a new process writes nothing before it reads and works on a full disk or a
+//    read-only store; otherwise (c) spill the state into a private store
 //    <root>/.undo-rank-R-<nonce>/ (checksummed chunks, written straight from the slabs: memory
 //    bounded by two chunks; a read-only handle refuses). Vote; a failure removes the spills,
-//    the state untouched.
-// 3. Apply: lifecycle kLoading; read every piece straight into the slabs (moments converted in
-//    bounded batches when the dtypes differ), then the groups. The model weights are not the
-//    Checkpointer's: the trainer writes them from the masters once the load returned
-//    (StagedAdamW::WriteModelWeights).
-// 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source. Any failure:
-//    every rank restores from its undo source ((a), (c): as step 3; (b): masters widened from
-//    their copy, moments zero, the groups as they were); a restore that fails poisons the
-//    optimizer (Step, SetGroup and Save refuse until a complete Load).
+//    the state untouched. Each rank fixes its own: one rank's (a') and another's (c) mix.
+// 3. Apply: lifecycle kLoading; with (a') only the trainer's blobs are read; otherwise read
+//    every piece straight into the slabs (moments converted in bounded batches when the dtypes
+//    differ), then the groups. The model weights are not the Checkpointer's: the trainer writes
+//    them from the masters once the load returned (StagedAdamW::WriteModelWeights).
+// 4. Vote. All OK: lifecycle kClean, the loaded step is the new undo source (its manifest
+//    identity remembered for (a')). Any failure: every rank restores from its undo source
+//    ((a'): nothing to restore; (a), (c): as step 3; (b): masters widened from their copy,
+//    moments zero, the groups as they were); a restore that fails poisons the optimizer (Step,
+//    SetGroup and Save refuse until a complete Load).
 // 5. Remove the spill (best effort: recovery removes .undo-* directories at the next Open).
 #include <algorithm>
 #include <map>
@@ -250,7 +264,12 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
        optimizer_->has_max_exp_avg_sq() ? optimizer_->mutable_max_exp_avg_sq_bytes().data()
                                         : nullptr}));
   scope.RestoreGroups(groups, RecordParamSteps(record, o.params));
+  return ReadTrainerBlobs(reader, blobs);
+}
+
+absl::Status Checkpointer::ReadTrainerBlobs(const CheckpointReader& reader, Blobs* blobs) const {
   if (blobs == nullptr) return absl::OkStatus();
+  const formats::Manifest& m = reader.manifest();
   // This rank's trainer blobs, or rank 0's when the checkpoint was saved by fewer ranks.
   const uint32_t rank = static_cast<uint32_t>(coordinator_->rank()) < m.world_size
                             ? static_cast<uint32_t>(coordinator_->rank())
@@ -374,15 +393,20 @@ absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, 
   absl::StatusOr<const formats::TensorInfo*> moments =
       (*reader)->FindTensor(layout.name(0, layout.kinds(0)[2]));
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
+  // Step 2(a'): the state is this very step already.
+  report.unchanged = clean_step_ == report.step &&
+                     clean_version_ == optimizer_->state_version() &&
+                     clean_identity_ == internal::ManifestIdentity((*reader)->manifest());
   Blobs loaded;
   CKPT_RETURN_IF_ERROR(Transact(
       *step,
       [&](StagedAdamW::LoadScope& scope) {
-        return Apply(**reader, blobs != nullptr ? &loaded : nullptr, scope);
+        Blobs* out = blobs != nullptr ? &loaded : nullptr;
+        return report.unchanged ? ReadTrainerBlobs(**reader, out) : Apply(**reader, out, scope);
       },
-      absl::StrCat("load of step ", report.step), &report.undo_spilled, &report.undo_derived));
-  clean_step_ = report.step;
-  clean_version_ = optimizer_->state_version();
+      absl::StrCat("load of step ", report.step), &report.undo_spilled, &report.undo_derived,
+      report.unchanged));
+  MarkClean(report.step, optimizer_->state_version(), reader->get());
   if (blobs != nullptr) *blobs = std::move(loaded);
   return report;
 }

@@ -35,11 +35,18 @@ struct Checkpointer::Undo {
   std::optional<std::vector<ParamGroup>> derived_groups;
   std::unique_ptr<std::byte[]> derived_masters;
   DType derived_dtype = DType::kF32;
+  // Load's step 2(a'): the state equals the step being loaded and the apply writes nothing to
+  // it, so the state itself is the undo source and a rollback has nothing to restore.
+  bool unchanged = false;
 };
 
 absl::StatusOr<std::unique_ptr<Checkpointer::Undo>> Checkpointer::FixUndoSource(
-    std::optional<uint64_t> exclude) {
+    std::optional<uint64_t> exclude, bool unchanged) {
   auto undo = std::make_unique<Undo>();
+  if (unchanged) {
+    undo->unchanged = true;
+    return undo;
+  }
   // The step being loaded is no undo source for itself: a chunk that fails the apply would fail
   // the restore too.
   if (clean_step_.has_value() && clean_step_ != exclude &&
@@ -249,6 +256,7 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype,
 }
 
 absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope) {
+  if (undo.unchanged) return absl::OkStatus();  // The apply wrote nothing to the state.
   if (undo.derived_groups.has_value()) {
     // The state again: the masters from their exact model-dtype copy, the moments zero.
     const std::span<float> master = optimizer_->mutable_master();
@@ -275,12 +283,12 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope
 absl::Status Checkpointer::Transact(std::optional<uint64_t> exclude,
                                     const std::function<absl::Status(StagedAdamW::LoadScope&)>& apply,
                                     absl::string_view what, bool* undo_spilled,
-                                    bool* undo_derived) {
+                                    bool* undo_derived, bool unchanged) {
   // Step 2.
   // A load under an open overlapped step would change the state its speculation started from.
   absl::Status fixed = optimizer_->CheckNoOverlap(what);
   absl::StatusOr<std::unique_ptr<Undo>> undo =
-      fixed.ok() ? FixUndoSource(exclude) : absl::StatusOr<std::unique_ptr<Undo>>(fixed);
+      fixed.ok() ? FixUndoSource(exclude, unchanged) : absl::StatusOr<std::unique_ptr<Undo>>(fixed);
   if (fixed.ok() && !undo.ok()) fixed = undo.status();
   auto remove_spill = [&] {
     if (undo.ok()) RemoveSpill(**undo);

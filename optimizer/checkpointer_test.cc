@@ -422,6 +422,15 @@ TEST_F(CheckpointerTest, ReloadingTheStepTheStateCameFromRollsBackFromASpill) {
   ExpectAllOk(job.Save(1));  // Clean at step 1: but step 1 cannot undo a failed load of itself.
   DamageChunk(1, 1);
   const std::string before = job.Gather();
+  // While the state still equals step 1 a reload reads nothing (Load's step 2(a')): the state
+  // is what step 1's manifest describes, whatever became of its data file since.
+  ExpectAllOk(job.Load(1));
+  EXPECT_EQ(job.Gather(), before);
+  // A load that reads it (here after a SetGroup, which changes the state's version only)
+  // fails on the damage and rolls back from a spill, step 1 being no undo for itself.
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_THAT(job.rank(r).opt->SetGroup(0, job.rank(r).opt->groups()[0]), IsOk());
+  }
   ExpectAll(job.Load(1), absl::StatusCode::kDataLoss);
   EXPECT_EQ(job.Gather(), before);
   EXPECT_EQ(job.rank(0).opt->lifecycle(), Lifecycle::kClean) << "rolled back, not poisoned";

@@ -5,8 +5,11 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "ckpt/base/checksum.h"
+#include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/formats/convert.h"
+#include "ckpt/formats/manifest.h"
 
 namespace ckpt::optimizer::internal {
 namespace {
@@ -164,6 +167,10 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
     }
   }
   return reader.ReadRanges(direct);
+}
+
+uint64_t ManifestIdentity(const formats::Manifest& manifest) {
+  return Checksum(AsBytes(formats::EncodeManifest(manifest)));
 }
 
 }  // namespace ckpt::optimizer::internal

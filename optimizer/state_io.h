@@ -62,6 +62,12 @@ struct MutableStateBytes {
 absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout,
                        const MutableStateBytes& to);
 
+// The identity of a committed step's contents: a checksum of its manifest as parsed and
+// encoded again (every chunk's checksum, every piece, every blob), so the same whichever
+// reader opened it. Two steps with one identity hold the same bytes (Checkpointer's reload of
+// the step the state equals, Load's step 2(a')).
+uint64_t ManifestIdentity(const formats::Manifest& manifest);
+
 }  // namespace ckpt::optimizer::internal
 
 #endif  // CKPT_OPTIMIZER_STATE_IO_H_

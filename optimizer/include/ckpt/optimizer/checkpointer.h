@@ -40,6 +40,10 @@ struct LoadReport {
   // memory during the load (size() x 2 bytes for a BF16 model whose masters are all BF16
   // values, x 4 otherwise): nothing was written to disk for the undo.
   bool undo_derived = false;
+  // The state already equalled this very step (the one it was last saved as or loaded from,
+  // unchanged since, and the step's manifest the same as then): nothing was read into the
+  // slabs and no undo source was needed; only the trainer's blobs were read.
+  bool unchanged = false;
   // The moments' dtype in the checkpoint (kF32 or kBF16): when it differs from the optimizer's
   // MomentDType they were converted (rounded to BF16, or widened exactly to FP32).
   formats::DType saved_moment_dtype = formats::DType::kF32;
@@ -237,13 +241,23 @@ class Checkpointer {
   // Load's steps 2 to 5 once the preflight has been voted: fixes the undo source (never
   // `exclude`, the step being read), runs `apply` under kLoading, votes, and restores or
   // poisons on failure. `what` names the load in a poison reason.
+  // With `unchanged`, `apply` writes nothing to the state (the state equals the step read), so
+  // the state itself is the undo source: nothing is spilled and a rollback restores nothing.
   absl::Status Transact(std::optional<uint64_t> exclude,
                         const std::function<absl::Status(StagedAdamW::LoadScope&)>& apply,
-                        absl::string_view what, bool* undo_spilled, bool* undo_derived);
+                        absl::string_view what, bool* undo_spilled, bool* undo_derived,
+                        bool unchanged = false);
   // Rank 0 reads `root`'s LATEST afresh and broadcasts it, so every rank reads the same step.
   absl::StatusOr<uint64_t> AgreeOnLatest(Env* env, const std::string& root);
   absl::Status Apply(const CheckpointReader& reader, Blobs* blobs, StagedAdamW::LoadScope& scope);
-  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude);
+  // This rank's trainer blobs of the step `reader` reads (rank 0's when it was saved by fewer).
+  absl::Status ReadTrainerBlobs(const CheckpointReader& reader, Blobs* blobs) const;
+  absl::StatusOr<std::unique_ptr<Undo>> FixUndoSource(std::optional<uint64_t> exclude,
+                                                      bool unchanged);
+  // The state equals committed `step` as of state_version() `version`: remembers both, and the
+  // step's manifest identity (from `reader`, or by opening the step when null; none when it
+  // cannot be opened, which only costs the next reload of it its shortcut).
+  void MarkClean(uint64_t step, uint64_t version, const CheckpointReader* reader);
   void RemoveSpill(Undo& undo);
   absl::Status RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope);
   // When the state is what a rollback can re-derive without disk (every group's step 0 and
@@ -273,6 +287,10 @@ class Checkpointer {
   // right then: while they still match, that step is a free undo source.
   std::optional<uint64_t> clean_step_;
   uint64_t clean_version_ = 0;
+  // A checksum of clean_step_'s manifest as it was then (every chunk's checksum, every piece):
+  // a reload of clean_step_ reads nothing only while the step on disk still has it, so a step
+  // replaced since (quarantined, then saved again by another handle) is read afresh.
+  std::optional<uint64_t> clean_identity_;
 };
 
 }  // namespace ckpt::optimizer
