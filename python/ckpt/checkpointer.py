@@ -10,13 +10,21 @@ until a load succeeds), and raises CkptError with ckpt's message.
 pickle beside the optimizer's state, per rank, and returned by `load`. Like torch.load, loading
 unpickles: load only checkpoints you trust.
 
+Every save has an identity (`save_id`: a random session of this Checkpointer, agreed by its
+ranks, and a count), recorded in the step (blob "ckpt.save_id") and returned by save() and
+save_async(): `load(step, save_id=...)` loads that save only, whatever else was saved since as
+the same step number, and `state_id` says which save the optimizer's state provably equals now
+(the last one saved or loaded, with no step, load or edit since), or None.
+
 Ctrl-C (SIGINT, and SIGTERM where Python handles it) cannot cut a call in half: once a call has
 checked its arguments, the signal is deferred (ckpt/_signals.py) until what the C call did is
 reflected in Python too (parameters, param_groups, loaded_step and loaded_extra after a load; the
 PendingSave recorded as `pending` after save_async), and is delivered then.
 """
 import ctypes
+import os
 import pickle
+import re
 import weakref
 
 from . import _lib, _signals
@@ -24,6 +32,51 @@ from ._lib import CkptError, check, lib
 from ._native import Native
 
 _EXTRA = "python.extra"
+# The identity of the save a step holds (every rank's blob; rank 0's is read).
+SAVE_ID = "ckpt.save_id"
+# How a Checkpointer's blobs are named in a step (optimizer/state_layout.h kTrainerPrefix).
+_STORED_PREFIX = b"trainer."
+_SAVE_ID = re.compile(r"[0-9a-f][0-9a-f-]{0,63}")
+
+
+def check_save_id(save_id):
+    """A save identity as ckpt writes them (lower-case hex and '-', at most 64), else a
+    ValueError."""
+    if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+        raise ValueError(f"a save identity is a str of hex digits and '-', not {save_id!r}")
+    return save_id
+
+
+def agreed_session(group):
+    """A random session name, the same on every rank of `group` (None: this process alone;
+    collective otherwise)."""
+    mine = os.urandom(8).hex()
+    if group is None:
+        return mine
+    import torch.distributed as dist
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    return parts[0]
+
+
+def step_save_id(store_handle, step):
+    """The identity of the save committed step `step` of an open store holds, or None for a
+    step saved before ckpt recorded one. CkptError when the step cannot be opened (NOT_FOUND
+    when there is none)."""
+    reader = ctypes.c_void_p()
+    check(lib.ckpt_reader_open(store_handle, step, ctypes.byref(reader)))
+    try:
+        size = ctypes.c_size_t()
+        name = _STORED_PREFIX + SAVE_ID.encode()
+        code = lib.ckpt_reader_blob(reader, name, 0, None, 0, ctypes.byref(size))
+        if code == 5:  # NOT_FOUND: no identity recorded.
+            return None
+        check(code)
+        buf = ctypes.create_string_buffer(max(1, size.value))
+        check(lib.ckpt_reader_blob(reader, name, 0, buf, size.value, ctypes.byref(size)))
+        return buf.raw[:size.value].decode("ascii", "replace")
+    finally:
+        lib.ckpt_reader_close(reader)
 
 
 def hand_back(parts, out, lens):
@@ -70,8 +123,10 @@ def _torch_coordinator(group):
 class PendingSave:
     """An async save in flight: finalize() (collective) commits it or raises."""
 
-    def __init__(self, checkpointer, native, step):
+    def __init__(self, checkpointer, native, step, save_id, generation):
         self._checkpointer, self._native, self.step = checkpointer, native, step
+        self.save_id = save_id
+        self._generation = generation  # The optimizer's, at the call (the state saved).
         self._finalized = False
 
     @property
@@ -99,6 +154,7 @@ class PendingSave:
             try:
                 check(lib.ckpt_pending_save_finalize(self._native.handle))
                 self._checkpointer._undo_step = self.step
+                self._checkpointer._state = (self.save_id, self._generation)
             finally:
                 self._native.close()
 
@@ -139,7 +195,11 @@ class Checkpointer:
         self._native = None
         self._pending = None
         self._root, self.read_only = root, read_only
-        self.loaded_step = self.loaded_extra = None
+        self.loaded_step = self.loaded_extra = self.loaded_save_id = None
+        # (save identity, optimizer generation): the save the state last equalled, and the
+        # optimizer's generation (StagedAdamW._generation) right then.
+        self._state = None
+        self._saves = 0
         # The step the optimizer's state last equalled (saved as, or loaded from): the undo
         # source of the next load, which keep_only keeps.
         self._undo_step = None
@@ -173,6 +233,7 @@ class Checkpointer:
         self._store = Native(store, lib.ckpt_store_close, "checkpointer", collective=distributed)
         handle = ctypes.c_void_p()
         try:
+            self._session = agreed_session(process_group)
             opt = optimizer._live()
             check(lib.ckpt_checkpointer_open(
                 opt, store, ctypes.byref(coordinator) if coordinator is not None else None,
@@ -214,55 +275,69 @@ class Checkpointer:
             self._pending.finalize()
 
     @staticmethod
-    def _blobs(extra):
-        data = pickle.dumps(extra if extra is not None else {})
-        keys = (ctypes.c_char_p * 1)(_EXTRA.encode())
-        values = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p))
-        lens = (ctypes.c_size_t * 1)(len(data))
+    def _blobs(extra, save_id):
+        data = [pickle.dumps(extra if extra is not None else {}), save_id.encode()]
+        keys = (ctypes.c_char_p * 2)(_EXTRA.encode(), SAVE_ID.encode())
+        values = (ctypes.c_void_p * 2)(*[ctypes.cast(ctypes.c_char_p(d), ctypes.c_void_p)
+                                         for d in data])
+        lens = (ctypes.c_size_t * 2)(*[len(d) for d in data])
         return keys, values, lens, data
 
-    def _begin_save(self, step, extra):
+    def _begin_save(self, step, extra, save_id):
         """What save and save_async do before their critical section: checks, the extra state
-        pickled as one blob, the in-flight save finalized (in its own section)."""
+        pickled as one blob and the save's identity as another, the in-flight save finalized
+        (in its own section)."""
         step = self._step(step)
+        if save_id is None:
+            save_id = f"{self._session}-{self._saves:x}"
+        check_save_id(save_id)
         if self.read_only:
             raise CkptError(9, f"{self._root}: cannot save step {step}: the Checkpointer was "
                                "opened with read_only=True")
         handle = self._live()
-        blob = self._blobs(extra)
+        blob = self._blobs(extra, save_id)
         self._settle()
-        return (handle, step) + blob
+        return (handle, step, save_id) + blob
 
     def _hand_over(self):
         """The hyper-parameters handed to ckpt, first thing in a save's section (the weights
         saved are ckpt's masters rounded, which every step writes into the parameters)."""
         self._optimizer._push_groups()
 
-    def save(self, step, extra=None):
-        """Collective. Saves the state as it is now as `step` (newer than LATEST). Raises
-        CkptError when the save failed (nothing committed) or the Checkpointer is read-only.
-        A Ctrl-C comes either before the save began or after it committed (or failed)."""
-        handle, step, keys, values, lens, keep = self._begin_save(step, extra)
+    def save(self, step, extra=None, *, save_id=None):
+        """Collective. Saves the state as it is now as `step` (newer than LATEST); returns the
+        save's identity (`save_id` when given: hex digits and '-', the same on every rank; else
+        one made here). Raises CkptError when the save failed (nothing committed) or the
+        Checkpointer is read-only. A Ctrl-C comes either before the save began or after it
+        committed (or failed)."""
+        handle, step, save_id, keys, values, lens, keep = self._begin_save(step, extra, save_id)
         with _signals.deferred():
             self._hand_over()
-            check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 1))
+            generation = self._optimizer._generation()
+            self._saves += 1
+            check(lib.ckpt_checkpointer_save(handle, step, keys, values, lens, 2))
             self._undo_step = step
+            self._state = (save_id, generation)
         del keep
+        return save_id
 
-    def save_async(self, step, extra=None):
+    def save_async(self, step, extra=None, *, save_id=None):
         """Collective. Begins saving the state as it is now as `step`; steps may run meanwhile.
-        Returns a PendingSave; its finalize() (collective) commits. A save still in flight is
-        finalized first. A Ctrl-C comes either before the save began or after its PendingSave
-        was recorded as `pending` (finalize it from there, or the next call will)."""
-        handle, step, keys, values, lens, keep = self._begin_save(step, extra)
+        Returns a PendingSave (its save_id: the save's identity, as save() returns it); its
+        finalize() (collective) commits. A save still in flight is finalized first. A Ctrl-C
+        comes either before the save began or after its PendingSave was recorded as `pending`
+        (finalize it from there, or the next call will)."""
+        handle, step, save_id, keys, values, lens, keep = self._begin_save(step, extra, save_id)
         with _signals.deferred():
             self._hand_over()
+            generation = self._optimizer._generation()
+            self._saves += 1
             native = ctypes.c_void_p()
-            check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 1,
+            check(lib.ckpt_checkpointer_save_async(handle, step, keys, values, lens, 2,
                                                    ctypes.byref(native)))
             owner = Native(native, lib.ckpt_pending_save_destroy, "async save",
                            parents=(self._native,), collective=self._native.collective)
-            pending = self._pending = PendingSave(self, owner, step)
+            pending = self._pending = PendingSave(self, owner, step, save_id, generation)
         del keep
         return pending
 
@@ -271,7 +346,7 @@ class Checkpointer:
         """The async save in flight (save_async's PendingSave, not finalized yet), or None."""
         return self._pending
 
-    def load(self, step=None, *, fallback=False):
+    def load(self, step=None, *, fallback=False, save_id=None):
         """Collective. Loads `step` (LATEST when None) into the optimizer and the parameters, at
         any data-parallel size; returns the `extra` saved with it by this rank (by rank 0 when
         the checkpoint was saved by fewer ranks than this rank's number), also kept as
@@ -281,15 +356,25 @@ class Checkpointer:
         fallback=True (with step None): when LATEST fails on damage (DATA_LOSS), each older
         step is tried in turn, newest first, and the newest that loads intact is loaded;
         `skipped_steps` then counts the newer ones passed over. Without it, such a load raises
-        DATA_LOSS naming the chunk and saying how to go on."""
+        DATA_LOSS naming the chunk and saying how to go on.
+        save_id (with a step): load that step only if it holds that save (save() returned it);
+        otherwise NOT_FOUND naming both, nothing changed (the step was saved again since, e.g.
+        by a run resumed from an older step into the same store). `loaded_save_id` holds the
+        identity of the save loaded (None for a step saved before ckpt recorded one)."""
         if step is not None:
             step = self._step(step)
         if not isinstance(fallback, bool):
             raise ValueError(f"fallback must be a bool, not {fallback!r}")
         if fallback and step is not None:
             raise ValueError("fallback=True walks back from LATEST: give no step")
+        if save_id is not None:
+            check_save_id(save_id)
+            if step is None:
+                raise ValueError("save_id names the save of one step: give the step too")
         handle = self._live()
         self._settle()
+        if save_id is not None:
+            self._expect_save(step, save_id)
         with _signals.deferred():
             blobs = ctypes.c_void_p()
             loaded = ctypes.c_uint64()
@@ -311,21 +396,64 @@ class Checkpointer:
                 self.loaded_step, self.loaded_extra = loaded.value, None
                 self._undo_step = loaded.value
                 raw = self._extra_blob(blobs)
+                found = self._extra_blob(blobs, SAVE_ID)
+                self.loaded_save_id = found.decode("ascii", "replace") if found else None
+                self._state = (self.loaded_save_id, self._optimizer._generation())
             finally:
                 lib.ckpt_blobs_free(blobs)
             self.loaded_extra = self._unpickle(raw, loaded.value)
         return self.loaded_extra
 
+    def _expect_save(self, step, save_id):
+        """NOT_FOUND, on every rank alike, unless committed step `step` holds save `save_id`."""
+        error = None
+        try:
+            found = step_save_id(self._store.handle, step)
+            if found != save_id:
+                raise CkptError(5, f"{self._root}: step {step} holds save "
+                                   f"{found or '(no identity: saved by an older ckpt)'}, not save "
+                                   f"{save_id} that was asked for: the step was saved again "
+                                   "since (a run resumed from an older step into this store?); "
+                                   "the save asked for was set aside into quarantine/ if it "
+                                   "existed, and is never loaded in its place")
+        except CkptError as e:
+            error = e
+        if self._native.collective and self._optimizer._any_rank(error is not None) and \
+                error is None:
+            error = CkptError(5, f"{self._root}: another rank refused loading step {step} as "
+                                 f"save {save_id}; nothing was loaded")
+        if error is not None:
+            raise error
+
+    @property
+    def state_id(self):
+        """The identity of the save the optimizer's state provably equals now: the last one
+        this Checkpointer saved (committed) or loaded, when no step, load or edit of a
+        parameter happened since; None otherwise (or for a step saved without identity)."""
+        if self._state is None or self._native is None or self._native.closed:
+            return None
+        save_id, generation = self._state
+        now = self._optimizer._generation()
+        return save_id if now == generation else None
+
+    def save_id_of(self, step):
+        """The identity of the save committed step `step` holds (None: saved before ckpt
+        recorded one); CkptError NOT_FOUND when there is no such step."""
+        step = self._step(step)
+        if self._store is None:
+            raise CkptError(9, "the checkpointer is closed")
+        return step_save_id(self._store.handle, step)
+
     @staticmethod
-    def _extra_blob(blobs):
-        """The pickled extra state among a load's blobs, or None."""
+    def _extra_blob(blobs, name=_EXTRA):
+        """Blob `name` (the pickled extra state) among a load's blobs, or None."""
         count = ctypes.c_size_t()
         check(lib.ckpt_blobs_count(blobs, ctypes.byref(count)))
         for i in range(count.value):
             key, value, length = ctypes.c_char_p(), ctypes.c_void_p(), ctypes.c_size_t()
             check(lib.ckpt_blobs_get(blobs, i, ctypes.byref(key), ctypes.byref(value),
                                      ctypes.byref(length)))
-            if key.value == _EXTRA.encode():
+            if key.value == name.encode():
                 return ctypes.string_at(value, length.value)
         return None
 
@@ -362,6 +490,7 @@ class Checkpointer:
                                                     if ignore_unexpected else 0) |
                                                    (_lib.LOAD_MODEL_MASTERS if masters else 0)))
             self._undo_step = None  # The state equals no step now.
+            self._state = None
             self._optimizer._publish_weights()
 
     def keep_only(self, steps):

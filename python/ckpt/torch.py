@@ -845,7 +845,7 @@ class StagedAdamW(torch.optim.Optimizer):
         self._layout.pop("consolidated", None)
         if self._dtype is not None and any(p.dtype != self._dtype for p in new):
             self._dtype, self._grad_dtype = None, torch.float32
-        self._cache.clear()
+        self._state_changed()
 
     def zero_grad(self, set_to_none=None):
         """torch's zero_grad (set_to_none: torch's default when not given). An overlapped step
@@ -1111,7 +1111,7 @@ class StagedAdamW(torch.optim.Optimizer):
                 check(lib.ckpt_overlap_invalidate(native.handle))  # Changed in place since.
             run.speculate = coef == 1.0 and not changed
             run.in_place = changed
-            self._cache.clear()
+            self._state_changed()
             self._layout.pop("consolidated", None)
             n = len(self._params)
             grads = [g.data_ptr() if g is not None else None for g in grad_of]
@@ -1206,7 +1206,7 @@ class StagedAdamW(torch.optim.Optimizer):
             handle = self._push_groups()  # Also refreshes edited parameters (and checks them).
             scale, flip = self._grad_scale()
         scale *= coef
-        self._cache.clear()
+        self._state_changed()
         self._layout.pop("consolidated", None)
         stream = None
         if self._device.type == "cuda":
@@ -1360,6 +1360,18 @@ class StagedAdamW(torch.optim.Optimizer):
         dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self._group_handle)
         return bool(word.item())
 
+    def _state_changed(self):
+        """The state changes (a step, a load, edited parameters taken in, a group added):
+        cached views of it go, and the generation moves, so that what a Checkpointer or an
+        integration remembers the state equalled no longer holds."""
+        self._cache.clear()
+        self._layout["generation"] = self._layout.get("generation", 0) + 1
+
+    def _generation(self):
+        """A value that stays the same exactly while the state does: what ckpt holds (moved by
+        _state_changed) and what each parameter is (an edit is taken in at the next step)."""
+        return self._layout.get("generation", 0), tuple(_seen_of(p) for p in self._params)
+
     def _note_versions(self):
         """What each parameter is now (_seen_of), so that the next step can tell which ones the
         trainer changed in place."""
@@ -1381,7 +1393,7 @@ class StagedAdamW(torch.optim.Optimizer):
         # is read from it.
         self._check_parameters(edited)
         handle = self._live()
-        self._cache.clear()
+        self._state_changed()
         for i in edited:
             p = self._params[i]
             values = p.detach().reshape(-1).float().cpu()
@@ -1585,7 +1597,7 @@ class StagedAdamW(torch.optim.Optimizer):
         their pieces)."""
         handle = self._live()
         self.wait_for_step()  # A gated step's writes come first.
-        self._cache.clear()  # The state just changed under the cached view.
+        self._state_changed()
         self._layout.pop("consolidated", None)
         if self._owned is None:
             # Into each parameter's own storage (non-contiguous ones through a copy); CUDA
@@ -1849,7 +1861,7 @@ class StagedAdamW(torch.optim.Optimizer):
                 handle, arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(),
                 arrays[3].data_ptr() if self._max_slab else None,
                 arrays[0].numel(), step_array, len(steps)))
-            self._cache.clear()
+            self._state_changed()
             for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
                 ours.update({k: val for k, val in group.items() if k != "params"})
                 check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(ours))))
@@ -1880,7 +1892,11 @@ class StagedAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _entry_step(entry, name):
-        step = entry.get("step", 0)
+        if "step" not in entry:
+            # As torch's AdamW, whose step reads state["step"]: a state without one is no
+            # AdamW state (it is not taken as step 0).
+            raise KeyError(f"the state of parameter {name} has no 'step'")
+        step = entry["step"]
         step = step.item() if isinstance(step, torch.Tensor) else step
         if not _is_number(step) or not 0 <= step < 2**64 or step != int(step):
             raise ValueError(f"the step of parameter {name} is {step!r}, not a count (an "
@@ -1921,6 +1937,11 @@ class StagedAdamW(torch.optim.Optimizer):
                     if t.numel() != n:
                         raise ValueError(f"{key} of parameter {name} has {t.numel()} elements, "
                                          f"the parameter {n}")
+                    if t.shape != p.shape:
+                        # Same count, other shape: its elements would land scrambled (torch's
+                        # AdamW fails at the step).
+                        raise ValueError(f"{key} of parameter {name} has shape "
+                                         f"{list(t.shape)}, the parameter {list(p.shape)}")
                     dest[o:o + n].copy_(t.reshape(-1).float().cpu())
                 # torch's Muon counts no steps: a parameter with a momentum buffer has taken one.
                 steps[index_of[id(p)]] = self._entry_step(

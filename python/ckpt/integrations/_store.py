@@ -1,13 +1,33 @@
 """What every trainer integration shares: a StagedAdamW whose state_dict() is a reference to a
-step of a ckpt store, the saves of those steps (async, finalized when their writer is done), the
+save in a ckpt store, the saves themselves (async, finalized when their writer is done), the
 resolution of a reference by load_state_dict(), and retention by the steps a trainer's own
-checkpoints still name."""
+checkpoints still name.
+
+A reference is {"root", "step", "save_id"}: the save's identity (ckpt.Checkpointer's save_id,
+recorded in the step) makes it name one save, whatever runs share the store. Resolving it:
+1. Its root must be a str naming this keeper's store (or a store since moved, taken where the
+   keeper is given it); its step a count.
+2. Nothing is loaded only when the optimizer's state provably equals the save it names: the
+   Checkpointer's state_id (the save last saved or loaded, no step, load or edit since), or a
+   reference this keeper handed out for its next save, handed back with the state unchanged
+   (accelerate round-trips state_dict() through load_state_dict()). Otherwise:
+3. The step must be committed and hold that save (its save_id blob): else NOT_FOUND naming
+   both (a later run saved the same step number again; the save named was set aside into
+   quarantine/, never loaded in its place). A reference without save_id (an older ckpt's) names
+   the step alone.
+4. It is loaded; a step older than LATEST is adopted, so the run's next saves are accepted.
+Retention: a keeper retires only steps it saved or that a trainer file it saw named.
+"""
 import ctypes
 import os
+import re
 
 from .. import _lib
 from .._lib import CkptError
-from ..checkpointer import Checkpointer
+from ..checkpointer import Checkpointer, agreed_session, step_save_id
+
+# A committed step's directory (ASCII digits only: int() takes other digits too).
+_STEP_DIR = re.compile(r"step-([0-9]+)")
 
 
 def _rank():
@@ -17,10 +37,14 @@ def _rank():
     return 0
 
 
-def step_committed(root, step):
+def _is_count(step):
+    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2 ** 64
+
+
+def step_committed(root, step, save_id=None):
     """Whether `step` is a committed step of the ckpt store at `root` (read without a lock):
-    at or below LATEST, and its directory there."""
-    if not isinstance(root, str) or not isinstance(step, int) or not os.path.isdir(root):
+    at or below LATEST, its directory there, and (save_id given) holding that save."""
+    if not isinstance(root, str) or not _is_count(step) or not os.path.isdir(root):
         return False
     options = _lib.StoreOptions(ctypes.sizeof(_lib.StoreOptions), 0, 1, 0, 0, 0)
     handle = ctypes.c_void_p()
@@ -30,19 +54,27 @@ def step_committed(root, step):
     try:
         has, latest = ctypes.c_int(), ctypes.c_uint64()
         _lib.check(_lib.lib.ckpt_store_latest(handle, ctypes.byref(has), ctypes.byref(latest)))
+        if not has.value or step > latest.value or \
+                not os.path.isdir(os.path.join(root, f"step-{step:08d}")):
+            return False
+        if save_id is None:
+            return True
+        try:
+            return step_save_id(handle, step) == save_id
+        except CkptError:  # Damaged or gone: it holds no save that could be loaded.
+            return False
     finally:
         _lib.lib.ckpt_store_close(handle)
-    return bool(has.value) and step <= latest.value and os.path.isdir(
-        os.path.join(root, f"step-{step:08d}"))
 
 
 def references_committed(states):
     """Whether every ckpt reference among the optimizer state dicts `states` (as a trainer's
-    checkpoint holds them) names a committed step: a checkpoint without one is complete as far
-    as ckpt is concerned."""
+    checkpoint holds them) names a committed step holding the save it names: a checkpoint
+    without one is complete as far as ckpt is concerned."""
     for state in states:
         ref = state.get("ckpt") if isinstance(state, dict) else None
-        if isinstance(ref, dict) and not step_committed(ref.get("root"), ref.get("step")):
+        if isinstance(ref, dict) and not step_committed(ref.get("root"), ref.get("step"),
+                                                        ref.get("save_id")):
             return False
     return True
 
@@ -63,13 +95,15 @@ class StoreKeeper:
         self.optimizer = None
         self._current_step = lambda: 0
         self._checkpointer = None
-        self._saved = None  # The step saved last (committed or in flight).
+        self._saved = None  # The step saved last (committed or in flight), or loaded.
+        self._saved_id = None  # That save's identity.
         self._mine = set()  # The steps this keeper saved.
         self.loaded = None  # The step a reference was last loaded from (a resume's source).
-        # Names this keeper's references in this process: one handed back unchanged (accelerate
-        # round-trips state_dict() through load_state_dict() to place it on the device) is the
-        # state the optimizer holds, with nothing to load.
-        self._token = os.urandom(8).hex()
+        # Save identities: "<session>-<count>", the session agreed by the optimizer's ranks.
+        self._session, self._count = None, 0
+        # The references handed out for the next save (its identity -> the optimizer's
+        # generation then): one handed back unchanged is the state the optimizer holds.
+        self._handed = {}
         self.files = {}  # A trainer's checkpoint files and the step each names (Lightning).
         self.known_steps = set()  # Every step a file seen so far named.
         self.dropped = False  # A file was removed since the last save.
@@ -92,57 +126,85 @@ class StoreKeeper:
                 self._checkpointer = None
             if self.optimizer._layout.get("state_store") is self:
                 del self.optimizer._layout["state_store"]
-            self._saved = None
-            self._token = os.urandom(8).hex()
+            self._saved = self._saved_id = None
+            self._handed = {}
         self.optimizer, self._current_step = optimizer, current_step
+        # Collective with a sharded optimizer (every rank attaches): the ranks name saves alike.
+        self._session = agreed_session(optimizer._group_handle)
         # Whole state on every rank (no process_group): rank 0 alone writes; the others read.
         self._writes = optimizer._group_handle is not None or _rank() == 0
         optimizer._layout["state_store"] = self
 
     # --- The optimizer's side (StagedAdamW.state_dict / load_state_dict) ---------------------
 
+    def _next_id(self):
+        return f"{self._session}-{self._count:x}"
+
     def state_dict_reference(self, optimizer):
-        return {"ckpt": {"root": self.root, "step": int(self._current_step()),
-                         "token": self._token},
+        step = int(self._current_step())
+        if step == self._saved and self._saved_id is not None:
+            save_id = self._saved_id  # Saved (or loaded) already: save() will not save again.
+        else:
+            save_id = self._next_id()
+            self._handed[save_id] = optimizer._generation()
+        return {"ckpt": {"root": self.root, "step": step, "save_id": save_id},
                 "param_groups": optimizer._indexed_groups()}
+
+    def _holds(self, optimizer, save_id):
+        """Step 2: whether the optimizer's state provably equals save `save_id`."""
+        if save_id is None:
+            return False
+        ck = self._checkpointer
+        if ck is not None and ck.state_id == save_id:
+            return True
+        return self._handed.get(save_id) == optimizer._generation()
+
+    def _check_reference(self, ref):
+        """Step 1 and step 3's refusals (raised before anything is loaded)."""
+        step, save_id, saved_in = ref.get("step"), ref.get("save_id"), ref.get("root")
+        if not _is_count(step):
+            raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
+        if not isinstance(saved_in, str):
+            raise ValueError(f"a ckpt reference's root is {saved_in!r}, not a str path: it was "
+                             "not written by ckpt")
+        if save_id is not None and not isinstance(save_id, str):
+            raise ValueError(f"a ckpt reference's save_id is {save_id!r}, not a str")
+        if os.path.isdir(saved_in) and \
+                os.path.realpath(saved_in) != os.path.realpath(self.root):
+            raise ValueError(f"the checkpoint refers to step {step} of the ckpt store "
+                             f"{saved_in}, and this integration keeps {self.root}: give it "
+                             "the store the checkpoint was saved in (a store moved "
+                             "elsewhere is taken where it is given)")
+        if not self.committed(step):
+            raise CkptError(5, f"step {step} of the ckpt store {self.root} was never "
+                               "committed (the run stopped during its async save): resume "
+                               "from the integration's last_complete_checkpoint(...), the "
+                               "newest checkpoint whose optimizer step is")
 
     def load_reference(self, optimizer, state_dict):
         ref = state_dict["ckpt"]
-        step = ref.get("step")
+        step, save_id = ref.get("step"), ref.get("save_id")
         sharded = optimizer._group_handle is not None
-        # Our own reference of the state as it is (no step since): nothing to load. With a
-        # sharded optimizer every rank must decide alike (the load is collective).
-        skip = ref.get("token") == self._token and step == self._current_step()
+        # Step 2. With a sharded optimizer every rank decides alike (the load is collective).
+        skip = self._holds(optimizer, save_id)
         if sharded:
             skip = not optimizer._any_rank(not skip)
         if skip:
             return
         error = None
         try:
-            if not isinstance(step, int) or step < 0:
-                raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
-            saved_in = ref.get("root")
-            if isinstance(saved_in, str) and os.path.isdir(saved_in) and \
-                    os.path.realpath(saved_in) != os.path.realpath(self.root):
-                raise ValueError(f"the checkpoint refers to step {step} of the ckpt store "
-                                 f"{saved_in}, and this integration keeps {self.root}: give it "
-                                 "the store the checkpoint was saved in (a store moved "
-                                 "elsewhere is taken where it is given)")
-            if not self.committed(step):
-                raise CkptError(5, f"step {step} of the ckpt store {self.root} was never "
-                                   "committed (the run stopped during its async save): resume "
-                                   "from the integration's last_complete_checkpoint(...), the "
-                                   "newest checkpoint whose optimizer step is")
+            self._check_reference(ref)
         except Exception as e:  # Every rank refuses if any does (the load is collective).
             error = e
         if sharded and optimizer._any_rank(error is not None) and error is None:
             error = ValueError("another rank refused the ckpt reference; nothing was loaded")
         if error is not None:
             raise error
+        # Steps 3 (the save's identity, checked by the load itself) and 4.
         ck = self.checkpointer()
-        ck.load(step)
+        ck.load(step, save_id=save_id)
         self.loaded = step
-        self._saved = step
+        self._saved, self._saved_id = step, ck.loaded_save_id
         if self._writes and ck.latest is not None and step < ck.latest:
             ck.adopt(step)  # The run goes on from here: its next saves must be accepted.
 
@@ -189,11 +251,14 @@ class StoreKeeper:
             ck.pending.finalize()
         if referenced is not None:
             self.retire_unreferenced(referenced, retirable)
+        save_id = self._next_id()
         if self.async_save and not sync:
-            ck.save_async(step)
+            ck.save_async(step, save_id=save_id)
         else:
-            ck.save(step)
-        self._saved = step
+            ck.save(step, save_id=save_id)
+        self._count += 1
+        self._handed.pop(save_id, None)
+        self._saved, self._saved_id = step, save_id
         self._mine.add(step)
 
     def retire_unreferenced(self, referenced, retirable=None):
@@ -205,8 +270,8 @@ class StoreKeeper:
         if ck is None:
             return
         latest = ck.latest
-        committed = {int(n[5:]) for n in os.listdir(self.root)
-                     if n.startswith("step-") and n[5:].isdigit()}
+        committed = {int(m.group(1)) for n in os.listdir(self.root)
+                     if (m := _STEP_DIR.fullmatch(n))}
         committed = {s for s in committed if latest is not None and s <= latest}
         keep = set(referenced)
         if self.loaded is not None and self.loaded not in self.known_steps:

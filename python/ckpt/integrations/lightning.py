@@ -75,9 +75,12 @@ class _CkptIO(CheckpointIO):
 
 
 def _reference_step(checkpoint):
-    for state in checkpoint.get("optimizer_states", ()) if isinstance(checkpoint, dict) else ():
+    """The ckpt step a checkpoint's optimizer state refers to, or None (none, or malformed)."""
+    states = checkpoint.get("optimizer_states", ()) if isinstance(checkpoint, dict) else ()
+    for state in states if isinstance(states, (list, tuple)) else ():
         if isinstance(state, dict) and isinstance(state.get("ckpt"), dict):
-            return state["ckpt"].get("step")
+            step = state["ckpt"].get("step")
+            return step if isinstance(step, int) and not isinstance(step, bool) else None
     return None
 
 
@@ -171,7 +174,8 @@ def _checkpoint_files(dirpath):
 
 def last_complete_checkpoint(dirpath):
     """The checkpoint file of `dirpath` with the highest global step whose optimizer step (when
-    it refers to one) is committed, or None: what to pass to fit(ckpt_path=...) after a run
+    it refers to one) is committed and holds the save it names, or None (files that are no
+    Lightning checkpoint are skipped): what to pass to fit(ckpt_path=...) after a run
     that may have been killed during a save."""
     best = None
     for path in _checkpoint_files(dirpath):
@@ -179,8 +183,11 @@ def last_complete_checkpoint(dirpath):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:  # A torn file is not complete.
             continue
-        step = checkpoint.get("global_step", -1)
-        if not references_committed(checkpoint.get("optimizer_states", ())):
+        if not isinstance(checkpoint, dict):
+            continue  # Not a Lightning checkpoint: skipped, as a torn one is.
+        step, states = checkpoint.get("global_step", -1), checkpoint.get("optimizer_states", ())
+        if not isinstance(step, int) or not isinstance(states, (list, tuple)) or \
+                not references_committed(states):
             continue
         if best is None or step > best[0]:
             best = (step, path)

@@ -16,16 +16,19 @@ The protocol, for a checkpoint at global step N (numbered steps, as the code run
 1. Trainer writes checkpoint-N/ (model, then optimizer.pt: the reference to step N, scheduler,
    RNG, trainer_state.json), then rotates folders beyond save_total_limit.
 2. on_save (every rank): the previous async save is finalized (committed or raised); the ckpt
-   steps that no checkpoint-* folder names any more are retired (save_total_limit's rotation
-   and ckpt's retention agree: no folder names a retired step, no committed step is orphaned);
-   the save of step N begins.
+   steps this callback saved or saw a folder of that no checkpoint-* folder names any more are
+   retired (save_total_limit's rotation and ckpt's retention agree: no folder names a retired
+   step; a step another output_dir's folders name is not this run's); the save of step N
+   begins.
 3. The save commits at a later on_step_end once its writer is done, at the next on_save, or at
    on_train_end. Until then checkpoint-N is incomplete: a run killed meanwhile leaves a folder
    whose step N is not committed in the store.
 4. Resume: last_complete_checkpoint(output_dir) names the newest folder whose trainer state is
    written and whose optimizer step is committed; Trainer loads it, and its
    optimizer.load_state_dict(reference) loads step N through ckpt.Checkpointer (the masters
-   and moments exactly; the parameters become the masters rounded). When step N is older than
+   and moments exactly; the parameters become the masters rounded), and only the save the
+   reference names (its save_id): a step saved again since by another run is refused by name.
+   When step N is older than
    the store's LATEST (a run resumed from an older folder), LATEST is moved back to N (adopt)
    so that the run's next saves are accepted; the newer steps stay on disk (set aside into
    quarantine/ when their numbers are saved again), never deleted.
@@ -42,19 +45,26 @@ import transformers
 
 from ._store import StoreKeeper, references_committed
 
-_FOLDER = re.compile(r"^" + transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+# ASCII digits only: int() would refuse some of what \d matches ("checkpoint-³").
+_FOLDER = re.compile(r"^" + transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + r"-([0-9]+)$")
 _TRAINER_STATE = "trainer_state.json"
 _OPTIMIZER = "optimizer.pt"
 
 
-def _folder_steps(output_dir):
-    """The global steps of the checkpoint-N folders of `output_dir`."""
-    steps = []
+def _folders(output_dir):
+    """(global step, path) of each checkpoint-N folder of `output_dir` ("checkpoint-0008"
+    included, as Trainer finds it), newest first."""
+    found = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
         m = _FOLDER.match(name)
         if m and os.path.isdir(os.path.join(output_dir, name)):
-            steps.append(int(m.group(1)))
-    return steps
+            found.append((int(m.group(1)), os.path.join(output_dir, name)))
+    return sorted(found, reverse=True)
+
+
+def _folder_steps(output_dir):
+    """The global steps of the checkpoint-N folders of `output_dir`."""
+    return [step for step, _ in _folders(output_dir)]
 
 
 class CkptCallback(transformers.TrainerCallback):
@@ -108,10 +118,12 @@ class CkptCallback(transformers.TrainerCallback):
             return  # Trainer writes no optimizer.pt: nothing refers to a step.
         self._step = state.global_step
         # The steps the checkpoint folders name after Trainer's rotation (this one's included):
-        # every other committed step goes.
+        # every other step this callback saved or saw a folder of goes (a step of another
+        # output_dir sharing the store is not this run's to judge).
         folders = _folder_steps(args.output_dir)
         self.keeper.known_steps |= set(folders)
-        self.keeper.save(state.global_step, referenced=folders)
+        self.keeper.save(state.global_step, referenced=folders,
+                         retirable=self.keeper.saved_steps() | self.keeper.known_steps)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if control.should_save:  # save_strategy="epoch" decides here, after on_step_end.
@@ -134,11 +146,10 @@ class CkptCallback(transformers.TrainerCallback):
 def last_complete_checkpoint(output_dir):
     """The newest checkpoint-N folder of `output_dir` that a resume can use (or None): its
     trainer_state.json is written, and when its optimizer.pt refers to a ckpt step, that step
-    is committed in its store. What to pass to trainer.train(resume_from_checkpoint=...) after
+    is committed in its store and holds the save the reference names. What to pass to trainer.train(resume_from_checkpoint=...) after
     a run that may have been killed during a save."""
     import torch
-    for step in sorted(_folder_steps(output_dir), reverse=True):
-        folder = os.path.join(output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{step}")
+    for _, folder in _folders(output_dir):
         optimizer = os.path.join(folder, _OPTIMIZER)
         if not os.path.isfile(os.path.join(folder, _TRAINER_STATE)) or \
                 not os.path.isfile(optimizer):
