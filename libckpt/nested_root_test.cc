@@ -70,6 +70,21 @@ TEST_F(NestedRootTest, ARootInsideAnotherStoresStagingDirectoryIsRefused) {
   EXPECT_FALSE(fs::exists(staging + "/inner"));
 }
 
+// Recovery removes an undo directory whole, and gc --purge-quarantine deletes quarantine/: a
+// store inside either would go with it (an adversarial probe opened both).
+TEST_F(NestedRootTest, ARootInsideAnotherStoresUndoOrQuarantineDirectoryIsRefused) {
+  SaveOuter();
+  const std::string undo = outer_ + "/.undo-rank-00000-0123456789abcdef";
+  fs::create_directory(undo);
+  EXPECT_THAT(OpenAt(undo), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(OpenAt(undo + "/inner"), StatusIs(absl::StatusCode::kFailedPrecondition));
+  fs::create_directory(outer_ + "/quarantine");
+  EXPECT_THAT(OpenAt(outer_ + "/quarantine/inner"),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_FALSE(fs::exists(outer_ + "/quarantine/inner"));
+  EXPECT_FALSE(fs::exists(undo + "/inner"));
+}
+
 TEST_F(NestedRootTest, ARootUnderADirectoryOnlyNamedLikeAStepOrBesideAStoreOpens) {
   // No MANIFEST: not a committed step, whatever its name.
   fs::create_directories(tmp_.path() + "/runs/step-00000001");

@@ -64,10 +64,11 @@ absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
 
 namespace {
 
-// A directory of another store that `path` is or lies inside, which that store's recovery or
-// retention would set aside with everything in it: a committed step (named like one, holding
-// a MANIFEST) or a staging or deleting directory, whose parent LooksLikeStore. nullopt when
-// none. The parents are walked by name, so only those named like such a directory are read.
+// A directory of another store that `path` is or lies inside, which that store's recovery,
+// retention or purge would set aside or delete with everything in it: a committed step (named
+// like one, holding a MANIFEST), a staging, deleting or undo directory, or its quarantine/,
+// whose parent LooksLikeStore. nullopt when none. The parents are walked by name, so only
+// those named like such a directory are read.
 std::optional<std::pair<std::string, std::string>> EnclosingStoreEntry(Env* env,
                                                                        const std::string& path) {
   for (std::string dir = path; dir != "/" && dir != "." && !dir.empty(); dir = Dirname(dir)) {
@@ -76,7 +77,8 @@ std::optional<std::pair<std::string, std::string>> EnclosingStoreEntry(Env* env,
     name = name.substr(name.rfind('/') + 1);
     const bool step = internal::ParseStepDirName(name).has_value();
     if (!step && !absl::StartsWith(name, internal::kStagingPrefix) &&
-        !absl::StartsWith(name, internal::kDeletingPrefix)) {
+        !absl::StartsWith(name, internal::kDeletingPrefix) &&
+        !absl::StartsWith(name, internal::kUndoPrefix) && name != kQuarantineDirName) {
       continue;
     }
     // A parent we cannot read is not taken for a store: the check refuses only what it sees.
@@ -92,7 +94,8 @@ absl::Status RefuseInsideAnotherStore(Env* env, const std::string& root, const s
   std::optional<std::pair<std::string, std::string>> outer = EnclosingStoreEntry(env, path);
   if (!outer.has_value()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      root, ": lies inside ", outer->second, ", a step or staging directory of the ckpt store ",
+      root, ": lies inside ", outer->second, ", a step, staging, undo or quarantine directory of "
+      "the ckpt store ",
       outer->first, "; that store's retention or recovery would delete or quarantine it with "
       "everything in it. Give a root outside it"));
 }

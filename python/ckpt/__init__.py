@@ -8,7 +8,7 @@
 Pure Python over libckpt_c.so through ctypes (see ckpt/_lib.py for where it is found), so one
 build serves every Python and torch version. docs/python.md has the details.
 """
-from ._lib import CkptError
+from ._lib import CkptError, Code
 from .checkpointer import Checkpointer, PendingSave
 
-__all__ = ["CkptError", "Checkpointer", "PendingSave"]
+__all__ = ["CkptError", "Checkpointer", "Code", "PendingSave"]

@@ -10,9 +10,11 @@ O1. Claim. The first call of a save claims the idle writer: stage() (dcp.async_s
     owner's root and step), whichever thread makes it.
 O2. Adopt. A claim made by stage() is a reservation for the save async_save runs in its thread:
     the first reset/set_up from another thread adopts it (reset's checkpoint_id then names the
-    destination: it is the async_save call's own). The same call from the reserving thread is a
-    second save, refused. From then on only the owning thread's calls of DCP's phases are
-    served; any other thread's are refused.
+    destination: it is the async_save call's own; the writer's own root, step and checkpoint_id
+    stay the caller's). The same call from the reserving thread is a second save, refused. A
+    claim whose set-up fails (a checkpoint_id naming no path) ends there, a reservation
+    included. From then on only the owning thread's calls of DCP's phases are served; any other
+    thread's are refused.
 O3. Begin. prepare_global_plan (the coordinator) opens the store and begins the step: the
     handles belong to the claim, not to the writer.
 O4. Write. write_data writes this rank's items; a rank other than the coordinator opens its own
@@ -44,7 +46,7 @@ from torch.futures import Future
 
 from . import _dcp_common as common
 from . import _lib
-from ._lib import CkptError, lib
+from ._lib import CkptError, Code, lib
 from ._native import Native
 from .checkpointer import hand_back
 
@@ -130,7 +132,7 @@ class _Save:
         self.native.close()
         if len(self.relay.said) < 2:
             common.check_code(code, f"rank {self.rank}: finishing step {self.step}")
-            raise CkptError(13, f"rank {self.rank}: the commit of step {self.step} cast no vote")
+            raise CkptError(Code.INTERNAL, f"rank {self.rank}: the commit of step {self.step} cast no vote")
         return self.relay.said[1]
 
     def commit(self, votes):
@@ -281,34 +283,48 @@ class StorageWriter(_DcpWriter):
             old.release()
         self._claim = claim
 
-    def _take(self, what, root=None, step=None):
-        """reset / set_up_storage_writer (O1, O2): this thread's claim, adopted or made."""
+    def _take(self, what):
+        """reset / set_up_storage_writer (O1, O2): this thread's claim, adopted or made; and
+        whether it was adopted from a reservation."""
         me = threading.current_thread()
         claim = self._claim
         if claim is not None and claim.thread is None and claim.reserved_by is not me:
             claim.thread = me  # O2: the reserved save's own thread.
-        elif claim is None or claim.thread is not me or claim.phase not in (None, "reset"):
+            return claim, True
+        if claim is None or claim.thread is not me or claim.phase not in (None, "reset"):
             claim = _Claim(self.root, self.step, thread=me)
             self._claim_idle(what, claim)
-        if root is not None:
-            claim.root = root
-            if step is not None:
-                claim.step = step
-        return claim
+        return claim, False
+
+    def _drop(self, claim):
+        """Under the lock: a claim whose set-up failed ends (it holds no handles yet)."""
+        if self._claim is claim:
+            self._claim = None
+        claim.release()
 
     def reset(self, checkpoint_id=None):
         self._at("reset")
         with self._lock:
-            root = step = None
-            if checkpoint_id is not None:
-                root, step = common.split_checkpoint_id(checkpoint_id)
-            claim = self._take(f"reset({checkpoint_id!r})", root, step)
+            claim, adopted = self._take(f"reset({checkpoint_id!r})")
+            try:
+                root = step = None
+                if checkpoint_id is not None:
+                    root, step = common.split_checkpoint_id(checkpoint_id)
+            except BaseException:
+                self._drop(claim)  # An async save's reservation too: nothing holds the writer.
+                raise
             claim.phase = "reset"
-            if checkpoint_id is not None:
-                self.checkpoint_id = checkpoint_id
-                self.root = root
+            if root is not None:
+                claim.root = root
                 if step is not None:
-                    self.step = step
+                    claim.step = step
+                # The writer's own attributes follow a save of the caller's thread only: an
+                # async save's thread, at a moment of its own, must not change what the
+                # caller's next save without a checkpoint_id goes to.
+                if not adopted:
+                    self.checkpoint_id, self.root = checkpoint_id, root
+                    if step is not None:
+                        self.step = step
 
     validate_checkpoint_id = classmethod(
         lambda cls, checkpoint_id: common.names_a_step(checkpoint_id))
@@ -317,13 +333,14 @@ class StorageWriter(_DcpWriter):
         self._at("set_up")
         use_collectives = kwargs.get("use_collectives", True)
         dist = torch.distributed
-        if not use_collectives and dist.is_available() and dist.is_initialized() and \
-                dist.get_world_size() > 1:
-            # Each rank would commit its own chunks as the whole step.
-            raise ValueError("ckpt.dcp.StorageWriter commits one step for the whole job: it "
-                             "needs DCP's collectives (use_collectives=True)")
         with self._lock:
-            claim = self._take("a save")
+            claim, _ = self._take("a save")
+            if not use_collectives and dist.is_available() and dist.is_initialized() and \
+                    dist.get_world_size() > 1:
+                self._drop(claim)
+                # Each rank would commit its own chunks as the whole step.
+                raise ValueError("ckpt.dcp.StorageWriter commits one step for the whole job: "
+                                 "it needs DCP's collectives (use_collectives=True)")
             claim.phase = "set_up"
             claim.coordinator = is_coordinator
             self.is_coordinator = is_coordinator
@@ -457,12 +474,12 @@ class StorageWriter(_DcpWriter):
                     storage[r.index] = r.storage_data
         save = claim.save
         if save is None:
-            raise CkptError(9, f"ckpt.dcp.StorageWriter: finish of {claim.name()} without a "
+            raise CkptError(Code.FAILED_PRECONDITION, f"ckpt.dcp.StorageWriter: finish of {claim.name()} without a "
                                "transaction in progress")
         if errors:
-            raise CkptError(10, f"step {save.step} not saved: " + "; ".join(errors))
+            raise CkptError(Code.ABORTED, f"step {save.step} not saved: " + "; ".join(errors))
         if sorted(votes) != list(range(1, save.size)):
-            raise CkptError(10, f"step {save.step} not saved: ranks {sorted(votes)} of "
+            raise CkptError(Code.ABORTED, f"step {save.step} not saved: ranks {sorted(votes)} of "
                                 f"1..{save.size - 1} voted")
         metadata.storage_data = storage
         save.write_blob(common.METADATA_BLOB, pickle.dumps(metadata))

@@ -6,17 +6,36 @@ path (ctypes.util.find_library("ckpt_c"), e.g. after `cmake --install`).
 """
 import ctypes
 import ctypes.util
+import enum
 import os
 
 ABI_VERSION = 14
 
-OK = 0
-CODE_NAMES = {
-    1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
-    6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
-    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
-    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS",
-}
+
+
+class Code(enum.IntEnum):
+    """absl's canonical status codes, as the C ABI returns them (CKPT_OK, CKPT_NOT_FOUND, ...)
+    and as Python raises its own CkptErrors: by name, never a bare number."""
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+
+
+OK = Code.OK
+CODE_NAMES = {c.value: c.name for c in Code if c is not Code.OK}
 F32, BF16, F16 = 0, 1, 2
 # Store tensors' further dtypes (ABI 9).
 F64, I64, I32, I16, I8, U8, BOOL = 3, 4, 5, 6, 7, 8, 9

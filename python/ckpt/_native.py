@@ -26,7 +26,7 @@ A Native refuses to be copied or pickled: two owners of one handle would free it
 import atexit
 import weakref
 
-from ._lib import CkptError
+from ._lib import CkptError, Code
 
 _OPEN = weakref.WeakSet()
 
@@ -59,7 +59,7 @@ class Native:
     def handle(self):
         """The handle; CkptError (FAILED_PRECONDITION) once closed."""
         if self._handle is None:
-            raise CkptError(9, f"the {self.what} is closed")
+            raise CkptError(Code.FAILED_PRECONDITION, f"the {self.what} is closed")
         return self._handle
 
     def close(self):

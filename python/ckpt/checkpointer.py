@@ -28,7 +28,7 @@ import re
 import weakref
 
 from . import _lib, _signals
-from ._lib import CkptError, check, lib
+from ._lib import CkptError, Code, check, lib
 from ._native import Native
 
 _EXTRA = "python.extra"
@@ -69,7 +69,7 @@ def step_save_id(store_handle, step):
         size = ctypes.c_size_t()
         name = _STORED_PREFIX + SAVE_ID.encode()
         code = lib.ckpt_reader_blob(reader, name, 0, None, 0, ctypes.byref(size))
-        if code == 5:  # NOT_FOUND: no identity recorded.
+        if code == Code.NOT_FOUND:  # No identity recorded.
             return None
         check(code)
         buf = ctypes.create_string_buffer(max(1, size.value))
@@ -143,9 +143,9 @@ class PendingSave:
         comes either before the call began (finalize can be called again) or after it was
         finalized and released."""
         if self._finalized:
-            raise CkptError(9, f"the async save of step {self.step} is already finalized")
+            raise CkptError(Code.FAILED_PRECONDITION, f"the async save of step {self.step} is already finalized")
         if self._native.closed:
-            raise CkptError(9, f"the async save of step {self.step}: its checkpointer is closed "
+            raise CkptError(Code.FAILED_PRECONDITION, f"the async save of step {self.step}: its checkpointer is closed "
                                "(the save was abandoned)")
         with _signals.deferred():
             self._finalized = True
@@ -257,7 +257,7 @@ class Checkpointer:
 
     def _live(self):
         if self._native is None:
-            raise CkptError(9, "the checkpointer is closed")
+            raise CkptError(Code.FAILED_PRECONDITION, "the checkpointer is closed")
         handle = self._native.handle
         self._optimizer._live()
         return handle
@@ -292,7 +292,7 @@ class Checkpointer:
             save_id = f"{self._session}-{self._saves:x}"
         check_save_id(save_id)
         if self.read_only:
-            raise CkptError(9, f"{self._root}: cannot save step {step}: the Checkpointer was "
+            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: cannot save step {step}: the Checkpointer was "
                                "opened with read_only=True")
         handle = self._live()
         blob = self._blobs(extra, save_id)
@@ -410,7 +410,7 @@ class Checkpointer:
         try:
             found = step_save_id(self._store.handle, step)
             if found != save_id:
-                raise CkptError(5, f"{self._root}: step {step} holds save "
+                raise CkptError(Code.NOT_FOUND, f"{self._root}: step {step} holds save "
                                    f"{found or '(no identity: saved by an older ckpt)'}, not save "
                                    f"{save_id} that was asked for: the step was saved again "
                                    "since (a run resumed from an older step into this store?); "
@@ -420,7 +420,7 @@ class Checkpointer:
             error = e
         if self._native.collective and self._optimizer._any_rank(error is not None) and \
                 error is None:
-            error = CkptError(5, f"{self._root}: another rank refused loading step {step} as "
+            error = CkptError(Code.NOT_FOUND, f"{self._root}: another rank refused loading step {step} as "
                                  f"save {save_id}; nothing was loaded")
         if error is not None:
             raise error
@@ -441,7 +441,7 @@ class Checkpointer:
         recorded one); CkptError NOT_FOUND when there is no such step."""
         step = self._step(step)
         if self._store is None:
-            raise CkptError(9, "the checkpointer is closed")
+            raise CkptError(Code.FAILED_PRECONDITION, "the checkpointer is closed")
         return step_save_id(self._store.handle, step)
 
     @staticmethod
@@ -464,7 +464,7 @@ class Checkpointer:
         try:
             return pickle.loads(raw)
         except Exception as e:
-            raise CkptError(15, f"step {step} loaded, but its extra state does not "
+            raise CkptError(Code.DATA_LOSS, f"step {step} loaded, but its extra state does not "
                                 f"unpickle here: {e!r}") from e
 
     def load_model(self, source, rename=None, ignore_unexpected=False, masters=False):
@@ -503,7 +503,7 @@ class Checkpointer:
         keep = {self._step(s) for s in steps}
         self._live()
         if self.read_only:
-            raise CkptError(9, f"{self._root}: keep_only removes steps: the Checkpointer was "
+            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: keep_only removes steps: the Checkpointer was "
                                "opened with read_only=True")
         self._settle()
         if self._undo_step is not None:
@@ -527,7 +527,7 @@ class Checkpointer:
         step = self._step(step)
         self._live()
         if self.read_only:
-            raise CkptError(9, f"{self._root}: adopt changes LATEST: the Checkpointer was opened "
+            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: adopt changes LATEST: the Checkpointer was opened "
                                "with read_only=True")
         self._settle()
         if self._rank == 0:
@@ -538,7 +538,7 @@ class Checkpointer:
     def latest(self):
         """The step LATEST names (as this handle last saw it), or None."""
         if self._store is None:
-            raise CkptError(9, "the checkpointer is closed")
+            raise CkptError(Code.FAILED_PRECONDITION, "the checkpointer is closed")
         has, step = ctypes.c_int(), ctypes.c_uint64()
         check(lib.ckpt_store_latest(self._store.handle, ctypes.byref(has), ctypes.byref(step)))
         return step.value if has.value else None

@@ -59,7 +59,7 @@ from . import _dcp_common as common
 from . import _lib
 from ._dcp_common import latest_step, split_checkpoint_id
 from ._dcp_writer import StorageWriter
-from ._lib import CkptError, lib
+from ._lib import CkptError, Code, lib
 from ._native import Native
 
 __all__ = ["StorageWriter", "StorageReader", "latest_step", "split_checkpoint_id"]
@@ -150,7 +150,7 @@ class _BoxReads:
         direct = (target.device.type == "cpu" and target.dtype == dtype
                   and target.is_contiguous() and list(target.shape) == list(sizes))
         if not direct and list(target.shape) != list(sizes):
-            raise CkptError(3, f"tensor {name!r}: the target holds {list(target.shape)}, the "
+            raise CkptError(Code.INVALID_ARGUMENT, f"tensor {name!r}: the target holds {list(target.shape)}, the "
                                f"step {list(sizes)}")
         gpu = target.device.type == "cuda"
         runs = common.runs(shape, offsets, sizes)
@@ -227,21 +227,21 @@ class StorageReader(_DcpReader):
             raise ValueError("ckpt.dcp.StorageReader needs a root: pass it, or a checkpoint_id "
                              "naming <root>/step-<N>")
         if not os.path.isdir(self.root):
-            raise CkptError(5, f"{self.root}: no ckpt store there")
+            raise CkptError(Code.NOT_FOUND, f"{self.root}: no ckpt store there")
         self._store = common.open_store(self.root, False, read_only=True)
         step = self.step if self.step is not None else common.latest(self._store)
         if step is None:
-            raise CkptError(5, f"{self.root}: no committed step (no LATEST)")
+            raise CkptError(Code.NOT_FOUND, f"{self.root}: no committed step (no LATEST)")
         self._reader = _StepReader(self._store, step)
         return self._reader
 
     def read_metadata(self, *args, **kwargs):
         if kwargs.get("rank") is not None:
-            raise CkptError(5, "a ckpt step holds one metadata for the whole job, not per rank")
+            raise CkptError(Code.NOT_FOUND, "a ckpt step holds one metadata for the whole job, not per rank")
         reader = self._open()
         metadata = pickle.loads(reader.blob(common.METADATA_BLOB))
         if not isinstance(metadata, Metadata):
-            raise CkptError(15, f"{self.root} step {reader.step}: blob {METADATA_BLOB} is not "
+            raise CkptError(Code.DATA_LOSS, f"{self.root} step {reader.step}: blob {METADATA_BLOB} is not "
                                 f"DCP metadata")
         return metadata
 
@@ -261,7 +261,7 @@ class StorageReader(_DcpReader):
         for item in plan.items:
             where = self._storage_data.get(item.storage_index)
             if where is None:
-                raise CkptError(5, f"step {reader.step}: nothing stored for "
+                raise CkptError(Code.NOT_FOUND, f"step {reader.step}: nothing stored for "
                                    f"{item.storage_index.fqn!r}")
             kind, name, rank = where
             if item.type == LoadItemType.BYTE_IO:

@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from . import _lib, _signals
-from ._lib import CkptError, check, lib
+from ._lib import CkptError, Code, check, lib
 from ._native import Native
 
 _DTYPES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16}
@@ -95,14 +95,17 @@ class _StateView:
     """`optimizer.state` as torch's AdamW has it: for each parameter that has been stepped, a
     dict of "step", "exp_avg", "exp_avg_sq" ("max_exp_avg_sq" in a group with amsgrad, and
     "master", ckpt's FP32 master weights), CPU
-    copies in the parameter's shape. Read-only; with a process group, reading it is collective
-    (every rank must), as state_dict() is."""
+    copies in the parameter's shape. Read-only. With a process group it is this rank's, as
+    torch's sharded optimizers keep theirs, and reading it involves no other rank: a parameter
+    is there when this rank owns some of its elements, its tensors holding those elements and
+    zero at the ones other ranks own (state_dict(), collective, has the whole state)."""
 
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
 
     def _state(self):
-        return self._optimizer()._torch_state()
+        opt = self._optimizer()
+        return opt._torch_state() if opt._owned is None else opt._local_torch_state()
 
     def __getitem__(self, param):
         opt = self._optimizer()
@@ -773,7 +776,7 @@ class StagedAdamW(torch.optim.Optimizer):
 
     def _live(self):
         if self._native is None:
-            raise CkptError(9, "the optimizer is closed")
+            raise CkptError(Code.FAILED_PRECONDITION, "the optimizer is closed")
         return self._native.handle
 
     def add_param_group(self, param_group):
@@ -1195,7 +1198,7 @@ class StagedAdamW(torch.optim.Optimizer):
             if failed:
                 if failure is not None:
                     raise failure
-                raise CkptError(10, "step(): another rank of the process group failed before "
+                raise CkptError(Code.ABORTED, "step(): another rank of the process group failed before "
                                     "stepping; no rank stepped")
             if not any(stepped):
                 return loss
@@ -1319,7 +1322,7 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._any_rank(failure is not None):
             if failure is not None:
                 raise failure
-            raise CkptError(10, "step(): another rank of the process group failed in its step; "
+            raise CkptError(Code.ABORTED, "step(): another rank of the process group failed in its step; "
                                 "this rank stepped its own pieces, which the others did not "
                                 "receive: load the last checkpoint")
         self._exchange(self._local_params)
@@ -1419,7 +1422,7 @@ class StagedAdamW(torch.optim.Optimizer):
             p, name, dtype, shape = self._params[i], self._names[i], self._dtypes[i], \
                 self._shapes[i]
             if p.dtype != dtype or p.device != self._devices[i] or tuple(p.shape) != shape:
-                raise CkptError(9, f"parameter {name} changed: {p.dtype} on {p.device}, shape "
+                raise CkptError(Code.FAILED_PRECONDITION, f"parameter {name} changed: {p.dtype} on {p.device}, shape "
                                    f"{list(p.shape)} (built with {dtype} on "
                                    f"{self._devices[i]}, shape {list(shape)})")
 
@@ -1681,6 +1684,54 @@ class StagedAdamW(torch.optim.Optimizer):
             self._cache["torch_state"] = out
         return self._cache["torch_state"]
 
+    def _local_torch_state(self):
+        """_torch_state's entries for this rank's pieces only (a process group): read from this
+        rank's slabs, no collective; elements of a parameter owned elsewhere are zero. Cached
+        until the state changes."""
+        if "local_torch_state" not in self._cache:
+            handle = self._live()
+            self._refresh_edited()
+            steps = self.param_steps()
+            kinds = [("exp_avg", _lib.EXP_AVG), ("exp_avg_sq", _lib.EXP_AVG_SQ)]
+            if self._max_slab:
+                kinds.append(("max_exp_avg_sq", _lib.MAX_EXP_AVG_SQ))
+            kinds.append(("master", _lib.MASTER))
+            starts = [o for o, _ in self._slices]
+            local = {}
+            for name, which in kinds:
+                flat = torch.empty(self._local_count, dtype=torch.float32)
+                check(lib.ckpt_optimizer_read_state(handle, which, flat.data_ptr(),
+                                                    flat.numel()))
+                local[name] = flat
+            amsgrad = {id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"]}
+            muon = self._muon_ids()
+            out = {}
+            for flat_at, local_at, n in self._owned:
+                if n == 0:
+                    continue  # A parameter of no elements: nothing of it is this rank's.
+                i = bisect.bisect_right(starts, flat_at) - 1
+                p, (o, k) = self._params[i], self._slices[i]
+                if steps[i] == 0:
+                    continue
+                if id(p) not in out:
+                    keys = (("momentum_buffer", "exp_avg"), ("master", "master")) \
+                        if id(p) in muon else \
+                        [(key, key) for key, _ in kinds
+                         if key != "max_exp_avg_sq" or id(p) in amsgrad]
+                    out[id(p)] = {"step": torch.tensor(float(steps[i]))}
+                    out[id(p)].update({key: torch.zeros(k) for key, _ in keys})
+                    out[id(p)]["_from"] = keys
+                for key, source in out[id(p)]["_from"]:
+                    at = flat_at - o
+                    out[id(p)][key][at:at + n].copy_(local[source][local_at:local_at + n])
+            for i, p in enumerate(self._params):
+                entry = out.get(id(p))
+                if entry is not None:
+                    for key, _ in entry.pop("_from"):
+                        entry[key] = entry[key].view(p.shape)
+            self._cache["local_torch_state"] = out
+        return self._cache["local_torch_state"]
+
     def _indexed_groups(self):
         """param_groups as a state dict has them: hyper-parameters, and the parameters'
         indices (numbered in group order, as torch numbers them)."""
@@ -1831,9 +1882,9 @@ class StagedAdamW(torch.optim.Optimizer):
                 raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
             # What ckpt would refuse after the vote, checked before it (every rank alike).
             if self.lifecycle != "clean":
-                raise CkptError(9, f"load_state_dict: the optimizer is {self.lifecycle}")
+                raise CkptError(Code.FAILED_PRECONDITION, f"load_state_dict: the optimizer is {self.lifecycle}")
             if any(ck.pending is not None for ck in self._layout.get("checkpointers", ())):
-                raise CkptError(9, "load_state_dict: an async save is in flight (its writer "
+                raise CkptError(Code.FAILED_PRECONDITION, "load_state_dict: an async save is in flight (its writer "
                                    "reads the state): finalize it first")
             new_groups = self._merged_groups(groups)
             if state_dict.get("shard") is not None:
@@ -1866,6 +1917,14 @@ class StagedAdamW(torch.optim.Optimizer):
                 ours.update({k: val for k, val in group.items() if k != "params"})
                 check(lib.ckpt_optimizer_set_group(handle, gi, ctypes.byref(self._group(ours))))
             self._publish_weights()
+
+    def _take_hyper_parameters(self, groups):
+        """A state dict's param_groups (their hyper-parameters, validated as load_state_dict
+        validates them) into param_groups; ckpt takes them at the next step."""
+        if groups is None:
+            return
+        for ours, group in zip(self.param_groups, self._merged_groups(groups)):
+            ours.update({k: v for k, v in group.items() if k != "params"})
 
     def _merged_groups(self, groups):
         """This optimizer's param groups with a state dict's hyper-parameters, validated."""

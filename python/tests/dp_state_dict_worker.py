@@ -82,6 +82,28 @@ def main():
             assert got.shape == p.shape and torch.equal(got, after["state"][i][key]), (key, i)
     after_weights = [p.detach().clone() for p in model.parameters()]
 
+    # opt.state is this rank's and reads no other rank's: rank 0 reads all of it while rank 1
+    # waits at the barrier (a collective read would hang until the group's timeout). Each
+    # entry holds this rank's elements of the whole state, zero at the others'.
+    if rank == 0:
+        params = [q for g in opt.param_groups for q in g["params"]]
+        mine = {}
+        for i, begin, count in opt.local_state_dict()["shard"]["pieces"]:
+            mine.setdefault(i, torch.zeros(params[i].numel(), dtype=torch.bool))[
+                begin:begin + count] = True
+        assert len(opt.state) == len(mine) and set(map(id, opt.state)) == \
+            {id(params[i]) for i in mine}
+        for i, owned in mine.items():
+            entry = opt.state[params[i]]
+            assert set(entry) == set(after["state"][i]), i
+            assert torch.equal(entry["step"], after["state"][i]["step"]), i
+            for key, t in entry.items():
+                if key == "step":
+                    continue
+                want = torch.where(owned, after["state"][i][key].reshape(-1), torch.zeros(()))
+                assert t.shape == params[i].shape and torch.equal(t.reshape(-1), want), (key, i)
+    dist.barrier()
+
     # Another rank's shard is refused on every rank, with nothing changed.
     other = torch.load(os.path.join(out, f"shard-{(rank + 1) % world}.pt"))
     try:

@@ -222,3 +222,41 @@ def test_a_save_that_failed_between_phases_leaves_a_writer_that_closes_and_saves
     assert stored(root, 1) is None
     assert not [n for n in os.listdir(root) if n.startswith(".staging")]
     writer.close()
+
+
+@pytest.mark.parametrize("checkpoint_id", ["bytes", 7])
+def test_an_async_save_that_fails_before_naming_its_checkpoint_frees_the_writer(
+        tmp_path, checkpoint_id):
+    # Its thread's reset() raised before adopting the reservation stage() made: the writer was
+    # refused to everything since (found by a probe).
+    if checkpoint_id == "bytes":
+        checkpoint_id = os.fsencode(str(tmp_path / "a" / "step-1"))
+    writer = ckpt.dcp.StorageWriter()
+    pending = dcp.async_save(state(1), storage_writer=writer, checkpoint_id=checkpoint_id)
+    with pytest.raises(REFUSED):
+        getattr(pending, "upload_completion", pending).result(timeout=60)
+    dcp.save(state(2), storage_writer=writer, checkpoint_id=str(tmp_path / "b" / "step-2"))
+    assert stored(str(tmp_path / "b"), 2) == 2.0
+    writer.close()
+
+
+def test_an_async_saves_thread_never_changes_where_the_callers_next_save_goes(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    writer = ckpt.dcp.StorageWriter(a, step=1)
+    dcp.save(state(1), storage_writer=writer)
+    # The async save's thread is late to reset(); the caller points the writer at a, step 2
+    # meanwhile, for its next save (which names no checkpoint_id).
+    stop = writer._hook = Stop("reset")
+    pending = dcp.async_save(state(5), storage_writer=writer,
+                             checkpoint_id=os.path.join(b, "step-5"),
+                             planner=_FailsAfterTheStepBegan())
+    writer.root, writer.step = a, 2
+    stop.go.set()
+    with pytest.raises(REFUSED, match="planner failed"):
+        getattr(pending, "upload_completion", pending).result(timeout=60)
+    writer._hook = None
+    assert (writer.root, writer.step) == (a, 2)
+    dcp.save(state(2), storage_writer=writer)
+    assert stored(a, 2) == 2.0
+    assert ckpt.dcp.latest_step(b) is None
+    writer.close()

@@ -205,3 +205,70 @@ def test_load_state_dict_checks_shapes_and_requires_step_as_torch_does():
         opt.load_state_dict(no_step)
     assert all(torch.equal(a, b) for a, b in zip(masters(opt), before)), "nothing changed"
     opt.load_state_dict(good)
+
+
+def test_a_read_only_checkpointer_reloads_the_step_it_loaded(tmp_path):
+    # The reload needs no undo source, the state equals the step: nothing to spill below the
+    # root, which a read-only handle may not write (0963850 refused it).
+    model = net()
+    opt = ckpt.torch.StagedAdamW(model.parameters(), lr=1e-2)
+    with ckpt.Checkpointer(tmp_path / "root", opt) as ck:
+        train(model, opt, 0)
+        saved = ck.save(1)
+    fresh = net()
+    opt = ckpt.torch.StagedAdamW(fresh.parameters(), lr=1e-2)
+    with ckpt.Checkpointer(tmp_path / "root", opt, read_only=True) as ck:
+        ck.load(1)  # Into a fresh optimizer: its undo is re-derived, nothing written.
+        want = masters(opt)
+        ck.load(1, save_id=saved)
+        assert all(torch.equal(a, b) for a, b in zip(masters(opt), want))
+        assert ck.state_id == saved
+    assert not [n for n in os.listdir(tmp_path / "root") if n.startswith(".undo")]
+
+
+def test_a_reference_to_the_state_as_it_is_still_puts_back_weights_and_hyper_parameters(
+        tmp_path):
+    # Edits through .data move no version counter, and param_groups are no state: a reference
+    # handed back restores both from its save (found by a probe: the shortcut kept the edits).
+    model, counter = net(), Counter()
+    opt = ckpt.torch.StagedAdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    keeper = keeper_for(opt, str(tmp_path / "root"), counter)
+    train(model, opt, 0)
+    counter.step = 1
+    ref = opt.state_dict()
+    keeper.save(1)
+    weights = [p.detach().clone() for p in model.parameters()]
+    model[0].weight.data.mul_(0)
+    opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"] = 0.5, 0.3
+    opt.load_state_dict(ref)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (1e-2, 0.01)
+    keeper.close()
+
+
+def test_references_are_checked_before_anything_else(tmp_path):
+    model, counter = net(), Counter()
+    opt = ckpt.torch.StagedAdamW(model.parameters(), lr=1e-2)
+    root = str(tmp_path / "root")
+    keeper = keeper_for(opt, root, counter)
+    train(model, opt, 0)
+    counter.step = 5
+    stale = opt.state_dict()  # Handed out for a save of step 5 that never happens.
+    train(model, opt, 1)
+    counter.step = 10
+    keeper.save(10)
+    current = opt.state_dict()["ckpt"]
+    # The save of step 10 is not the one handed out for step 5: nothing of it is taken.
+    with pytest.raises(ckpt.CkptError, match="step 5 .* never committed"):
+        opt.load_state_dict(stale)
+    forged = [({"root": "/no/such/store", "step": 999999}, ckpt.CkptError, "never committed"),
+              ({"step": True}, ValueError, "not a step number"),
+              ({"step": 10.0}, ValueError, "not a step number"),
+              ({"step": -1}, ValueError, "not a step number"),
+              ({"save_id": ["x"]}, ValueError, "save_id is"),
+              ({"save_id": {}}, ValueError, "save_id is")]
+    for change, error, match in forged:
+        ref = {"ckpt": dict(current, **change), "param_groups": stale["param_groups"]}
+        with pytest.raises(error, match=match):
+            opt.load_state_dict(ref)
+    keeper.close()

@@ -7,15 +7,18 @@ A reference is {"root", "step", "save_id"}: the save's identity (ckpt.Checkpoint
 recorded in the step) makes it name one save, whatever runs share the store. Resolving it:
 1. Its root must be a str naming this keeper's store (or a store since moved, taken where the
    keeper is given it); its step a count.
-2. Nothing is loaded only when the optimizer's state provably equals the save it names: the
-   Checkpointer's state_id (the save last saved or loaded, no step, load or edit since), or a
-   reference this keeper handed out for its next save, handed back with the state unchanged
-   (accelerate round-trips state_dict() through load_state_dict()). Otherwise:
-3. The step must be committed and hold that save (its save_id blob): else NOT_FOUND naming
-   both (a later run saved the same step number again; the save named was set aside into
-   quarantine/, never loaded in its place). A reference without save_id (an older ckpt's) names
-   the step alone.
-4. It is loaded; a step older than LATEST is adopted, so the run's next saves are accepted.
+2. A reference this keeper handed out for its next save (of the same step), handed back with
+   the state unchanged since (accelerate round-trips state_dict() through load_state_dict()
+   before anything is saved) loads nothing: there is no save yet, and the state is the one it
+   describes; its hyper-parameters are taken, as torch's load_state_dict takes them.
+3. Otherwise the step must be committed and hold that save (its save_id blob): else NOT_FOUND
+   naming both (a later run saved the same step number again; the save named was set aside
+   into quarantine/, never loaded in its place). A reference without save_id (an older ckpt's)
+   names the step alone.
+4. It is loaded, also when the state already equals it (the Checkpointer's state_id): ckpt then
+   reads nothing into the state, and the parameters and hyper-parameters are put back from it
+   (edits through .data or of param_groups are not seen as changes of the state). A step older
+   than LATEST is adopted, so the run's next saves are accepted.
 Retention: a keeper retires only steps it saved or that a trainer file it saw named.
 """
 import ctypes
@@ -23,7 +26,7 @@ import os
 import re
 
 from .. import _lib
-from .._lib import CkptError
+from .._lib import CkptError, Code
 from ..checkpointer import Checkpointer, agreed_session, step_save_id
 
 # A committed step's directory (ASCII digits only: int() takes other digits too).
@@ -101,8 +104,8 @@ class StoreKeeper:
         self.loaded = None  # The step a reference was last loaded from (a resume's source).
         # Save identities: "<session>-<count>", the session agreed by the optimizer's ranks.
         self._session, self._count = None, 0
-        # The references handed out for the next save (its identity -> the optimizer's
-        # generation then): one handed back unchanged is the state the optimizer holds.
+        # The references handed out for the next save (its identity -> its step and the
+        # optimizer's generation then): one handed back unchanged is the state it describes.
         self._handed = {}
         self.files = {}  # A trainer's checkpoint files and the step each names (Lightning).
         self.known_steps = set()  # Every step a file seen so far named.
@@ -137,30 +140,23 @@ class StoreKeeper:
 
     # --- The optimizer's side (StagedAdamW.state_dict / load_state_dict) ---------------------
 
-    def _next_id(self):
-        return f"{self._session}-{self._count:x}"
+    def _next_id(self, step):
+        # The step is part of the identity: one handed out for step N never names the save of
+        # another step.
+        return f"{self._session}-{step:x}-{self._count:x}"
 
     def state_dict_reference(self, optimizer):
         step = int(self._current_step())
         if step == self._saved and self._saved_id is not None:
             save_id = self._saved_id  # Saved (or loaded) already: save() will not save again.
         else:
-            save_id = self._next_id()
-            self._handed[save_id] = optimizer._generation()
+            save_id = self._next_id(step)
+            self._handed[save_id] = (step, optimizer._generation())
         return {"ckpt": {"root": self.root, "step": step, "save_id": save_id},
                 "param_groups": optimizer._indexed_groups()}
 
-    def _holds(self, optimizer, save_id):
-        """Step 2: whether the optimizer's state provably equals save `save_id`."""
-        if save_id is None:
-            return False
-        ck = self._checkpointer
-        if ck is not None and ck.state_id == save_id:
-            return True
-        return self._handed.get(save_id) == optimizer._generation()
-
     def _check_reference(self, ref):
-        """Step 1 and step 3's refusals (raised before anything is loaded)."""
+        """Step 1: what the reference holds, refused by name before anything else."""
         step, save_id, saved_in = ref.get("step"), ref.get("save_id"), ref.get("root")
         if not _is_count(step):
             raise ValueError(f"a ckpt reference names step {step!r}, not a step number")
@@ -175,31 +171,37 @@ class StoreKeeper:
                              f"{saved_in}, and this integration keeps {self.root}: give it "
                              "the store the checkpoint was saved in (a store moved "
                              "elsewhere is taken where it is given)")
+
+    def _check_committed(self, step):
         if not self.committed(step):
-            raise CkptError(5, f"step {step} of the ckpt store {self.root} was never "
-                               "committed (the run stopped during its async save): resume "
-                               "from the integration's last_complete_checkpoint(...), the "
-                               "newest checkpoint whose optimizer step is")
+            raise CkptError(Code.NOT_FOUND, f"step {step} of the ckpt store {self.root} was "
+                            "never committed (the run stopped during its async save): resume "
+                            "from the integration's last_complete_checkpoint(...), the newest "
+                            "checkpoint whose optimizer step is")
 
     def load_reference(self, optimizer, state_dict):
         ref = state_dict["ckpt"]
-        step, save_id = ref.get("step"), ref.get("save_id")
         sharded = optimizer._group_handle is not None
-        # Step 2. With a sharded optimizer every rank decides alike (the load is collective).
-        skip = self._holds(optimizer, save_id)
-        if sharded:
-            skip = not optimizer._any_rank(not skip)
-        if skip:
-            return
-        error = None
+        error, pending = None, False
         try:
             self._check_reference(ref)
+            step, save_id = ref["step"], ref.get("save_id")
+            # Step 2.
+            pending = save_id is not None and \
+                self._handed.get(save_id) == (step, optimizer._generation())
+            if not pending:
+                self._check_committed(step)
         except Exception as e:  # Every rank refuses if any does (the load is collective).
             error = e
-        if sharded and optimizer._any_rank(error is not None) and error is None:
-            error = ValueError("another rank refused the ckpt reference; nothing was loaded")
+        if sharded:
+            if optimizer._any_rank(error is not None) and error is None:
+                error = ValueError("another rank refused the ckpt reference; nothing was loaded")
+            pending = error is None and not optimizer._any_rank(not pending)
         if error is not None:
             raise error
+        if pending:
+            optimizer._take_hyper_parameters(state_dict.get("param_groups"))
+            return
         # Steps 3 (the save's identity, checked by the load itself) and 4.
         ck = self.checkpointer()
         ck.load(step, save_id=save_id)
@@ -251,7 +253,7 @@ class StoreKeeper:
             ck.pending.finalize()
         if referenced is not None:
             self.retire_unreferenced(referenced, retirable)
-        save_id = self._next_id()
+        save_id = self._next_id(step)
         if self.async_save and not sync:
             ck.save_async(step, save_id=save_id)
         else:
