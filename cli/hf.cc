@@ -41,12 +41,10 @@ absl::StatusOr<PathKind> DetectPathKind(const std::string& path) {
   if (!names.ok()) return names.status();
   for (const std::string& name : *names) {
     if (name == kHfSingleFileName || name == kHfIndexFileName) kind.hf = true;
-    if (name == "LATEST" || name == "LOCK" || name == kQuarantineDirName ||
-        absl::StartsWith(name, "step-") || absl::StartsWith(name, ".staging-") ||
-        absl::StartsWith(name, ".deleting-")) {
-      kind.ckpt = true;
-    }
   }
+  absl::StatusOr<bool> store = LooksLikeStore(env, *real);
+  if (!store.ok()) return store.status();
+  kind.ckpt = *store;
   if (!kind.hf) kind.ckpt = true;
   return kind;
 }

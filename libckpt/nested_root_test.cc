@@ -71,12 +71,13 @@ TEST_F(NestedRootTest, ARootInsideAnotherStoresStagingDirectoryIsRefused) {
 }
 
 // Recovery removes an undo directory whole, and gc --purge-quarantine deletes quarantine/: a
-// store inside either would go with it (an adversarial probe opened both).
-TEST_F(NestedRootTest, ARootInsideAnotherStoresUndoOrQuarantineDirectoryIsRefused) {
+// store made inside either would go with it (an adversarial probe made both). One already
+// there (a step holding it was quarantined) still opens, to be rescued.
+TEST_F(NestedRootTest, ARootMadeInsideAnotherStoresUndoOrQuarantineDirectoryIsRefused) {
   SaveOuter();
+  // (An undo directory itself is a load's spill, which the Checkpointer opens as a store.)
   const std::string undo = outer_ + "/.undo-rank-00000-0123456789abcdef";
   fs::create_directory(undo);
-  EXPECT_THAT(OpenAt(undo), StatusIs(absl::StatusCode::kFailedPrecondition));
   EXPECT_THAT(OpenAt(undo + "/inner"), StatusIs(absl::StatusCode::kFailedPrecondition));
   fs::create_directory(outer_ + "/quarantine");
   EXPECT_THAT(OpenAt(outer_ + "/quarantine/inner"),

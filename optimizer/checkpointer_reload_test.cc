@@ -82,7 +82,7 @@ TEST_F(CheckpointerReloadTest, AWritableCheckpointerReloadsAnUnchangedStepWithou
   // Every write fails from here: a reload that spilled or wrote anything would fail.
   env_.FailNth(1, ENOSPC);
   const uint64_t calls = env_.mutating_calls();
-  std::vector<bool> unchanged(2, false);
+  std::vector<char> unchanged(2, 0);  // Not vector<bool>: the ranks write from their threads.
   ExpectAllOk(job.OnEveryRank([&](int r) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(LoadReport report, job.rank(r).ckpt->Load(1));
     unchanged[r] = report.unchanged && !report.undo_spilled;

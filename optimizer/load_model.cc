@@ -43,7 +43,7 @@ using formats::DType;
 using internal::ListNames;
 
 // What the path names: an HF checkpoint (a file, or a directory with model.safetensors or its
-// index) or a ckpt root (a directory with LATEST).
+// index) or a ckpt root (what LooksLikeStore says is one).
 absl::StatusOr<bool> IsHfPath(Env* env, const std::string& path) {
   absl::StatusOr<bool> dir = env->IsDirectory(path);
   if (!dir.ok()) return Annotate(dir.status(), absl::StrCat("model source ", path));
@@ -53,10 +53,11 @@ absl::StatusOr<bool> IsHfPath(Env* env, const std::string& path) {
   if (names.count(std::string(kHfSingleFileName)) || names.count(std::string(kHfIndexFileName))) {
     return true;
   }
-  if (names.count("LATEST")) return false;
+  CKPT_ASSIGN_OR_RETURN(bool store, LooksLikeStore(env, path));
+  if (store) return false;
   return absl::NotFoundError(absl::StrCat("model source ", path, " holds neither ",
                                           kHfSingleFileName, ", ", kHfIndexFileName,
-                                          " nor a ckpt root's LATEST"));
+                                          " nor what a ckpt root holds"));
 }
 
 // Which source tensor each parameter takes.

@@ -55,7 +55,8 @@ absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root) {
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, env->GetChildren(root));
   for (const std::string& name : names) {
     if (name == internal::kLatestName || name == internal::kLockName ||
-        internal::ParseStepDirName(name).has_value()) {
+        name == kQuarantineDirName || internal::ParseStepDirName(name).has_value() ||
+        internal::IsGarbageName(name)) {
       return true;
     }
   }
@@ -66,19 +67,24 @@ namespace {
 
 // A directory of another store that `path` is or lies inside, which that store's recovery,
 // retention or purge would set aside or delete with everything in it: a committed step (named
-// like one, holding a MANIFEST), a staging, deleting or undo directory, or its quarantine/,
-// whose parent LooksLikeStore. nullopt when none. The parents are walked by name, so only
-// those named like such a directory are read.
+// like one, holding a MANIFEST), a staging or deleting directory, or (`creating` a root there)
+// an undo directory or its quarantine/; whose parent LooksLikeStore. nullopt when none. A store
+// already inside quarantine/ (set aside whole, to be rescued) still opens. The parents are
+// walked by name, so only those named like such a directory are read.
 std::optional<std::pair<std::string, std::string>> EnclosingStoreEntry(Env* env,
-                                                                       const std::string& path) {
+                                                                       const std::string& path,
+                                                                       bool creating) {
   for (std::string dir = path; dir != "/" && dir != "." && !dir.empty(); dir = Dirname(dir)) {
     absl::string_view name = dir;
     while (name.size() > 1 && name.back() == '/') name.remove_suffix(1);
     name = name.substr(name.rfind('/') + 1);
     const bool step = internal::ParseStepDirName(name).has_value();
+    // An undo directory is itself a store (a load's spill, opened by the Checkpointer): only a
+    // root below one is refused.
+    const bool undo = absl::StartsWith(name, internal::kUndoPrefix) && dir != path;
+    const bool doomed_if_new = creating && (undo || name == kQuarantineDirName);
     if (!step && !absl::StartsWith(name, internal::kStagingPrefix) &&
-        !absl::StartsWith(name, internal::kDeletingPrefix) &&
-        !absl::StartsWith(name, internal::kUndoPrefix) && name != kQuarantineDirName) {
+        !absl::StartsWith(name, internal::kDeletingPrefix) && !doomed_if_new) {
       continue;
     }
     // A parent we cannot read is not taken for a store: the check refuses only what it sees.
@@ -90,8 +96,10 @@ std::optional<std::pair<std::string, std::string>> EnclosingStoreEntry(Env* env,
   return std::nullopt;
 }
 
-absl::Status RefuseInsideAnotherStore(Env* env, const std::string& root, const std::string& path) {
-  std::optional<std::pair<std::string, std::string>> outer = EnclosingStoreEntry(env, path);
+absl::Status RefuseInsideAnotherStore(Env* env, const std::string& root, const std::string& path,
+                                      bool creating) {
+  std::optional<std::pair<std::string, std::string>> outer =
+      EnclosingStoreEntry(env, path, creating);
   if (!outer.has_value()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       root, ": lies inside ", outer->second, ", a step, staging, undo or quarantine directory of "
@@ -136,14 +144,15 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
       absl::string_view base = root;
       while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
       base = base.substr(base.rfind('/') + 1);
-      CKPT_RETURN_IF_ERROR(RefuseInsideAnotherStore(env, root, JoinPath(*parent, base)));
+      CKPT_RETURN_IF_ERROR(
+          RefuseInsideAnotherStore(env, root, JoinPath(*parent, base), /*creating=*/true));
     }
     CKPT_RETURN_IF_ERROR(env->CreateDir(root));
     CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(root)));
     real = env->RealPath(root);
   }
   CKPT_RETURN_IF_ERROR(real.status());
-  CKPT_RETURN_IF_ERROR(RefuseInsideAnotherStore(env, root, *real));
+  CKPT_RETURN_IF_ERROR(RefuseInsideAnotherStore(env, root, *real, /*creating=*/false));
   CKPT_ASSIGN_OR_RETURN(bool is_dir, env->IsDirectory(*real));
   if (!is_dir) return absl::FailedPreconditionError(absl::StrCat(root, ": not a directory"));
   std::unique_ptr<internal::StoreImpl> store(new internal::StoreImpl(*real, options, env));

@@ -38,8 +38,10 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenStepOf(const std::string& 
                                                              const StoreOptions& options);
 // The name of `step`'s directory below a root ("step-00001200").
 std::string StepDirectoryName(uint64_t step);
-// True when directory `root` holds what only a store holds: LATEST, LOCK or an entry named like
-// a step directory. IO errors of listing it as they come.
+// True when directory `root` holds what only a store holds: LATEST, LOCK, quarantine/, an entry
+// named like a step directory, or a save's or load's leftovers (staging, deleting, undo). The one
+// test of "is this a ckpt root?" (ckpt-tool's path detection and model-only loads use it too).
+// IO errors of listing it as they come.
 absl::StatusOr<bool> LooksLikeStore(Env* env, const std::string& root);
 // The step directories of `root` that retention may ever retire, ascending: directories on the
 // root's own mount (a link or a mount point under a step's name is not the store's to delete).
