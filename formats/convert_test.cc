@@ -111,6 +111,25 @@ TEST(ConvertTest, AlignedLargeWideningStreamsTheSameBits) {
   }
 }
 
+// The bulk rounding Muon uses is the per-element definition, bit for bit: ties to even, NaNs
+// made quiet, infinities, overflow to infinity, subnormals and both zeros.
+TEST(ConvertTest, RoundAllToBf16IsRoundToBf16OfEachElement) {
+  std::vector<uint32_t> bits = {0x00000000u, 0x80000000u, 0x00000001u, 0x007fffffu, 0x3f808000u,
+                                0x3f818000u, 0x3f807fffu, 0x7f7fffffu, 0x7f800000u, 0xff800000u,
+                                0x7f800001u, 0xffc00001u, 0x7fffffffu, 0x3f800000u};
+  std::mt19937 gen(7);
+  for (int i = 0; i < 4096; ++i) bits.push_back(static_cast<uint32_t>(gen()));
+  std::vector<float> x(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) std::memcpy(&x[i], &bits[i], 4);
+  std::vector<float> bulk = x;
+  RoundAllToBf16(bulk.data(), bulk.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float one = RoundToBf16(x[i]);
+    EXPECT_EQ(std::memcmp(&one, &bulk[i], 4), 0) << std::hex << bits[i];
+    EXPECT_EQ(FloatToBf16(bulk[i]), FloatToBf16(x[i])) << std::hex << bits[i];
+  }
+}
+
 TEST(ConvertTest, OnlyTheThreeFloatTypesAreServed) {
   EXPECT_TRUE(IsFloatDType(DType::kF32));
   EXPECT_TRUE(IsFloatDType(DType::kBF16));

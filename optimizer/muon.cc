@@ -14,19 +14,8 @@
 namespace ckpt::optimizer::internal {
 namespace {
 
-float RoundBf16(float x) { return formats::Bf16ToFloat(formats::FloatToBf16(x)); }
-
-// RoundBf16 over a whole product, branch-free so that it vectorizes (the same bits as
-// FloatToBf16: nearest even, NaN made quiet).
-void RoundAllBf16(float* x, size_t n) {
-  uint32_t* u = reinterpret_cast<uint32_t*>(x);
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t bits = u[i];
-    const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
-    const uint32_t nan = (bits | 0x400000u) & 0xffff0000u;
-    u[i] = (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-  }
-}
+using formats::RoundAllToBf16;
+using formats::RoundToBf16;
 
 // torch's lerp: self + w * (end - self) for |w| < 0.5, else end - (end - self) * (1 - w); its
 // vectorized CPU kernel fuses each into one FMA.
@@ -57,7 +46,7 @@ void CopyMatrix(const ParallelFor& parallel, const float* from, size_t rows, siz
             [&](size_t r0, size_t r1) {
               for (size_t r = r0; r < r1; ++r) {
                 for (size_t c = 0; c < cols; ++c) {
-                  const float v = round ? RoundBf16(from[r * cols + c]) : from[r * cols + c];
+                  const float v = round ? RoundToBf16(from[r * cols + c]) : from[r * cols + c];
                   (transpose ? to[c * rows + r] : to[r * cols + c]) = v;
                 }
               }
@@ -127,12 +116,12 @@ void NewtonSchulz(const float* u, uint64_t rows, uint64_t cols, const MuonConsta
   });
   double sq = 0;
   for (double p : partial) sq += p;
-  const float norm = std::max(RoundBf16(static_cast<float>(std::sqrt(sq))), RoundBf16(k.eps));
+  const float norm = std::max(RoundToBf16(static_cast<float>(std::sqrt(sq))), RoundToBf16(k.eps));
   ForChunks(parallel, mn, kChunk, [&](size_t b, size_t e) {
-    for (size_t i = b; i < e; ++i) x[i] = RoundBf16(x[i] / norm);
+    for (size_t i = b; i < e; ++i) x[i] = RoundToBf16(x[i] / norm);
   });
   auto round_all = [&](float* v, size_t count) {
-    ForChunks(parallel, count, kChunk, [&](size_t b, size_t e) { RoundAllBf16(v + b, e - b); });
+    ForChunks(parallel, count, kChunk, [&](size_t b, size_t e) { RoundAllToBf16(v + b, e - b); });
   };
   auto copy = [&](float* to, const float* from, size_t count) {
     ForChunks(parallel, count, kChunk,

@@ -49,6 +49,20 @@ inline uint16_t FloatToBf16(float f) {
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+// f rounded to the nearest BF16 value, as an FP32 (FloatToBf16, then widened back exactly).
+inline float RoundToBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
+
+// RoundToBf16 of each of x[0, n), in place, the same bits; branch-free so that it vectorizes
+// (Muon rounds whole products as torch's BF16 matmuls do).
+inline void RoundAllToBf16(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = FloatBits(x[i]);
+    const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+    const uint32_t nan = (bits | 0x400000u) & 0xffff0000u;
+    x[i] = BitsToFloat((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+}
+
 inline uint16_t FloatToHalf(float f) {
   const uint32_t bits = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
