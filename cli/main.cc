@@ -2,7 +2,6 @@
 // its exceptions stay here.
 #include <malloc.h>
 
-#include <charconv>
 #include <cstdint>
 #include <iostream>
 #include <string>
@@ -10,27 +9,11 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
 namespace {
-
-// A whole number in [lo, hi], written in plain decimal digits. CLI11 would read "-1" into an
-// unsigned option as 2^64-1, and its range checks print their bounds as doubles.
-CLI::Validator WholeNumber(uint64_t lo, uint64_t hi) {
-  const std::string range = std::to_string(lo) + " to " + std::to_string(hi);
-  return CLI::Validator(
-      [lo, hi, range](std::string& text) -> std::string {
-        uint64_t value = 0;
-        const char* end = text.data() + text.size();
-        auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        if (text.empty() || ec != std::errc() || ptr != end || value < lo || value > hi) {
-          return "must be a whole number from " + range + ", got \"" + text + "\"";
-        }
-        return std::string();
-      },
-      "INT in " + range);
-}
 
 // Names an unknown subcommand: CLI11 would only say that a subcommand is required.
 bool UnknownSubcommand(CLI::App& app, int argc, char** argv, std::string* message) {
