@@ -48,10 +48,10 @@ class HfSource : public TensorSource {
 class StepSource : public TensorSource {
  public:
   StepSource(std::string root, std::unique_ptr<CheckpointStore> owned,
-             std::unique_ptr<CheckpointReader> reader, bool model_only)
+             std::unique_ptr<CheckpointReader> reader, const NameFilter& keep)
       : root_(std::move(root)), owned_(std::move(owned)), reader_(std::move(reader)) {
     for (const formats::TensorInfo& t : reader_->manifest().tensors) {
-      if (model_only && t.name.rfind("optimizer.", 0) == 0) continue;
+      if (keep && !keep(t.name)) continue;
       SourceTensor& out = tensors_[t.name];
       out.dtype_name = std::string(formats::DTypeName(t.dtype));
       out.dtype = t.dtype;
@@ -125,10 +125,10 @@ absl::StatusOr<std::unique_ptr<TensorSource>> TensorSource::OpenHf(const std::st
 
 absl::StatusOr<std::unique_ptr<TensorSource>> TensorSource::OpenStep(const CheckpointStore& store,
                                                                      uint64_t step,
-                                                                     bool model_only) {
+                                                                     NameFilter keep) {
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, store.OpenStep(step));
   return std::unique_ptr<TensorSource>(
-      new StepSource(store.root(), nullptr, std::move(reader), model_only));
+      new StepSource(store.root(), nullptr, std::move(reader), keep));
 }
 
 absl::StatusOr<std::unique_ptr<TensorSource>> TensorSource::OpenRoot(const std::string& root,
@@ -142,7 +142,7 @@ absl::StatusOr<std::unique_ptr<TensorSource>> TensorSource::OpenRoot(const std::
                         step.has_value() ? store->OpenStep(*step) : store->OpenLatest());
   const std::string resolved = store->root();
   return std::unique_ptr<TensorSource>(
-      new StepSource(resolved, std::move(store), std::move(reader), /*model_only=*/false));
+      new StepSource(resolved, std::move(store), std::move(reader), nullptr));
 }
 
 }  // namespace ckpt

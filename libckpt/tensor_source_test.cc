@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "ckpt/formats/float_convert.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/testdata.h"
@@ -93,12 +94,14 @@ TEST_F(StepSourceTest, ReadsWidenedValuesBytesAndCoverageOfAStep) {
   EXPECT_THAT((*source)->ReadF32({&bad, 1}), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
-TEST_F(StepSourceTest, TheModelOnlyViewLeavesTheOptimizerStateOut) {
-  auto source = TensorSource::OpenStep(*store_, 3, /*model_only=*/true);
+TEST_F(StepSourceTest, TheCallersFilterDecidesWhichTensorsItShows) {
+  auto source = TensorSource::OpenStep(*store_, 3, [](absl::string_view name) {
+    return !absl::StartsWith(name, "optimizer.");
+  });
   ASSERT_THAT(source, IsOk());
   EXPECT_EQ((*source)->tensors().count("optimizer.master.w"), 0u);
   EXPECT_EQ((*source)->tensors().count("w"), 1u);
-  EXPECT_THAT(TensorSource::OpenStep(*store_, 4, true), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(TensorSource::OpenStep(*store_, 4), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(TensorSource::OpenRoot("/nowhere", std::nullopt, options_),
               StatusIs(absl::StatusCode::kNotFound));
 }

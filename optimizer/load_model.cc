@@ -60,6 +60,13 @@ absl::StatusOr<bool> IsHfPath(Env* env, const std::string& path) {
                                           " nor what a ckpt root holds"));
 }
 
+// A step's tensors a model-only load reads: the model's, not the optimizer's state (unless
+// `masters`: the masters are what it reads then).
+TensorSource::NameFilter ModelTensorsUnless(bool masters) {
+  if (masters) return nullptr;
+  return [](absl::string_view name) { return !absl::StartsWith(name, internal::kOptimizerPrefix); };
+}
+
 // Which source tensor each parameter takes.
 struct Mapping {
   std::vector<std::string> source_of;  // By parameter index.
@@ -195,7 +202,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     if (!*hf) report.step = *step;
     absl::StatusOr<std::unique_ptr<TensorSource>> opened =
         *hf ? TensorSource::OpenHf(source, env)
-            : TensorSource::OpenStep(*store, *step, /*model_only=*/!options.masters);
+            : TensorSource::OpenStep(*store, *step, ModelTensorsUnless(options.masters));
     if (opened.ok()) from = *std::move(opened);
     checked = opened.status();
   }

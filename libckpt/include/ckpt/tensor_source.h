@@ -6,6 +6,7 @@
 #define CKPT_TENSOR_SOURCE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/dtype.h"
@@ -39,10 +41,14 @@ class TensorSource {
 
   // The HF checkpoint at `path`. Errors as HfCheckpointReader::Open.
   static absl::StatusOr<std::unique_ptr<TensorSource>> OpenHf(const std::string& path, Env* env);
-  // Step `step` of `store` (which must outlive the source). With `model_only`, only the model's
-  // tensors: those outside "optimizer.". Errors as CheckpointStore::OpenStep.
+  // Which of a step's tensors a source shows (by name); empty: all of them.
+  using NameFilter = std::function<bool(absl::string_view name)>;
+  // Step `step` of `store` (which must outlive the source), showing the tensors `keep` accepts
+  // (the store does not know whose names are whose: the caller says, e.g. the model's tensors
+  // and not the optimizer's). Errors as CheckpointStore::OpenStep.
   static absl::StatusOr<std::unique_ptr<TensorSource>> OpenStep(const CheckpointStore& store,
-                                                                uint64_t step, bool model_only);
+                                                                uint64_t step,
+                                                                NameFilter keep = nullptr);
   // Step `step` (LATEST when nullopt) of the ckpt root at `root`, opened read-only (the source
   // owns the handle). kNotFound when the root has no committed step; errors as
   // CheckpointStore::Open and OpenStep.
