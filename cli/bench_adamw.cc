@@ -8,11 +8,13 @@
 // (optimizer/bench); this file parses, checks and prints.
 #include <cstdint>
 #include <iostream>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/adamw_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -89,6 +91,33 @@ int RunBenchAdamw(const BenchAdamwArgs& args) {
                        absl::InvalidArgumentError("--engine must be cpu, cuda or both"));
   if (args.json) PrintJson(out);
   return kExitOk;
+}
+
+Command AddBenchAdamwCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchAdamwArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "adamw", "StagedAdamW steps per second against host-memory or PCIe bounds");
+  cmd->add_option("--params", args->params, "Parameters (elements) on this rank")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  cmd->add_option("--threads", args->threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
+  cmd->add_option("--engine", args->engine, "cpu, cuda or both")
+      ->check(CLI::IsMember({"cpu", "cuda", "both"}));
+  cmd->add_option("--grad-dtype", args->grad_dtype, "CPU engine gradients: F32, BF16 or F16")
+      ->check(CLI::IsMember({"F32", "BF16", "F16"}));
+  cmd->add_option("--caller-pages", args->caller_pages,
+                  "CPU engine: gradient/parameter buffers on huge or small pages")
+      ->check(CLI::IsMember({"huge", "small"}));
+  cmd->add_option("--moments", args->moments,
+                  "CPU engine moments in the slabs: F32 (default) or BF16 (precision-aware)")
+      ->check(CLI::IsMember({"F32", "BF16"}));
+  cmd->add_flag("--check-finite", args->check_finite,
+                "CPU engine: every step checks the gradients for NaN/Inf first");
+  cmd->add_option("--steps", args->steps, "Timed steps (best is reported)")
+      ->check(WholeNumber(1, 1000));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchAdamw(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -3,10 +3,12 @@
 // against a sync save of the same state, and the bounds (O_DIRECT write; memcpy for the units a
 // step copies aside). The measuring is ckpt::bench::RunAsyncSaveBench (optimizer/bench).
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/ckpt_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -106,6 +108,36 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
       FormatBytes(f->bytes_copied), f->copy_bound_gbps,
       static_cast<unsigned long long>(f->step_waits), f->retention_s);
   return kExitOk;
+}
+
+Command AddBenchAsyncSaveCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchAsyncSaveArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "async-save",
+      "Checkpointer::SaveAsync with steps running, against a plain step, a sync save and the "
+      "write and copy bounds");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark in (must exist)")->required();
+  cmd->add_option("--params", args->params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  cmd->add_option("--engine", args->engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--staging", args->staging,
+                  "Staging pool for units a step changes before they are written, e.g. 1G");
+  cmd->add_option("--steps", args->steps, "Steps timed without a save (median)")
+      ->check(WholeNumber(1, 1000));
+  cmd->add_option("--rounds", args->rounds,
+                  "Rounds of a sync save then an async save (medians are reported)")
+      ->check(WholeNumber(1, 100));
+  cmd->add_option("--step-gap-ms", args->step_gap_ms,
+                  "Milliseconds between steps during the save, as a trainer's forward and "
+                  "backward (default 0: back to back)")
+      ->check(WholeNumber(0, 60000));
+  cmd->add_option("--write-threads", args->write_threads,
+                  "Threads that copy, checksum and write the chunks of a save")
+      ->check(WholeNumber(1, 64));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchAsyncSave(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -2,10 +2,12 @@
 // free undo source and with the undo spill), each against the O_DIRECT bound measured in the
 // same run. The measuring is ckpt::bench::RunCkptBench (optimizer/bench); this file prints.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/ckpt_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -60,6 +62,22 @@ int RunBenchCkpt(const BenchCkptArgs& args) {
       f->load_gbps, f->read_bound_gbps, load_ratio, f->load_fresh_gbps, f->read_bound_gbps,
       fresh_ratio, f->load_spill_gbps, f->spill_bound_gbps, spill_ratio);
   return kExitOk;
+}
+
+Command AddBenchCkptCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchCkptArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "ckpt", "Save and load optimizer state through Checkpointer against O_DIRECT bounds");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark in (must exist)")->required();
+  cmd->add_option("--params", args->params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  cmd->add_option("--ranks", args->ranks, "Ranks, run as threads")->check(WholeNumber(1, 256));
+  cmd->add_option("--tensors", args->tensors,
+                  "Parameters of about equal size the elements are split into")
+      ->check(WholeNumber(1, 1u << 24));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchCkpt(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -3,6 +3,7 @@
 // bandwidth that bounds them (DESIGN.md §8). Prints both figures, both bounds and the ratios.
 // The measuring is ckpt::bench::RunIoBench (libckpt/bench); this file parses, checks and prints.
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/store_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -105,6 +107,23 @@ int RunBenchIo(const BenchIoArgs& args) {
     if (args.keep) std::cout << "kept step " << fig->step << " in " << fig->root << "\n";
   }
   return kExitOk;
+}
+
+Command AddBenchIoCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchIoArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "io", "Save and load synthetic state; measure O_DIRECT write/read bounds");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark in (must exist)")->required();
+  cmd->add_option("--size", args->size, "Bytes of state, e.g. 2G")->required();
+  cmd->add_option("--ranks", args->ranks, "Ranks, run as threads")->check(WholeNumber(1, 256));
+  cmd->add_option("--write-threads", args->write_threads,
+                  "Threads that copy, checksum and write the chunks of each rank's save")
+      ->check(WholeNumber(1, 64));
+  cmd->add_option("--zstd", args->zstd_level, "Compress chunks with zstd at this level")
+      ->check(WholeNumber(1, 19));
+  cmd->add_flag("--keep", args->keep, "Keep the committed checkpoint for inspection");
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchIo(*args); });
 }
 
 }  // namespace ckpt::cli

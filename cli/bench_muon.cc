@@ -3,9 +3,11 @@
 // same run. The measuring is
 // ckpt::bench::RunMuonBench (optimizer/bench); this file prints.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/muon_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -63,6 +65,26 @@ int RunBenchMuon(const BenchMuonArgs& args) {
   std::cout << absl::StrFormat("bound      %9.2f ms   ratio bound / step %.2f\n",
                                f->bound_seconds * 1e3, f->ratio);
   return kExitOk;
+}
+
+Command AddBenchMuonCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchMuonArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "muon", "Muon steps against the Newton-Schulz products alone and host memory bandwidth");
+  cmd->add_option("--rows", args->rows, "Rows of each matrix (default 1024)")
+      ->check(WholeNumber(1, 1 << 20));
+  cmd->add_option("--cols", args->cols, "Columns of each matrix (default 4096)")
+      ->check(WholeNumber(1, 1 << 20));
+  cmd->add_option("--matrices", args->matrices, "Matrices in the group (default 8)")
+      ->check(WholeNumber(1, 100000));
+  cmd->add_option("--threads", args->threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
+  cmd->add_option("--steps", args->steps, "Timed steps (best is reported)")
+      ->check(WholeNumber(1, 1000));
+  cmd->add_option("--engine", args->engine, "cpu or cuda (default cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchMuon(*args); });
 }
 
 }  // namespace ckpt::cli

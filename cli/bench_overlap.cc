@@ -3,9 +3,11 @@
 // ckpt::bench::RunOverlapBench (optimizer/bench); this file prints.
 #include <algorithm>
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/overlap_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -74,6 +76,41 @@ int RunBenchOverlap(const BenchOverlapArgs& args) {
       f->plain_seconds / f->bound_seconds, f->release_seconds * 1e3, f->release_calls,
       f->release_seconds * 1e6 / std::max(1, f->release_calls));
   return kExitOk;
+}
+
+Command AddBenchOverlapCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchOverlapArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "overlap",
+      "An overlapped step behind a synthetic backward against the plain step and the bound");
+  cmd->add_option("--params", args->params, "Parameters (BF16 weights)")
+      ->check(WholeNumber(1, UINT64_MAX / 32));
+  cmd->add_option("--buckets", args->buckets,
+                  "Layers of the backward, each released when done (default 24)")
+      ->check(WholeNumber(1, 100000));
+  cmd->add_option("--backward-ms", args->backward_ms,
+                  "The whole synthetic backward in ms (default 50)")
+      ->check(CLI::Range(0.001, 1e6));
+  cmd->add_option("--engine", args->engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--moments", args->moments, "F32 (default) or BF16")
+      ->check(CLI::IsMember({"F32", "BF16"}));
+  cmd->add_option("--threads", args->threads, "CPU engine threads (0: every core)")
+      ->check(WholeNumber(0, 1024));
+  cmd->add_option("--unit-bytes", args->unit_bytes, "The optimizer's unit (0: its default, 8 MiB)")
+      ->check(WholeNumber(0, uint64_t{1} << 40));
+  cmd->add_option("--steps", args->steps, "Timed steps of each kind (best is reported)")
+      ->check(WholeNumber(1, 1000));
+  cmd->add_flag("--clip-fires", args->clip_fires,
+                "Finish with another scale than the speculation's: the step is redone");
+  cmd->add_flag("--gate", args->gate,
+                "Gate the overlapped step (CUDA engine): a window of units during "
+                "backward, the rest at Finish, then every unit awaited");
+  cmd->add_option("--window", args->window,
+                  "With --gate: units on the device at once during backward (default 8)")
+      ->check(WholeNumber(1, 1 << 20));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchOverlap(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -2,9 +2,11 @@
 // writing it at the disk's O_DIRECT bounds measured in the same run, and the peak memory. The
 // measuring is ckpt::bench::RunReshardBench (optimizer/bench); this file prints.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/reshard_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -41,6 +43,21 @@ int RunBenchReshard(const BenchReshardArgs& args) {
       FormatBytes(f->state_bytes), args.ranks, args.dp, f->seconds, f->gbps, f->read_bound_gbps,
       f->write_bound_gbps, f->bound_gbps, ratio, FormatBytes(f->peak_rss_bytes));
   return kExitOk;
+}
+
+Command AddBenchReshardCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchReshardArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "reshard", "Offline reshard of optimizer state against its O_DIRECT read + write bound");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark in (must exist)")->required();
+  cmd->add_option("--params", args->params, "Parameters (14 bytes of state each)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX / 16));
+  cmd->add_option("--ranks", args->ranks, "Ranks that save the source")
+      ->check(WholeNumber(1, 256));
+  cmd->add_option("--dp", args->dp, "Ranks of the output")->check(WholeNumber(1, 256));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchReshard(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -6,11 +6,13 @@
 // median ratio.
 #include <algorithm>
 #include <iostream>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/store_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -80,6 +82,23 @@ int RunBenchSafetensors(const BenchSafetensorsArgs& args) {
         gbps / bound);
   }
   return kExitOk;
+}
+
+Command AddBenchSafetensorsCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchSafetensorsArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "safetensors",
+      "Read every tensor of a safetensors file into FP32; measure the O_DIRECT read bound");
+  cmd->add_option("--dir", args->dir, "Directory to benchmark in (must exist)")->required();
+  cmd->add_option("--size", args->size, "File size, e.g. 2G")->required();
+  cmd->add_option("--dtype", args->dtype, "BF16, F16 or F32");
+  cmd->add_option("--tensors", args->tensors, "Number of tensors")->check(WholeNumber(1, 100000));
+  cmd->add_option("--threads", args->threads, "Reader threads")->check(WholeNumber(1, 256));
+  cmd->add_option("--rounds", args->rounds,
+                  "Rounds of (bound, write, read); the median is reported")
+      ->check(WholeNumber(1, 100));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchSafetensors(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -2,9 +2,11 @@
 // the CUDA engine, pinning) rate of the same bytes, measured in the same run. The measuring is
 // ckpt::bench::RunStartupBench (optimizer/bench); this file prints.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_format.h"
 #include "ckpt/bench/startup_bench.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -39,6 +41,19 @@ int RunBenchStartup(const BenchStartupArgs& args) {
                                              : "",
       f->ratio);
   return kExitOk;
+}
+
+Command AddBenchStartupCommand(CLI::App& bench) {
+  auto args = std::make_shared<BenchStartupArgs>();
+  CLI::App* cmd = bench.add_subcommand(
+      "startup", "Building a StagedAdamW against the host's first-touch and pinning rates");
+  cmd->add_option("--params", args->params, "Parameters (BF16 weights)")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX / 16));
+  cmd->add_option("--engine", args->engine, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunBenchStartup(*args); });
 }
 
 }  // namespace ckpt::cli

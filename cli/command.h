@@ -30,6 +30,29 @@ CLI::Validator WholeNumber(uint64_t lo, uint64_t hi);
 // The exit code of the first of `commands` that was parsed; nullopt if none was.
 std::optional<int> RunParsed(const std::vector<Command>& commands);
 
+// Each adds one subcommand to `app` (the order of the calls is the order of --help).
+Command AddInspectCommand(CLI::App& app);     // inspect.cc
+Command AddVerifyCommand(CLI::App& app);      // verify_cmd.cc
+Command AddGcCommand(CLI::App& app);          // gc.cc
+Command AddAdoptCommand(CLI::App& app);       // store_cmds.cc
+Command AddQuarantineCommand(CLI::App& app);  // store_cmds.cc
+Command AddBenchCommand(CLI::App& app);       // bench.cc: bench and each bench subcommand
+Command AddDiffCommand(CLI::App& app);        // diff.cc
+Command AddHfReshardCommand(CLI::App& app);   // hf_reshard.cc
+Command AddExportHfCommand(CLI::App& app);    // export_hf.cc
+Command AddReshardCommand(CLI::App& app);     // reshard.cc
+
+// The subcommands of bench, each added to `bench` by its bench_*.cc.
+Command AddBenchIoCommand(CLI::App& bench);
+Command AddBenchSafetensorsCommand(CLI::App& bench);
+Command AddBenchAdamwCommand(CLI::App& bench);
+Command AddBenchReshardCommand(CLI::App& bench);
+Command AddBenchStartupCommand(CLI::App& bench);
+Command AddBenchOverlapCommand(CLI::App& bench);
+Command AddBenchMuonCommand(CLI::App& bench);
+Command AddBenchCkptCommand(CLI::App& bench);
+Command AddBenchAsyncSaveCommand(CLI::App& bench);
+
 }  // namespace ckpt::cli
 
 #endif  // CKPT_CLI_COMMAND_H_

@@ -25,6 +25,7 @@
 #include "ckpt/formats/safetensors.h"
 #include "ckpt/hf_checkpoint.h"
 #include "ckpt/tensor_source.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
@@ -260,6 +261,34 @@ int RunDiff(const DiffArgs& args) {
       args.atol > 0 ? absl::StrFormat(" within atol %g", args.atol) : std::string(), unequal,
       only_a.size(), only_b.size());
   return same ? kExitOk : kExitDamage;
+}
+
+Command AddDiffCommand(CLI::App& app) {
+  struct Parsed {
+    DiffArgs args;
+    uint64_t step = 0, step_b = 0;  // Into args.step and args.step_b when given.
+  };
+  auto parsed = std::make_shared<Parsed>();
+  CLI::App* cmd = app.add_subcommand(
+      "diff",
+      "Compare the tensors of two checkpoints (ckpt roots or HF paths): exit 0 equal, 1 differ");
+  cmd->add_option("a", parsed->args.a, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  cmd->add_option("b", parsed->args.b, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  CLI::Option* step_opt = cmd->add_option("--step", parsed->step, "Step of A (default LATEST)")
+                              ->check(WholeNumber(0, UINT64_MAX));
+  CLI::Option* step_b_opt =
+      cmd->add_option("--step-b", parsed->step_b, "Step of B (default LATEST)")
+          ->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_option("--atol", parsed->args.atol,
+                  "Floating values within this absolute difference count as equal");
+  cmd->add_flag("--json", parsed->args.json, "Print one JSON object");
+  return WhenParsed(cmd, [parsed, step_opt, step_b_opt] {
+    if (step_opt->count() > 0) parsed->args.step = parsed->step;
+    if (step_b_opt->count() > 0) parsed->args.step_b = parsed->step_b;
+    return RunDiff(parsed->args);
+  });
 }
 
 }  // namespace ckpt::cli

@@ -2,11 +2,13 @@
 // the library's ExportHf (ckpt/optimizer/export_hf.h), in bounded memory, with a progress bar on
 // a terminal.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/optimizer/export_hf.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -71,6 +73,33 @@ int RunExportHf(const ExportHfArgs& args) {
               << (args.config.empty() ? "" : ", with config.json") << "\n";
   }
   return kExitOk;
+}
+
+Command AddExportHfCommand(CLI::App& app) {
+  struct Parsed {
+    ExportHfArgs args;
+    uint64_t step = 0;  // Into args.step when given.
+  };
+  auto parsed = std::make_shared<Parsed>();
+  ExportHfArgs& args = parsed->args;
+  CLI::App* cmd = app.add_subcommand(
+      "export-hf", "Write a committed step's model as HuggingFace safetensors (bounded memory)");
+  cmd->add_option("root", args.root, "Checkpoint root")->required();
+  cmd->add_option("out", args.out, "Output directory (created if absent)")->required();
+  CLI::Option* step_opt =
+      cmd->add_option("--step", parsed->step, "Step to export (default: LATEST)")
+          ->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_option("--dtype", args.dtype, "BF16, F16 or F32 (default: each tensor's own dtype)");
+  cmd->add_option("--from", args.from,
+                  "weights (the model-dtype weights) or masters (the FP32 masters)");
+  cmd->add_option("--max-shard-size", args.max_shard_size,
+                  "Shard the output at this many bytes (default 5G)");
+  cmd->add_option("--config", args.config, "config.json to copy beside the weights");
+  cmd->add_flag("--json", args.json, "Print one JSON object");
+  return WhenParsed(cmd, [parsed, step_opt] {
+    if (step_opt->count() > 0) parsed->args.step = parsed->step;
+    return RunExportHf(parsed->args);
+  });
 }
 
 }  // namespace ckpt::cli

@@ -4,12 +4,14 @@
 // run then acts on, line for line) and, per step retention retires after it, what retention
 // would do (PlanRetention: delete, quarantine or leave, the very list the real run acts on).
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/recovery.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -118,6 +120,23 @@ int RunGc(const GcArgs& args) {
               << " quarantined entr" << (outcome->purged.size() == 1 ? "y" : "ies") << "\n";
   }
   return kExitOk;
+}
+
+Command AddGcCommand(CLI::App& app) {
+  auto args = std::make_shared<GcArgs>();
+  CLI::App* cmd = app.add_subcommand("gc", "Delete old steps (never the one LATEST names)");
+  cmd->add_option("root", args->root, "Checkpoint root directory")->required();
+  cmd->add_option("--keep-last", args->keep_last, "Keep the newest K steps")
+      ->required()
+      ->check(WholeNumber(1, UINT64_MAX));
+  cmd->add_option("--keep-every", args->keep_every, "Also keep steps that are multiples of N")
+      ->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_flag("--dry-run", args->dry_run,
+                "Only print what recovery and retention would do (no LOCK, no change)");
+  cmd->add_flag("--purge-quarantine", args->purge_quarantine,
+                "Also delete the steps recovery set aside in quarantine/");
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunGc(*args); });
 }
 
 }  // namespace ckpt::cli

@@ -3,10 +3,12 @@
 // names, dtypes, shapes and bytes; files other than the weights are not copied.
 #include <algorithm>
 #include <iostream>
+#include <memory>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/hf_checkpoint.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -65,6 +67,19 @@ int RunHfReshard(const HfReshardArgs& args) {
               << (*back)->shard_metadata().size() << " file(s)\n";
   }
   return kExitOk;
+}
+
+Command AddHfReshardCommand(CLI::App& app) {
+  auto args = std::make_shared<HfReshardArgs>();
+  CLI::App* cmd = app.add_subcommand("hf-reshard",
+                                     "Rewrite a HuggingFace checkpoint as one file or as "
+                                     "shards, through ckpt's reader and writer");
+  cmd->add_option("src", args->src, ".safetensors file or HF model directory")->required();
+  cmd->add_option("dst", args->dst, "Output directory (created if absent)")->required();
+  cmd->add_option("--max-shard-size", args->max_shard_size,
+                  "Shard the output at this many bytes, e.g. 5G");
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunHfReshard(*args); });
 }
 
 }  // namespace ckpt::cli

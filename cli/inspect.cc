@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <iostream>
 #include <map>
+#include <memory>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/env.h"
 #include "ckpt/formats/optimizer_record.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
@@ -296,6 +298,20 @@ int RunInspect(const InspectArgs& args) {
     PrintHuman(out);
   }
   return damage || out.contains("latest_problem") ? kExitDamage : kExitOk;
+}
+
+Command AddInspectCommand(CLI::App& app) {
+  auto args = std::make_shared<InspectArgs>();
+  CLI::App* cmd =
+      app.add_subcommand("inspect",
+                         "Show a ckpt root (steps, LATEST, tensors, pieces, files, chunks, blobs) "
+                         "or an HF checkpoint (tensors, shards)");
+  cmd->add_option("path", args->root, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  cmd->add_option("--step", args->step, "Show this step (default: the one LATEST names)")
+      ->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunInspect(*args); });
 }
 
 }  // namespace ckpt::cli

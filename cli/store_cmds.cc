@@ -6,9 +6,11 @@
 //                         older intact step when it named STEP); --all moves every step and
 //                         LATEST, so the root opens as a new, empty store.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/checkpoint_store.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 
@@ -68,6 +70,39 @@ int RunQuarantine(const QuarantineArgs& args) {
                                                           : "names no intact step"))
             << "\n";
   return kExitOk;
+}
+
+Command AddAdoptCommand(CLI::App& app) {
+  auto args = std::make_shared<AdoptArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "adopt", "Make LATEST name STEP once every chunk of it verifies (an unpublished step "
+               "recovery kept, or an older one)");
+  cmd->add_option("root", args->root, "Checkpoint root directory")->required();
+  cmd->add_option("step", args->step, "The step")->required()->check(WholeNumber(0, UINT64_MAX));
+  return WhenParsed(cmd, [args] { return RunAdopt(*args); });
+}
+
+Command AddQuarantineCommand(CLI::App& app) {
+  struct Parsed {
+    QuarantineArgs args;
+    uint64_t step = 0;  // Into args.step when given.
+  };
+  auto parsed = std::make_shared<Parsed>();
+  CLI::App* cmd = app.add_subcommand(
+      "quarantine", "Move a step (or, with --all, every step and LATEST) whole into quarantine/");
+  cmd->add_option("root", parsed->args.root, "Checkpoint root directory")->required();
+  CLI::Option* step_opt =
+      cmd->add_option("step", parsed->step, "The step")->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_flag("--all", parsed->args.all, "Every step and LATEST: the root opens empty after")
+      ->excludes(step_opt);
+  return WhenParsed(cmd, [parsed, step_opt] {
+    if (step_opt->count() > 0) parsed->args.step = parsed->step;
+    if (!parsed->args.step.has_value() && !parsed->args.all) {
+      std::cerr << "ckpt-tool quarantine: name a STEP or --all\n";
+      return kExitUsage;
+    }
+    return RunQuarantine(parsed->args);
+  });
 }
 
 }  // namespace ckpt::cli

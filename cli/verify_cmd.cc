@@ -1,8 +1,10 @@
 // ckpt-tool verify: re-reads everything and reports each problem by file, chunk and offset.
 #include <iostream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/verify.h"
+#include "cli/command.h"
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "cli/hf.h"
@@ -72,6 +74,19 @@ int RunVerify(const VerifyArgs& args) {
     }
   }
   return report->ok() ? kExitOk : kExitDamage;
+}
+
+Command AddVerifyCommand(CLI::App& app) {
+  auto args = std::make_shared<VerifyArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "verify", "Re-read and check every chunk and manifest (exit 0 intact, 1 damaged, 2 usage)");
+  cmd->add_option("path", args->root, "ckpt root, .safetensors file or HF model directory")
+      ->required();
+  CLI::Option* step_opt =
+      cmd->add_option("--step", args->step, "Verify this step")->check(WholeNumber(0, UINT64_MAX));
+  cmd->add_flag("--all", args->all, "Verify every step")->excludes(step_opt);
+  cmd->add_flag("--json", args->json, "Print one JSON object");
+  return WhenParsed(cmd, [args] { return RunVerify(*args); });
 }
 
 }  // namespace ckpt::cli
