@@ -114,6 +114,7 @@ std::string Build() {
   CKPT_FUNC(ckpt_optimizer_set_param_state);
   CKPT_FUNC(ckpt_store_keep_only);
   CKPT_FUNC(ckpt_store_adopt);
+  CKPT_FUNC(ckpt_store_steps);
   CKPT_FUNC(ckpt_optimizer_set_masters);
   CKPT_FUNC(ckpt_optimizer_write_piece_weights);
   CKPT_FUNC(ckpt_optimizer_add_params);

@@ -3,6 +3,7 @@
 #include "ckpt/ckpt.h"
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -67,7 +68,7 @@ TEST(CkptCTest, TheAbiLayoutListsEveryFunctionConstantAndStructOfTheHeader) {
                           std::to_string(offsetof(ckpt_coordinator, all_gather)) + " p"));
   EXPECT_TRUE(lines.count("func ckpt_optimizer_step i32 p p i32 f32 p i32 p p")) << layout;
   // The header as written today: a regex that matched nothing would pass everything above.
-  EXPECT_EQ(functions, 70);
+  EXPECT_EQ(functions, 71);
   EXPECT_EQ(constants, 43);
   EXPECT_EQ(structs, 6);
 }
@@ -498,6 +499,20 @@ TEST(CkptCTest, StoreTransactionsAndReadersRoundTripTensorsAndBlobs) {
   ASSERT_EQ(ckpt_reader_open(store, 8, &reader), CKPT_OK);
   EXPECT_EQ(ckpt_reader_read(reader, "ids", 0, 3, back, sizeof(back)), CKPT_NOT_FOUND);
   ckpt_reader_close(reader);
+
+  // The committed steps' directories, by the library's naming (a user's "step-9" is none).
+  std::filesystem::create_directory(tmp.path() + "/root/step-9");
+  size_t count = 0;
+  EXPECT_EQ(ckpt_store_steps(store, nullptr, 0, &count), CKPT_OK);
+  EXPECT_EQ(count, 2u);
+  uint64_t steps[1] = {};
+  ASSERT_EQ(ckpt_store_steps(store, steps, 1, &count), CKPT_OK);
+  EXPECT_EQ(count, 2u);
+  EXPECT_EQ(steps[0], 5u);
+  uint64_t all[4] = {};
+  ASSERT_EQ(ckpt_store_steps(store, all, 4, &count), CKPT_OK);
+  EXPECT_EQ(std::vector<uint64_t>(all, all + count), (std::vector<uint64_t>{5, 8}));
+  EXPECT_EQ(ckpt_store_steps(store, nullptr, 4, &count), CKPT_INVALID_ARGUMENT);
   ckpt_store_close(store);
 }
 

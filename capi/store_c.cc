@@ -1,7 +1,9 @@
 // The C ABI's store functions (ckpt/ckpt.h, "Store"): opening a root alone or collectively on
-// the ranks of a job, closing it, reading LATEST.
+// the ranks of a job, closing it, reading LATEST and its steps, retention and adopt.
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "capi/capi_internal.h"
@@ -103,6 +105,19 @@ int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, size_t nkeep, 
       *retired = ckpt::StepsOf(*gone, ckpt::RecoveryAction::Kind::kRemove).size() +
                  ckpt::StepsOf(*gone, ckpt::RecoveryAction::Kind::kQuarantine).size();
     }
+    return CKPT_OK;
+  });
+}
+
+int ckpt_store_steps(const ckpt_store* store, uint64_t* steps, size_t capacity, size_t* count) {
+  return Guard("ckpt_store_steps", [&]() -> int {
+    if (store == nullptr || count == nullptr || (capacity > 0 && steps == nullptr)) {
+      return Invalid("NULL argument");
+    }
+    absl::StatusOr<std::vector<uint64_t>> listed = store->store->ListSteps();
+    if (!listed.ok()) return Fail(listed.status());
+    *count = listed->size();
+    std::copy_n(listed->begin(), std::min(capacity, listed->size()), steps);
     return CKPT_OK;
   });
 }

@@ -9,7 +9,7 @@ import ctypes.util
 import enum
 import os
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 
 
@@ -213,6 +213,9 @@ _sig = {
     "ckpt_store_keep_only": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
                               ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_store_adopt": ([_p, ctypes.c_uint64], ctypes.c_int),
+    # Store steps (ABI 15).
+    "ckpt_store_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+                          ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
     "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
                           ctypes.c_int),
     "ckpt_checkpointer_open": ([_p, _p, ctypes.POINTER(Coordinator), ctypes.c_uint64,

@@ -43,7 +43,7 @@ extern "C" {
  * ckpt_optimizer_await_step): a library of 12 serves callers of 11. 13 only adds
  * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. 14 only adds
  * ckpt_optimizer_read_state_range: a library of 14 serves callers of 13. */
-#define CKPT_ABI_VERSION 14
+#define CKPT_ABI_VERSION 15
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -354,6 +354,12 @@ CKPT_C_EXPORT int ckpt_store_keep_only(ckpt_store* store, const uint64_t* keep, 
  * newer steps stay on disk: a later save of the same number moves its predecessor into
  * quarantine/, never deletes it. The primary, writable handle only, with no save in flight. */
 CKPT_C_EXPORT int ckpt_store_adopt(ckpt_store* store, uint64_t step);
+/* (ABI 15) The steps with a directory in the root (by the library's own naming of step
+ * directories), ascending: the first `capacity` into `steps`, and *count (not NULL) how many
+ * there are (call again with a larger array when *count > capacity). Manifests are not read:
+ * a step above LATEST, or a damaged one, is listed too. */
+CKPT_C_EXPORT int ckpt_store_steps(const ckpt_store* store, uint64_t* steps, size_t capacity,
+                                   size_t* count);
 
 /* ---- Coordinator: the ranks of a job (NULL everywhere: a single process) ---- */
 typedef struct {

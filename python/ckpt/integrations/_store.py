@@ -23,14 +23,11 @@ Retention: a keeper retires only steps it saved or that a trainer file it saw na
 """
 import ctypes
 import os
-import re
 
 from .. import _lib
 from .._lib import CkptError, Code
 from ..checkpointer import Checkpointer, agreed_session, step_save_id
 
-# A committed step's directory (ASCII digits only: int() takes other digits too).
-_STEP_DIR = re.compile(r"step-([0-9]+)")
 
 
 def _rank():
@@ -42,6 +39,18 @@ def _rank():
 
 def _is_count(step):
     return isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 2 ** 64
+
+
+def store_steps(handle):
+    """The steps with a directory in an open store (the library names step directories)."""
+    count = ctypes.c_size_t()
+    _lib.check(_lib.lib.ckpt_store_steps(handle, None, 0, ctypes.byref(count)))
+    while True:
+        steps = (ctypes.c_uint64 * max(1, count.value))()
+        capacity = count.value
+        _lib.check(_lib.lib.ckpt_store_steps(handle, steps, capacity, ctypes.byref(count)))
+        if count.value <= capacity:
+            return [int(s) for s in steps[:count.value]]
 
 
 def step_committed(root, step, save_id=None):
@@ -57,8 +66,7 @@ def step_committed(root, step, save_id=None):
     try:
         has, latest = ctypes.c_int(), ctypes.c_uint64()
         _lib.check(_lib.lib.ckpt_store_latest(handle, ctypes.byref(has), ctypes.byref(latest)))
-        if not has.value or step > latest.value or \
-                not os.path.isdir(os.path.join(root, f"step-{step:08d}")):
+        if not has.value or step > latest.value or step not in store_steps(handle):
             return False
         if save_id is None:
             return True
@@ -223,9 +231,9 @@ class StoreKeeper:
         return self._checkpointer
 
     def committed(self, step):
-        latest = self.checkpointer().latest
-        return latest is not None and step <= latest and os.path.isdir(
-            os.path.join(self.root, f"step-{step:08d}"))
+        ck = self.checkpointer()
+        latest = ck.latest
+        return latest is not None and step <= latest and step in store_steps(ck._store.handle)
 
     def note_file(self, path, step):
         """A checkpoint file of the trainer's, and the step it names."""
@@ -272,9 +280,8 @@ class StoreKeeper:
         if ck is None:
             return
         latest = ck.latest
-        committed = {int(m.group(1)) for n in os.listdir(self.root)
-                     if (m := _STEP_DIR.fullmatch(n))}
-        committed = {s for s in committed if latest is not None and s <= latest}
+        committed = {s for s in store_steps(ck._store.handle)
+                     if latest is not None and s <= latest}
         keep = set(referenced)
         if self.loaded is not None and self.loaded not in self.known_steps:
             keep.add(self.loaded)  # Resumed from a checkpoint elsewhere: not ours to judge.
