@@ -29,6 +29,12 @@ struct CheckpointReader::ChunkRead {
   uint64_t raw_offset;  // Within the chunk's raw bytes.
   uint64_t length;
   std::byte* out;
+  // What the chunk holds, for errors: the manifest's name of its tensor (elements [first,
+  // first + count)) or blob (bytes [first, first + count)).
+  const std::string* holder;
+  bool blob;
+  uint64_t first;
+  uint64_t count;
 };
 
 // The zstd streams of the compressed chunks last read in part (see decoded_bytes()). A read
@@ -206,8 +212,11 @@ absl::Status CheckpointReader::DeliverChunk(std::span<const ChunkRead* const> re
   const ChunkInfo& c = f.chunks[first.chunk];
   const std::string path = JoinPath(dir_, f.name);
   if (Checksum(bytes) != c.checksum) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": chunk ", first.chunk, " at offset ", c.offset, " fails its checksum"));
+    return absl::DataLossError(absl::StrCat(
+        path, ": chunk ", first.chunk, " at offset ", c.offset, " (",
+        first.blob ? "blob" : "tensor", " \"", *first.holder, "\", ",
+        first.blob ? "bytes" : "elements", " [", first.first, ", ", first.first + first.count,
+        ")) fails its checksum"));
   }
   CKPT_ASSIGN_OR_RETURN(formats::ChunkHeader h, formats::DecodeChunkHeader(bytes, path, c.offset));
   if (h.codec != c.codec || h.raw_bytes != c.raw_bytes || h.stored_bytes != c.stored_bytes) {
@@ -380,7 +389,8 @@ absl::Status CheckpointReader::PlanRange(absl::string_view tensor, uint64_t begi
       const uint64_t a = std::max(lo, chunk_lo);
       const uint64_t b = std::min(hi, chunk_lo + std::min(p->chunk_elems, p->count - offset));
       reads->push_back({p->file, p->first_chunk + j, (a - chunk_lo) * esize, (b - a) * esize,
-                        out.data() + (a - begin) * esize});
+                        out.data() + (a - begin) * esize, &manifest_.tensors[index].name,
+                        /*blob=*/false, chunk_lo, std::min(p->chunk_elems, p->count - offset)});
     }
     covered = hi;
   }
@@ -401,7 +411,8 @@ absl::StatusOr<std::string> CheckpointReader::ReadBlob(absl::string_view name,
     for (uint64_t j = 0; j < b.chunk_count; ++j) {
       const ChunkInfo& c = manifest_.files[b.file].chunks[b.first_chunk + j];
       reads.push_back({b.file, b.first_chunk + j, 0, c.raw_bytes,
-                       reinterpret_cast<std::byte*>(out.data()) + pos});
+                       reinterpret_cast<std::byte*>(out.data()) + pos, &b.name, /*blob=*/true, pos,
+                       c.raw_bytes});
       pos += c.raw_bytes;
     }
     CKPT_RETURN_IF_ERROR(ReadChunks(reads));

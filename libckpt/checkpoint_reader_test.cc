@@ -191,6 +191,11 @@ TEST_F(CheckpointReaderTest, FlippedChunkByteFailsReadsOfThatChunkOnly) {
   CKPT_ASSERT_OK(reader);
   EXPECT_THAT(ReadWeights(**reader, 0, 10), StatusIs(absl::StatusCode::kDataLoss));
   EXPECT_THAT(ReadWeights(**reader, chunk_elems - 1, 2), StatusIs(absl::StatusCode::kDataLoss));
+  // The error names the file, and the tensor and elements the chunk holds.
+  const std::string message(ReadWeights(**reader, 0, 10).status().message());
+  EXPECT_THAT(message, ::testing::HasSubstr(path));
+  EXPECT_THAT(message, ::testing::HasSubstr(absl::StrCat("(tensor \"w\", elements [0, ",
+                                                         chunk_elems, "))")));
   ExpectWeights(**reader, 2, chunk_elems, 10);
   ExpectWeights(**reader, 2, 1000, 10);  // Rank 1's file.
 }
