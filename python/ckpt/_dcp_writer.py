@@ -132,7 +132,8 @@ class _Save:
         self.native.close()
         if len(self.relay.said) < 2:
             common.check_code(code, f"rank {self.rank}: finishing step {self.step}")
-            raise CkptError(Code.INTERNAL, f"rank {self.rank}: the commit of step {self.step} cast no vote")
+            raise CkptError(Code.INTERNAL,
+                            f"rank {self.rank}: the commit of step {self.step} cast no vote")
         return self.relay.said[1]
 
     def commit(self, votes):
@@ -474,8 +475,9 @@ class StorageWriter(_DcpWriter):
                     storage[r.index] = r.storage_data
         save = claim.save
         if save is None:
-            raise CkptError(Code.FAILED_PRECONDITION, f"ckpt.dcp.StorageWriter: finish of {claim.name()} without a "
-                               "transaction in progress")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"ckpt.dcp.StorageWriter: finish of {claim.name()} without a "
+                            "transaction in progress")
         if errors:
             raise CkptError(Code.ABORTED, f"step {save.step} not saved: " + "; ".join(errors))
         if sorted(votes) != list(range(1, save.size)):

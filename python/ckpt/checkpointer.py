@@ -143,10 +143,12 @@ class PendingSave:
         comes either before the call began (finalize can be called again) or after it was
         finalized and released."""
         if self._finalized:
-            raise CkptError(Code.FAILED_PRECONDITION, f"the async save of step {self.step} is already finalized")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"the async save of step {self.step} is already finalized")
         if self._native.closed:
-            raise CkptError(Code.FAILED_PRECONDITION, f"the async save of step {self.step}: its checkpointer is closed "
-                               "(the save was abandoned)")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"the async save of step {self.step}: its checkpointer is closed "
+                            "(the save was abandoned)")
         with _signals.deferred():
             self._finalized = True
             if self._checkpointer._pending is self:
@@ -292,8 +294,9 @@ class Checkpointer:
             save_id = f"{self._session}-{self._saves:x}"
         check_save_id(save_id)
         if self.read_only:
-            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: cannot save step {step}: the Checkpointer was "
-                               "opened with read_only=True")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"{self._root}: cannot save step {step}: the Checkpointer was "
+                            "opened with read_only=True")
         handle = self._live()
         blob = self._blobs(extra, save_id)
         self._settle()
@@ -420,8 +423,9 @@ class Checkpointer:
             error = e
         if self._native.collective and self._optimizer._any_rank(error is not None) and \
                 error is None:
-            error = CkptError(Code.NOT_FOUND, f"{self._root}: another rank refused loading step {step} as "
-                                 f"save {save_id}; nothing was loaded")
+            error = CkptError(Code.NOT_FOUND,
+                              f"{self._root}: another rank refused loading step {step} as "
+                              f"save {save_id}; nothing was loaded")
         if error is not None:
             raise error
 
@@ -503,8 +507,9 @@ class Checkpointer:
         keep = {self._step(s) for s in steps}
         self._live()
         if self.read_only:
-            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: keep_only removes steps: the Checkpointer was "
-                               "opened with read_only=True")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"{self._root}: keep_only removes steps: the Checkpointer was "
+                            "opened with read_only=True")
         self._settle()
         if self._undo_step is not None:
             keep.add(self._undo_step)
@@ -527,8 +532,9 @@ class Checkpointer:
         step = self._step(step)
         self._live()
         if self.read_only:
-            raise CkptError(Code.FAILED_PRECONDITION, f"{self._root}: adopt changes LATEST: the Checkpointer was opened "
-                               "with read_only=True")
+            raise CkptError(Code.FAILED_PRECONDITION,
+                            f"{self._root}: adopt changes LATEST: the Checkpointer was opened "
+                            "with read_only=True")
         self._settle()
         if self._rank == 0:
             with _signals.deferred():

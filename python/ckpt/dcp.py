@@ -150,8 +150,9 @@ class _BoxReads:
         direct = (target.device.type == "cpu" and target.dtype == dtype
                   and target.is_contiguous() and list(target.shape) == list(sizes))
         if not direct and list(target.shape) != list(sizes):
-            raise CkptError(Code.INVALID_ARGUMENT, f"tensor {name!r}: the target holds {list(target.shape)}, the "
-                               f"step {list(sizes)}")
+            raise CkptError(Code.INVALID_ARGUMENT,
+                            f"tensor {name!r}: the target holds {list(target.shape)}, the "
+                            f"step {list(sizes)}")
         gpu = target.device.type == "cuda"
         runs = common.runs(shape, offsets, sizes)
         span = (runs[-1][0] + runs[-1][1] - runs[0][0]) if runs else 0
@@ -237,12 +238,14 @@ class StorageReader(_DcpReader):
 
     def read_metadata(self, *args, **kwargs):
         if kwargs.get("rank") is not None:
-            raise CkptError(Code.NOT_FOUND, "a ckpt step holds one metadata for the whole job, not per rank")
+            raise CkptError(Code.NOT_FOUND,
+                            "a ckpt step holds one metadata for the whole job, not per rank")
         reader = self._open()
         metadata = pickle.loads(reader.blob(common.METADATA_BLOB))
         if not isinstance(metadata, Metadata):
-            raise CkptError(Code.DATA_LOSS, f"{self.root} step {reader.step}: blob {METADATA_BLOB} is not "
-                                f"DCP metadata")
+            raise CkptError(Code.DATA_LOSS,
+                            f"{self.root} step {reader.step}: blob {METADATA_BLOB} is not "
+                            f"DCP metadata")
         return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):

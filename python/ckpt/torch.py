@@ -1198,8 +1198,9 @@ class StagedAdamW(torch.optim.Optimizer):
             if failed:
                 if failure is not None:
                     raise failure
-                raise CkptError(Code.ABORTED, "step(): another rank of the process group failed before "
-                                    "stepping; no rank stepped")
+                raise CkptError(Code.ABORTED,
+                                "step(): another rank of the process group failed before "
+                                "stepping; no rank stepped")
             if not any(stepped):
                 return loss
         else:
@@ -1322,9 +1323,10 @@ class StagedAdamW(torch.optim.Optimizer):
         if self._any_rank(failure is not None):
             if failure is not None:
                 raise failure
-            raise CkptError(Code.ABORTED, "step(): another rank of the process group failed in its step; "
-                                "this rank stepped its own pieces, which the others did not "
-                                "receive: load the last checkpoint")
+            raise CkptError(Code.ABORTED,
+                            "step(): another rank of the process group failed in its step; "
+                            "this rank stepped its own pieces, which the others did not "
+                            "receive: load the last checkpoint")
         self._exchange(self._local_params)
         self._scatter(self._flat, only=stepped)
         return loss
@@ -1422,9 +1424,10 @@ class StagedAdamW(torch.optim.Optimizer):
             p, name, dtype, shape = self._params[i], self._names[i], self._dtypes[i], \
                 self._shapes[i]
             if p.dtype != dtype or p.device != self._devices[i] or tuple(p.shape) != shape:
-                raise CkptError(Code.FAILED_PRECONDITION, f"parameter {name} changed: {p.dtype} on {p.device}, shape "
-                                   f"{list(p.shape)} (built with {dtype} on "
-                                   f"{self._devices[i]}, shape {list(shape)})")
+                raise CkptError(Code.FAILED_PRECONDITION,
+                                f"parameter {name} changed: {p.dtype} on {p.device}, shape "
+                                f"{list(p.shape)} (built with {dtype} on "
+                                f"{self._devices[i]}, shape {list(shape)})")
 
     def _scatter(self, flat, only=None):
         """A flat buffer in ckpt's order into the parameters (those `only` flags, or all), in
@@ -1705,30 +1708,24 @@ class StagedAdamW(torch.optim.Optimizer):
                 local[name] = flat
             amsgrad = {id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"]}
             muon = self._muon_ids()
-            out = {}
+            out, sources = {}, {}  # sources: id(p) -> (entry key, slab read into it).
             for flat_at, local_at, n in self._owned:
                 if n == 0:
                     continue  # A parameter of no elements: nothing of it is this rank's.
                 i = bisect.bisect_right(starts, flat_at) - 1
-                p, (o, k) = self._params[i], self._slices[i]
+                p, o = self._params[i], self._slices[i][0]
                 if steps[i] == 0:
                     continue
                 if id(p) not in out:
-                    keys = (("momentum_buffer", "exp_avg"), ("master", "master")) \
+                    sources[id(p)] = (("momentum_buffer", "exp_avg"), ("master", "master")) \
                         if id(p) in muon else \
                         [(key, key) for key, _ in kinds
                          if key != "max_exp_avg_sq" or id(p) in amsgrad]
-                    out[id(p)] = {"step": torch.tensor(float(steps[i]))}
-                    out[id(p)].update({key: torch.zeros(k) for key, _ in keys})
-                    out[id(p)]["_from"] = keys
-                for key, source in out[id(p)]["_from"]:
+                    out[id(p)] = {"step": torch.tensor(float(steps[i])),
+                                  **{key: torch.zeros(p.shape) for key, _ in sources[id(p)]}}
+                for key, source in sources[id(p)]:
                     at = flat_at - o
-                    out[id(p)][key][at:at + n].copy_(local[source][local_at:local_at + n])
-            for i, p in enumerate(self._params):
-                entry = out.get(id(p))
-                if entry is not None:
-                    for key, _ in entry.pop("_from"):
-                        entry[key] = entry[key].view(p.shape)
+                    out[id(p)][key].view(-1)[at:at + n].copy_(local[source][local_at:local_at + n])
             self._cache["local_torch_state"] = out
         return self._cache["local_torch_state"]
 
@@ -1882,10 +1879,12 @@ class StagedAdamW(torch.optim.Optimizer):
                 raise ValueError('a state dict has "state" (a dict) and "param_groups" (a list)')
             # What ckpt would refuse after the vote, checked before it (every rank alike).
             if self.lifecycle != "clean":
-                raise CkptError(Code.FAILED_PRECONDITION, f"load_state_dict: the optimizer is {self.lifecycle}")
+                raise CkptError(Code.FAILED_PRECONDITION,
+                                f"load_state_dict: the optimizer is {self.lifecycle}")
             if any(ck.pending is not None for ck in self._layout.get("checkpointers", ())):
-                raise CkptError(Code.FAILED_PRECONDITION, "load_state_dict: an async save is in flight (its writer "
-                                   "reads the state): finalize it first")
+                raise CkptError(Code.FAILED_PRECONDITION,
+                                "load_state_dict: an async save is in flight (its writer "
+                                "reads the state): finalize it first")
             new_groups = self._merged_groups(groups)
             if state_dict.get("shard") is not None:
                 arrays, steps = self._shard_arrays(state_dict["shard"], state)

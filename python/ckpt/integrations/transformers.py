@@ -146,8 +146,9 @@ class CkptCallback(transformers.TrainerCallback):
 def last_complete_checkpoint(output_dir):
     """The newest checkpoint-N folder of `output_dir` that a resume can use (or None): its
     trainer_state.json is written, and when its optimizer.pt refers to a ckpt step, that step
-    is committed in its store and holds the save the reference names. What to pass to trainer.train(resume_from_checkpoint=...) after
-    a run that may have been killed during a save."""
+    is committed in its store and holds the save the reference names. What to pass to
+    trainer.train(resume_from_checkpoint=...) after a run that may have been killed during a
+    save."""
     import torch
     for _, folder in _folders(output_dir):
         optimizer = os.path.join(folder, _OPTIMIZER)
