@@ -62,7 +62,6 @@ using formats::DType;
 using formats::kOptimizerRecordBlob;
 using internal::kTrainerPrefix;
 using internal::ListNames;
-using internal::StateKind;
 using internal::StateLayout;
 
 // The step's optimizer record (formats/optimizer_record.h), of ckpt's optimizer (AdamW
@@ -79,19 +78,28 @@ absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& read
   return record;
 }
 
-const char* AlgorithmName(bool muon) { return muon ? "Muon" : "AdamW"; }
+// The first moment tensor of the layout (the moments' dtype in a step is one for all), or
+// empty when no parameter keeps one.
+std::string FirstMomentName(const StateLayout& layout) {
+  for (uint32_t p = 0; p < layout.params().size(); ++p) {
+    for (const internal::ParamState& s : layout.states(p)) {
+      if (s.moment) return s.name;
+    }
+  }
+  return "";
+}
 
 // Refuses a record whose groups step with another algorithm than this optimizer's: AdamW's
 // moments are no Muon momentum, nor the reverse.
 absl::Status CheckAlgorithms(const formats::OptimizerRecord& record,
                              const std::vector<ParamGroup>& groups, absl::string_view where) {
   for (size_t g = 0; g < groups.size() && g < record.groups.size(); ++g) {
-    const bool saved = record.groups[g].muon.has_value();
-    const bool here = groups[g].algorithm == Algorithm::kMuon;
-    if (saved != here) {
+    const Algorithm saved = internal::RecordAlgorithm(record.groups[g]);
+    if (saved != groups[g].algorithm) {
       return absl::InvalidArgumentError(absl::StrCat(
-          where, ": param group ", g, " is ", AlgorithmName(saved), "'s in the checkpoint and ",
-          AlgorithmName(here), "'s here, and its state does not carry over; nothing was loaded. "
+          where, ": param group ", g, " is ", internal::RuleFor(saved).name(),
+          "'s in the checkpoint and ", internal::RuleFor(groups[g].algorithm).name(),
+          "'s here, and its state does not carry over; nothing was loaded. "
           "To keep the masters and start the moments afresh, load the model from them "
           "(Checkpointer::LoadModel with ModelLoadOptions::masters; Python: "
           "Checkpointer.load_model(root, masters=True))"));
@@ -184,9 +192,10 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   std::vector<std::string> missing, extra;
   const StateLayout layout = StateLayout::Of(*optimizer_);
   for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (StateKind kind : layout.kinds(p)) {
-      const std::string& name = layout.name(p, kind);
-      if (expected.insert(name).second && !reader.FindTensor(name).ok()) missing.push_back(name);
+    for (const internal::ParamState& s : layout.states(p)) {
+      if (expected.insert(s.name).second && !reader.FindTensor(s.name).ok()) {
+        missing.push_back(s.name);
+      }
     }
   }
   for (const formats::TensorInfo& t : m.tensors) {
@@ -195,7 +204,7 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
   std::sort(missing.begin(), missing.end());
   std::sort(extra.begin(), extra.end());
   // AMSGrad's maximum on one side only: say so before listing every tensor it makes differ.
-  const std::string max_prefix = internal::StateTensorName(StateKind::kMaxExpAvgSq, "");
+  const std::string max_prefix = internal::StateTensorName("max_exp_avg_sq", "");
   const bool saved_max = std::any_of(m.tensors.begin(), m.tensors.end(), [&](const auto& t) {
     return absl::StartsWith(t.name, max_prefix);
   });
@@ -217,12 +226,13 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
                                      ListNames(extra))));
   }
   // The moments may be stored as F32 or BF16 (a load converts them), both alike.
-  const DType moments = (*reader.FindTensor(layout.name(0, layout.kinds(0)[2])))->dtype;
+  const absl::StatusOr<const formats::TensorInfo*> first = reader.FindTensor(FirstMomentName(layout));
+  const DType moments = first.ok() ? (*first)->dtype : layout.moment_dtype();
   for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (StateKind kind : layout.kinds(p)) {
-      const bool moment = internal::IsMoment(kind);
-      const DType want = moment ? moments : layout.dtype(kind, p);
-      const std::string& name = layout.name(p, kind);
+    for (const internal::ParamState& s : layout.states(p)) {
+      const bool moment = s.moment;
+      const DType want = moment ? moments : s.dtype;
+      const std::string& name = s.name;
       const formats::TensorInfo& t = **reader.FindTensor(name);
       if (t.shape != o.params[p].shape || t.dtype != want ||
           (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
@@ -234,8 +244,8 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
     }
   }
   for (const Piece& piece : o.pieces) {
-    for (StateKind kind : layout.kinds(piece.param)) {
-      const std::string& name = layout.name(piece.param, kind);
+    for (const internal::ParamState& s : layout.states(piece.param)) {
+      const std::string& name = s.name;
       if (!reader.Covers(name, piece.begin, piece.count)) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
@@ -391,7 +401,7 @@ absl::StatusOr<LoadReport> Checkpointer::LoadStep(std::optional<uint64_t> step, 
   report.saved_world_size = (*reader)->manifest().world_size;
   const StateLayout layout = StateLayout::Of(*optimizer_);
   absl::StatusOr<const formats::TensorInfo*> moments =
-      (*reader)->FindTensor(layout.name(0, layout.kinds(0)[2]));
+      (*reader)->FindTensor(FirstMomentName(layout));
   if (moments.ok()) report.saved_moment_dtype = (*moments)->dtype;
   // Step 2(a'): the state is this very step already.
   report.unchanged = clean_step_ == report.step &&

@@ -11,7 +11,7 @@
 #include "ckpt/formats/convert.h"
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
-#include "optimizer/muon.h"
+#include "optimizer/rules/muon/muon.h"
 #include "optimizer/thread_pool.h"
 
 namespace ckpt::optimizer {

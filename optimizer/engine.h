@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "ckpt/optimizer/staged_adamw.h"
-#include "optimizer/muon.h"
+#include "optimizer/rules/muon/muon.h"
 
 namespace ckpt::optimizer {
 

@@ -61,7 +61,7 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
     // Masters are exported in FP32 unless told otherwise; weights in their own dtype.
     e.to = options.dtype.value_or(options.from == ExportFrom::kMasters ? DType::kF32 : t.dtype);
     if (options.from == ExportFrom::kMasters) {
-      e.source = internal::StateTensorName(internal::StateKind::kMaster, t.name);
+      e.source = internal::StateTensorName(internal::kMasterKey, t.name);
       absl::StatusOr<const formats::TensorInfo*> master = step.FindTensor(e.source);
       if (!master.ok()) {
         return absl::NotFoundError(absl::StrCat(where, ": no FP32 masters \"", e.source,

@@ -210,7 +210,7 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   Mapping mapping;
   if (checked.ok()) {
     const std::string prefix =
-        options.masters ? internal::StateTensorName(internal::StateKind::kMaster, "") : "";
+        options.masters ? internal::StateTensorName(internal::kMasterKey, "") : "";
     absl::StatusOr<Mapping> mapped = MapNames(*from, o.params, options, prefix);
     if (mapped.ok()) mapping = *std::move(mapped);
     checked = mapped.status();

@@ -18,7 +18,7 @@
 #include "ckpt/formats/float_convert.h"
 #include "ckpt/optimizer/checkpointer.h"
 #include "ckpt/optimizer/staged_adamw.h"
-#include "optimizer/muon.h"
+#include "optimizer/rules/muon/muon.h"
 #include "tests/support/status_matchers.h"
 
 namespace ckpt::optimizer {
@@ -320,7 +320,7 @@ TEST(MuonTest, RefusesWhatMuonCannotStepOrWhatIsNotBuiltYet) {
   StagedAdamWOptions cut = o;
   cut.pieces = {{0, 0, 12}, {0, 12, 12}, {1, 0, 6}};
   EXPECT_THAT(StagedAdamW::Create(cut, weights),
-              StatusIsWith(absl::StatusCode::kInvalidArgument, "part of a Muon matrix"));
+              StatusIsWith(absl::StatusCode::kInvalidArgument, "part of a Muon parameter"));
   // Bad Muon hyper-parameters, named.
   StagedAdamWOptions bad = o;
   bad.groups[0].muon.ns_steps = 100;

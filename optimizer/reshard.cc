@@ -49,7 +49,7 @@ struct Plan {
   std::vector<std::vector<uint32_t>> tensors_of;  // Manifest tensor indices by parameter.
   std::vector<uint32_t> loose;                    // Tensors no parameter owns (rank 0, whole).
   std::vector<std::vector<Piece>> pieces;         // By output rank.
-  std::vector<bool> whole;  // By parameter: a Muon group's matrix, kept whole on one rank.
+  std::vector<bool> whole;  // By parameter: its rule keeps it whole on one rank (Muon).
   bool optimizer_layout = false;
   std::string layout;  // The optimizer record with world size dp (empty without one).
 };
@@ -75,16 +75,17 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       const formats::TensorInfo& t = m.tensors[found->second];
       plan.params.push_back({name, t.shape, t.dtype, p.group});
       std::vector<uint32_t> tensors;
-      // A Muon group's parameters keep their momentum, AdamW's their moments.
-      const std::span<const internal::StateKind> kinds =
-          parsed.groups[p.group].muon.has_value()
-              ? std::span<const internal::StateKind>(internal::kMuonKinds)
-              : std::span<const internal::StateKind>(internal::kAmsgradKinds);
-      for (internal::StateKind kind : kinds) {
-        const std::string tensor = internal::StateTensorName(kind, name);
+      // The tensors its group's rule keeps (AMSGrad's maximum only where the optimizer kept
+      // one: for every parameter alike).
+      const internal::UpdateRule& rule =
+          internal::RuleFor(internal::RecordAlgorithm(parsed.groups[p.group]));
+      const std::vector<std::string> with_max = internal::StateTensorNames(rule, name, true);
+      const std::vector<std::string> without = internal::StateTensorNames(rule, name, false);
+      for (const std::string& tensor : with_max) {
         auto state = index.find(tensor);
-        // AMSGrad's maximum is there when the optimizer kept one (for every parameter alike).
-        if (state == index.end() && kind == internal::StateKind::kMaxExpAvgSq) continue;
+        const bool optional =
+            std::find(without.begin(), without.end(), tensor) == without.end();
+        if (state == index.end() && optional) continue;
         if (state == index.end()) {
           return absl::DataLossError(absl::StrCat(where, ": optimizer record names \"", name,
                                                   "\" but the step has no \"", tensor, "\""));
@@ -93,7 +94,7 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       }
       for (uint32_t i : tensors) owned[i] = true;
       plan.tensors_of.push_back(std::move(tensors));
-      plan.whole.push_back(parsed.groups[p.group].muon.has_value());
+      plan.whole.push_back(rule.keeps_params_whole());
     }
     parsed.world_size = static_cast<uint32_t>(options.dp);
     plan.layout = formats::EncodeOptimizerRecord(parsed);

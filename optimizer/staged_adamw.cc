@@ -16,6 +16,7 @@
 #include "optimizer/cpu_kernels.h"
 #include "optimizer/engine.h"
 #include "optimizer/host_buffer.h"
+#include "optimizer/rules/update_rule.h"
 #include "optimizer/slabs.h"
 #include "optimizer/thread_pool.h"
 #include "optimizer/unit_fence.h"
@@ -26,21 +27,8 @@ using formats::DType;
 
 
 StepConstants ComputeStepConstants(const ParamGroup& g, uint64_t t) {
-  const double b1 = g.beta1, b2 = g.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
-  StepConstants c;
-  c.beta1 = static_cast<float>(g.beta1);
-  c.beta2 = static_cast<float>(g.beta2);
-  c.eps = static_cast<float>(g.eps);
-  c.decay = static_cast<float>(1.0 - g.lr * g.weight_decay);
-  c.omb1 = static_cast<float>(1.0 - b1);
-  c.omb2 = static_cast<float>(1.0 - b2);
-  c.step_size = static_cast<float>(g.lr / bc1);
-  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  c.amsgrad = g.amsgrad;
-  c.is_muon = g.algorithm == Algorithm::kMuon;
-  if (c.is_muon) c.muon = internal::ComputeMuonConstants(g);
+  StepConstants c{};
+  internal::RuleFor(g.algorithm).SetConstants(g, t, c);
   return c;
 }
 
@@ -51,37 +39,9 @@ bool SupportedFloat(DType d) { return d == DType::kF32 || d == DType::kBF16 || d
 }  // namespace
 
 absl::Status ValidateHyperParameters(const ParamGroup& g, size_t index) {
-  auto bad = [&](absl::string_view what, double value) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("param group ", index, ": ", what, " = ", value, " is out of range"));
-  };
-  if (!(g.lr >= 0) || !std::isfinite(g.lr)) return bad("lr", g.lr);
-  if (!(g.beta1 >= 0 && g.beta1 < 1)) return bad("beta1", g.beta1);
-  if (!(g.beta2 >= 0 && g.beta2 < 1)) return bad("beta2", g.beta2);
-  // eps = 0 as torch allows it: an element whose moments are both zero then becomes 0/0 = NaN
-  // in torch and here alike.
-  if (!(g.eps >= 0) || !std::isfinite(g.eps)) return bad("eps", g.eps);
-  if (!(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) {
-    return bad("weight_decay", g.weight_decay);
-  }
-  if (g.algorithm == Algorithm::kMuon) {
-    const MuonParams& m = g.muon;
-    if (!(m.momentum >= 0) || !std::isfinite(m.momentum)) return bad("momentum", m.momentum);
-    for (auto [what, value] : {std::pair{"ns_a", m.ns_a}, {"ns_b", m.ns_b}, {"ns_c", m.ns_c}}) {
-      if (!std::isfinite(value)) return bad(what, value);
-    }
-    if (m.ns_steps >= 100) return bad("ns_steps", m.ns_steps);
-    if (m.adjust_lr != MuonLrAdjust::kOriginal && m.adjust_lr != MuonLrAdjust::kMatchRmsAdamW) {
-      return bad("adjust_lr", static_cast<double>(m.adjust_lr));
-    }
-    if (g.amsgrad) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("param group ", index, ": amsgrad is AdamW's; a Muon group has none"));
-    }
-  } else if (g.algorithm != Algorithm::kAdamW) {
-    return bad("algorithm", static_cast<double>(g.algorithm));
-  }
-  return absl::OkStatus();
+  CKPT_ASSIGN_OR_RETURN(const internal::UpdateRule* rule, internal::FindRule(g.algorithm),
+                        absl::StrCat("param group ", index));
+  return rule->Validate(g, index);
 }
 
 namespace {
@@ -145,26 +105,23 @@ absl::StatusOr<uint64_t> ValidatePieces(const StagedAdamWOptions& o) {
   return total;
 }
 
-// A Muon group's parameters are matrices, and this rank holds each of them whole: its
-// orthogonalisation needs all of it (docs/design/muon.md).
-absl::Status ValidateMuon(const StagedAdamWOptions& o) {
-  auto muon = [&](uint32_t param) {
-    return o.groups[o.params[param].group].algorithm == Algorithm::kMuon;
+// Each parameter is one its group's rule can step, and this rank holds whole each parameter
+// whose rule keeps parameters whole (Muon's orthogonalisation needs all of a matrix,
+// docs/design/muon.md). REQUIRES: the groups validated.
+absl::Status ValidateRules(const StagedAdamWOptions& o) {
+  auto rule = [&](uint32_t param) -> const internal::UpdateRule& {
+    return internal::RuleFor(o.groups[o.params[param].group].algorithm);
   };
   for (uint32_t i = 0; i < o.params.size(); ++i) {
-    if (muon(i) && o.params[i].shape.size() != 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("param \"", o.params[i].name, "\" is in Muon group ", o.params[i].group,
-                       " but has ", o.params[i].shape.size(),
-                       " dimensions: Muon steps 2-D matrices only (step the others with AdamW)"));
-    }
+    CKPT_RETURN_IF_ERROR(rule(i).CheckParam(o.params[i]));
   }
   for (const Piece& p : o.pieces) {
-    if (!muon(p.param)) continue;
+    if (!rule(p.param).keeps_params_whole()) continue;
     if (p.begin != 0 || p.count != o.params[p.param].numel()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "piece [", p.begin, ", +", p.count, ") of \"", o.params[p.param].name,
-          "\" is part of a Muon matrix: a rank holds each Muon matrix whole"));
+          "\" is part of a ", rule(p.param).name(), " parameter: ", rule(p.param).name(),
+          " steps each parameter whole, so one rank must hold all of it"));
     }
   }
   return absl::OkStatus();
@@ -177,7 +134,7 @@ std::vector<Unit> BuildUnits(const StagedAdamWOptions& o) {
   for (const Piece& p : o.pieces) {
     if (p.count == 0) continue;  // A parameter of no elements: nothing to update.
     const uint32_t group = o.params[p.param].group;
-    if (o.groups[group].algorithm == Algorithm::kMuon) {  // One whole matrix.
+    if (internal::RuleFor(o.groups[group].algorithm).keeps_params_whole()) {  // One whole matrix.
       units.push_back({offset, p.count, group, o.params[p.param].shape[0]});
       offset += p.count;
       continue;
@@ -218,7 +175,7 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
   CKPT_RETURN_IF_ERROR(ValidateGroups(options));
   CKPT_ASSIGN_OR_RETURN(DType dtype, ValidateParams(options));
   CKPT_ASSIGN_OR_RETURN(uint64_t size, ValidatePieces(options));
-  CKPT_RETURN_IF_ERROR(ValidateMuon(options));
+  CKPT_RETURN_IF_ERROR(ValidateRules(options));
   if (options.unit_bytes < 64) return absl::InvalidArgumentError("unit_bytes must be at least 64");
   std::unique_ptr<StagedAdamW> opt(new StagedAdamW());
   // Where each piece lies in the slabs and in a flat model-weight buffer: back to back, each

@@ -22,19 +22,32 @@ constexpr uint64_t kWeightBlockBytes = uint64_t{4} << 20;
 // Elements converted per batch when a step's moment dtype differs from the slabs'.
 constexpr uint64_t kConvertElems = uint64_t{1} << 20;
 
-// The weights' bytes are the masters' for F32 weights (the one kind the masters equal).
-const std::byte* KindBytes(const StateBytes& from, StateKind kind) {
-  return kind == StateKind::kMaster || kind == StateKind::kWeights ? from.master
-         : kind == StateKind::kExpAvg || kind == StateKind::kMomentum ? from.exp_avg
-         : kind == StateKind::kExpAvgSq                             ? from.exp_avg_sq
-                                                                    : from.max_exp_avg_sq;
+const std::byte* SlabOf(const StateBytes& from, Slab slab) {
+  switch (slab) {
+    case Slab::kMaster:
+      return from.master;
+    case Slab::kExpAvg:
+      return from.exp_avg;
+    case Slab::kExpAvgSq:
+      return from.exp_avg_sq;
+    case Slab::kMaxExpAvgSq:
+      return from.max_exp_avg_sq;
+  }
+  return nullptr;  // Unreachable: the switch names every slab.
 }
 
-std::byte* KindBytes(const MutableStateBytes& to, StateKind kind) {
-  return kind == StateKind::kMaster                                  ? to.master
-         : kind == StateKind::kExpAvg || kind == StateKind::kMomentum ? to.exp_avg
-         : kind == StateKind::kExpAvgSq ? to.exp_avg_sq
-                                        : to.max_exp_avg_sq;
+std::byte* SlabOf(const MutableStateBytes& to, Slab slab) {
+  switch (slab) {
+    case Slab::kMaster:
+      return to.master;
+    case Slab::kExpAvg:
+      return to.exp_avg;
+    case Slab::kExpAvgSq:
+      return to.exp_avg_sq;
+    case Slab::kMaxExpAvgSq:
+      return to.max_exp_avg_sq;
+  }
+  return nullptr;  // Unreachable: the switch names every slab.
 }
 
 }  // namespace
@@ -67,19 +80,20 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
     if (queued) txn.stream().WaitCopied(ticket).IgnoreError();
   };
   for (const StateRun& run : layout.Runs()) {
-    const DType model = layout.dtype(StateKind::kWeights, run.param);
+    const DType model = layout.params()[run.param].dtype;
     const size_t wsize = formats::DTypeSize(model);
     const uint64_t chunk_elems = std::max<uint64_t>(1, chunk_bytes / wsize);
     const uint64_t block =
         chunk_elems * std::max<uint64_t>(1, kWeightBlockBytes / (chunk_elems * wsize));
-    for (StateKind kind : layout.kinds(run.param)) {
-      const std::string& name = layout.name(run.param, kind);
-      if (kind != StateKind::kWeights || model == DType::kF32) {
-        const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
+    for (const ParamState& state : layout.states(run.param)) {
+      const std::string& name = state.name;
+      // F32 weights are the masters themselves; others are rounded a block at a time below.
+      if (!state.weights || model == DType::kF32) {
+        const size_t size = formats::DTypeSize(state.weights ? DType::kF32 : state.dtype);
         CKPT_ASSIGN_OR_RETURN(
             ticket, txn.stream().Queue(
                         name, run.tensor_begin, run.count,
-                        {KindBytes(slabs, kind) + run.slab_offset * size, run.count * size}));
+                        {SlabOf(slabs, state.slab) + run.slab_offset * size, run.count * size}));
         queued = true;
         continue;
       }
@@ -115,7 +129,7 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
   size_t used = 0;  // Bytes of `weights` taken by the runs so far.
   for (const StateRun& run : layout.Runs(begin, count)) {
     const uint64_t at = run.slab_offset - begin;  // Into `from`.
-    const DType model = layout.dtype(StateKind::kWeights, run.param);
+    const DType model = layout.params()[run.param].dtype;
     // F32 weights are the masters themselves; others are rounded into `weights`.
     std::span<const std::byte> rounded(from.master + 4 * at, 4 * run.count);
     if (model != DType::kF32) {
@@ -125,14 +139,14 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
       rounded = out;
       used += out.size();
     }
-    for (StateKind kind : layout.kinds(run.param)) {
-      const size_t size = formats::DTypeSize(layout.dtype(kind, run.param));
+    for (const ParamState& state : layout.states(run.param)) {
+      const size_t size = formats::DTypeSize(state.dtype);
       const std::span<const std::byte> bytes =
-          kind == StateKind::kWeights
-              ? rounded
-              : std::span<const std::byte>(KindBytes(from, kind) + at * size, run.count * size);
-      CKPT_ASSIGN_OR_RETURN(ticket, txn.stream().Queue(layout.name(run.param, kind),
-                                                       run.tensor_begin, run.count, bytes));
+          state.weights ? rounded
+                        : std::span<const std::byte>(SlabOf(from, state.slab) + at * size,
+                                                     run.count * size);
+      CKPT_ASSIGN_OR_RETURN(ticket,
+                            txn.stream().Queue(state.name, run.tensor_begin, run.count, bytes));
     }
   }
   return ticket;
@@ -146,13 +160,13 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
   std::vector<CheckpointReader::RangeRead> direct;
   std::vector<std::byte> batch;
   for (const StateRun& run : layout.Runs()) {
-    for (StateKind kind : layout.kinds(run.param)) {
-      if (kind == StateKind::kWeights) continue;  // The masters rounded, written by the caller.
-      const std::string& name = layout.name(run.param, kind);
+    for (const ParamState& state : layout.states(run.param)) {
+      if (state.weights) continue;  // The masters rounded, written by the caller.
+      const std::string& name = state.name;
       CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(name));
-      const DType want = layout.dtype(kind, run.param);
+      const DType want = state.dtype;
       const size_t size = formats::DTypeSize(want);
-      std::span<std::byte> out(KindBytes(to, kind) + run.slab_offset * size, run.count * size);
+      std::span<std::byte> out(SlabOf(to, state.slab) + run.slab_offset * size, run.count * size);
       if (info->dtype == want) {
         direct.push_back({name, run.tensor_begin, run.count, out});
         continue;

@@ -10,86 +10,69 @@ namespace ckpt::optimizer::internal {
 
 using formats::DType;
 
-std::string StateTensorName(StateKind kind, absl::string_view param) {
-  switch (kind) {
-    case StateKind::kWeights:
-      return std::string(param);
-    case StateKind::kMaster:
-      return absl::StrCat("optimizer.master.", param);
-    case StateKind::kExpAvg:
-      return absl::StrCat("optimizer.exp_avg.", param);
-    case StateKind::kExpAvgSq:
-      return absl::StrCat("optimizer.exp_avg_sq.", param);
-    case StateKind::kMaxExpAvgSq:
-      return absl::StrCat("optimizer.max_exp_avg_sq.", param);
-    case StateKind::kMomentum:
-      return absl::StrCat("optimizer.momentum.", param);
-  }
-  return std::string(param);  // Unreachable: the switch names every kind.
+std::string StateTensorName(absl::string_view key, absl::string_view param) {
+  return absl::StrCat(kOptimizerPrefix, key, ".", param);
 }
 
 StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, DType moment,
-                         bool max_exp_avg_sq, std::vector<bool> muon)
+                         bool max_exp_avg_sq, std::vector<Algorithm> algorithms)
     : params_(std::move(params)),
       pieces_(std::move(pieces)),
       moment_(moment),
-      max_exp_avg_sq_(max_exp_avg_sq),
-      muon_(std::move(muon)) {
+      max_exp_avg_sq_(max_exp_avg_sq) {
   piece_offset_.reserve(pieces_.size() + 1);
   for (const Piece& p : pieces_) {
     piece_offset_.push_back(size_);
     size_ += p.count;
   }
   piece_offset_.push_back(size_);
-  names_.reserve(params_.size());
-  for (const ParamSpec& p : params_) {
-    std::vector<std::string>& names = names_.emplace_back();
-    for (size_t kind = 0; kind < kStateKinds; ++kind) {
-      names.push_back(StateTensorName(static_cast<StateKind>(kind), p.name));
+  rules_.reserve(params_.size());
+  states_.reserve(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const UpdateRule& rule = RuleFor(algorithms.empty() ? Algorithm::kAdamW : algorithms[i]);
+    rules_.push_back(&rule);
+    std::vector<ParamState>& states = states_.emplace_back();
+    states.push_back({params_[i].name, params_[i].dtype, Slab::kMaster, /*weights=*/true});
+    states.push_back({StateTensorName(kMasterKey, params_[i].name), DType::kF32, Slab::kMaster});
+    for (const StateDecl& d : rule.states()) {
+      if (d.only_with_max_slab && !max_exp_avg_sq_) continue;
+      states.push_back({StateTensorName(d.key, params_[i].name), moment_, d.slab,
+                        /*weights=*/false, /*moment=*/true});
     }
   }
 }
 
 StateLayout StateLayout::Of(const StagedAdamW& opt) {
-  std::vector<bool> muon;
-  if (opt.has_muon()) {
-    for (const ParamSpec& p : opt.options().params) {
-      muon.push_back(opt.groups()[p.group].algorithm == Algorithm::kMuon);
-    }
+  std::vector<Algorithm> algorithms;
+  algorithms.reserve(opt.options().params.size());
+  for (const ParamSpec& p : opt.options().params) {
+    algorithms.push_back(opt.groups()[p.group].algorithm);
   }
   return StateLayout(opt.options().params, opt.options().pieces,
                      MomentDTypeOf(opt.options().moment_dtype), opt.has_max_exp_avg_sq(),
-                     std::move(muon));
-}
-
-DType StateLayout::dtype(StateKind kind, uint32_t param) const {
-  return kind == StateKind::kWeights ? params_[param].dtype : dtype(kind);
-}
-
-DType StateLayout::dtype(StateKind kind) const {
-  switch (kind) {
-    case StateKind::kWeights:
-      return params_.empty() ? DType::kF32 : params_[0].dtype;  // REQUIRES excludes this.
-    case StateKind::kMaster:
-      return DType::kF32;
-    case StateKind::kExpAvg:
-    case StateKind::kExpAvgSq:
-    case StateKind::kMaxExpAvgSq:
-    case StateKind::kMomentum:
-      return moment_;
-  }
-  return DType::kF32;  // Unreachable.
+                     std::move(algorithms));
 }
 
 std::vector<TensorSpec> StateLayout::Declarations() const {
   std::vector<TensorSpec> out;
-  out.reserve(params_.size() * kinds().size());
+  out.reserve(params_.size() * 5);
   for (uint32_t p = 0; p < params_.size(); ++p) {
-    for (StateKind kind : kinds(p)) {
-      out.push_back({name(p, kind), dtype(kind, p), params_[p].shape});
-    }
+    for (const ParamState& s : states_[p]) out.push_back({s.name, s.dtype, params_[p].shape});
   }
   return out;
+}
+
+std::vector<std::string> StateTensorNames(const UpdateRule& rule, absl::string_view name,
+                                          bool max_slab) {
+  std::vector<std::string> out = {std::string(name), StateTensorName(kMasterKey, name)};
+  for (const StateDecl& d : rule.states()) {
+    if (!d.only_with_max_slab || max_slab) out.push_back(StateTensorName(d.key, name));
+  }
+  return out;
+}
+
+Algorithm RecordAlgorithm(const formats::OptimizerRecordGroup& group) {
+  return group.muon.has_value() ? Algorithm::kMuon : Algorithm::kAdamW;
 }
 
 std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {

@@ -1,23 +1,26 @@
 // StateLayout: the one owner of how an optimizer's state lies in a step (the table at the top
-// of ckpt/optimizer/checkpointer.h). Per parameter a fixed list of state tensors (AdamW: the
-// weights under the parameter's own name, then optimizer.master.<name>, optimizer.exp_avg.<name>
-// and optimizer.exp_avg_sq.<name>, and optimizer.max_exp_avg_sq.<name> when the optimizer keeps
-// AMSGrad's maximum; a Muon parameter's are its weights, master and optimizer.momentum.<name>,
-// docs/design/muon.md), their dtypes and declarations, and a rank's pieces as runs of slab
-// elements. Save, the async writer, the undo spill, restore, the model-only load, reshard and
+// of ckpt/optimizer/checkpointer.h). Per parameter its state tensors, derived from its group's
+// UpdateRule (optimizer/rules/update_rule.h): the weights under the parameter's own name, then
+// optimizer.master.<name>, then optimizer.<key>.<name> for each state the rule declares (AdamW:
+// exp_avg, exp_avg_sq, and max_exp_avg_sq when the optimizer keeps AMSGrad's maximum; Muon:
+// momentum, docs/design/muon.md); their dtypes and declarations, and a rank's pieces as runs of
+// slab elements. Save, the async writer, the undo spill, restore, the model-only load, reshard and
 // export all ask it instead of computing names or offsets themselves. Immutable once built;
 // safe for concurrent use.
 #ifndef CKPT_OPTIMIZER_STATE_LAYOUT_H_
 #define CKPT_OPTIMIZER_STATE_LAYOUT_H_
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/strings/string_view.h"
 #include "ckpt/checkpoint_writer.h"
 #include "ckpt/formats/dtype.h"
+#include "ckpt/formats/optimizer_record.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/rules/update_rule.h"
 
 namespace ckpt::optimizer::internal {
 
@@ -26,30 +29,22 @@ inline constexpr char kTrainerPrefix[] = "trainer.";
 // Every tensor name that starts so is optimizer state; the other tensors are the model's.
 inline constexpr char kOptimizerPrefix[] = "optimizer.";
 
-// A state tensor of a parameter. The weights are the masters rounded to the model dtype.
-// kMomentum is a Muon parameter's momentum buffer, kept where exp_avg is (the same EMA).
-enum class StateKind : uint8_t { kWeights, kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentum };
-inline constexpr size_t kStateKinds = 6;
+// The key of the masters' tensors ("optimizer.master.<param>"), which every rule keeps.
+inline constexpr char kMasterKey[] = "master";
 
-// The kinds AdamW keeps per parameter, in the order they are declared and written; with
-// AMSGrad's maximum (StagedAdamW::has_max_exp_avg_sq()) the second list.
-inline constexpr StateKind kAdamWKinds[] = {StateKind::kWeights, StateKind::kMaster,
-                                            StateKind::kExpAvg, StateKind::kExpAvgSq};
-inline constexpr StateKind kAmsgradKinds[] = {StateKind::kWeights, StateKind::kMaster,
-                                              StateKind::kExpAvg, StateKind::kExpAvgSq,
-                                              StateKind::kMaxExpAvgSq};
-// The kinds a Muon parameter keeps.
-inline constexpr StateKind kMuonKinds[] = {StateKind::kWeights, StateKind::kMaster,
-                                           StateKind::kMomentum};
-// True for the kinds stored in the moments' dtype.
-inline bool IsMoment(StateKind kind) {
-  return kind == StateKind::kExpAvg || kind == StateKind::kExpAvgSq ||
-         kind == StateKind::kMaxExpAvgSq || kind == StateKind::kMomentum;
-}
+// The name of `param`'s state tensor of `key` in a step: "optimizer." + key + "." + param.
+std::string StateTensorName(absl::string_view key, absl::string_view param);
 
-// The name of `param`'s tensor of `kind` in a step: the parameter's own name for the weights,
-// "optimizer.master." + param and so on for the rest.
-std::string StateTensorName(StateKind kind, absl::string_view param);
+// A state tensor of one parameter as a step holds it: the weights (the masters rounded to the
+// parameter's dtype, under the parameter's own name), the master, then its rule's state
+// tensors (UpdateRule::states()).
+struct ParamState {
+  std::string name;
+  formats::DType dtype;
+  Slab slab;             // Where its elements are: kMaster for the weights and the master.
+  bool weights = false;  // The masters rounded: written, never read back.
+  bool moment = false;   // Kept in the moments' dtype (a load converts F32 and BF16).
+};
 
 inline formats::DType MomentDTypeOf(MomentDType m) {
   return m == MomentDType::kF32 ? formats::DType::kF32 : formats::DType::kBF16;
@@ -68,37 +63,24 @@ struct StateRun {
 class StateLayout {
  public:
   // The state of the parameters `params` (whose weights are each of its own dtype), of which
-  // this rank holds `pieces` back to back in its slabs; `max_exp_avg_sq`: with AMSGrad's
-  // maximum; `muon`: per parameter, whether it is a Muon group's (empty: none is).
-  // REQUIRES: every piece names a parameter of `params`; `muon` empty or one per parameter.
+  // this rank holds `pieces` back to back in its slabs; `max_exp_avg_sq`: the optimizer keeps
+  // AMSGrad's slab; `algorithms`: per parameter, its group's (empty: AdamW for every one).
+  // REQUIRES: every piece names a parameter of `params`; `algorithms` empty or one per
+  // parameter, each naming a rule.
   StateLayout(std::vector<ParamSpec> params, std::vector<Piece> pieces, formats::DType moment,
-              bool max_exp_avg_sq = false, std::vector<bool> muon = {});
+              bool max_exp_avg_sq = false, std::vector<Algorithm> algorithms = {});
   static StateLayout Of(const StagedAdamW& opt);
 
   const std::vector<ParamSpec>& params() const { return params_; }
   const std::vector<Piece>& pieces() const { return pieces_; }
   uint64_t size() const { return size_; }  // Slab elements: the pieces' counts added up.
-  // The kinds of an AdamW parameter.
-  std::span<const StateKind> kinds() const {
-    if (max_exp_avg_sq_) return kAmsgradKinds;
-    return kAdamWKinds;
-  }
-  // The kinds of parameter `param`: Muon's or AdamW's.
-  std::span<const StateKind> kinds(uint32_t param) const {
-    if (!muon_.empty() && muon_[param]) return kMuonKinds;
-    return kinds();
-  }
-  bool is_muon(uint32_t param) const { return !muon_.empty() && muon_[param]; }
+  // Parameter `param`'s state tensors, in the order they are declared and written.
+  std::span<const ParamState> states(uint32_t param) const { return states_[param]; }
+  // The rule that steps parameter `param`.
+  const UpdateRule& rule(uint32_t param) const { return *rules_[param]; }
   bool has_max_exp_avg_sq() const { return max_exp_avg_sq_; }
-  // The dtype of `param`'s tensor of `kind`: its own for the weights, F32 for the masters, the
-  // moments' for the moments.
-  formats::DType dtype(StateKind kind, uint32_t param) const;
-  // The same for the kinds every parameter has alike. REQUIRES: kind != kWeights.
-  formats::DType dtype(StateKind kind) const;
-  const std::string& name(uint32_t param, StateKind kind) const {
-    return names_[param][static_cast<size_t>(kind)];
-  }
-  // Every state tensor of every parameter: per parameter, its kinds(param) in order.
+  formats::DType moment_dtype() const { return moment_; }
+  // Every state tensor of every parameter: per parameter, its states(param) in order.
   std::vector<TensorSpec> Declarations() const;
   // The runs of slab elements [begin, begin + count), in slab order: a piece cut at `begin`
   // and `begin + count`. REQUIRES: begin + count <= size().
@@ -112,9 +94,17 @@ class StateLayout {
   uint64_t size_ = 0;
   formats::DType moment_;
   bool max_exp_avg_sq_;
-  std::vector<bool> muon_;
-  std::vector<std::vector<std::string>> names_;  // By parameter, then kind (every kind).
+  std::vector<const UpdateRule*> rules_;         // By parameter.
+  std::vector<std::vector<ParamState>> states_;  // By parameter.
 };
+
+// The state tensor names a parameter `name` of `rule` keeps in a step, in order (weights,
+// master, the rule's); with `max_slab`, those only an optimizer with AMSGrad's slab keeps too.
+std::vector<std::string> StateTensorNames(const UpdateRule& rule, absl::string_view name,
+                                          bool max_slab);
+
+// The algorithm an optimizer record's group was saved with.
+Algorithm RecordAlgorithm(const formats::OptimizerRecordGroup& group);
 
 // The optimizer record (formats/optimizer_record.h) of the state saved by `world_size` ranks:
 // the parameters (name, shape, model dtype, group, and each one's step count when some differs

@@ -34,11 +34,11 @@ StateLayout Layout(DType model = DType::kBF16, DType moment = DType::kF32) {
 
 TEST(StateLayoutTest, NamesEveryStateTensorOfEveryParameter) {
   const StateLayout layout = Layout();
-  EXPECT_EQ(layout.name(1, StateKind::kWeights), "b");
-  EXPECT_EQ(layout.name(1, StateKind::kMaster), "optimizer.master.b");
-  EXPECT_EQ(layout.name(1, StateKind::kExpAvg), "optimizer.exp_avg.b");
-  EXPECT_EQ(layout.name(1, StateKind::kExpAvgSq), "optimizer.exp_avg_sq.b");
-  EXPECT_EQ(StateTensorName(StateKind::kMaster, "x.y"), "optimizer.master.x.y");
+  std::vector<std::string> names;
+  for (const ParamState& s : layout.states(1)) names.push_back(s.name);
+  EXPECT_THAT(names, ::testing::ElementsAre("b", "optimizer.master.b", "optimizer.exp_avg.b",
+                                            "optimizer.exp_avg_sq.b"));
+  EXPECT_EQ(StateTensorName(kMasterKey, "x.y"), "optimizer.master.x.y");
   const std::vector<TensorSpec> d = layout.Declarations();
   ASSERT_EQ(d.size(), 12u);  // Per parameter: weights, master, exp_avg, exp_avg_sq.
   EXPECT_EQ(d[4].name, "b");
@@ -46,7 +46,7 @@ TEST(StateLayoutTest, NamesEveryStateTensorOfEveryParameter) {
   EXPECT_EQ(d[5].dtype, DType::kF32);
   EXPECT_EQ(d[6].name, "optimizer.exp_avg.b");
   EXPECT_EQ(d[11].shape, std::vector<uint64_t>{7});
-  EXPECT_EQ(Layout(DType::kF16, DType::kBF16).dtype(StateKind::kExpAvgSq), DType::kBF16);
+  EXPECT_EQ(Layout(DType::kF16, DType::kBF16).states(0)[3].dtype, DType::kBF16);
   EXPECT_EQ(layout.size(), 35u);
 }
 
@@ -101,7 +101,7 @@ class StateIoTest : public ::testing::Test {
   // Slabs of `layout`: masters with fractions that BF16 must round, moments of the layout's
   // dtype made from their own values.
   void Fill(const StateLayout& layout) {
-    const size_t n = layout.size(), msize = formats::DTypeSize(layout.dtype(StateKind::kExpAvg));
+    const size_t n = layout.size(), msize = formats::DTypeSize(layout.moment_dtype());
     master_.resize(n);
     for (size_t i = 0; i < n; ++i) master_[i] = 1.0f + static_cast<float>(i) / 3.0f;
     std::vector<float> m(n), v(n);
@@ -111,9 +111,9 @@ class StateIoTest : public ::testing::Test {
     }
     exp_avg_.resize(n * msize);
     exp_avg_sq_.resize(n * msize);
-    formats::Convert(DType::kF32, std::as_bytes(std::span(m)), layout.dtype(StateKind::kExpAvg),
+    formats::Convert(DType::kF32, std::as_bytes(std::span(m)), layout.moment_dtype(),
                      exp_avg_);
-    formats::Convert(DType::kF32, std::as_bytes(std::span(v)), layout.dtype(StateKind::kExpAvg),
+    formats::Convert(DType::kF32, std::as_bytes(std::span(v)), layout.moment_dtype(),
                      exp_avg_sq_);
   }
   StateBytes From() const {
@@ -159,7 +159,7 @@ TEST_F(StateIoTest, WrittenWholeOrUnitByUnitTheStepHoldsTheSameStateAndReadsBack
     auto reader = store->OpenStep(step).value();
     for (const StateRun& r : layout.Runs()) {
       std::vector<uint16_t> w(r.count);
-      ASSERT_THAT(reader->ReadRange(layout.name(r.param, StateKind::kWeights), r.tensor_begin,
+      ASSERT_THAT(reader->ReadRange(layout.states(r.param)[0].name, r.tensor_begin,
                                     r.count, std::as_writable_bytes(std::span(w))),
                   IsOk());
       for (uint64_t i = 0; i < r.count; ++i) {

@@ -85,8 +85,7 @@ absl::Status WriteSyntheticOptimizerStep(Env* env, const std::string& root, uint
         std::vector<float> state;
         for (const Piece& piece : pieces[r]) {
           for (int kind = 0; kind < 4; ++kind) {
-            const std::string& name =
-                layout.name(piece.param, optimizer::internal::kAdamWKinds[kind]);
+            const std::string& name = layout.states(piece.param)[kind].name;
             for (uint64_t at = 0; at < piece.count; at += kBatchElems) {
               const uint64_t n = std::min(kBatchElems, piece.count - at);
               const uint64_t begin = piece.begin + at;

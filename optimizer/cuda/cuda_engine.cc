@@ -59,7 +59,7 @@
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/host_buffer.h"
-#include "optimizer/muon.h"
+#include "optimizer/rules/muon/muon.h"
 
 namespace ckpt::optimizer::internal {
 namespace {

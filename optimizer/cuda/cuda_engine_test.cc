@@ -24,7 +24,7 @@
 #include "optimizer/cuda/cuda_resources.h"
 #include "optimizer/cuda/muon_kernel.h"
 #include "optimizer/engine.h"
-#include "optimizer/muon.h"
+#include "optimizer/rules/muon/muon.h"
 #include "tests/support/numeric.h"
 #include "tests/support/status_matchers.h"
 #include "tests/support/tensor_gen.h"

@@ -2,8 +2,8 @@
 // of the masters elementwise in FP32 with torch's formulas, the Newton-Schulz orthogonalisation
 // with BF16 operands, FP32 accumulation and one BF16 rounding per product, as torch rounds it;
 // the products are OpenBLAS SGEMMs over operands that hold BF16 values.
-#ifndef CKPT_OPTIMIZER_MUON_H_
-#define CKPT_OPTIMIZER_MUON_H_
+#ifndef CKPT_OPTIMIZER_RULES_MUON_MUON_H_
+#define CKPT_OPTIMIZER_RULES_MUON_MUON_H_
 
 #include <algorithm>
 #include <cmath>
@@ -84,4 +84,4 @@ int SetBlasThreads(int threads);
 
 }  // namespace ckpt::optimizer::internal
 
-#endif  // CKPT_OPTIMIZER_MUON_H_
+#endif  // CKPT_OPTIMIZER_RULES_MUON_MUON_H_

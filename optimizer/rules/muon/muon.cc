@@ -1,5 +1,5 @@
-// Muon on the CPU (optimizer/muon.h).
-#include "optimizer/muon.h"
+// Muon on the CPU (optimizer/rules/muon/muon.h).
+#include "optimizer/rules/muon/muon.h"
 
 #include <cblas.h>
 
