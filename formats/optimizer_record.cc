@@ -1,6 +1,7 @@
 #include "ckpt/formats/optimizer_record.h"
 
 #include <limits>
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -16,15 +17,21 @@ using nlohmann::json;
 
 constexpr int kMaxDepth = 8;
 
-// A group's "algorithm" and, for Muon, its hyper-parameters; nullopt for AdamW's.
+// A group's "algorithm" and, for Muon, its hyper-parameters; nullopt for AdamW's and (version
+// 5) another rule's, whose name goes to `other`.
 template <typename Bad>
 absl::StatusOr<std::optional<OptimizerRecordMuon>> ParseMuon(const json& g, size_t index,
+                                                             uint64_t version, std::string* other,
                                                              const Bad& bad) {
   const std::string at = absl::StrCat("group ", index);
   if (!g.contains("algorithm")) return std::nullopt;
   if (!g["algorithm"].is_string()) return bad(at + " has an algorithm that is not a string");
   const std::string algorithm = g["algorithm"].get<std::string>();
   if (algorithm == kAlgorithmAdamW) return std::nullopt;
+  if (algorithm != kAlgorithmMuon && version >= 5 && !algorithm.empty()) {
+    *other = algorithm;
+    return std::nullopt;
+  }
   if (algorithm != kAlgorithmMuon) {
     return bad(absl::StrCat(at, " has algorithm \"", algorithm, "\" (adamw or muon)"));
   }
@@ -55,6 +62,26 @@ absl::StatusOr<std::optional<OptimizerRecordMuon>> ParseMuon(const json& g, size
   return m;
 }
 
+// A group's "hyper_parameters" (version 5): name -> number.
+template <typename Bad>
+absl::StatusOr<std::map<std::string, double>> ParseHyper(const json& g, size_t index,
+                                                         const Bad& bad) {
+  std::map<std::string, double> out;
+  if (!g.contains("hyper_parameters")) return out;
+  const json& h = g["hyper_parameters"];
+  if (!h.is_object()) {
+    return bad(absl::StrCat("group ", index, " has hyper_parameters that are not an object"));
+  }
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (!it.value().is_number()) {
+      return bad(absl::StrCat("group ", index, " has hyper-parameter \"", it.key(),
+                              "\" that is not a number"));
+    }
+    out[it.key()] = it.value().get<double>();
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
@@ -70,8 +97,11 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
       own_steps = true;
     }
   }
-  bool amsgrad = false, muon = false;
-  for (const OptimizerRecordGroup& g : record.groups) muon |= g.muon.has_value();
+  bool amsgrad = false, muon = false, rules = false;
+  for (const OptimizerRecordGroup& g : record.groups) {
+    muon |= g.muon.has_value();
+    rules |= !g.algorithm.empty() || !g.hyper.empty();
+  }
   for (const OptimizerRecordGroup& g : record.groups) {
     groups.push_back({{"lr", g.lr},
                       {"beta1", g.beta1},
@@ -83,7 +113,12 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
       groups.back()["amsgrad"] = true;
       amsgrad = true;
     }
-    if (muon) groups.back()["algorithm"] = g.muon.has_value() ? kAlgorithmMuon : kAlgorithmAdamW;
+    if (muon || rules) {
+      groups.back()["algorithm"] = !g.algorithm.empty() ? g.algorithm
+                                   : g.muon.has_value() ? kAlgorithmMuon
+                                                        : kAlgorithmAdamW;
+    }
+    if (!g.hyper.empty()) groups.back()["hyper_parameters"] = g.hyper;
     if (g.muon.has_value()) {
       const OptimizerRecordMuon& m = *g.muon;
       groups.back()["momentum"] = m.momentum;
@@ -94,7 +129,7 @@ std::string EncodeOptimizerRecord(const OptimizerRecord& record) {
     }
   }
   return json{{"format", kOptimizerRecordFormat},
-              {"version", muon ? 4 : amsgrad ? 3 : own_steps ? 2 : 1},
+              {"version", rules ? 5 : muon ? 4 : amsgrad ? 3 : own_steps ? 2 : 1},
               {"kind", record.kind},
               {"moment_dtype", std::string(DTypeName(record.moment_dtype))},
               {"world_size", record.world_size},
@@ -173,7 +208,12 @@ absl::StatusOr<OptimizerRecord> ParseOptimizerRecord(absl::string_view text,
       }
       group.amsgrad = g["amsgrad"].get<bool>();
     }
-    CKPT_ASSIGN_OR_RETURN(group.muon, ParseMuon(g, out.groups.size(), bad));
+    const uint64_t version = root["version"].get<uint64_t>();
+    CKPT_ASSIGN_OR_RETURN(group.muon,
+                          ParseMuon(g, out.groups.size(), version, &group.algorithm, bad));
+    if (version >= 5) {
+      CKPT_ASSIGN_OR_RETURN(group.hyper, ParseHyper(g, out.groups.size(), bad));
+    }
     out.groups.push_back(group);
   }
   if (!root.contains("params") || !root["params"].is_array()) return bad("has no params");

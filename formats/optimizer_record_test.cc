@@ -74,7 +74,7 @@ TEST(OptimizerRecordTest, EveryMalformedFieldIsDataLossNamingIt) {
     EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
   }
   EXPECT_THAT(ParseOptimizerRecord("[1,2", "x"), StatusIs(absl::StatusCode::kDataLoss));
-  EXPECT_THAT(damaged("\"version\":1", "\"version\":5"),
+  EXPECT_THAT(damaged("\"version\":1", "\"version\":6"),
               StatusIs(absl::StatusCode::kUnimplemented));
   EXPECT_THAT(damaged("\"group\":1", "\"group\":1,\"step\":-1"),
               StatusIs(absl::StatusCode::kDataLoss));
@@ -145,6 +145,67 @@ TEST(OptimizerRecordTest, MuonGroupsRoundTripAsVersionFourEveryGroupSayingItsAlg
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kDataLoss)) << c.to;
     EXPECT_THAT(s.message(), HasSubstr(c.names)) << c.to << ": " << s.message();
   }
+}
+
+// Version 5: a group of another rule names it and carries that rule's hyper-parameters by
+// name; every group then says its algorithm, AdamW's and Muon's as before.
+TEST(OptimizerRecordTest, OtherRulesRoundTripAsVersionFiveWithHyperParametersByName) {
+  OptimizerRecord record = Sample();
+  record.kind = "adafactor";
+  record.groups[0].algorithm = "adafactor";
+  record.groups[0].hyper = {{"beta2_decay", -0.8}, {"eps2", 1e-3}, {"d", 1.0}};
+  const std::string text = EncodeOptimizerRecord(record);
+  EXPECT_THAT(text, HasSubstr("\"version\":5"));
+  EXPECT_THAT(text, HasSubstr("\"algorithm\":\"adafactor\""));
+  EXPECT_THAT(text, HasSubstr("\"algorithm\":\"adamw\""));
+  EXPECT_THAT(text, HasSubstr("\"hyper_parameters\":{\"beta2_decay\":-0.8,\"d\":1.0,\"eps2\":0.001}"));
+  absl::StatusOr<OptimizerRecord> parsed = ParseOptimizerRecord(text, "x");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_EQ(*parsed, record);
+  struct Case {
+    std::string from, to, names;
+  };
+  const std::vector<Case> cases = {
+      {"{\"beta2_decay\":-0.8,\"d\":1.0,\"eps2\":0.001}", "7",
+       "group 0 has hyper_parameters that are not an object"},
+      {"\"beta2_decay\":-0.8", "\"beta2_decay\":\"-0.8\"",
+       "group 0 has hyper-parameter \"beta2_decay\" that is not a number"},
+      {"\"algorithm\":\"adafactor\"", "\"algorithm\":\"\"", "group 0 has algorithm \"\""},
+  };
+  for (const Case& c : cases) {
+    std::string bad = text;
+    bad.replace(bad.find(c.from), c.from.size(), c.to);
+    const absl::Status st = ParseOptimizerRecord(bad, "x").status();
+    EXPECT_THAT(st, StatusIs(absl::StatusCode::kDataLoss)) << c.to;
+    EXPECT_THAT(st.message(), HasSubstr(c.names)) << c.to << ": " << st.message();
+  }
+  // Before version 5 a group of another rule is damage, not a rule to look up.
+  std::string v4 = text;
+  v4.replace(v4.find("\"version\":5"), 11, "\"version\":4");
+  EXPECT_THAT(ParseOptimizerRecord(v4, "x"), StatusIs(absl::StatusCode::kDataLoss));
+}
+
+// A version 4 record as the build before version 5 wrote it (golden): read as it always was.
+TEST(OptimizerRecordTest, AVersionFourRecordAsWrittenBeforeVersionFiveStillReads) {
+  const std::string golden =
+      R"({"format":"ckpt-optimizer","groups":[{"adjust_lr":"original","algorithm":"muon",)"
+      R"("beta1":0.9,"beta2":0.999,"eps":1e-07,"lr":0.02,"momentum":0.95,)"
+      R"("ns_coefficients":[3.4445,-4.775,2.0315],"ns_steps":5,"nesterov":true,"step":3,)"
+      R"("weight_decay":0.1},{"algorithm":"adamw","beta1":0.9,"beta2":0.999,"eps":1e-08,)"
+      R"("lr":0.003,"step":3,"weight_decay":0.01}],"kind":"muon","moment_dtype":"F32",)"
+      R"("params":[{"dtype":"BF16","group":0,"name":"w1","shape":[8,16]},)"
+      R"({"dtype":"F32","group":1,"name":"norm","shape":[8]}],"version":4,"world_size":1})";
+  absl::StatusOr<OptimizerRecord> parsed = ParseOptimizerRecord(golden, "x");
+  ASSERT_THAT(parsed, IsOk());
+  EXPECT_EQ(parsed->kind, kOptimizerKindMuon);
+  ASSERT_EQ(parsed->groups.size(), 2u);
+  ASSERT_TRUE(parsed->groups[0].muon.has_value());
+  EXPECT_EQ(parsed->groups[0].muon->ns_c, 2.0315);
+  EXPECT_TRUE(parsed->groups[0].algorithm.empty());
+  EXPECT_TRUE(parsed->groups[0].hyper.empty());
+  EXPECT_FALSE(parsed->groups[1].muon.has_value());
+  EXPECT_EQ(parsed->groups[1].lr, 0.003);
+  EXPECT_EQ(parsed->params[0].shape, (std::vector<uint64_t>{8, 16}));
 }
 
 }  // namespace

@@ -29,7 +29,8 @@ std::unique_ptr<StagingPool> StagingPool::Create(uint64_t slot_bytes, uint64_t s
 StagingPool::~StagingPool() { std::free(base_); }
 
 uint64_t AsyncSave::UnitStateBytes(const StagedAdamW& opt, const Unit& unit) {
-  return unit.count * (4 + (opt.has_max_exp_avg_sq() ? 3 : 2) * opt.moment_bytes());
+  const uint64_t aux = opt.AuxStart(unit.offset + unit.count) - opt.AuxStart(unit.offset);
+  return unit.count * (4 + (opt.has_max_exp_avg_sq() ? 3 : 2) * opt.moment_bytes()) + aux * 4;
 }
 
 AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> txn, Blobs blobs,
@@ -39,6 +40,7 @@ AsyncSave::AsyncSave(const StagedAdamW& opt, std::unique_ptr<SaveTransaction> tx
       exp_avg_(opt.exp_avg_bytes().data()),
       exp_avg_sq_(opt.exp_avg_sq_bytes().data()),
       max_exp_avg_sq_(opt.has_max_exp_avg_sq() ? opt.max_exp_avg_sq_bytes().data() : nullptr),
+      aux_(opt.aux().empty() ? nullptr : reinterpret_cast<const std::byte*>(opt.aux().data())),
       moment_bytes_(opt.moment_bytes()),
       moments_(opt.has_max_exp_avg_sq() ? 3 : 2),
       layout_(StateLayout::Of(opt)),
@@ -62,20 +64,27 @@ AsyncSave::~AsyncSave() {
   writer_->Join();
 }
 
+uint64_t AsyncSave::UnitAux(size_t u) const {
+  return layout_.AuxStart(units_[u].offset + units_[u].count) -
+         layout_.AuxStart(units_[u].offset);
+}
+
 uint64_t AsyncSave::UnitBytes(size_t u) const {
-  return units_[u].count * (4 + moments_ * moment_bytes_);
+  return units_[u].count * (4 + moments_ * moment_bytes_) + UnitAux(u) * 4;
 }
 
 StateBytes AsyncSave::SlabsOf(size_t u) const {
   const uint64_t at = units_[u].offset;
   return {master_ + at * 4, exp_avg_ + at * moment_bytes_, exp_avg_sq_ + at * moment_bytes_,
-          max_exp_avg_sq_ == nullptr ? nullptr : max_exp_avg_sq_ + at * moment_bytes_};
+          max_exp_avg_sq_ == nullptr ? nullptr : max_exp_avg_sq_ + at * moment_bytes_,
+          aux_ == nullptr ? nullptr : aux_ + layout_.AuxStart(at) * 4};
 }
 
 StateBytes AsyncSave::CopyOf(size_t u, const std::byte* copy) const {
   const uint64_t n = units_[u].count;
   return {copy, copy + n * 4, copy + n * (4 + moment_bytes_),
-          max_exp_avg_sq_ == nullptr ? nullptr : copy + n * (4 + 2 * moment_bytes_)};
+          max_exp_avg_sq_ == nullptr ? nullptr : copy + n * (4 + 2 * moment_bytes_),
+          aux_ == nullptr ? nullptr : copy + n * (4 + moments_ * moment_bytes_)};
 }
 
 bool AsyncSave::Released(size_t u) const {
@@ -143,6 +152,7 @@ void AsyncSave::CopyUnits(const std::vector<size_t>& copy,
       std::memcpy(into, m, n * moment_bytes_);
       into += n * moment_bytes_;
     }
+    if (from.aux != nullptr) std::memcpy(into, from.aux, UnitAux(copy[k]) * 4);
   };
   workers_->ParallelFor(copy.size(), one, copy_threads_);
 }

@@ -106,10 +106,12 @@ class AsyncSave : public UnitFence {
   // Queues unit `u` from its master and moment bytes (the slabs' or its copy's), which must
   // stay unchanged until the returned ticket is written (PieceStream::WaitWritten).
   absl::StatusOr<uint64_t> QueueUnit(size_t u, const StateBytes& from);
-  // Unit `u`'s state in the slabs, and in a copy of it at `copy` (master, then each moment).
+  // Unit `u`'s state in the slabs, and in a copy of it at `copy` (master, then each moment,
+  // then its aux state).
   StateBytes SlabsOf(size_t u) const;
   StateBytes CopyOf(size_t u, const std::byte* copy) const;
   uint64_t UnitBytes(size_t u) const;
+  uint64_t UnitAux(size_t u) const;  // Unit `u`'s aux elements.
   bool Released(size_t u) const;  // REQUIRES: mu_ held.
 
   // What the writer and the fence read of the optimizer, taken once on the caller's thread: the
@@ -119,6 +121,7 @@ class AsyncSave : public UnitFence {
   const std::byte* const exp_avg_;
   const std::byte* const exp_avg_sq_;
   const std::byte* const max_exp_avg_sq_;  // Null without AMSGrad's maximum.
+  const std::byte* const aux_;             // Null without aux state.
   const size_t moment_bytes_;
   const size_t moments_;  // Moment slabs: 2, or 3 with max_exp_avg_sq.
   const StateLayout layout_;

@@ -71,9 +71,10 @@ absl::StatusOr<formats::OptimizerRecord> ReadRecord(const CheckpointReader& read
   CKPT_ASSIGN_OR_RETURN(std::string text, reader.ReadBlob(kOptimizerRecordBlob, 0));
   CKPT_ASSIGN_OR_RETURN(formats::OptimizerRecord record,
                         formats::ParseOptimizerRecord(text, where));
-  if (record.kind != formats::kOptimizerKindAdamW && record.kind != formats::kOptimizerKindMuon) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, " holds the state of a \"", record.kind, "\" optimizer, not AdamW's or Muon's"));
+  if (!internal::FindRuleByKey(record.kind).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " holds the state of a \"", record.kind,
+                     "\" optimizer, which this build of ckpt does not know"));
   }
   return record;
 }
@@ -94,7 +95,8 @@ std::string FirstMomentName(const StateLayout& layout) {
 absl::Status CheckAlgorithms(const formats::OptimizerRecord& record,
                              const std::vector<ParamGroup>& groups, absl::string_view where) {
   for (size_t g = 0; g < groups.size() && g < record.groups.size(); ++g) {
-    const Algorithm saved = internal::RecordAlgorithm(record.groups[g]);
+    CKPT_ASSIGN_OR_RETURN(const Algorithm saved,
+                          internal::RecordAlgorithm(record.groups[g], g, where));
     if (saved != groups[g].algorithm) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, ": param group ", g, " is ", internal::RuleFor(saved).name(),
@@ -125,9 +127,10 @@ absl::StatusOr<std::vector<ParamGroup>> RecordGroups(const formats::OptimizerRec
     p.weight_decay = g.weight_decay;
     p.step = g.step;
     p.amsgrad = g.amsgrad;
+    CKPT_ASSIGN_OR_RETURN(p.algorithm, internal::RecordAlgorithm(g, out.size(), where));
+    p.hyper.insert(g.hyper.begin(), g.hyper.end());
     if (g.muon.has_value()) {
       const formats::OptimizerRecordMuon& m = *g.muon;
-      p.algorithm = Algorithm::kMuon;
       p.muon = {m.momentum, m.nesterov, m.ns_a, m.ns_b, m.ns_c, m.ns_steps,
                 m.adjust_lr == formats::kMuonLrOriginal ? MuonLrAdjust::kOriginal
                                                         : MuonLrAdjust::kMatchRmsAdamW};
@@ -234,22 +237,26 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
       const DType want = moment ? moments : s.dtype;
       const std::string& name = s.name;
       const formats::TensorInfo& t = **reader.FindTensor(name);
-      if (t.shape != o.params[p].shape || t.dtype != want ||
+      if (t.shape != s.shape || t.dtype != want ||
           (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
         return absl::InvalidArgumentError(absl::StrCat(
             where, ": tensor \"", name, "\" is ", formats::DTypeName(t.dtype), " [",
             absl::StrJoin(t.shape, ", "), "], the optimizer needs ", formats::DTypeName(want),
-            " [", absl::StrJoin(o.params[p].shape, ", "), "]"));
+            " [", absl::StrJoin(s.shape, ", "), "]"));
       }
     }
   }
   for (const Piece& piece : o.pieces) {
     for (const internal::ParamState& s : layout.states(piece.param)) {
       const std::string& name = s.name;
-      if (!reader.Covers(name, piece.begin, piece.count)) {
+      // An aux state goes whole with its parameter's one piece.
+      const bool whole = s.slab == internal::Slab::kAux;
+      const uint64_t begin = whole ? 0 : piece.begin;
+      const uint64_t count = whole ? (*reader.FindTensor(name))->numel() : piece.count;
+      if (!reader.Covers(name, begin, count)) {
         return absl::InvalidArgumentError(
-            absl::StrCat(where, " does not cover elements [", piece.begin, ", ",
-                         piece.begin + piece.count, ") of \"", name, "\", which this rank owns"));
+            absl::StrCat(where, " does not cover elements [", begin, ", ", begin + count,
+                         ") of \"", name, "\", which this rank owns"));
       }
     }
   }
@@ -272,7 +279,8 @@ absl::Status Checkpointer::Apply(const CheckpointReader& reader, Blobs* blobs,
       {reinterpret_cast<std::byte*>(optimizer_->mutable_master().data()),
        optimizer_->mutable_exp_avg_bytes().data(), optimizer_->mutable_exp_avg_sq_bytes().data(),
        optimizer_->has_max_exp_avg_sq() ? optimizer_->mutable_max_exp_avg_sq_bytes().data()
-                                        : nullptr}));
+                                        : nullptr,
+       reinterpret_cast<std::byte*>(optimizer_->mutable_aux().data())}));
   scope.RestoreGroups(groups, RecordParamSteps(record, o.params));
   return ReadTrainerBlobs(reader, blobs);
 }

@@ -239,7 +239,8 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype,
       }
     }
   });
-  if (moments_differ.load()) return nullptr;
+  // Aux state (Adafactor's factors) is small beside the masters: read whole.
+  if (moments_differ.load() || !AllZero(std::as_bytes(optimizer_->aux()))) return nullptr;
   if (inexact.load()) {
     copy.reset();  // Before the larger one: the load's peak holds one copy, not both.
     model = DType::kF32;
@@ -267,7 +268,8 @@ absl::Status Checkpointer::RestoreFrom(Undo& undo, StagedAdamW::LoadScope& scope
                      DType::kF32, std::as_writable_bytes(master));
     for (std::span<std::byte> moment :
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),
-          optimizer_->mutable_max_exp_avg_sq_bytes()}) {
+          optimizer_->mutable_max_exp_avg_sq_bytes(),
+          std::as_writable_bytes(optimizer_->mutable_aux())}) {
       if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
     }
     // Derivable only while no parameter has stepped: every count is 0.

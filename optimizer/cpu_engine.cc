@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
@@ -49,12 +50,13 @@ class CpuEngine : public internal::Engine {
         return report;
       }
     }
-    // Out of place, skipped runs make tasks too: their state is copied across. Muon's matrices
-    // are stepped after the elementwise units, whole.
+    // Out of place, skipped runs make tasks too: their state is copied across. Parameters kept
+    // whole (Muon's matrices) are stepped after the elementwise units.
     std::vector<Unit> elementwise, matrices;
     for (const Unit& u : units) (u.rows == 0 ? elementwise : matrices).push_back(u);
     if (!matrices.empty() && slabs.out_of_place()) {
-      return absl::InternalError("an out-of-place pass over Muon matrices");  // BeginOverlap refuses.
+      // BeginOverlap refuses.
+      return absl::InternalError("an out-of-place pass over parameters kept whole");
     }
     const std::vector<Task> tasks =
         Tasks(args, elementwise, plan, slabs, task_elems, gsize, slabs.out_of_place());
@@ -201,41 +203,55 @@ class CpuEngine : public internal::Engine {
     });
   }
 
-  // Muon's units, one whole matrix each, one after another: each product of its
-  // orthogonalisation runs on OpenBLAS's threads, as many as the step's own (the cores left to
-  // an async save's writer stay free).
+  // The units of parameters kept whole (Muon's matrices, Adafactor's tensors), one after
+  // another, each by its rule's kernel: the elementwise passes on the pool; Muon's products on
+  // OpenBLAS's threads, as many as the step's own (the cores left to an async save's writer
+  // stay free).
   void StepMatrices(const StepArgs& args, const std::vector<Unit>& matrices, const StepPlan& plan,
                     const SlabView& slabs, size_t gsize) {
     if (matrices.empty()) return;
     const int before = internal::SetBlasThreads(Participants());
     const size_t msize = MomentBytes(slabs.moment_dtype);
-    // The elementwise passes on the pool, while OpenBLAS's threads wait between products.
     const internal::ParallelFor parallel = [this](size_t count,
                                                   const std::function<void(size_t)>& fn) {
       pool_.ParallelFor(count, fn, Participants());
     };
     for (const Unit& u : matrices) {
+      // A whole parameter's unit is its one piece.
+      const std::span<const uint64_t> starts = slabs.piece_starts;
+      size_t k = static_cast<size_t>(std::lower_bound(starts.begin(), starts.end() - 1, u.offset) -
+                                     starts.begin());
+      while (starts[k + 1] == starts[k]) ++k;  // Past empty pieces at the same offset.
       ForEachSegment(args, slabs, plan, u.offset, u.count, gsize,
                      [&](uint64_t offset, uint64_t count, const std::byte* grads, std::byte* params,
                          uint32_t c, formats::DType dtype) {
                        if (c == StepPlan::kSkipped) return;
-                       internal::MuonMatrixArgs m{slabs.master + offset,
-                                                  slabs.master + offset,
-                                                  slabs.exp_avg + offset * msize,
-                                                  slabs.exp_avg + offset * msize,
-                                                  slabs.moment_dtype,
-                                                  grads,
-                                                  args.grad_dtype,
-                                                  args.grad_scale,
-                                                  params,
-                                                  dtype,
-                                                  u.rows,
-                                                  count / u.rows};
-                       internal::MuonStepMatrix(m, plan.constants[c].muon, muon_scratch_,
-                                                parallel);
+                       const StepConstants& constants = plan.constants[c];
+                       const internal::UpdateRule& rule = *constants.rule;
+                       const internal::WholeParamStep w{
+                           slabs.master + offset,
+                           slabs.exp_avg + offset * msize,
+                           slabs.aux == nullptr ? nullptr : slabs.aux + slabs.piece_aux[k],
+                           slabs.moment_dtype,
+                           grads,
+                           args.grad_dtype,
+                           args.grad_scale,
+                           params,
+                           dtype,
+                           slabs.params[slabs.pieces[k].param].shape,
+                           u.rows,
+                           count};
+                       rule.StepWholeCpu(w, constants, Scratch(rule), parallel);
                      });
     }
     internal::SetBlasThreads(before);
+  }
+
+  // The scratch of `rule`'s kernel, made at its first use.
+  internal::CpuScratch* Scratch(const internal::UpdateRule& rule) {
+    std::unique_ptr<internal::CpuScratch>& s = scratch_[rule.algorithm()];
+    if (s == nullptr) s = rule.NewCpuScratch();
+    return s.get();
   }
 
   // Threads a step runs on: the pool, less the cores it leaves spare (at least one).
@@ -243,7 +259,7 @@ class CpuEngine : public internal::Engine {
 
   const CpuIsa isa_;
   internal::ThreadPool pool_;
-  internal::MuonScratch muon_scratch_;
+  std::map<Algorithm, std::unique_ptr<internal::CpuScratch>> scratch_;
   int spare_ = 0;
 };
 

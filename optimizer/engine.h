@@ -3,6 +3,7 @@
 #define CKPT_OPTIMIZER_ENGINE_H_
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -31,6 +32,10 @@ struct StepConstants {
   // `muon`; the AdamW constants above are unused.
   bool is_muon = false;
   internal::MuonConstants muon{};
+  // The rule that made these constants (UpdateRule::SetConstants), and what a rule that keeps
+  // parameters whole computes for its own kernels (StepWholeCpu), which only it reads.
+  const internal::UpdateRule* rule = nullptr;
+  std::array<double, 8> values{};
 };
 StepConstants ComputeStepConstants(const ParamGroup& group, uint64_t t);
 // OK when every hyper-parameter of `group` is in range; kInvalidArgument naming group `index`,
@@ -52,6 +57,15 @@ struct SlabView {
   // flat model-weight buffer (StagedAdamW::weight_bytes()), then that buffer's size.
   std::span<const formats::DType> piece_dtypes;
   std::span<const uint64_t> piece_bytes;
+  // The pieces (StagedAdamWOptions::pieces) and parameters, for the kernels of rules that keep
+  // parameters whole (a unit's shape).
+  std::span<const Piece> pieces;
+  std::span<const ParamSpec> params;
+  // The aux slab (internal::Slab::kAux: FP32 state shaped unlike its parameter), and each piece's
+  // first element in it, then its size; null when no parameter keeps such state. Stepped in
+  // place only (a parameter kept whole is never in an out-of-place pass).
+  float* aux = nullptr;
+  std::span<const uint64_t> piece_aux;
   // Where a Step writes the state: null writes it in place (where it is read, above). Set for an
   // out-of-place pass (an overlapped step writes the spare side, docs/design/overlap.md); every
   // element of the pass's units is then written there, skipped runs and AMSGrad's slab of groups

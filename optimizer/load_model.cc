@@ -234,7 +234,8 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     CKPT_RETURN_IF_ERROR(from->ReadF32(requests));
     for (std::span<std::byte> moment :
          {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),
-          optimizer_->mutable_max_exp_avg_sq_bytes()}) {
+          optimizer_->mutable_max_exp_avg_sq_bytes(),
+          std::as_writable_bytes(optimizer_->mutable_aux())}) {
       if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
     }
     std::vector<ParamGroup> groups = optimizer_->groups();

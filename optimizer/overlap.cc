@@ -96,9 +96,10 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
   // The last step's gate: whatever this step queues on the stream comes after its writes.
   if (gate_open() && args.stream.has_value()) CKPT_RETURN_IF_ERROR(AwaitStep(*args.stream));
   const bool speculate = options.speculate;
-  if (has_muon()) {
+  if (has_whole_params()) {
     return absl::UnimplementedError(
-        "an overlapped step of an optimizer with Muon groups is not built yet: step plainly");
+        "an overlapped step of an optimizer with Muon or Adafactor groups (parameters kept "
+        "whole) is not built yet: step plainly");
   }
   auto state = std::make_unique<OverlapState>();
   state->args = args;

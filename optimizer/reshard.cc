@@ -77,10 +77,13 @@ absl::StatusOr<Plan> MakePlan(const CheckpointReader& source, const ReshardOptio
       std::vector<uint32_t> tensors;
       // The tensors its group's rule keeps (AMSGrad's maximum only where the optimizer kept
       // one: for every parameter alike).
-      const internal::UpdateRule& rule =
-          internal::RuleFor(internal::RecordAlgorithm(parsed.groups[p.group]));
-      const std::vector<std::string> with_max = internal::StateTensorNames(rule, name, true);
-      const std::vector<std::string> without = internal::StateTensorNames(rule, name, false);
+      CKPT_ASSIGN_OR_RETURN(const Algorithm algorithm,
+                            internal::RecordAlgorithm(parsed.groups[p.group], p.group, where));
+      const internal::UpdateRule& rule = internal::RuleFor(algorithm);
+      const std::vector<std::string> with_max =
+          internal::StateTensorNames(rule, name, p.shape, true);
+      const std::vector<std::string> without =
+          internal::StateTensorNames(rule, name, p.shape, false);
       for (const std::string& tensor : with_max) {
         auto state = index.find(tensor);
         const bool optional =
@@ -137,7 +140,12 @@ class RankWriter {
     }
     std::vector<Batch> batches;
     for (const Piece& piece : plan_.pieces[rank]) {
-      for (uint32_t t : plan_.tensors_of[piece.param]) Cut(m.tensors[t], piece.begin, piece.count, &batches);
+      for (uint32_t t : plan_.tensors_of[piece.param]) {
+        // A parameter kept whole is one piece, [0, numel): each of its tensors goes whole, so
+        // too those shaped unlike it (Adafactor's factors).
+        const bool whole = !plan_.whole.empty() && plan_.whole[piece.param];
+        Cut(m.tensors[t], piece.begin, whole ? m.tensors[t].numel() : piece.count, &batches);
+      }
     }
     if (rank == 0) {
       for (uint32_t t : plan_.loose) Cut(m.tensors[t], 0, m.tensors[t].numel(), &batches);

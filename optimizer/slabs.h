@@ -21,6 +21,7 @@ namespace ckpt::optimizer {
 struct StagedAdamW::Slabs {
   internal::HostBuffer master, exp_avg, exp_avg_sq;
   internal::HostBuffer max_exp_avg_sq;  // Allocated only with has_max_exp_avg_sq().
+  internal::HostBuffer aux;             // FP32; allocated only when some rule keeps aux state.
 };
 
 struct StagedAdamW::OverlapState {

@@ -134,8 +134,9 @@ std::vector<Unit> BuildUnits(const StagedAdamWOptions& o) {
   for (const Piece& p : o.pieces) {
     if (p.count == 0) continue;  // A parameter of no elements: nothing to update.
     const uint32_t group = o.params[p.param].group;
-    if (internal::RuleFor(o.groups[group].algorithm).keeps_params_whole()) {  // One whole matrix.
-      units.push_back({offset, p.count, group, o.params[p.param].shape[0]});
+    const internal::UpdateRule& rule = internal::RuleFor(o.groups[group].algorithm);
+    if (rule.keeps_params_whole()) {  // One unit of the whole parameter.
+      units.push_back({offset, p.count, group, rule.UnitRows(o.params[p.param])});
       offset += p.count;
       continue;
     }
@@ -197,6 +198,14 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
   opt->piece_starts_.push_back(start);
   opt->piece_bytes_.push_back(bytes);
   opt->widest_ = widest;
+  uint64_t aux = 0;
+  for (const Piece& p : options.pieces) {
+    opt->piece_aux_.push_back(aux);
+    const ParamSpec& param = options.params[p.param];
+    aux += internal::AuxElements(internal::RuleFor(options.groups[param.group].algorithm),
+                                 param.shape);
+  }
+  opt->piece_aux_.push_back(aux);
   if (model_weights.size() != bytes) {
     return absl::InvalidArgumentError(absl::StrCat("model weights hold ", model_weights.size(),
                                                    " bytes, this rank's pieces need ", bytes));
@@ -217,6 +226,14 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
   if (opt->options_.engine == EngineKind::kCpu) {
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCpuEngine(opt->options_.threads, opt->options_.isa));
   } else {
+    for (const ParamGroup& g : opt->options_.groups) {
+      const internal::UpdateRule& rule = internal::RuleFor(g.algorithm);
+      if (!rule.has_cuda_kernels()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "the CUDA engine has no ", rule.name(), " kernels yet: step ", rule.name(),
+            " groups on the CPU engine"));
+      }
+    }
     CKPT_ASSIGN_OR_RETURN(opt->engine_, NewCudaEngine(opt->options_, opt->units_, opt->has_max_));
   }
   const bool pinned = opt->engine_->wants_pinned_slabs();
@@ -233,6 +250,10 @@ absl::StatusOr<std::unique_ptr<StagedAdamW>> StagedAdamW::CreateWith(
     CKPT_ASSIGN_OR_RETURN(
         opt->slabs_->max_exp_avg_sq,
         internal::HostBuffer::Create(size * moment_bytes, 3 * internal::kSlabStagger, pinned));
+  }
+  if (aux > 0) {
+    CKPT_ASSIGN_OR_RETURN(opt->slabs_->aux,
+                          internal::HostBuffer::Create(aux * 4, 4 * internal::kSlabStagger, pinned));
   }
   // The first copy of the weights into the masters, on every core: (piece, block) tasks.
   constexpr uint64_t kBlock = uint64_t{1} << 22;
@@ -326,6 +347,8 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
                   size_ * moment_bytes());
     }
   }
+  // The aux state of the current pieces, which come first in the grown aux slab too.
+  if (!aux().empty()) std::memcpy(next->mutable_aux().data(), aux().data(), aux().size_bytes());
   // The current counts; the new parameters start at 0 (Create gave them their group's).
   std::fill(next->param_steps_.begin(), next->param_steps_.end(), 0);
   std::copy(param_steps_.begin(), param_steps_.end(), next->param_steps_.begin());
@@ -431,7 +454,11 @@ SlabView StagedAdamW::View() const {
                   options_.moment_dtype,
                   piece_starts_,
                   piece_dtypes_,
-                  piece_bytes_};
+                  piece_bytes_,
+                  options_.pieces,
+                  options_.params,
+                  slabs_->aux.valid() ? reinterpret_cast<float*>(slabs_->aux.data()) : nullptr,
+                  piece_aux_};
 }
 
 absl::Status StagedAdamW::CheckPieceBuffers(std::span<const PieceBuffers> pieces,
@@ -572,7 +599,7 @@ absl::StatusOr<StepReport> StagedAdamW::StepUnits(const StepArgs& args, const St
   const SlabView view = View();
   // A Muon matrix records no written event: a gate could not order its readers.
   if (args.gate && fence_ == nullptr && !units_.empty() && engine_->queues_only() &&
-      !has_muon()) {
+      !has_whole_params()) {
     return StepGated(args, plan);
   }
   if (fence_ == nullptr || units_.empty()) {
@@ -651,9 +678,27 @@ absl::StatusOr<StepReport> StagedAdamW::StepGated(const StepArgs& args, const St
   return report;
 }
 
-bool StagedAdamW::has_muon() const {
+std::span<const float> StagedAdamW::aux() const {
+  return {reinterpret_cast<const float*>(slabs_->aux.data()), piece_aux_.back()};
+}
+
+std::span<float> StagedAdamW::mutable_aux() {
+  ++state_version_;
+  return {reinterpret_cast<float*>(slabs_->aux.data()), piece_aux_.back()};
+}
+
+uint64_t StagedAdamW::AuxStart(uint64_t slab_offset) const {
+  const auto k = static_cast<size_t>(
+      std::lower_bound(piece_starts_.begin(), piece_starts_.end() - 1, slab_offset) -
+      piece_starts_.begin());
+  return piece_aux_[k];
+}
+
+bool StagedAdamW::has_whole_params() const {
   return std::any_of(options_.groups.begin(), options_.groups.end(),
-                     [](const ParamGroup& g) { return g.algorithm == Algorithm::kMuon; });
+                     [](const ParamGroup& g) {
+                       return internal::RuleFor(g.algorithm).keeps_params_whole();
+                     });
 }
 
 absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
 #include "ckpt/base/checksum.h"
 #include "ckpt/base/coding.h"
 #include "ckpt/base/status_macros.h"
@@ -32,6 +33,8 @@ const std::byte* SlabOf(const StateBytes& from, Slab slab) {
       return from.exp_avg_sq;
     case Slab::kMaxExpAvgSq:
       return from.max_exp_avg_sq;
+    case Slab::kAux:
+      return from.aux;
   }
   return nullptr;  // Unreachable: the switch names every slab.
 }
@@ -46,8 +49,28 @@ std::byte* SlabOf(const MutableStateBytes& to, Slab slab) {
       return to.exp_avg_sq;
     case Slab::kMaxExpAvgSq:
       return to.max_exp_avg_sq;
+    case Slab::kAux:
+      return to.aux;
   }
   return nullptr;  // Unreachable: the switch names every slab.
+}
+
+// Where state `s` of `run` lies: elements [tensor_begin, tensor_begin + count) of its tensor,
+// from element `at` of its slab as the state bytes at hand begin (at `base`, a slab element;
+// the aux slab at AuxStart(base)). An aux state goes whole with its parameter's one piece.
+struct Place {
+  uint64_t tensor_begin, count, at;
+};
+absl::StatusOr<Place> PlaceOf(const StateLayout& layout, const StateRun& run, const ParamState& s,
+                              uint64_t base) {
+  if (s.slab != Slab::kAux) return Place{run.tensor_begin, run.count, run.slab_offset - base};
+  if (run.tensor_begin != 0 || run.count != layout.params()[run.param].numel()) {
+    return absl::InternalError(absl::StrCat("state \"", s.name, "\" of a parameter kept whole is cut at [",
+                                            run.tensor_begin, ", +", run.count, ")"));
+  }
+  uint64_t n = 1;
+  for (uint64_t e : s.shape) n *= e;
+  return Place{0, n, layout.AuxStart(run.slab_offset) - layout.AuxStart(base) + s.aux_offset};
 }
 
 }  // namespace
@@ -56,7 +79,10 @@ StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin) {
   const size_t m = opt.moment_bytes();
   return {reinterpret_cast<const std::byte*>(opt.master().data()) + 4 * begin,
           opt.exp_avg_bytes().data() + m * begin, opt.exp_avg_sq_bytes().data() + m * begin,
-          opt.has_max_exp_avg_sq() ? opt.max_exp_avg_sq_bytes().data() + m * begin : nullptr};
+          opt.has_max_exp_avg_sq() ? opt.max_exp_avg_sq_bytes().data() + m * begin : nullptr,
+          opt.aux().empty() ? nullptr
+                            : reinterpret_cast<const std::byte*>(opt.aux().data()) +
+                                  4 * opt.AuxStart(begin)};
 }
 
 absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const StateBytes& slabs,
@@ -90,10 +116,10 @@ absl::Status WriteState(SaveTransaction& txn, const StateLayout& layout, const S
       // F32 weights are the masters themselves; others are rounded a block at a time below.
       if (!state.weights || model == DType::kF32) {
         const size_t size = formats::DTypeSize(state.weights ? DType::kF32 : state.dtype);
+        CKPT_ASSIGN_OR_RETURN(const Place at, PlaceOf(layout, run, state, 0));
         CKPT_ASSIGN_OR_RETURN(
-            ticket, txn.stream().Queue(
-                        name, run.tensor_begin, run.count,
-                        {SlabOf(slabs, state.slab) + run.slab_offset * size, run.count * size}));
+            ticket, txn.stream().Queue(name, at.tensor_begin, at.count,
+                                       {SlabOf(slabs, state.slab) + at.at * size, at.count * size}));
         queued = true;
         continue;
       }
@@ -140,13 +166,18 @@ absl::StatusOr<uint64_t> QueueState(SaveTransaction& txn, const StateLayout& lay
       used += out.size();
     }
     for (const ParamState& state : layout.states(run.param)) {
+      if (state.weights) {
+        CKPT_ASSIGN_OR_RETURN(ticket,
+                              txn.stream().Queue(state.name, run.tensor_begin, run.count, rounded));
+        continue;
+      }
       const size_t size = formats::DTypeSize(state.dtype);
-      const std::span<const std::byte> bytes =
-          state.weights ? rounded
-                        : std::span<const std::byte>(SlabOf(from, state.slab) + at * size,
-                                                     run.count * size);
-      CKPT_ASSIGN_OR_RETURN(ticket,
-                            txn.stream().Queue(state.name, run.tensor_begin, run.count, bytes));
+      CKPT_ASSIGN_OR_RETURN(const Place place, PlaceOf(layout, run, state, begin));
+      CKPT_ASSIGN_OR_RETURN(
+          ticket, txn.stream().Queue(state.name, place.tensor_begin, place.count,
+                                     std::span<const std::byte>(
+                                         SlabOf(from, state.slab) + place.at * size,
+                                         place.count * size)));
     }
   }
   return ticket;
@@ -166,16 +197,17 @@ absl::Status ReadState(const CheckpointReader& reader, const StateLayout& layout
       CKPT_ASSIGN_OR_RETURN(const formats::TensorInfo* info, reader.FindTensor(name));
       const DType want = state.dtype;
       const size_t size = formats::DTypeSize(want);
-      std::span<std::byte> out(SlabOf(to, state.slab) + run.slab_offset * size, run.count * size);
+      CKPT_ASSIGN_OR_RETURN(const Place place, PlaceOf(layout, run, state, 0));
+      std::span<std::byte> out(SlabOf(to, state.slab) + place.at * size, place.count * size);
       if (info->dtype == want) {
-        direct.push_back({name, run.tensor_begin, run.count, out});
+        direct.push_back({name, place.tensor_begin, place.count, out});
         continue;
       }
       const size_t in_size = formats::DTypeSize(info->dtype);
-      for (uint64_t done = 0; done < run.count; done += kConvertElems) {
-        const uint64_t n = std::min(kConvertElems, run.count - done);
+      for (uint64_t done = 0; done < place.count; done += kConvertElems) {
+        const uint64_t n = std::min(kConvertElems, place.count - done);
         batch.resize(n * in_size);
-        CKPT_RETURN_IF_ERROR(reader.ReadRange(name, run.tensor_begin + done, n, batch));
+        CKPT_RETURN_IF_ERROR(reader.ReadRange(name, place.tensor_begin + done, n, batch));
         formats::Convert(info->dtype, batch, want, out.subspan(done * size, n * size));
       }
     }

@@ -24,6 +24,9 @@ struct StateBytes {
   const std::byte* exp_avg = nullptr;
   const std::byte* exp_avg_sq = nullptr;
   const std::byte* max_exp_avg_sq = nullptr;  // With AMSGrad's maximum only.
+  // The aux slab from the aux state of the range's first element on (StateLayout::AuxStart);
+  // null when no parameter keeps aux state.
+  const std::byte* aux = nullptr;
 };
 // The slabs of `opt` from element `begin` on. CUDA engine: REQUIRES Synchronize() first.
 StateBytes SlabBytes(const StagedAdamW& opt, uint64_t begin = 0);
@@ -53,6 +56,7 @@ struct MutableStateBytes {
   std::byte* exp_avg = nullptr;
   std::byte* exp_avg_sq = nullptr;
   std::byte* max_exp_avg_sq = nullptr;  // With AMSGrad's maximum only.
+  std::byte* aux = nullptr;             // With aux state only.
 };
 
 // Reads the masters and moments of every piece of `layout` from `reader` into `to`; moments

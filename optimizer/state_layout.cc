@@ -31,15 +31,37 @@ StateLayout::StateLayout(std::vector<ParamSpec> params, std::vector<Piece> piece
   for (size_t i = 0; i < params_.size(); ++i) {
     const UpdateRule& rule = RuleFor(algorithms.empty() ? Algorithm::kAdamW : algorithms[i]);
     rules_.push_back(&rule);
+    const ParamSpec& param = params_[i];
     std::vector<ParamState>& states = states_.emplace_back();
-    states.push_back({params_[i].name, params_[i].dtype, Slab::kMaster, /*weights=*/true});
-    states.push_back({StateTensorName(kMasterKey, params_[i].name), DType::kF32, Slab::kMaster});
+    states.push_back({param.name, param.dtype, Slab::kMaster, /*weights=*/true, false,
+                      param.shape});
+    states.push_back({StateTensorName(kMasterKey, param.name), DType::kF32, Slab::kMaster, false,
+                      false, param.shape});
+    uint64_t aux = 0;
     for (const StateDecl& d : rule.states()) {
       if (d.only_with_max_slab && !max_exp_avg_sq_) continue;
-      states.push_back({StateTensorName(d.key, params_[i].name), moment_, d.slab,
-                        /*weights=*/false, /*moment=*/true});
+      if (!StateApplies(d, param.shape)) continue;
+      const bool in_aux = d.slab == Slab::kAux;
+      states.push_back({StateTensorName(d.key, param.name), in_aux ? DType::kF32 : moment_, d.slab,
+                        /*weights=*/false, /*moment=*/!in_aux, StateShape(d, param.shape),
+                        aux});
+      if (in_aux) aux += StateElements(d, param.shape);
     }
   }
+  piece_aux_.reserve(pieces_.size() + 1);
+  uint64_t aux = 0;
+  for (const Piece& p : pieces_) {
+    piece_aux_.push_back(aux);
+    aux += AuxElements(*rules_[p.param], params_[p.param].shape);
+  }
+  piece_aux_.push_back(aux);
+}
+
+uint64_t StateLayout::AuxStart(uint64_t slab_offset) const {
+  const auto k = static_cast<size_t>(
+      std::lower_bound(piece_offset_.begin(), piece_offset_.end() - 1, slab_offset) -
+      piece_offset_.begin());
+  return piece_aux_[k];
 }
 
 StateLayout StateLayout::Of(const StagedAdamW& opt) {
@@ -57,22 +79,20 @@ std::vector<TensorSpec> StateLayout::Declarations() const {
   std::vector<TensorSpec> out;
   out.reserve(params_.size() * 5);
   for (uint32_t p = 0; p < params_.size(); ++p) {
-    for (const ParamState& s : states_[p]) out.push_back({s.name, s.dtype, params_[p].shape});
+    for (const ParamState& s : states_[p]) out.push_back({s.name, s.dtype, s.shape});
   }
   return out;
 }
 
 std::vector<std::string> StateTensorNames(const UpdateRule& rule, absl::string_view name,
-                                          bool max_slab) {
+                                          std::span<const uint64_t> shape, bool max_slab) {
   std::vector<std::string> out = {std::string(name), StateTensorName(kMasterKey, name)};
   for (const StateDecl& d : rule.states()) {
-    if (!d.only_with_max_slab || max_slab) out.push_back(StateTensorName(d.key, name));
+    if ((!d.only_with_max_slab || max_slab) && StateApplies(d, shape)) {
+      out.push_back(StateTensorName(d.key, name));
+    }
   }
   return out;
-}
-
-Algorithm RecordAlgorithm(const formats::OptimizerRecordGroup& group) {
-  return group.muon.has_value() ? Algorithm::kMuon : Algorithm::kAdamW;
 }
 
 std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {
@@ -92,14 +112,30 @@ std::vector<StateRun> StateLayout::Runs(uint64_t begin, uint64_t count) const {
   return out;
 }
 
+absl::StatusOr<Algorithm> RecordAlgorithm(const formats::OptimizerRecordGroup& group,
+                                          size_t index, absl::string_view where) {
+  if (group.muon.has_value()) return Algorithm::kMuon;
+  if (group.algorithm.empty()) return Algorithm::kAdamW;
+  absl::StatusOr<const UpdateRule*> rule = FindRuleByKey(group.algorithm);
+  if (!rule.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": param group ", index,
+                                                   " steps with \"", group.algorithm,
+                                                   "\", which this build of ckpt does not know"));
+  }
+  return (*rule)->algorithm();
+}
+
 std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          const std::vector<ParamGroup>& groups,
                          const std::vector<uint64_t>& param_steps, MomentDType moments,
                          int world_size) {
   formats::OptimizerRecord record;
+  // The kind: the first group's rule that is not AdamW's (Muon's, Adafactor's), else AdamW's.
   record.kind = formats::kOptimizerKindAdamW;
   for (const ParamGroup& g : groups) {
-    if (g.algorithm == Algorithm::kMuon) record.kind = formats::kOptimizerKindMuon;
+    if (g.algorithm != Algorithm::kAdamW && record.kind == formats::kOptimizerKindAdamW) {
+      record.kind = std::string(RuleFor(g.algorithm).key());
+    }
   }
   record.moment_dtype = MomentDTypeOf(moments);
   record.world_size = static_cast<uint32_t>(world_size);
@@ -114,7 +150,11 @@ std::string LayoutRecord(const std::vector<ParamSpec>& params,
   }
   for (const ParamGroup& g : groups) {
     formats::OptimizerRecordGroup& r = record.groups.emplace_back();
-    r = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad, std::nullopt};
+    r = {g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, g.step, g.amsgrad, std::nullopt, "", {}};
+    if (g.algorithm != Algorithm::kAdamW && g.algorithm != Algorithm::kMuon) {
+      r.algorithm = std::string(RuleFor(g.algorithm).key());
+    }
+    r.hyper.insert(g.hyper.begin(), g.hyper.end());
     if (g.algorithm == Algorithm::kMuon) {
       const MuonParams& m = g.muon;
       r.muon = formats::OptimizerRecordMuon{

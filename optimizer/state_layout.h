@@ -44,6 +44,10 @@ struct ParamState {
   Slab slab;             // Where its elements are: kMaster for the weights and the master.
   bool weights = false;  // The masters rounded: written, never read back.
   bool moment = false;   // Kept in the moments' dtype (a load converts F32 and BF16).
+  std::vector<uint64_t> shape;  // The tensor's shape: the parameter's, but for aux states.
+  // Slab::kAux: its first element in its parameter's run of the aux slab (the aux states
+  // before it, added up); it is always written and read whole.
+  uint64_t aux_offset = 0;
 };
 
 inline formats::DType MomentDTypeOf(MomentDType m) {
@@ -80,6 +84,12 @@ class StateLayout {
   const UpdateRule& rule(uint32_t param) const { return *rules_[param]; }
   bool has_max_exp_avg_sq() const { return max_exp_avg_sq_; }
   formats::DType moment_dtype() const { return moment_; }
+  // The aux slab's size in elements, and where the aux state of the piece that starts at slab
+  // element `slab_offset` begins in it (of the first piece starting at or after it: the aux
+  // state of slab elements [a, b) is [AuxStart(a), AuxStart(b)) when neither cuts a parameter
+  // kept whole).
+  uint64_t aux_size() const { return piece_aux_.back(); }
+  uint64_t AuxStart(uint64_t slab_offset) const;
   // Every state tensor of every parameter: per parameter, its states(param) in order.
   std::vector<TensorSpec> Declarations() const;
   // The runs of slab elements [begin, begin + count), in slab order: a piece cut at `begin`
@@ -91,6 +101,7 @@ class StateLayout {
   std::vector<ParamSpec> params_;
   std::vector<Piece> pieces_;
   std::vector<uint64_t> piece_offset_;  // Slab offset of each piece; then size_.
+  std::vector<uint64_t> piece_aux_;     // Aux slab offset of each piece; then aux_size().
   uint64_t size_ = 0;
   formats::DType moment_;
   bool max_exp_avg_sq_;
@@ -98,10 +109,11 @@ class StateLayout {
   std::vector<std::vector<ParamState>> states_;  // By parameter.
 };
 
-// The state tensor names a parameter `name` of `rule` keeps in a step, in order (weights,
-// master, the rule's); with `max_slab`, those only an optimizer with AMSGrad's slab keeps too.
+// The state tensor names a parameter `name` of `shape` stepped by `rule` keeps in a step, in
+// order (weights, master, the rule's); with `max_slab`, those only an optimizer with AMSGrad's
+// slab keeps too.
 std::vector<std::string> StateTensorNames(const UpdateRule& rule, absl::string_view name,
-                                          bool max_slab);
+                                          std::span<const uint64_t> shape, bool max_slab);
 
 // The algorithm an optimizer record's group was saved with.
 Algorithm RecordAlgorithm(const formats::OptimizerRecordGroup& group);
@@ -114,6 +126,12 @@ std::string LayoutRecord(const std::vector<ParamSpec>& params,
                          const std::vector<ParamGroup>& groups,
                          const std::vector<uint64_t>& param_steps, MomentDType moments,
                          int world_size);
+
+// The algorithm an optimizer record's group was saved with: Muon's, AdamW's or (version 5) the
+// rule its "algorithm" names; kInvalidArgument naming `where` and the group for a rule this
+// build does not know.
+absl::StatusOr<Algorithm> RecordAlgorithm(const formats::OptimizerRecordGroup& group,
+                                          size_t index, absl::string_view where);
 
 // The first 10 names, then how many more: "a, b, c and 12 more".
 std::string ListNames(const std::vector<std::string>& names);

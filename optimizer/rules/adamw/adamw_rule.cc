@@ -30,12 +30,14 @@ class AdamW final : public UpdateRule {
  public:
   Algorithm algorithm() const override { return Algorithm::kAdamW; }
   absl::string_view name() const override { return "AdamW"; }
+  absl::string_view key() const override { return "adamw"; }
   std::span<const StateDecl> states() const override { return kStates; }
   bool keeps_params_whole() const override { return false; }
   std::span<const HyperParam> schema() const override { return kSchema; }
 
   // Derived in double, rounded to float once (DESIGN.md §5).
   void SetConstants(const ParamGroup& g, uint64_t t, StepConstants& c) const override {
+    c.rule = this;
     const double b1 = g.beta1, b2 = g.beta2;
     const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
     const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));

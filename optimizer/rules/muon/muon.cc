@@ -10,6 +10,7 @@
 
 #include "ckpt/formats/convert.h"
 #include "ckpt/formats/float_convert.h"
+#include "optimizer/rules/torch_math.h"
 
 namespace ckpt::optimizer::internal {
 namespace {
@@ -17,11 +18,7 @@ namespace {
 using formats::RoundAllToBf16;
 using formats::RoundToBf16;
 
-// torch's lerp: self + w * (end - self) for |w| < 0.5, else end - (end - self) * (1 - w); its
-// vectorized CPU kernel fuses each into one FMA.
-float Lerp(float self, float end, float w) {
-  return std::fabs(w) < 0.5f ? std::fma(w, end - self, self) : std::fma(w - 1.0f, end - self, end);
-}
+float Lerp(float self, float end, float w) { return TorchLerp(self, end, w); }
 
 // Elements per chunk of an elementwise pass.
 constexpr size_t kChunk = size_t{1} << 15;

@@ -15,6 +15,7 @@
 #include "ckpt/formats/dtype.h"
 #include "ckpt/optimizer/layout.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/rules/update_rule.h"
 
 namespace ckpt::optimizer::internal {
 
@@ -42,10 +43,6 @@ inline float MuonAdjustedLr(const MuonConstants& k, uint64_t rows, uint64_t cols
   return static_cast<float>(k.lr * ratio);
 }
 
-// Runs fn(i) for every i in [0, count) on the caller's threads (the CPU engine's pool) and
-// returns when all are done; null runs them in order on the calling thread. The elementwise
-// passes are cut into chunks of a fixed size, so the result does not depend on the threads.
-using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
 // Buffers one orthogonalisation reuses (grown to the largest matrix seen).
 struct MuonScratch {

@@ -25,17 +25,36 @@ constexpr HyperParam kSchema[] = {
     {"ns_b", NsB, HyperParam::Range::kFinite},
     {"ns_c", NsC, HyperParam::Range::kFinite},
     {"ns_steps", NsSteps, HyperParam::Range::kBelow100},
-    {"adjust_lr", AdjustLr, HyperParam::Range::kEnum2},
+    {"adjust_lr", AdjustLr, HyperParam::Range::kBool},
 };
 
 class Muon final : public UpdateRule {
  public:
+  struct Scratch : CpuScratch {
+    MuonScratch buffers;
+  };
+
   Algorithm algorithm() const override { return Algorithm::kMuon; }
   absl::string_view name() const override { return "Muon"; }
+  absl::string_view key() const override { return "muon"; }
   std::span<const StateDecl> states() const override { return kStates; }
   // The orthogonalisation needs the whole matrix.
   bool keeps_params_whole() const override { return true; }
   std::span<const HyperParam> schema() const override { return kSchema; }
+
+  std::unique_ptr<CpuScratch> NewCpuScratch() const override {
+    return std::make_unique<Scratch>();
+  }
+
+  // Each product of the orthogonalisation runs on OpenBLAS's threads (SetBlasThreads, set by
+  // the engine), its elementwise passes on `parallel`.
+  void StepWholeCpu(const WholeParamStep& w, const StepConstants& c, CpuScratch* scratch,
+                    const ParallelFor& parallel) const override {
+    const MuonMatrixArgs m{w.master,       w.master,       w.exp_avg, w.exp_avg,
+                           w.moment_dtype, w.grads,        w.grad_dtype, w.grad_scale,
+                           w.params,       w.param_dtype,  w.rows,    w.count / w.rows};
+    MuonStepMatrix(m, c.muon, static_cast<Scratch*>(scratch)->buffers, parallel);
+  }
 
   absl::Status CheckParam(const ParamSpec& p) const override {
     if (p.shape.size() == 2) return absl::OkStatus();
@@ -47,6 +66,7 @@ class Muon final : public UpdateRule {
 
   void SetConstants(const ParamGroup& g, uint64_t t, StepConstants& c) const override {
     (void)t;  // Muon has no bias correction.
+    c.rule = this;
     c.is_muon = true;
     c.muon = ComputeMuonConstants(g);
   }

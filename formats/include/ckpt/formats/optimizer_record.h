@@ -6,6 +6,7 @@
 #define CKPT_FORMATS_OPTIMIZER_RECORD_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,8 +25,10 @@ inline constexpr char kOptimizerRecordFormat[] = "ckpt-optimizer";
 // adds a group's "amsgrad", written only when some group uses it (its steps hold
 // optimizer.max_exp_avg_sq.* tensors older readers do not know). Version 4 adds a group's
 // "algorithm" and Muon's hyper-parameters, written when some group is Muon's (its steps hold
-// optimizer.momentum.* tensors and no second moments for Muon's parameters).
-inline constexpr int kOptimizerRecordVersion = 4;
+// optimizer.momentum.* tensors and no second moments for Muon's parameters). Version 5 adds
+// groups of other rules ("algorithm" naming one, such as "adafactor") and a group's own
+// hyper-parameters by name ("hyper_parameters"), written when some group has either.
+inline constexpr int kOptimizerRecordVersion = 5;
 // The optimizer kinds a record may name; a record without "kind" (written before kinds were
 // recorded) is AdamW's. "muon": some group is Muon's (the others AdamW's, each group saying
 // which).
@@ -65,6 +68,11 @@ struct OptimizerRecordGroup {
   uint64_t step = 0;  // The largest step count of the group's parameters.
   bool amsgrad = false;
   std::optional<OptimizerRecordMuon> muon{};  // Set: a Muon group (version 4).
+  // Version 5: the rule of a group that is neither AdamW's nor Muon's ("adafactor"; empty for
+  // those two, which `muon` tells apart), and the hyper-parameters of its rule that the fields
+  // above do not hold, by name. Which names and values a rule takes is the optimizer's to judge.
+  std::string algorithm{};
+  std::map<std::string, double> hyper{};
   bool operator==(const OptimizerRecordGroup&) const = default;
 };
 
@@ -80,9 +88,10 @@ struct OptimizerRecord {
 // JSON, one line: {"format":"ckpt-optimizer","version":1,"kind":...,"moment_dtype":...,
 // "world_size":...,"params":[{"name","shape","dtype","group"}...],"groups":[{"lr","beta1",
 // "beta2","eps","weight_decay","step"[,"amsgrad"][,"algorithm"[,"momentum","nesterov",
-// "ns_coefficients","ns_steps","adjust_lr"]]}...]}; version 2 when some parameter has its own
-// "step", 3 when some group has "amsgrad": true, 4 when some group is Muon's (every group then
-// says its "algorithm").
+// "ns_coefficients","ns_steps","adjust_lr"]][,"hyper_parameters":{name:number...}]}...]};
+// version 2 when some parameter has its own "step", 3 when some group has "amsgrad": true, 4
+// when some group is Muon's (every group then says its "algorithm"), 5 when some group is of
+// another rule or has "hyper_parameters" (every group then says its "algorithm").
 // Doubles round-trip exactly.
 std::string EncodeOptimizerRecord(const OptimizerRecord& record);
 

@@ -6,6 +6,8 @@
 #define CKPT_OPTIMIZER_LAYOUT_H_
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,8 +26,8 @@ struct ParamSpec {
 
 // The update rule of a param group (docs/design/muon.md).
 enum class Algorithm : uint8_t {
-  kAdamW,  // torch.optim.AdamW.
-  kMuon,   // torch.optim.Muon: 2-D parameters only, each stepped whole.
+  kAdamW,      // torch.optim.AdamW.
+  kMuon,       // torch.optim.Muon: 2-D parameters only, each stepped whole.
 };
 
 // Muon's learning-rate adjustment by matrix shape (torch's adjust_lr_fn), for an A x B matrix:
@@ -63,6 +65,10 @@ struct ParamGroup {
   bool amsgrad = false;
   Algorithm algorithm = Algorithm::kAdamW;
   MuonParams muon{};
+  // The hyper-parameters of the group's rule that have no field above, by the names torch's
+  // param_groups give them (Adafactor's "beta2_decay", "eps1", "eps2", "d", "maximize"); one the
+  // group does not set takes the rule's default. A name the rule does not know is refused.
+  std::map<std::string, double, std::less<>> hyper{};
 };
 
 // Elements [begin, begin + count) of params[param], in row-major flat order (count is 0 only

@@ -399,8 +399,9 @@ class StagedAdamW {
   // or AddParams. Its elements are zero for parameters whose group does not use it; every
   // parameter's is saved in checkpoints (optimizer.max_exp_avg_sq.<name>).
   bool has_max_exp_avg_sq() const { return has_max_; }
-  // Some param group steps with Muon (ParamGroup::algorithm; docs/design/muon.md).
-  bool has_muon() const;
+  // Some param group's rule keeps each parameter whole on one rank (Muon, Adafactor): an
+  // overlapped step and a gated step are not built for those yet.
+  bool has_whole_params() const;
   // Read-only views of the slabs, in slab order. exp_avg() and exp_avg_sq() view FP32 moments
   // and are empty in MomentDType::kBF16; the *_bytes() views hold size() * moment_bytes()
   // bytes in either mode (max_exp_avg_sq_bytes(): none without has_max_exp_avg_sq()). CUDA
@@ -442,6 +443,16 @@ class StagedAdamW {
   // slabs or a non-finite value (naming the slab index), kFailedPrecondition when not kClean,
   // each with the masters untouched. CUDA engine: waits for the last step first.
   absl::Status SetMasters(uint64_t offset, std::span<const float> values);
+  // The aux slab: FP32 state shaped unlike its parameter (Adafactor's row and column factors,
+  // its variance of vectors), each piece of a parameter kept whole at piece_aux_offset(k), its
+  // states back to back in the order its rule declares them; empty when no rule keeps such
+  // state. CUDA engine: call Synchronize() first. The mutable view bumps state_version().
+  std::span<const float> aux() const;
+  std::span<float> mutable_aux();
+  uint64_t piece_aux_offset(size_t k) const { return piece_aux_[k]; }
+  // Where the aux state of the piece that starts at slab element `slab_offset` begins (of the
+  // first piece starting at or after it).
+  uint64_t AuxStart(uint64_t slab_offset) const;
   // Bytes per moment element in the slabs: MomentBytes(options().moment_dtype), 4 or 2.
   size_t moment_bytes() const { return MomentBytes(options_.moment_dtype); }
   // Writable views of the same memory, for loading a checkpoint into the slabs. The next Step
@@ -472,6 +483,9 @@ class StagedAdamW {
   std::vector<uint64_t> piece_starts_;
   std::vector<formats::DType> piece_dtypes_;
   std::vector<uint64_t> piece_bytes_;
+  // Each piece's first element in the aux slab (FP32 state shaped unlike its parameter, such
+  // as Adafactor's factors), then the aux slab's size in elements.
+  std::vector<uint64_t> piece_aux_;
   bool mixed_dtypes_ = false;
   bool has_max_ = false;  // The slabs hold max_exp_avg_sq.
   size_t widest_ = 1;
