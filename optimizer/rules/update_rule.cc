@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
+#include "optimizer/rules/adafactor/adafactor_rule.h"
 #include "optimizer/rules/adamw/adamw_rule.h"
 #include "optimizer/rules/muon/muon_rule.h"
 
@@ -118,13 +119,15 @@ absl::StatusOr<const UpdateRule*> FindRule(Algorithm algorithm) {
       return &AdamWRule();
     case Algorithm::kMuon:
       return &MuonRule();
+    case Algorithm::kAdafactor:
+      return &AdafactorRule();
   }
   return absl::InvalidArgumentError(
       absl::StrCat("algorithm ", static_cast<int>(algorithm), " names no update rule"));
 }
 
 absl::StatusOr<const UpdateRule*> FindRuleByKey(absl::string_view key) {
-  for (Algorithm a : {Algorithm::kAdamW, Algorithm::kMuon}) {
+  for (Algorithm a : {Algorithm::kAdamW, Algorithm::kMuon, Algorithm::kAdafactor}) {
     const UpdateRule& rule = RuleFor(a);
     if (rule.key() == key) return &rule;
   }

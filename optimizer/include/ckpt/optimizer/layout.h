@@ -28,6 +28,7 @@ struct ParamSpec {
 enum class Algorithm : uint8_t {
   kAdamW,      // torch.optim.AdamW.
   kMuon,       // torch.optim.Muon: 2-D parameters only, each stepped whole.
+  kAdafactor,  // torch.optim.Adafactor: each parameter stepped whole (docs/design/adafactor.md).
 };
 
 // Muon's learning-rate adjustment by matrix shape (torch's adjust_lr_fn), for an A x B matrix:
