@@ -65,6 +65,17 @@ std::string Build() {
   CKPT_FIELD(ckpt_group, ns_c);
   CKPT_FIELD(ckpt_group, ns_steps);
   CKPT_FIELD(ckpt_group, adjust_lr);
+  CKPT_STRUCT(ckpt_state);
+  CKPT_FIELD(ckpt_state, struct_size);
+  CKPT_FIELD(ckpt_state, master);
+  CKPT_FIELD(ckpt_state, exp_avg);
+  CKPT_FIELD(ckpt_state, exp_avg_sq);
+  CKPT_FIELD(ckpt_state, max_exp_avg_sq);
+  CKPT_FIELD(ckpt_state, count);
+  CKPT_FIELD(ckpt_state, param_steps);
+  CKPT_FIELD(ckpt_state, nparams);
+  CKPT_FIELD(ckpt_state, aux);
+  CKPT_FIELD(ckpt_state, aux_count);
   CKPT_STRUCT(ckpt_piece);
   CKPT_FIELD(ckpt_piece, param);
   CKPT_FIELD(ckpt_piece, begin);
@@ -115,6 +126,10 @@ std::string Build() {
   CKPT_FUNC(ckpt_store_keep_only);
   CKPT_FUNC(ckpt_store_adopt);
   CKPT_FUNC(ckpt_store_steps);
+  CKPT_FUNC(ckpt_optimizer_get_hyper);
+  CKPT_FUNC(ckpt_optimizer_set_hyper);
+  CKPT_FUNC(ckpt_optimizer_aux_offsets);
+  CKPT_FUNC(ckpt_optimizer_set_state_with);
   CKPT_FUNC(ckpt_optimizer_set_masters);
   CKPT_FUNC(ckpt_optimizer_write_piece_weights);
   CKPT_FUNC(ckpt_optimizer_add_params);
@@ -168,6 +183,7 @@ std::string Build() {
   CKPT_CONST(CKPT_OK);
   CKPT_CONST(CKPT_ADAMW);
   CKPT_CONST(CKPT_MUON);
+  CKPT_CONST(CKPT_ADAFACTOR);
   CKPT_CONST(CKPT_MUON_LR_ORIGINAL);
   CKPT_CONST(CKPT_MUON_LR_MATCH_RMS_ADAMW);
   CKPT_CONST(CKPT_LOAD_MODEL_IGNORE_UNEXPECTED);
@@ -205,6 +221,7 @@ std::string Build() {
   CKPT_CONST(CKPT_EXP_AVG);
   CKPT_CONST(CKPT_EXP_AVG_SQ);
   CKPT_CONST(CKPT_MAX_EXP_AVG_SQ);
+  CKPT_CONST(CKPT_AUX);
   CKPT_CONST(CKPT_LIFECYCLE_CLEAN);
   CKPT_CONST(CKPT_LIFECYCLE_LOADING);
   CKPT_CONST(CKPT_LIFECYCLE_POISONED);

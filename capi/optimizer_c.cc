@@ -71,7 +71,7 @@ opt::ParamGroup Group(const ckpt_group& g) {
   p.step = g.step;
   p.amsgrad = g.amsgrad != 0;
   auto known = [](int v, int last) { return v >= 0 && v <= last ? v : 255; };
-  p.algorithm = static_cast<opt::Algorithm>(known(g.algorithm, CKPT_MUON));
+  p.algorithm = static_cast<opt::Algorithm>(known(g.algorithm, CKPT_ADAFACTOR));
   p.muon.momentum = g.momentum;
   p.muon.nesterov = g.nesterov != 0;
   p.muon.ns_a = g.ns_a;
@@ -502,7 +502,12 @@ int ckpt_optimizer_get_group(const ckpt_optimizer* o, size_t index, ckpt_group* 
 
 int ckpt_optimizer_set_group(ckpt_optimizer* o, size_t index, const ckpt_group* group) {
   if (o == nullptr || group == nullptr) return Invalid("optimizer or group is NULL");
-  return Guard("ckpt_optimizer_set_group", [&]() -> int { return Done(o->opt->SetGroup(index, Group(*group))); });
+  return Guard("ckpt_optimizer_set_group", [&]() -> int {
+    opt::ParamGroup g = Group(*group);
+    // A rule's own hyper-parameters are not fields of ckpt_group: they stay as they are.
+    if (index < o->opt->groups().size()) g.hyper = o->opt->groups()[index].hyper;
+    return Done(o->opt->SetGroup(index, g));
+  });
 }
 
 namespace {
@@ -514,6 +519,7 @@ absl::StatusOr<opt::StagedAdamW::StateTensor> StateTensorOf(int which) {
     case CKPT_EXP_AVG: return State::kExpAvg;
     case CKPT_EXP_AVG_SQ: return State::kExpAvgSq;
     case CKPT_MAX_EXP_AVG_SQ: return State::kMaxExpAvgSq;
+    case CKPT_AUX: return State::kAux;
     default: return absl::InvalidArgumentError(absl::StrCat("state tensor ", which));
   }
 }
@@ -523,8 +529,9 @@ absl::StatusOr<opt::StagedAdamW::StateTensor> StateTensorOf(int which) {
 int ckpt_optimizer_read_state(ckpt_optimizer* o, int which, float* out, uint64_t count) {
   return Guard("ckpt_optimizer_read_state", [&]() -> int {
     if (o == nullptr || (count > 0 && out == nullptr)) return Invalid("optimizer or out is NULL");
-    if (count != o->opt->size()) {
-      return Invalid(absl::StrCat("read_state: ", count, " elements asked, the optimizer has ", o->opt->size()));
+    const uint64_t size = which == CKPT_AUX ? o->opt->aux().size() : o->opt->size();
+    if (count != size) {
+      return Invalid(absl::StrCat("read_state: ", count, " elements asked, the optimizer has ", size));
     }
     absl::StatusOr<opt::StagedAdamW::StateTensor> tensor = StateTensorOf(which);
     if (!tensor.ok()) return Done(tensor.status());

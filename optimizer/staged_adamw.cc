@@ -753,15 +753,27 @@ absl::StatusOr<CudaStreamView> CudaStreamView::Of(CUstream_st* stream) {
 }
 
 absl::Status StagedAdamW::CopyStateAsF32(StateTensor which, std::span<float> out) {
-  if (out.size() != size_) {
+  const uint64_t size = which == StateTensor::kAux ? piece_aux_.back() : size_;
+  if (out.size() != size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("state copy: ", out.size(), " elements asked, the optimizer has ", size_));
+        absl::StrCat("state copy: ", out.size(), " elements asked, the optimizer has ", size));
   }
   return CopyStateRangeAsF32(which, 0, out);
 }
 
 absl::Status StagedAdamW::CopyStateRangeAsF32(StateTensor which, uint64_t offset,
                                               std::span<float> out) {
+  if (which == StateTensor::kAux) {
+    const uint64_t aux_size = piece_aux_.back();
+    if (offset > aux_size || out.size() > aux_size - offset) {
+      return absl::OutOfRangeError(absl::StrCat("state copy: aux elements [", offset, ", +",
+                                                out.size(), ") lie past the optimizer's ",
+                                                aux_size));
+    }
+    CKPT_RETURN_IF_ERROR(Synchronize());
+    std::memcpy(out.data(), aux().data() + offset, out.size() * 4);
+    return absl::OkStatus();
+  }
   if (offset > size_ || out.size() > size_ - offset) {
     return absl::OutOfRangeError(absl::StrCat("state copy: elements [", offset, ", +",
                                               out.size(), ") lie past the optimizer's ", size_));
@@ -791,7 +803,8 @@ absl::Status StagedAdamW::CopyStateRangeAsF32(StateTensor which, uint64_t offset
 absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<const float> exp_avg,
                                    std::span<const float> exp_avg_sq,
                                    std::span<const uint64_t> param_steps,
-                                   std::span<const float> max_exp_avg_sq) {
+                                   std::span<const float> max_exp_avg_sq,
+                                   std::span<const float> aux_state) {
   CKPT_RETURN_IF_ERROR(CheckClean("set the state"));
   CKPT_RETURN_IF_ERROR(CheckNoOverlap("set the state"));
   if (fence_ != nullptr) {
@@ -811,6 +824,11 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
     return absl::InvalidArgumentError(
         "set the state: max_exp_avg_sq given, but no group of this optimizer uses amsgrad");
   }
+  if (!aux_state.empty() && aux_state.size() != piece_aux_.back()) {
+    return absl::InvalidArgumentError(absl::StrCat("set the state: the optimizer keeps ",
+                                                   piece_aux_.back(), " aux elements; given ",
+                                                   aux_state.size()));
+  }
   if (param_steps.size() != options_.params.size()) {
     return absl::InvalidArgumentError(absl::StrCat("set the state: ", param_steps.size(),
                                                    " step counts for ",
@@ -820,7 +838,8 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
       {"master", master},
       {"exp_avg", exp_avg},
       {"exp_avg_sq", exp_avg_sq},
-      {"max_exp_avg_sq", max_exp_avg_sq}};
+      {"max_exp_avg_sq", max_exp_avg_sq},
+      {"aux", aux_state}};
   for (const auto& [name, values] : named) {
     for (size_t i = 0; i < values.size(); ++i) {
       if (!std::isfinite(values[i])) {
@@ -844,6 +863,14 @@ absl::Status StagedAdamW::SetState(std::span<const float> master, std::span<cons
     } else {
       formats::Convert(DType::kF32, std::as_bytes(max_exp_avg_sq),
                        moment_bytes() == 4 ? DType::kF32 : DType::kBF16, to);
+    }
+  }
+  if (!aux().empty()) {
+    const std::span<float> to = mutable_aux();
+    if (aux_state.empty()) {
+      std::memset(to.data(), 0, to.size_bytes());
+    } else {
+      std::memcpy(to.data(), aux_state.data(), to.size_bytes());
     }
   }
   param_steps_.assign(param_steps.begin(), param_steps.end());

@@ -42,8 +42,13 @@ extern "C" {
  * (ckpt_overlap_begin_gated, ckpt_optimizer_gate_open, ckpt_optimizer_await_pieces,
  * ckpt_optimizer_await_step): a library of 12 serves callers of 11. 13 only adds
  * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. 14 only adds
- * ckpt_optimizer_read_state_range: a library of 14 serves callers of 13. */
-#define CKPT_ABI_VERSION 15
+ * ckpt_optimizer_read_state_range: a library of 14 serves callers of 13. 15 only adds
+ * ckpt_store_steps. 16 only adds update rules without new structs (CKPT_ADAFACTOR; a rule's
+ * own hyper-parameters by name: ckpt_optimizer_set_hyper, ckpt_optimizer_get_hyper; its state
+ * shaped unlike its parameter: CKPT_AUX, ckpt_optimizer_aux_offsets, ckpt_optimizer_set_state_with
+ * and its ckpt_state): a library of 16 serves callers of 15, and a later rule needs no new
+ * version. */
+#define CKPT_ABI_VERSION 16
 
 /* The library exports these functions (and nothing of its C++ internals). */
 #if defined(__GNUC__)
@@ -75,7 +80,10 @@ enum { CKPT_F32 = 0, CKPT_BF16 = 1, CKPT_F16 = 2 };           /* Tensor dtypes. 
 enum { CKPT_ENGINE_CPU = 0, CKPT_ENGINE_CUDA = 1 };           /* Update engines. */
 enum { CKPT_MOMENTS_F32 = 0, CKPT_MOMENTS_BF16 = 1 };         /* Moment dtypes in the slabs. */
 /* State tensors; CKPT_MAX_EXP_AVG_SQ (ABI 8) is AMSGrad's running maximum. */
-enum { CKPT_MASTER = 0, CKPT_EXP_AVG = 1, CKPT_EXP_AVG_SQ = 2, CKPT_MAX_EXP_AVG_SQ = 3 };
+/* (ABI 16) CKPT_AUX: state shaped unlike its parameter (Adafactor's factors), FP32, addressed
+ * by aux offsets (ckpt_optimizer_aux_offsets). */
+enum { CKPT_MASTER = 0, CKPT_EXP_AVG = 1, CKPT_EXP_AVG_SQ = 2, CKPT_MAX_EXP_AVG_SQ = 3,
+       CKPT_AUX = 4 };
 enum { CKPT_LIFECYCLE_CLEAN = 0, CKPT_LIFECYCLE_LOADING = 1, CKPT_LIFECYCLE_POISONED = 2 };
 
 /* The ABI version this library implements (CKPT_ABI_VERSION of its header). */
@@ -126,7 +134,9 @@ typedef struct {
   int adjust_lr;
 } ckpt_group;
 
-enum { CKPT_ADAMW = 0, CKPT_MUON = 1 };
+/* (ABI 16) CKPT_ADAFACTOR: torch.optim.Adafactor (docs/design/adafactor.md); lr and
+ * weight_decay above, its own hyper-parameters by name (ckpt_optimizer_set_hyper). */
+enum { CKPT_ADAMW = 0, CKPT_MUON = 1, CKPT_ADAFACTOR = 2 };
 /* Muon's lr for an A x B matrix: lr * sqrt(max(1, A / B)), or lr * 0.2 * sqrt(max(A, B)). */
 enum { CKPT_MUON_LR_ORIGINAL = 0, CKPT_MUON_LR_MATCH_RMS_ADAMW = 1 };
 
@@ -313,6 +323,38 @@ CKPT_C_EXPORT int ckpt_optimizer_set_param_state(ckpt_optimizer* opt, const floa
                                                  const float* exp_avg, const float* exp_avg_sq,
                                                  const float* max_exp_avg_sq, uint64_t count,
                                                  const uint64_t* param_steps, size_t nparams);
+/* (ABI 16) A hyper-parameter of group `group` by the name its rule gives it (as torch's
+ * param_groups do: "lr", "beta2_decay", "eps1"...). get: *value and *present = 1, or *present =
+ * 0 for an optional one not set (Adafactor's eps1 = None). set: only a rule's own ones (not the
+ * fields of ckpt_group, which ckpt_optimizer_set_group sets); value NULL unsets an optional
+ * one; validated as ckpt_optimizer_set_group validates, the group unchanged on an error.
+ * ckpt_optimizer_set_group keeps them. CKPT_INVALID_ARGUMENT for a name the rule lacks. */
+CKPT_C_EXPORT int ckpt_optimizer_get_hyper(const ckpt_optimizer* opt, size_t group,
+                                           const char* name, double* value, int* present);
+CKPT_C_EXPORT int ckpt_optimizer_set_hyper(ckpt_optimizer* opt, size_t group, const char* name,
+                                           const double* value);
+/* (ABI 16) Where each piece's aux state begins (CKPT_AUX offsets; its states back to back in
+ * the order its rule declares them, each in row-major order), then the aux size: `count` =
+ * the number of pieces + 1 values into `out`. */
+CKPT_C_EXPORT int ckpt_optimizer_aux_offsets(const ckpt_optimizer* opt, uint64_t* out,
+                                             size_t count);
+/* (ABI 16) The whole state at once (ckpt_optimizer_set_param_state's contract), aux state too.
+ * struct_size = sizeof(ckpt_state) as the caller compiled it: later versions may append fields,
+ * which a caller that does not know them leaves at their zero meaning. NULL arrays: the masters
+ * stay (master); zero (max_exp_avg_sq, aux). */
+typedef struct {
+  size_t struct_size;
+  const float* master;
+  const float* exp_avg;
+  const float* exp_avg_sq;
+  const float* max_exp_avg_sq;
+  uint64_t count; /* Elements of each array above: the optimizer's size. */
+  const uint64_t* param_steps;
+  size_t nparams;
+  const float* aux;
+  uint64_t aux_count; /* The aux size (ckpt_optimizer_aux_offsets' last value). */
+} ckpt_state;
+CKPT_C_EXPORT int ckpt_optimizer_set_state_with(ckpt_optimizer* opt, const ckpt_state* state);
 /* CKPT_LIFECYCLE_*; a poisoned optimizer refuses to step until a complete load. */
 CKPT_C_EXPORT int ckpt_optimizer_lifecycle(const ckpt_optimizer* opt, int* lifecycle);
 

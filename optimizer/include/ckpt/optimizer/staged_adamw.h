@@ -308,6 +308,18 @@ class StagedAdamW {
   // is then unchanged.
   absl::Status SetGroup(size_t index, const ParamGroup& group);
 
+  // A hyper-parameter of group `index` by the name its rule gives it (lr, eps, weight_decay,
+  // betas, Adafactor's beta2_decay...): its value, or nullopt for an optional one the group does
+  // not set (Adafactor's eps1 = None). kInvalidArgument for a group that does not exist or a
+  // name the group's rule does not know.
+  absl::StatusOr<std::optional<double>> HyperParameter(size_t index,
+                                                        absl::string_view name) const;
+  // Sets one of the rule's own hyper-parameters (ParamGroup::hyper; nullopt unsets an optional
+  // one) from the next Step on, as SetGroup does, with the same refusals; the group is
+  // unchanged on an error.
+  absl::Status SetHyperParameter(size_t index, absl::string_view name,
+                                 std::optional<double> value);
+
   Lifecycle lifecycle() const { return lifecycle_; }
   // OK when kClean; otherwise kFailedPrecondition saying why `what` cannot run now.
   absl::Status CheckClean(absl::string_view what) const;
@@ -416,7 +428,8 @@ class StagedAdamW {
   // size() FP32 values, widening BF16 moments exactly; synchronizes the CUDA engine first.
   // kInvalidArgument when `out` holds another count, or for kMaxExpAvgSq without
   // has_max_exp_avg_sq().
-  enum class StateTensor { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq };
+  // kAux copies aux slab elements (aux()), by their aux offsets, as they are (FP32).
+  enum class StateTensor { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kAux };
   absl::Status CopyStateAsF32(StateTensor which, std::span<float> out);
   // The same for slab elements [offset, offset + out.size()) only (one parameter's state
   // costs its own elements, not the whole state's); kOutOfRange past size().
@@ -431,10 +444,12 @@ class StagedAdamW {
   // index), and kFailedPrecondition when the optimizer is not kClean or an async save is in
   // flight (its writer reads the slabs), each with the state untouched. CUDA engine: waits for
   // the last step first.
+  // `aux_state`: the aux slab's elements (aux(); empty: zero).
   absl::Status SetState(std::span<const float> master, std::span<const float> exp_avg,
                         std::span<const float> exp_avg_sq,
                         std::span<const uint64_t> param_steps,
-                        std::span<const float> max_exp_avg_sq = {});
+                        std::span<const float> max_exp_avg_sq = {},
+                        std::span<const float> aux_state = {});
   // Replaces the masters of slab elements [offset, offset + values.size()) (a parameter the
   // trainer changed in place: its value becomes the master, and the next Step continues from
   // it, as torch AdamW would from the edited parameter). Moments and step counts are kept. An
