@@ -40,8 +40,8 @@ def main():
     model = TinyGPT()
     opt = ckpt.torch.StagedAdamW(groups(model), lr=3e-3, process_group=dist.group.WORLD,
                                  bucket_elems=5000, threads=1)
-    failing = FailingStep(ckpt.torch.lib)
-    ckpt.torch.lib = failing
+    failing = FailingStep(ckpt.optim.sharding.lib)
+    ckpt.optim.sharding.lib = failing
     for step in range(1, 6):
         opt.zero_grad()
         shard_loss(model, step, rank, world).backward()
@@ -56,7 +56,7 @@ def main():
             outcome = f"{type(e).__name__} {getattr(e, 'code', '-')}"
         opt.param_groups[0]["lr"] = 3e-3
         print(f"{rank} {step} {outcome}", flush=True)
-    ckpt.torch.lib = failing.lib
+    ckpt.optim.sharding.lib = failing.lib
     # The ranks still agree: every rank gathers the same masters.
     master = opt.master(next(model.parameters()))
     print(f"{rank} master {float(master.double().sum()):.9e}", flush=True)
