@@ -37,12 +37,13 @@ std::string Func(const char* name, R (*)(Args...)) {
   return line + "\n";
 }
 
-std::string Build() {
-  std::string out;
+// The struct and field lines, in ckpt.h's order.
 #define CKPT_STRUCT(s) absl::StrAppend(&out, "struct " #s " ", sizeof(s), "\n")
 #define CKPT_FIELD(s, f)                                                     \
   absl::StrAppend(&out, "field " #s "." #f " ", offsetof(s, f), " ",         \
                   Kind<decltype(s::f)>(), "\n")
+std::string Structs() {
+  std::string out;
   CKPT_STRUCT(ckpt_param);
   CKPT_FIELD(ckpt_param, name);
   CKPT_FIELD(ckpt_param, shape);
@@ -99,9 +100,15 @@ std::string Build() {
   CKPT_FIELD(ckpt_coordinator, size);
   CKPT_FIELD(ckpt_coordinator, all_gather);
   CKPT_FIELD(ckpt_coordinator, barrier);
+  return out;
+}
 #undef CKPT_STRUCT
 #undef CKPT_FIELD
+
+// The func lines: every function ckpt.h exports.
 #define CKPT_FUNC(f) out += Func(#f, &f)
+std::string Funcs() {
+  std::string out;
   CKPT_FUNC(ckpt_abi_version);
   CKPT_FUNC(ckpt_abi_layout);
   CKPT_FUNC(ckpt_last_error);
@@ -177,8 +184,14 @@ std::string Build() {
   CKPT_FUNC(ckpt_reader_read);
   CKPT_FUNC(ckpt_reader_read_many);
   CKPT_FUNC(ckpt_reader_blob);
+  return out;
+}
 #undef CKPT_FUNC
+
+// The const lines.
 #define CKPT_CONST(c) absl::StrAppend(&out, "const " #c " ", static_cast<long long>(c), "\n")
+std::string Consts() {
+  std::string out;
   CKPT_CONST(CKPT_ABI_VERSION);
   CKPT_CONST(CKPT_OK);
   CKPT_CONST(CKPT_ADAMW);
@@ -225,9 +238,11 @@ std::string Build() {
   CKPT_CONST(CKPT_LIFECYCLE_CLEAN);
   CKPT_CONST(CKPT_LIFECYCLE_LOADING);
   CKPT_CONST(CKPT_LIFECYCLE_POISONED);
-#undef CKPT_CONST
   return out;
 }
+#undef CKPT_CONST
+
+std::string Build() { return absl::StrCat(Structs(), Funcs(), Consts()); }
 
 }  // namespace
 

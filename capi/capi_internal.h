@@ -1,7 +1,8 @@
 // What the C ABI's translation units share (capi/ckpt_c.cc, capi/optimizer_c.cc,
-// capi/store_c.cc): the status-to-code conversion with its thread-local message, the guard that
-// keeps C++ exceptions from crossing the boundary, the Coordinator over a caller's callbacks, and
-// the store and optimizer handles. Not installed.
+// capi/optimizer_step_c.cc, capi/optimizer_state_c.cc, capi/rules_c.cc, capi/store_c.cc,
+// capi/transaction_c.cc): the status-to-code conversion with its thread-local message, the guard
+// that keeps C++ exceptions from crossing the boundary, the model dtype of a C dtype code, the
+// Coordinator over a caller's callbacks, and the store and optimizer handles. Not installed.
 #ifndef CKPT_CAPI_CAPI_INTERNAL_H_
 #define CKPT_CAPI_CAPI_INTERNAL_H_
 
@@ -18,6 +19,7 @@
 #include "ckpt/checkpoint_store.h"
 #include "ckpt/ckpt.h"
 #include "ckpt/coordinator.h"
+#include "ckpt/formats/dtype.h"
 #include "ckpt/optimizer/staged_adamw.h"
 
 struct ckpt_store {
@@ -41,6 +43,22 @@ inline int Invalid(const std::string& message) { return Fail(absl::InvalidArgume
 inline int Done(const absl::Status& status) {
   if (status.ok()) return CKPT_OK;
   return Fail(status);
+}
+
+// The model (or gradient) dtype of a C dtype code (CKPT_F32, CKPT_BF16, CKPT_F16);
+// kInvalidArgument for any other.
+inline absl::StatusOr<formats::DType> ModelDType(int d) {
+  switch (d) {
+    case CKPT_F32:
+      return formats::DType::kF32;
+    case CKPT_BF16:
+      return formats::DType::kBF16;
+    case CKPT_F16:
+      return formats::DType::kF16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", d, " is not CKPT_F32, CKPT_BF16 or CKPT_F16"));
+  }
 }
 
 // Runs `body`, turning an escaping C++ exception into a code.

@@ -13,6 +13,93 @@
 #include "cli/common.h"
 
 namespace ckpt::cli {
+namespace {
+
+// What the report derives from the figures.
+struct Ratios {
+  double step;       // A step during the save against one without.
+  double durable;    // Until durable, async against sync (paired per round).
+  double sync_gbps;  // The sync save's rate.
+  // The async save's rate until durable against what the disk gives beside the same steps.
+  double durable_vs_loaded;
+};
+
+Ratios RatiosOf(const bench::AsyncSaveFigures& f) {
+  Ratios r;
+  r.step = f.step_during_save_ms / f.step_ms;
+  r.durable = f.durable_ratio;
+  r.sync_gbps = static_cast<double>(f.state_bytes) / f.sync_save_s / 1e9;
+  r.durable_vs_loaded =
+      static_cast<double>(f.state_bytes) / f.durable_s / 1e9 / f.write_bound_during_steps_gbps;
+  return r;
+}
+
+void PrintJsonReport(const BenchAsyncSaveArgs& args, uint64_t staging,
+                     const bench::AsyncSaveFigures& f, const Ratios& r) {
+  PrintJson({{"params", args.params},
+             {"engine", args.engine},
+             {"state_bytes", f.state_bytes},
+             {"staging_bytes", staging},
+             {"return_ms", f.return_ms},
+             {"step_ms", f.step_ms},
+             {"step_during_save_ms", f.step_during_save_ms},
+             {"steps_during_save", f.steps_during_save},
+             {"rounds", args.rounds},
+             {"step_gap_ms", args.step_gap_ms},
+             {"write_threads", args.write_threads},
+             {"step_ratio", r.step},
+             {"durable_s", f.durable_s},
+             {"writer_s", f.writer_s},
+             {"finalize_ms", f.finalize_ms},
+             {"finalized_s", f.finalized_s},
+             {"retention_s", f.retention_s},
+             {"sync_save_s", f.sync_save_s},
+             {"durable_ratio", r.durable},
+             {"sync_save_gbps", r.sync_gbps},
+             {"write_bound_gbps", f.write_bound_gbps},
+             {"write_bound_during_steps_gbps", f.write_bound_during_steps_gbps},
+             {"durable_vs_bound_during_steps", r.durable_vs_loaded},
+             {"copy_bound_gbps", f.copy_bound_gbps},
+             {"units", f.units},
+             {"units_copied", f.units_copied},
+             {"bytes_copied", f.bytes_copied},
+             {"step_waits", f.step_waits}});
+}
+
+void PrintHumanReport(const BenchAsyncSaveArgs& args, uint64_t staging,
+                      const bench::AsyncSaveFigures& f, const Ratios& r) {
+  std::cout << absl::StrFormat(
+      "optimizer state %s, %s engine, staging pool %s, %d round(s) of a sync then an async save "
+      "(medians), steps %s, %d write thread(s)\n"
+      "SaveAsync returned in      %8.2f ms (the longest)\n"
+      "step without a save        %8.1f ms\n"
+      "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
+      "until durable (async)      %8.3f s    (writer done %.3f s + Finalize %.1f ms; Finalize "
+      "after the step then running returned at %.3f s)\n"
+      "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
+      "durable/sync, paired per round: %.2f\n"
+      "beside the steps           O_DIRECT write bound %.2f GB/s with the same steps running and no "
+      "save; the async save until durable reached %.2f of it\n"
+      "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
+      "GB/s), steps waited %llu time(s)\n"
+      "retention (the step before last deleted after each save, outside the times above): "
+      "%.3f s at most\n",
+      FormatBytes(f.state_bytes), args.engine, FormatBytes(staging), args.rounds,
+      args.step_gap_ms == 0 ? std::string("back to back")
+                            : absl::StrCat(args.step_gap_ms, " ms apart"),
+      args.write_threads,
+      f.return_ms,
+      f.step_ms,
+      f.step_during_save_ms, f.steps_during_save, r.step, f.durable_s, f.writer_s,
+      f.finalize_ms, f.finalized_s, f.sync_save_s,
+      r.sync_gbps, f.write_bound_gbps, r.durable, f.write_bound_during_steps_gbps,
+      r.durable_vs_loaded,
+      static_cast<unsigned long long>(f.units_copied), static_cast<unsigned long long>(f.units),
+      FormatBytes(f.bytes_copied), f.copy_bound_gbps,
+      static_cast<unsigned long long>(f.step_waits), f.retention_s);
+}
+
+}  // namespace
 
 int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   absl::StatusOr<bool> is_dir = Env::Default()->IsDirectory(args.dir);
@@ -41,72 +128,12 @@ int RunBenchAsyncSave(const BenchAsyncSaveArgs& args) {
   o.write_threads = args.write_threads;
   absl::StatusOr<bench::AsyncSaveFigures> f = bench::RunAsyncSaveBench(o);
   if (!f.ok()) return ReportError("bench async-save", f.status());
-  const double step_ratio = f->step_during_save_ms / f->step_ms;
-  const double durable_ratio = f->durable_ratio;
-  const double sync_gbps = static_cast<double>(f->state_bytes) / f->sync_save_s / 1e9;
-  // The async save's rate until durable against what the disk gives beside the same steps.
-  const double durable_vs_loaded =
-      static_cast<double>(f->state_bytes) / f->durable_s / 1e9 / f->write_bound_during_steps_gbps;
+  const Ratios r = RatiosOf(*f);
   if (args.json) {
-    PrintJson({{"params", args.params},
-               {"engine", args.engine},
-               {"state_bytes", f->state_bytes},
-               {"staging_bytes", *staging},
-               {"return_ms", f->return_ms},
-               {"step_ms", f->step_ms},
-               {"step_during_save_ms", f->step_during_save_ms},
-               {"steps_during_save", f->steps_during_save},
-               {"rounds", args.rounds},
-               {"step_gap_ms", args.step_gap_ms},
-               {"write_threads", args.write_threads},
-               {"step_ratio", step_ratio},
-               {"durable_s", f->durable_s},
-               {"writer_s", f->writer_s},
-               {"finalize_ms", f->finalize_ms},
-               {"finalized_s", f->finalized_s},
-               {"retention_s", f->retention_s},
-               {"sync_save_s", f->sync_save_s},
-               {"durable_ratio", durable_ratio},
-               {"sync_save_gbps", sync_gbps},
-               {"write_bound_gbps", f->write_bound_gbps},
-               {"write_bound_during_steps_gbps", f->write_bound_during_steps_gbps},
-               {"durable_vs_bound_during_steps", durable_vs_loaded},
-               {"copy_bound_gbps", f->copy_bound_gbps},
-               {"units", f->units},
-               {"units_copied", f->units_copied},
-               {"bytes_copied", f->bytes_copied},
-               {"step_waits", f->step_waits}});
+    PrintJsonReport(args, *staging, *f, r);
     return kExitOk;
   }
-  std::cout << absl::StrFormat(
-      "optimizer state %s, %s engine, staging pool %s, %d round(s) of a sync then an async save "
-      "(medians), steps %s, %d write thread(s)\n"
-      "SaveAsync returned in      %8.2f ms (the longest)\n"
-      "step without a save        %8.1f ms\n"
-      "step during the save       %8.1f ms   (%d step(s) in all)   ratio %.2f\n"
-      "until durable (async)      %8.3f s    (writer done %.3f s + Finalize %.1f ms; Finalize "
-      "after the step then running returned at %.3f s)\n"
-      "sync save                  %8.3f s    (%.2f GB/s; O_DIRECT write bound %.2f GB/s)   "
-      "durable/sync, paired per round: %.2f\n"
-      "beside the steps           O_DIRECT write bound %.2f GB/s with the same steps running and no "
-      "save; the async save until durable reached %.2f of it\n"
-      "units copied aside         %llu in all rounds, of %llu per save (%s; memcpy bound %.2f "
-      "GB/s), steps waited %llu time(s)\n"
-      "retention (the step before last deleted after each save, outside the times above): "
-      "%.3f s at most\n",
-      FormatBytes(f->state_bytes), args.engine, FormatBytes(*staging), args.rounds,
-      args.step_gap_ms == 0 ? std::string("back to back")
-                            : absl::StrCat(args.step_gap_ms, " ms apart"),
-      args.write_threads,
-      f->return_ms,
-      f->step_ms,
-      f->step_during_save_ms, f->steps_during_save, step_ratio, f->durable_s, f->writer_s,
-      f->finalize_ms, f->finalized_s, f->sync_save_s,
-      sync_gbps, f->write_bound_gbps, durable_ratio, f->write_bound_during_steps_gbps,
-      durable_vs_loaded,
-      static_cast<unsigned long long>(f->units_copied), static_cast<unsigned long long>(f->units),
-      FormatBytes(f->bytes_copied), f->copy_bound_gbps,
-      static_cast<unsigned long long>(f->step_waits), f->retention_s);
+  PrintHumanReport(args, *staging, *f, r);
   return kExitOk;
 }
 

@@ -168,6 +168,48 @@ nlohmann::json JsonNumber(double v) {
   return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json("inf");
 }
 
+// One tensor's entry of the JSON report.
+nlohmann::json TensorJson(const TensorDiff& d) {
+  nlohmann::json t = {{"name", d.name},       {"status", d.status}, {"numel", d.numel},
+                      {"dtype_a", d.dtype_a}, {"dtype_b", d.dtype_b}};
+  if (d.status == "differs" || d.status == "equal") {
+    t["compared"] = d.by_value ? "values" : "bytes";
+    t["differing"] = d.differing;
+    if (d.by_value) {
+      t["max_abs"] = JsonNumber(d.max_abs);
+      t["max_rel"] = JsonNumber(d.max_rel);
+    }
+  } else {
+    t["detail"] = d.detail;
+  }
+  return t;
+}
+
+// One tensor's line of the human report; none for exactly equal tensors of one dtype (they are
+// only counted).
+void PrintTensorLine(const TensorDiff& d) {
+  if (d.status == "equal" && d.max_abs == 0 && d.dtype_a == d.dtype_b) return;
+  std::cout << "  " << Printable(d.name) << ": ";
+  if (d.status == "shape" || d.status == "dtype") {
+    std::cout << d.status << " " << d.detail << "\n";
+    return;
+  }
+  const std::string dtypes =
+      d.dtype_a == d.dtype_b ? std::string() : absl::StrCat(" (", d.dtype_a, " vs ", d.dtype_b,
+                                                           ", compared as FP32 values)");
+  if (d.by_value) {
+    std::cout << absl::StrFormat(
+        "%s%s, %llu of %llu elements beyond atol, max abs %.6g, max rel %.6g\n", d.status,
+        dtypes, static_cast<unsigned long long>(d.differing),
+        static_cast<unsigned long long>(d.numel), d.max_abs, d.max_rel);
+  } else {
+    std::cout << absl::StrFormat("%s, %llu of %llu %s differ (%s, compared byte for byte)\n",
+                                 d.status, static_cast<unsigned long long>(d.differing),
+                                 static_cast<unsigned long long>(d.numel),
+                                 d.whole_bytes ? "bytes" : "elements", d.dtype_a);
+  }
+}
+
 }  // namespace
 
 int RunDiff(const DiffArgs& args) {
@@ -199,21 +241,7 @@ int RunDiff(const DiffArgs& args) {
   const bool same = unequal == 0 && only_a.empty() && only_b.empty();
   if (args.json) {
     nlohmann::json tensors = nlohmann::json::array();
-    for (const TensorDiff& d : diffs) {
-      nlohmann::json t = {{"name", d.name},       {"status", d.status}, {"numel", d.numel},
-                          {"dtype_a", d.dtype_a}, {"dtype_b", d.dtype_b}};
-      if (d.status == "differs" || d.status == "equal") {
-        t["compared"] = d.by_value ? "values" : "bytes";
-        t["differing"] = d.differing;
-        if (d.by_value) {
-          t["max_abs"] = JsonNumber(d.max_abs);
-          t["max_rel"] = JsonNumber(d.max_rel);
-        }
-      } else {
-        t["detail"] = d.detail;
-      }
-      tensors.push_back(t);
-    }
+    for (const TensorDiff& d : diffs) tensors.push_back(TensorJson(d));
     PrintJson({{"a", (*a)->Describe()},
                {"b", (*b)->Describe()},
                {"atol", args.atol},
@@ -225,29 +253,7 @@ int RunDiff(const DiffArgs& args) {
   }
   std::cout << "A: " << Printable((*a)->Describe()) << "\nB: " << Printable((*b)->Describe())
             << "\n";
-  for (const TensorDiff& d : diffs) {
-    // Exactly equal tensors of one dtype are only counted.
-    if (d.status == "equal" && d.max_abs == 0 && d.dtype_a == d.dtype_b) continue;
-    std::cout << "  " << Printable(d.name) << ": ";
-    if (d.status == "shape" || d.status == "dtype") {
-      std::cout << d.status << " " << d.detail << "\n";
-      continue;
-    }
-    const std::string dtypes =
-        d.dtype_a == d.dtype_b ? std::string() : absl::StrCat(" (", d.dtype_a, " vs ", d.dtype_b,
-                                                             ", compared as FP32 values)");
-    if (d.by_value) {
-      std::cout << absl::StrFormat(
-          "%s%s, %llu of %llu elements beyond atol, max abs %.6g, max rel %.6g\n", d.status,
-          dtypes, static_cast<unsigned long long>(d.differing),
-          static_cast<unsigned long long>(d.numel), d.max_abs, d.max_rel);
-    } else {
-      std::cout << absl::StrFormat("%s, %llu of %llu %s differ (%s, compared byte for byte)\n",
-                                   d.status, static_cast<unsigned long long>(d.differing),
-                                   static_cast<unsigned long long>(d.numel),
-                                   d.whole_bytes ? "bytes" : "elements", d.dtype_a);
-    }
-  }
+  for (const TensorDiff& d : diffs) PrintTensorLine(d);
   for (const auto& [label, names] : {std::pair{"only in A", &only_a}, {"only in B", &only_b}}) {
     if (names->empty()) continue;
     std::vector<std::string> shown;

@@ -12,6 +12,105 @@
 #include "libckpt/bounce_pool.h"
 
 namespace ckpt::internal {
+namespace {
+
+using Consume = std::function<absl::Status(size_t, std::span<const std::byte>)>;
+
+// One run of the pipeline: the state its I/O threads and workers share, with the reads and
+// the consume function borrowed from the caller and the buffers taken from the read pool. Safe
+// for concurrent use by the run's threads: every member below mu_ is guarded by it.
+class Pipeline {
+ public:
+  Pipeline(std::span<const PipelinedRead> reads, size_t io, size_t max_buffers,
+           const Consume& consume)
+      : reads_(reads), io_(io), max_buffers_(max_buffers), consume_(consume), readers_left_(io) {}
+
+  // I/O thread t: its contiguous run of the reads, in order, each into a buffer of its own
+  // (at most max_buffers out at once), queued for the workers.
+  void Read(size_t t) {
+    const size_t first = reads_.size() * t / io_, last = reads_.size() * (t + 1) / io_;
+    for (size_t i = first; i < last; ++i) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        changed_.wait(lock, [&] { return failed_ || buffers_out_ < max_buffers_; });
+        if (failed_) break;
+        ++buffers_out_;
+      }
+      const PipelinedRead& r = reads_[i];
+      absl::StatusOr<AlignedBuffer> buf =
+          r.length <= pool_.buffer_bytes()
+              ? pool_.Take()
+              : AlignedBuffer::Create(r.length, AlignedBuffer::Fill::kUninitialized,
+                                      AlignedBuffer::Pages::kHuge);
+      absl::Status s =
+          buf.ok() ? r.file->Read(r.offset, buf->span().first(r.length)) : buf.status();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!s.ok()) {
+        status_.Update(s);
+        failed_ = true;
+        --buffers_out_;
+        if (buf.ok()) pool_.Give(*std::move(buf));
+        changed_.notify_all();
+        break;
+      }
+      ready_.push_back({i, *std::move(buf)});
+      changed_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    --readers_left_;
+    changed_.notify_all();
+  }
+
+  // A worker: consumes filled buffers until every reader is done and every buffer consumed.
+  void Work() {
+    for (;;) {
+      Filled f;
+      bool skip;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        changed_.wait(lock, [&] { return !ready_.empty() || readers_left_ == 0; });
+        if (ready_.empty()) return;  // Every reader is done and every buffer consumed.
+        f = std::move(ready_.front());
+        ready_.pop_front();
+        skip = failed_;  // After an error, buffers are only drained.
+      }
+      absl::Status s =
+          skip ? absl::OkStatus() : consume_(f.index, f.buf.span().first(reads_[f.index].length));
+      pool_.Give(std::move(f.buf));
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!s.ok()) {
+        status_.Update(s);
+        failed_ = true;
+      }
+      --buffers_out_;
+      changed_.notify_all();
+    }
+  }
+
+  // The first error. REQUIRES: every thread that ran Read or Work has been joined.
+  const absl::Status& status() const { return status_; }
+
+ private:
+  struct Filled {
+    size_t index;
+    AlignedBuffer buf;
+  };
+
+  const std::span<const PipelinedRead> reads_;
+  const size_t io_;
+  const size_t max_buffers_;
+  const Consume& consume_;
+  BouncePool& pool_ = BouncePool::ReadBuffers();
+  std::mutex mu_;
+  std::condition_variable changed_;
+  absl::Status status_;
+  std::deque<Filled> ready_;
+  size_t buffers_out_ = 0;
+  size_t readers_left_;
+  bool failed_ = false;
+};
+
+}  // namespace
 
 absl::Status RunReadPipeline(
     Env* env, std::span<const PipelinedRead> reads, int io_threads,
@@ -23,88 +122,19 @@ absl::Status RunReadPipeline(
   const size_t io = std::min<size_t>(std::max(1, io_threads), reads.size());
   const size_t workers =
       std::min<size_t>(io, std::max<size_t>(1, std::thread::hardware_concurrency()));
-  const size_t max_buffers = io + workers;
-  BouncePool& pool = BouncePool::ReadBuffers();
-  struct Filled {
-    size_t index;
-    AlignedBuffer buf;
-  };
-  std::mutex mu;
-  std::condition_variable changed;
-  // Guarded by mu:
-  absl::Status status;
-  std::deque<Filled> ready;
-  size_t buffers_out = 0;
-  size_t readers_left = io;
-  bool failed = false;
-
-  auto reader = [&](size_t t) {
-    const size_t first = reads.size() * t / io, last = reads.size() * (t + 1) / io;
-    for (size_t i = first; i < last; ++i) {
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        changed.wait(lock, [&] { return failed || buffers_out < max_buffers; });
-        if (failed) break;
-        ++buffers_out;
-      }
-      const PipelinedRead& r = reads[i];
-      absl::StatusOr<AlignedBuffer> buf =
-          r.length <= pool.buffer_bytes()
-              ? pool.Take()
-              : AlignedBuffer::Create(r.length, AlignedBuffer::Fill::kUninitialized,
-                                      AlignedBuffer::Pages::kHuge);
-      absl::Status s =
-          buf.ok() ? r.file->Read(r.offset, buf->span().first(r.length)) : buf.status();
-      std::lock_guard<std::mutex> lock(mu);
-      if (!s.ok()) {
-        status.Update(s);
-        failed = true;
-        --buffers_out;
-        if (buf.ok()) pool.Give(*std::move(buf));
-        changed.notify_all();
-        break;
-      }
-      ready.push_back({i, *std::move(buf)});
-      changed.notify_all();
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    --readers_left;
-    changed.notify_all();
-  };
-
-  auto worker = [&] {
-    for (;;) {
-      Filled f;
-      bool skip;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        changed.wait(lock, [&] { return !ready.empty() || readers_left == 0; });
-        if (ready.empty()) return;  // Every reader is done and every buffer consumed.
-        f = std::move(ready.front());
-        ready.pop_front();
-        skip = failed;  // After an error, buffers are only drained.
-      }
-      absl::Status s =
-          skip ? absl::OkStatus() : consume(f.index, f.buf.span().first(reads[f.index].length));
-      pool.Give(std::move(f.buf));
-      std::lock_guard<std::mutex> lock(mu);
-      if (!s.ok()) {
-        status.Update(s);
-        failed = true;
-      }
-      --buffers_out;
-      changed.notify_all();
-    }
-  };
-
+  Pipeline pipeline(reads, io, io + workers, consume);
   // Readers and workers wait on each other, so all of them run at once: each on a thread of
   // its own (the caller is the last worker), started through the Env.
   std::vector<std::unique_ptr<EnvThread>> threads;
-  for (size_t t = 0; t < io; ++t) threads.push_back(env->StartThread([&reader, t] { reader(t); }));
-  for (size_t w = 1; w < workers; ++w) threads.push_back(env->StartThread(worker));
-  worker();
+  for (size_t t = 0; t < io; ++t) {
+    threads.push_back(env->StartThread([&pipeline, t] { pipeline.Read(t); }));
+  }
+  for (size_t w = 1; w < workers; ++w) {
+    threads.push_back(env->StartThread([&pipeline] { pipeline.Work(); }));
+  }
+  pipeline.Work();
   for (std::unique_ptr<EnvThread>& t : threads) t->Join();
-  return status;
+  return pipeline.status();
 }
 
 }  // namespace ckpt::internal

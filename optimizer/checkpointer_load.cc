@@ -179,6 +179,52 @@ absl::Status CheckParamGroups(const formats::OptimizerRecord& record,
       internal::ListNames(moved), "; their hyper-parameters would change, so nothing was loaded"));
 }
 
+// Preflight's check of each state tensor's shape and dtype (the moments F32 or BF16, both
+// alike: a load converts them). REQUIRES: every tensor of `layout` in `reader`.
+absl::Status CheckShapes(const CheckpointReader& reader, const StateLayout& layout,
+                         size_t params, const std::string& where) {
+  const absl::StatusOr<const formats::TensorInfo*> first =
+      reader.FindTensor(FirstMomentName(layout));
+  const DType moments = first.ok() ? (*first)->dtype : layout.moment_dtype();
+  for (uint32_t p = 0; p < params; ++p) {
+    for (const internal::ParamState& s : layout.states(p)) {
+      const bool moment = s.moment;
+      const DType want = moment ? moments : s.dtype;
+      const std::string& name = s.name;
+      const formats::TensorInfo& t = **reader.FindTensor(name);
+      if (t.shape != s.shape || t.dtype != want ||
+          (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": tensor \"", name, "\" is ", formats::DTypeName(t.dtype), " [",
+            absl::StrJoin(t.shape, ", "), "], the optimizer needs ", formats::DTypeName(want),
+            " [", absl::StrJoin(s.shape, ", "), "]"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Preflight's check that `reader` holds every element of `pieces` (this rank's) of every state
+// tensor. REQUIRES: every tensor of `layout` in `reader`.
+absl::Status CheckCoverage(const CheckpointReader& reader, const StateLayout& layout,
+                           const std::vector<Piece>& pieces, const std::string& where) {
+  for (const Piece& piece : pieces) {
+    for (const internal::ParamState& s : layout.states(piece.param)) {
+      const std::string& name = s.name;
+      // An aux state goes whole with its parameter's one piece.
+      const bool whole = s.slab == internal::Slab::kAux;
+      const uint64_t begin = whole ? 0 : piece.begin;
+      const uint64_t count = whole ? (*reader.FindTensor(name))->numel() : piece.count;
+      if (!reader.Covers(name, begin, count)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " does not cover elements [", begin, ", ", begin + count,
+                         ") of \"", name, "\", which this rank owns"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
@@ -228,38 +274,8 @@ absl::Status Checkpointer::Preflight(const CheckpointReader& reader) const {
                       : absl::StrCat("; not in the optimizer ", extra.size(), ": ",
                                      ListNames(extra))));
   }
-  // The moments may be stored as F32 or BF16 (a load converts them), both alike.
-  const absl::StatusOr<const formats::TensorInfo*> first = reader.FindTensor(FirstMomentName(layout));
-  const DType moments = first.ok() ? (*first)->dtype : layout.moment_dtype();
-  for (uint32_t p = 0; p < o.params.size(); ++p) {
-    for (const internal::ParamState& s : layout.states(p)) {
-      const bool moment = s.moment;
-      const DType want = moment ? moments : s.dtype;
-      const std::string& name = s.name;
-      const formats::TensorInfo& t = **reader.FindTensor(name);
-      if (t.shape != s.shape || t.dtype != want ||
-          (moment && t.dtype != DType::kF32 && t.dtype != DType::kBF16)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": tensor \"", name, "\" is ", formats::DTypeName(t.dtype), " [",
-            absl::StrJoin(t.shape, ", "), "], the optimizer needs ", formats::DTypeName(want),
-            " [", absl::StrJoin(s.shape, ", "), "]"));
-      }
-    }
-  }
-  for (const Piece& piece : o.pieces) {
-    for (const internal::ParamState& s : layout.states(piece.param)) {
-      const std::string& name = s.name;
-      // An aux state goes whole with its parameter's one piece.
-      const bool whole = s.slab == internal::Slab::kAux;
-      const uint64_t begin = whole ? 0 : piece.begin;
-      const uint64_t count = whole ? (*reader.FindTensor(name))->numel() : piece.count;
-      if (!reader.Covers(name, begin, count)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " does not cover elements [", begin, ", ", begin + count,
-                         ") of \"", name, "\", which this rank owns"));
-      }
-    }
-  }
+  CKPT_RETURN_IF_ERROR(CheckShapes(reader, layout, o.params.size(), where));
+  CKPT_RETURN_IF_ERROR(CheckCoverage(reader, layout, o.pieces, where));
   CKPT_RETURN_IF_ERROR(record.status());
   CKPT_RETURN_IF_ERROR(RecordGroups(*record, o.groups.size(), where).status());
   return CheckParamGroups(*record, o.params, where);

@@ -144,6 +144,47 @@ bool AllZero(std::span<const std::byte> bytes) {
   return true;
 }
 
+// CopyIfDerivable's copy of the masters: `bytes` (and a byte more), or null with `why_not` set
+// when it and the `faulted_moments` bytes the load would touch exceed the `available` memory
+// or the allocation fails.
+std::unique_ptr<std::byte[]> AllocateCopy(uint64_t bytes, uint64_t faulted_moments,
+                                          std::optional<uint64_t> available,
+                                          std::string* why_not) {
+  if (available.has_value() && bytes + faulted_moments > *available) {
+    *why_not = absl::StrFormat(
+        "a copy of the masters in memory instead would need %d bytes (and the load %d for "
+        "the moments), more than the %d available",
+        bytes, faulted_moments, *available);
+    return nullptr;
+  }
+  std::unique_ptr<std::byte[]> copy(new (std::nothrow) std::byte[bytes + 1]);
+  if (copy == nullptr) {
+    *why_not = absl::StrFormat("a copy of the masters in memory instead (%d bytes) could "
+                               "not be allocated", bytes);
+  }
+  return copy;
+}
+
+// The masters [at, end) rounded into `copy` (elements of `model`), then widened back a stack
+// block at a time: equal when each master is exactly a model-dtype value. Sets `inexact` when
+// one is not, and stops once it is set (by any thread).
+void RoundMasters(std::span<const float> master, size_t at, size_t end, DType model,
+                  std::byte* copy, std::atomic<bool>& inexact) {
+  const size_t wsize = formats::DTypeSize(model);
+  constexpr size_t kWiden = 2048;
+  float widened[kWiden];
+  for (size_t i = at; i < end && !inexact.load(std::memory_order_relaxed); i += kWiden) {
+    const size_t n = std::min(kWiden, end - i);
+    const std::span<std::byte> rounded(copy + i * wsize, n * wsize);
+    formats::Convert(DType::kF32, std::as_bytes(master.subspan(i, n)), model, rounded);
+    if (model == DType::kF32) continue;
+    formats::Convert(model, rounded, DType::kF32, std::as_writable_bytes(std::span(widened, n)));
+    if (std::memcmp(widened, master.data() + i, n * 4) != 0) {
+      inexact.store(true, std::memory_order_relaxed);
+    }
+  }
+}
+
 }  // namespace
 
 internal::ThreadPool& Checkpointer::Pool() {
@@ -178,21 +219,9 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype,
           ? optimizer_->exp_avg_bytes().size() + optimizer_->exp_avg_sq_bytes().size() +
                 optimizer_->max_exp_avg_sq_bytes().size()
           : 0;
-  auto allocate = [&](DType d) -> std::unique_ptr<std::byte[]> {
-    const uint64_t bytes = master.size() * formats::DTypeSize(d);
-    if (available.has_value() && bytes + faulted_moments > *available) {
-      *why_not = absl::StrFormat(
-          "a copy of the masters in memory instead would need %d bytes (and the load %d for "
-          "the moments), more than the %d available",
-          bytes, faulted_moments, *available);
-      return nullptr;
-    }
-    std::unique_ptr<std::byte[]> copy(new (std::nothrow) std::byte[bytes + 1]);
-    if (copy == nullptr) {
-      *why_not = absl::StrFormat("a copy of the masters in memory instead (%d bytes) could "
-                                 "not be allocated", bytes);
-    }
-    return copy;
+  auto allocate = [&](DType d) {
+    return AllocateCopy(master.size() * formats::DTypeSize(d), faulted_moments, available,
+                        why_not);
   };
   std::unique_ptr<std::byte[]> copy = allocate(model);
   if (copy == nullptr) return nullptr;
@@ -222,22 +251,9 @@ std::unique_ptr<std::byte[]> Checkpointer::CopyIfDerivable(DType* dtype,
         }
       }
     }
-    // The masters rounded into the copy, then widened back a stack block at a time: equal
-    // when each master is exactly a model-dtype value. Once one is not, the FP32 copy below
-    // replaces this one: only the moments are still checked.
-    const size_t wsize = formats::DTypeSize(model);
-    constexpr size_t kWiden = 2048;
-    float widened[kWiden];
-    for (size_t i = at; i < end && !inexact.load(std::memory_order_relaxed); i += kWiden) {
-      const size_t n = std::min(kWiden, end - i);
-      const std::span<std::byte> rounded(copy.get() + i * wsize, n * wsize);
-      formats::Convert(DType::kF32, std::as_bytes(master.subspan(i, n)), model, rounded);
-      if (model == DType::kF32) continue;
-      formats::Convert(model, rounded, DType::kF32, std::as_writable_bytes(std::span(widened, n)));
-      if (std::memcmp(widened, master.data() + i, n * 4) != 0) {
-        inexact.store(true, std::memory_order_relaxed);
-      }
-    }
+    // Once a master is no model-dtype value, the FP32 copy below replaces this one: only the
+    // moments are still checked.
+    RoundMasters(master, at, end, model, copy.get(), inexact);
   });
   // Aux state (Adafactor's factors) is small beside the masters: read whole.
   if (moments_differ.load() || !AllZero(std::as_bytes(optimizer_->aux()))) return nullptr;

@@ -42,20 +42,14 @@ struct Entry {
   std::vector<uint64_t> shape;
 };
 
-}  // namespace
-
-absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std::string& out_dir,
-                                        const ExportHfOptions& options) {
-  Env* env = options.env != nullptr ? options.env : Env::Default();
-  const formats::Manifest& m = step.manifest();
-  const std::string where = absl::StrCat("export of step ", m.step, " (", step.dir(), ")");
-  if (options.dtype.has_value() && !IsFloatDType(*options.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": export dtype ",
-                                                   formats::DTypeName(*options.dtype),
-                                                   " is not F32, BF16 or F16"));
-  }
+// Step 1's check of the tensors: each model tensor of `step`, where its values come from and
+// the dtype written; kInvalidArgument for one that cannot convert, kNotFound for missing masters
+// or no model tensor at all, each naming `where`.
+absl::StatusOr<std::vector<Entry>> PlanEntries(const CheckpointReader& step,
+                                               const ExportHfOptions& options,
+                                               const std::string& where) {
   std::vector<Entry> entries;
-  for (const formats::TensorInfo& t : m.tensors) {
+  for (const formats::TensorInfo& t : step.manifest().tensors) {
     if (t.name.rfind(internal::kOptimizerPrefix, 0) == 0) continue;
     Entry e{t.name, t.name, t.dtype, t.dtype, t.shape};
     // Masters are exported in FP32 unless told otherwise; weights in their own dtype.
@@ -81,25 +75,49 @@ absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std:
   if (entries.empty()) {
     return absl::NotFoundError(absl::StrCat(where, ": the step holds no model tensors"));
   }
+  return entries;
+}
+
+// Step 1's check of the config: the file at `path`, which must be one JSON object as Python's
+// json.load reads it; kNotFound when it does not exist, kInvalidArgument otherwise.
+absl::StatusOr<std::string> ReadConfig(Env* env, const std::string& path) {
+  absl::StatusOr<std::string> read = ReadFileToString(env, path, kMaxConfigBytes);
+  if (!read.ok()) {
+    // A config too large or unreadable is a bad request, not damage of the step.
+    return absl::Status(absl::IsNotFound(read.status()) ? absl::StatusCode::kNotFound
+                                                        : absl::StatusCode::kInvalidArgument,
+                        absl::StrCat("config: ", read.status().message()));
+  }
+  std::string config = *std::move(read);
+  // What Python's json.load reads: one JSON object, no byte-order mark, no NUL.
+  const bool clean =
+      config.find('\0') == std::string::npos && config.rfind("\xEF\xBB\xBF", 0) != 0;
+  const nlohmann::json parsed =
+      nlohmann::json::parse(config, nullptr, /*allow_exceptions=*/false);
+  if (!clean || !parsed.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config ", path,
+        " is not one JSON object (as json.load reads it: no byte-order mark, no NUL)"));
+  }
+  return config;
+}
+
+}  // namespace
+
+absl::StatusOr<ExportHfReport> ExportHf(const CheckpointReader& step, const std::string& out_dir,
+                                        const ExportHfOptions& options) {
+  Env* env = options.env != nullptr ? options.env : Env::Default();
+  const formats::Manifest& m = step.manifest();
+  const std::string where = absl::StrCat("export of step ", m.step, " (", step.dir(), ")");
+  if (options.dtype.has_value() && !IsFloatDType(*options.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": export dtype ",
+                                                   formats::DTypeName(*options.dtype),
+                                                   " is not F32, BF16 or F16"));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<Entry> entries, PlanEntries(step, options, where));
   std::string config;
   if (!options.config.empty()) {
-    absl::StatusOr<std::string> read = ReadFileToString(env, options.config, kMaxConfigBytes);
-    if (!read.ok()) {
-      // A config too large or unreadable is a bad request, not damage of the step.
-      return absl::Status(absl::IsNotFound(read.status()) ? absl::StatusCode::kNotFound
-                                                          : absl::StatusCode::kInvalidArgument,
-                          absl::StrCat("config: ", read.status().message()));
-    }
-    config = *std::move(read);
-    // What Python's json.load reads: one JSON object, no byte-order mark, no NUL.
-    const bool clean = config.find('\0') == std::string::npos && config.rfind("\xEF\xBB\xBF", 0) != 0;
-    const nlohmann::json parsed =
-        nlohmann::json::parse(config, nullptr, /*allow_exceptions=*/false);
-    if (!clean || !parsed.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config ", options.config,
-          " is not one JSON object (as json.load reads it: no byte-order mark, no NUL)"));
-    }
+    CKPT_ASSIGN_OR_RETURN(config, ReadConfig(env, options.config));
   }
   // Step 1: where the output goes.
   CKPT_RETURN_IF_ERROR(internal::CheckOutside(env, Dirname(step.dir()), out_dir, "export"));

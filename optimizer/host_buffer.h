@@ -48,7 +48,7 @@ class HostBuffer {
 void ZeroInParallel(void* base, size_t bytes);
 
 // Pins host memory already allocated (and touched) for DMA, and unpins it (CUDA builds only:
-// optimizer/cuda/cuda_engine.cc; otherwise RegisterPinned returns kUnimplemented).
+// optimizer/cuda/cuda_engine_factory.cc; otherwise RegisterPinned returns kUnimplemented).
 // kResourceExhausted when the driver cannot pin that much.
 absl::Status RegisterPinned(void* base, size_t bytes);
 void UnregisterPinned(void* base);

@@ -151,18 +151,19 @@ absl::StatusOr<Mapping> MapNames(const TensorSource& source, const std::vector<P
   return out;
 }
 
-}  // namespace
+// Step M1's source: whether `source` is HuggingFace safetensors (an error when a step or the
+// masters are asked of it, or when it cannot be told), and the ckpt root it names, opened
+// read-only, when that is not `own`'s.
+struct ResolvedSource {
+  absl::StatusOr<bool> hf;
+  std::unique_ptr<CheckpointStore> other;  // Null: `own`'s root, or not a ckpt root.
+};
 
-absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& source,
-                                                        const ModelLoadOptions& options) {
-  CKPT_RETURN_IF_ERROR(NoSaveInFlight("model load"));
-  Env* env = store_->env();
-  ModelLoadReport report;
-  // Step M1. What the source is, and which step of a ckpt root (agreed by every rank).
-  absl::StatusOr<bool> hf = source.empty() ? false : IsHfPath(env, source);
-  std::unique_ptr<CheckpointStore> other;  // Another ckpt root, opened read-only.
-  const CheckpointStore* store = store_;
-  std::optional<uint64_t> step = options.step;
+ResolvedSource ResolveSource(Env* env, const std::string& source,
+                             const ModelLoadOptions& options, const CheckpointStore& own) {
+  ResolvedSource out{source.empty() ? false : IsHfPath(env, source), nullptr};
+  absl::StatusOr<bool>& hf = out.hf;
+  const std::optional<uint64_t>& step = options.step;
   if (hf.ok() && *hf && step.has_value()) {
     hf = absl::InvalidArgumentError(
         absl::StrCat("model source ", source, " is HuggingFace safetensors; it has no step ",
@@ -176,20 +177,57 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
     absl::StatusOr<std::string> real = env->RealPath(source);
     if (!real.ok()) {
       hf = real.status();
-    } else if (*real != store_->root()) {
-      StoreOptions so = store_->options();
+    } else if (*real != own.root()) {
+      StoreOptions so = own.options();
       so.primary = false;
       so.read_only = true;
       so.logger = nullptr;
       absl::StatusOr<std::unique_ptr<CheckpointStore>> opened = CheckpointStore::Open(*real, so);
       if (opened.ok()) {
-        other = *std::move(opened);
-        store = other.get();
+        out.other = *std::move(opened);
       } else {
         hf = opened.status();
       }
     }
   }
+  return out;
+}
+
+// Step M3: this rank's elements of every parameter read as FP32 into the master slab (from the
+// source tensors `mapping` names), the moment and aux slabs zeroed, every step count 0.
+absl::Status ApplyModel(StagedAdamW& optimizer, TensorSource& from, const Mapping& mapping,
+                        StagedAdamW::LoadScope& scope) {
+  const std::span<float> master = optimizer.mutable_master();
+  std::vector<TensorSource::F32Request> requests;
+  for (const internal::StateRun& run : internal::StateLayout::Of(optimizer).Runs()) {
+    requests.push_back({mapping.source_of[run.param], run.tensor_begin, run.count,
+                        master.subspan(run.slab_offset, run.count)});
+  }
+  CKPT_RETURN_IF_ERROR(from.ReadF32(requests));
+  for (std::span<std::byte> moment :
+       {optimizer.mutable_exp_avg_bytes(), optimizer.mutable_exp_avg_sq_bytes(),
+        optimizer.mutable_max_exp_avg_sq_bytes(),
+        std::as_writable_bytes(optimizer.mutable_aux())}) {
+    if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
+  }
+  std::vector<ParamGroup> groups = optimizer.groups();
+  for (ParamGroup& g : groups) g.step = 0;
+  scope.RestoreGroups(groups, std::vector<uint64_t>(optimizer.options().params.size(), 0));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& source,
+                                                        const ModelLoadOptions& options) {
+  CKPT_RETURN_IF_ERROR(NoSaveInFlight("model load"));
+  Env* env = store_->env();
+  ModelLoadReport report;
+  // Step M1. What the source is, and which step of a ckpt root (agreed by every rank).
+  ResolvedSource resolved = ResolveSource(env, source, options, *store_);
+  const absl::StatusOr<bool>& hf = resolved.hf;
+  const CheckpointStore* store = resolved.other != nullptr ? resolved.other.get() : store_;
+  std::optional<uint64_t> step = options.step;
   // Every rank agrees on the kind of source before rank 0 reads a root's LATEST for all.
   CKPT_RETURN_IF_ERROR(Vote(hf.status()));
   if (!*hf && !step.has_value()) {
@@ -224,24 +262,8 @@ absl::StatusOr<ModelLoadReport> Checkpointer::LoadModel(const std::string& sourc
   report.tied = mapping.tied;
   report.ignored = mapping.ignored;
   // Steps M2 to M4.
-  auto apply = [&](StagedAdamW::LoadScope& scope) -> absl::Status {
-    const std::span<float> master = optimizer_->mutable_master();
-    std::vector<TensorSource::F32Request> requests;
-    for (const internal::StateRun& run : internal::StateLayout::Of(*optimizer_).Runs()) {
-      requests.push_back({mapping.source_of[run.param], run.tensor_begin, run.count,
-                          master.subspan(run.slab_offset, run.count)});
-    }
-    CKPT_RETURN_IF_ERROR(from->ReadF32(requests));
-    for (std::span<std::byte> moment :
-         {optimizer_->mutable_exp_avg_bytes(), optimizer_->mutable_exp_avg_sq_bytes(),
-          optimizer_->mutable_max_exp_avg_sq_bytes(),
-          std::as_writable_bytes(optimizer_->mutable_aux())}) {
-      if (!moment.empty()) std::memset(moment.data(), 0, moment.size());
-    }
-    std::vector<ParamGroup> groups = optimizer_->groups();
-    for (ParamGroup& g : groups) g.step = 0;
-    scope.RestoreGroups(groups, std::vector<uint64_t>(optimizer_->options().params.size(), 0));
-    return absl::OkStatus();
+  auto apply = [&](StagedAdamW::LoadScope& scope) {
+    return ApplyModel(*optimizer_, *from, mapping, scope);
   };
   const std::optional<uint64_t> exclude =
       !report.hf && store == store_ ? std::optional<uint64_t>(report.step) : std::nullopt;

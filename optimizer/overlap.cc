@@ -12,9 +12,10 @@
 //    CPU engine's update runs on a feeder thread (Release only queues), so that backward's own
 //    thread goes on; the CUDA engine only queues device work, from the releasing thread (a
 //    second thread's CUDA calls contend with backward's in the driver).
-// 4. Finish(args): stop the feeder (units it has not taken are Finish's); plan as Step; the finite check over every stepped gradient when asked. The
-//    guess held when not skipped, not invalidated (a released gradient changed in place), the
-//    scale is bitwise the same and every speculated piece has the same constants and buffers.
+// 4. Finish(args): stop the feeder (units it has not taken are Finish's); plan as Step; the
+//    finite check over every stepped gradient when asked. The guess held when not skipped, not
+//    invalidated (a released gradient changed in place), the scale is bitwise the same and every
+//    speculated piece has the same constants and buffers.
 // 5. Held: the other active units current -> spare (through the fence when one is installed);
 //    units with nothing stepped copied across on the host; swap the sides; advance the counts.
 // 6. Skipped: rewrite the speculated units' weights from the current side (as they were).
@@ -37,6 +38,10 @@
 // G4. AwaitPieces orders a stream after the gated units of those pieces, once per unit;
 //     AwaitStep after all of them. Step, BeginOverlap, WriteModelWeights, Synchronize and
 //     ReleaseDevice close the gate first. Not held (6, 7, 8): no gate opens.
+//
+// This file holds the overlap's lifecycle (Begin, Release, Finish, the abandon) and the steps
+// over its state alone (OverlapState, optimizer/slabs.h); the feeder thread, the gate's pump and
+// AwaitPieces/AwaitStep are in optimizer/overlap_feeder.cc.
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -46,13 +51,12 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/base/status_macros.h"
 #include "ckpt/optimizer/staged_adamw.h"
+#include "optimizer/buffer_checks.h"
 #include "optimizer/engine.h"
-#include "optimizer/host_buffer.h"
 #include "optimizer/slabs.h"
 #include "optimizer/unit_fence.h"
 
 namespace ckpt::optimizer {
-
 
 namespace {
 
@@ -71,11 +75,166 @@ bool SameConstants(const StepConstants& a, const StepConstants& b) {
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
 
-bool Aligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+// Step 5's units not speculated, in slab order: those with a stepped piece (first), and those
+// with none (second).
+std::pair<std::vector<size_t>, std::vector<size_t>> SplitUnspeculated(
+    const StepArgs& args, const SlabView& current, const StepPlan& plan,
+    const std::vector<Unit>& units, const std::vector<uint8_t>& speculated) {
+  std::vector<size_t> rest;
+  std::vector<size_t> idle;  // Units with no stepped piece.
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (speculated[u] != 0) continue;
+    bool active = false;
+    ForEachSegment(args, current, plan, units[u].offset, units[u].count, 0,
+                   [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c,
+                       formats::DType) { active |= c != StepPlan::kSkipped; });
+    (active ? rest : idle).push_back(u);
+  }
+  return {std::move(rest), std::move(idle)};
+}
+
+// Step 5: the units `rest` stepped into `into` (the spare side), after the speculated batches of
+// this step, in the batches `fence` lets go (all at once in slab order, forward's, without one);
+// a gate's units each record their written event. The last batch's `done` (null for none).
+absl::StatusOr<CUevent_st*> StepRest(internal::Engine& engine, internal::UnitFence* fence,
+                                     const std::vector<Unit>& units,
+                                     const std::vector<size_t>& rest, bool gate,
+                                     const StepArgs& args, const StepPlan& plan,
+                                     const SlabView& into, uint64_t size) {
+  StepArgs unchecked = args;
+  unchecked.check_finite = false;
+  StepPlan rest_plan = plan;
+  rest_plan.continues = true;  // After the speculated batches of this step.
+  std::vector<bool> done(units.size(), true);
+  for (size_t u : rest) done[u] = false;
+  std::vector<size_t> ready;
+  std::vector<Unit> batch;
+  std::vector<uint32_t> ids;  // A gate's: the batch's unit indices.
+  CUevent_st* last_done = nullptr;
+  for (size_t left = rest.size(); left > 0; left -= ready.size()) {
+    ready.clear();
+    if (fence != nullptr) {
+      fence->Acquire(done, &ready);
+    } else {
+      ready = rest;  // In slab order: forward's, for a gate.
+    }
+    batch.clear();
+    ids.clear();
+    for (size_t i : ready) {
+      batch.push_back(units[i]);
+      ids.push_back(static_cast<uint32_t>(i));
+      done[i] = true;
+    }
+    if (gate) rest_plan.unit_ids = ids;
+    CKPT_ASSIGN_OR_RETURN(StepReport part, engine.Step(unchecked, batch, rest_plan, into, size));
+    last_done = part.done;
+  }
+  return last_done;
+}
+
+// Step 5: units with nothing stepped copied from `current` into `into` as they are.
+void CopyIdle(const SlabView& current, const SlabView& into, const std::vector<Unit>& units,
+              const std::vector<size_t>& idle, size_t mb, bool has_max) {
+  for (size_t u : idle) {
+    const uint64_t at = units[u].offset, n = units[u].count;
+    std::memcpy(into.master_out + at, current.master + at, n * 4);
+    std::memcpy(into.exp_avg_out + at * mb, current.exp_avg + at * mb, n * mb);
+    std::memcpy(into.exp_avg_sq_out + at * mb, current.exp_avg_sq + at * mb, n * mb);
+    if (has_max)
+      std::memcpy(into.max_exp_avg_sq_out + at * mb, current.max_exp_avg_sq + at * mb, n * mb);
+  }
 }
 
 }  // namespace
+
+void StagedAdamW::OverlapState::MapPiecesToUnits(const std::vector<uint64_t>& piece_starts,
+                                                 const std::vector<Unit>& units) {
+  const size_t pieces = piece_starts.size() - 1;
+  piece_units.resize(pieces);
+  pending.assign(units.size(), 0);
+  // Units and pieces both lie in slab order: walk them together.
+  size_t u = 0;
+  for (size_t k = 0; k < pieces; ++k) {
+    const uint64_t begin = piece_starts[k], end = piece_starts[k + 1];
+    if (begin == end) continue;  // A parameter of no elements: no unit waits for it.
+    while (u < units.size() && units[u].offset + units[u].count <= begin) ++u;
+    for (size_t v = u; v < units.size() && units[v].offset < end; ++v) {
+      piece_units[k].push_back(static_cast<uint32_t>(v));
+      ++pending[v];
+    }
+  }
+}
+
+absl::Status StagedAdamW::OverlapState::CheckRelease(
+    std::span<const uint32_t> pieces, std::span<const PieceBuffers> given,
+    const StagedAdamWOptions& options, const std::vector<formats::DType>& piece_dtypes) const {
+  const size_t gsize = formats::DTypeSize(args.grad_dtype);
+  if (pieces_mode ? given.size() != pieces.size() : !given.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "release: ", given.size(), " buffers for ", pieces.size(), " pieces (",
+        pieces_mode ? "one per piece" : "none: the step's buffers are flat", ")"));
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const uint32_t k = pieces[i];
+    if (k >= released.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("release: piece ", k, " does not exist (",
+                                                     released.size(), " pieces)"));
+    }
+    if (pieces_mode && options.pieces[k].count != 0) {  // An empty piece has none.
+      const PieceBuffers& b = given[i];
+      if (b.grads == nullptr || b.params == nullptr || !internal::Aligned(b.grads, gsize) ||
+          !internal::Aligned(b.params, formats::DTypeSize(piece_dtypes[k]))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("release: piece ", k, " (\"",
+                         options.params[options.pieces[k].param].name,
+                         "\"): null or misaligned gradient or parameter buffer"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool StagedAdamW::OverlapState::Held(const StepArgs& finish_args,
+                                     const StepPlan& finish_plan) const {
+  bool held = speculated_units > 0 && !invalidated &&
+              SameBits(finish_args.grad_scale, args.grad_scale) &&
+              finish_args.grad_dtype == args.grad_dtype;
+  // The same buffers: per piece, or the same flat pair.
+  const bool by_piece = !buffers.empty();
+  if (held && by_piece == finish_args.pieces.empty()) held = false;
+  if (held && !by_piece &&
+      (finish_args.grads != args.grads || finish_args.params != args.params))
+    held = false;
+  for (size_t k = 0; held && k < piece_units.size(); ++k) {
+    bool in_speculated = false;
+    for (uint32_t u : piece_units[k]) in_speculated |= speculated[u] != 0;
+    if (!in_speculated) continue;
+    const uint32_t c = finish_plan.piece_constants[k];
+    held = c != StepPlan::kSkipped &&
+           SameConstants(finish_plan.constants[c], plan.constants[plan.piece_constants[k]]);
+    if (held && !finish_args.pieces.empty()) {
+      held = finish_args.pieces[k].grads == buffers[k].grads &&
+             finish_args.pieces[k].params == buffers[k].params;
+    }
+  }
+  return held;
+}
+
+std::vector<Unit> StagedAdamW::OverlapState::SpeculatedUnstepped(
+    const StepPlan& finish_plan, const std::vector<uint64_t>& piece_starts,
+    const std::vector<Unit>& units) const {
+  std::vector<Unit> unstepped;
+  for (size_t k = 0; k < piece_units.size(); ++k) {
+    if (finish_plan.piece_constants[k] != StepPlan::kSkipped) continue;
+    for (uint32_t u : piece_units[k]) {
+      if (speculated[u] == 0) continue;
+      const uint64_t begin = std::max(piece_starts[k], units[u].offset);
+      const uint64_t end = std::min(piece_starts[k + 1], units[u].offset + units[u].count);
+      unstepped.push_back(Unit{begin, end - begin, units[u].group});
+    }
+  }
+  return unstepped;
+}
 
 absl::Status StagedAdamW::CheckNoOverlap(absl::string_view what) const {
   if (overlap_ == nullptr) return absl::OkStatus();
@@ -130,40 +289,16 @@ absl::StatusOr<StagedAdamW::Overlap> StagedAdamW::BeginOverlap(const StepArgs& a
   state->window = std::max<uint32_t>(1, options.window);
   if (state->gate) CKPT_RETURN_IF_ERROR(engine_->PrepareUnitEvents(units_.size()));
   if (state->speculate && spare_ == nullptr) {
-    // The spare side: the slabs' sizes, pinned like them.
-    const bool pinned = engine_->wants_pinned_slabs();
-    auto spare = std::make_unique<Slabs>();
-    CKPT_ASSIGN_OR_RETURN(spare->master, internal::HostBuffer::Create(size_ * 4, 0, pinned));
-    CKPT_ASSIGN_OR_RETURN(spare->exp_avg, internal::HostBuffer::Create(
-                                              size_ * moment_bytes(), internal::kSlabStagger,
-                                              pinned));
-    CKPT_ASSIGN_OR_RETURN(spare->exp_avg_sq,
-                          internal::HostBuffer::Create(size_ * moment_bytes(),
-                                                       2 * internal::kSlabStagger, pinned));
-    if (has_max_) {
-      CKPT_ASSIGN_OR_RETURN(spare->max_exp_avg_sq,
-                            internal::HostBuffer::Create(size_ * moment_bytes(),
-                                                         3 * internal::kSlabStagger, pinned));
-    }
-    spare_ = std::move(spare);
+    // The spare side: the slabs' sizes, pinned like them (no aux slab: only parameters kept
+    // whole, refused above, keep aux state).
+    CKPT_ASSIGN_OR_RETURN(spare_, Slabs::Allocate(size_, moment_bytes(), has_max_, 0,
+                                                  engine_->wants_pinned_slabs()));
   }
   state->plan = PlanStep(state->args);
   state->plan.barrier_later = true;  // Finish's or the abandon's Barrier orders the readers.
-  state->piece_units.resize(options_.pieces.size());
-  state->pending.assign(units_.size(), 0);
   state->released.assign(options_.pieces.size(), 0);
   state->speculated.assign(units_.size(), 0);
-  // Units and pieces both lie in slab order: walk them together.
-  size_t u = 0;
-  for (size_t k = 0; k < options_.pieces.size(); ++k) {
-    const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
-    if (begin == end) continue;  // A parameter of no elements: no unit waits for it.
-    while (u < units_.size() && units_[u].offset + units_[u].count <= begin) ++u;
-    for (size_t v = u; v < units_.size() && units_[v].offset < end; ++v) {
-      state->piece_units[k].push_back(static_cast<uint32_t>(v));
-      ++state->pending[v];
-    }
-  }
+  state->MapPiecesToUnits(piece_starts_, units_);
   if (state->pieces_mode) state->args.pieces = state->buffers;
   state->fenced = fence_ != nullptr;
   overlap_ = std::move(state);
@@ -185,29 +320,7 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
     return absl::FailedPreconditionError("release: the overlapped step is closed");
   StagedAdamW& opt = *optimizer_;
   OverlapState& st = *opt.overlap_;
-  const size_t gsize = formats::DTypeSize(st.args.grad_dtype);
-  if (st.pieces_mode ? buffers.size() != pieces.size() : !buffers.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "release: ", buffers.size(), " buffers for ", pieces.size(), " pieces (",
-        st.pieces_mode ? "one per piece" : "none: the step's buffers are flat", ")"));
-  }
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    const uint32_t k = pieces[i];
-    if (k >= st.released.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("release: piece ", k, " does not exist (",
-                                                     st.released.size(), " pieces)"));
-    }
-    if (st.pieces_mode && opt.options_.pieces[k].count != 0) {  // An empty piece has none.
-      const PieceBuffers& b = buffers[i];
-      if (b.grads == nullptr || b.params == nullptr || !Aligned(b.grads, gsize) ||
-          !Aligned(b.params, formats::DTypeSize(opt.piece_dtypes_[k]))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("release: piece ", k, " (\"",
-                         opt.options_.params[opt.options_.pieces[k].param].name,
-                         "\"): null or misaligned gradient or parameter buffer"));
-      }
-    }
-  }
+  CKPT_RETURN_IF_ERROR(st.CheckRelease(pieces, buffers, opt.options_, opt.piece_dtypes_));
   // Step 2.
   for (size_t i = 0; i < pieces.size(); ++i) {
     const uint32_t k = pieces[i];
@@ -262,141 +375,6 @@ absl::Status StagedAdamW::Overlap::Release(std::span<const uint32_t> pieces,
   }
   st.cv.notify_all();  // Drain waits on it too.
   return failed;  // A failure of the feeder's, as soon as it is known.
-}
-
-void StagedAdamW::Feed() {
-  OverlapState& st = *overlap_;
-  SlabView view = View();
-  view.master_out = reinterpret_cast<float*>(spare_->master.data());
-  view.exp_avg_out = spare_->exp_avg.data();
-  view.exp_avg_sq_out = spare_->exp_avg_sq.data();
-  view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
-  std::vector<uint32_t> ready;
-  std::vector<Unit> batch;
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(st.mu);
-      st.cv.wait(lock, [&] { return st.stop || !st.queue.empty(); });
-      if (st.stop) return;  // What is left, Finish does.
-      ready.assign(st.queue.begin(), st.queue.end());
-      st.queue.clear();
-      if (st.fenced) {  // Finish passes them through the fence.
-        st.cv.notify_all();
-        continue;
-      }
-      st.busy = true;
-    }
-    batch.clear();
-    for (uint32_t u : ready) batch.push_back(units_[u]);
-    absl::Status status;
-    {
-      std::lock_guard<std::mutex> engine(st.engine_mu);
-      st.plan.continues = st.speculated_units > 0;
-      status = engine_->Step(st.args, batch, st.plan, view, size_).status();
-    }
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.busy = false;
-    st.cv.notify_all();
-    // A failed batch may have written some of its units' weights: counted as speculated, so
-    // that the abandon (the step is abandoned) rewrites them all from the current side.
-    for (uint32_t u : ready) st.speculated[u] = 1;
-    st.speculated_units += ready.size();
-    if (!status.ok()) {
-      if (st.error.ok()) st.error = status;
-      return;
-    }
-  }
-}
-
-void StagedAdamW::Overlap::Drain() {
-  if (optimizer_ == nullptr) return;
-  OverlapState& st = *optimizer_->overlap_;
-  if (st.gate) {
-    // A failure is kept in st.error, which Finish reports.
-    optimizer_->Pump(/*all=*/true).IgnoreError();
-    return;
-  }
-  if (!st.feeder.joinable()) return;
-  std::unique_lock<std::mutex> lock(st.mu);
-  st.cv.wait(lock, [&] { return (st.queue.empty() && !st.busy) || !st.error.ok(); });
-}
-
-absl::Status StagedAdamW::SpeculateNow(const std::vector<uint32_t>& ready) {
-  OverlapState& st = *overlap_;
-  std::vector<Unit> batch;
-  for (uint32_t u : ready) batch.push_back(units_[u]);
-  SlabView view = View();
-  view.master_out = reinterpret_cast<float*>(spare_->master.data());
-  view.exp_avg_out = spare_->exp_avg.data();
-  view.exp_avg_sq_out = spare_->exp_avg_sq.data();
-  view.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
-  st.plan.continues = st.speculated_units > 0;
-  if (st.gate) {  // Each unit waits for its own Release, and records its own written event.
-    st.plan.unit_ids = ready;
-    st.plan.wait_unit_ready = true;
-  }
-  absl::Status status = engine_->Step(st.args, batch, st.plan, view, size_).status();
-  st.plan.unit_ids = {};
-  st.plan.wait_unit_ready = false;
-  // A failed batch may have queued some of its units: counted as speculated, so that the
-  // abandon rewrites all their weights from the current side.
-  for (uint32_t u : ready) st.speculated[u] = 1;
-  st.speculated_units += ready.size();
-  if (!status.ok()) {
-    st.error = status;  // Finish abandons the step.
-    return status;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status StagedAdamW::Pump(bool all) {
-  OverlapState& st = *overlap_;
-  if (!st.error.ok()) return st.error;
-  while (!st.in_flight.empty()) {
-    absl::StatusOr<bool> written = engine_->UnitWritten(st.in_flight.front());
-    if (!written.ok()) {
-      st.error = written.status();  // Finish abandons the step.
-      return st.error;
-    }
-    if (!*written) break;
-    st.in_flight.pop_front();
-  }
-  if (st.waiting.empty()) return absl::OkStatus();
-  // Holding a unit back pays only where a later Pump comes while the device can still use it:
-  // where the device keeps pace with the releases. Where it has not even reached the oldest
-  // waiting unit's Release, the host is ahead of it (a later Pump may come only at Finish):
-  // every waiting unit goes now, in the order they became ready, as an ungated step sends them.
-  absl::StatusOr<bool> caught_up = engine_->UnitReady(st.waiting.front());
-  if (!caught_up.ok()) {
-    st.error = caught_up.status();
-    return st.error;
-  }
-  std::vector<uint32_t> batch;
-  if (!*caught_up) {
-    batch.swap(st.waiting);
-  } else {
-    while (!st.waiting.empty() && (all || st.in_flight.size() + batch.size() < st.window)) {
-      // The lowest slab index: the next forward needs it first.
-      auto lowest = std::min_element(st.waiting.begin(), st.waiting.end());
-      batch.push_back(*lowest);
-      st.waiting.erase(lowest);
-    }
-  }
-  if (batch.empty()) return absl::OkStatus();
-  CKPT_RETURN_IF_ERROR(SpeculateNow(batch));
-  st.in_flight.insert(st.in_flight.end(), batch.begin(), batch.end());
-  return absl::OkStatus();
-}
-
-void StagedAdamW::StopFeeder() {
-  OverlapState& st = *overlap_;
-  if (!st.feeder.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.stop = true;
-  }
-  st.cv.notify_all();
-  st.feeder.join();
 }
 
 absl::Status StagedAdamW::AbandonOverlap() {
@@ -454,42 +432,13 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
       return checked;
     }
   }
-  bool held = st.speculated_units > 0 && !st.invalidated &&
-              SameBits(args.grad_scale, st.args.grad_scale) &&
-              args.grad_dtype == st.args.grad_dtype;
-  // The same buffers: per piece, or the same flat pair.
-  const bool by_piece = !st.buffers.empty();
-  if (held && by_piece == args.pieces.empty()) held = false;
-  if (held && !by_piece && (args.grads != st.args.grads || args.params != st.args.params))
-    held = false;
-  for (size_t k = 0; held && k < options_.pieces.size(); ++k) {
-    bool in_speculated = false;
-    for (uint32_t u : st.piece_units[k]) in_speculated |= st.speculated[u] != 0;
-    if (!in_speculated) continue;
-    const uint32_t c = plan.piece_constants[k];
-    held = c != StepPlan::kSkipped &&
-           SameConstants(plan.constants[c], st.plan.constants[st.plan.piece_constants[k]]);
-    if (held && !args.pieces.empty()) {
-      held = args.pieces[k].grads == st.buffers[k].grads &&
-             args.pieces[k].params == st.buffers[k].params;
-    }
-  }
-  if (!held) {
+  if (!st.Held(args, plan)) {
     // Step 7 (or a step with nothing speculated): Step in place on the untouched current side.
     if (st.speculated_units > 0) {
       CKPT_RETURN_IF_ERROR(engine_->Barrier());
       // The step rewrites every stepped piece's weights; those of speculated pieces it does not
       // step go back to the masters rounded.
-      std::vector<Unit> unstepped;
-      for (size_t k = 0; k < options_.pieces.size(); ++k) {
-        if (plan.piece_constants[k] != StepPlan::kSkipped) continue;
-        for (uint32_t u : st.piece_units[k]) {
-          if (st.speculated[u] == 0) continue;
-          const uint64_t begin = std::max(piece_starts_[k], units_[u].offset);
-          const uint64_t end = std::min(piece_starts_[k + 1], units_[u].offset + units_[u].count);
-          unstepped.push_back(Unit{begin, end - begin, units_[u].group});
-        }
-      }
+      const std::vector<Unit> unstepped = st.SpeculatedUnstepped(plan, piece_starts_, units_);
       if (!unstepped.empty()) {
         CKPT_RETURN_IF_ERROR(engine_->WriteWeights(current, unstepped, st.args, st.args.stream));
       }
@@ -504,61 +453,15 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
     return stepped;
   }
   // Step 5: the other units into the spare side; units with nothing stepped copied across.
-  SlabView into = current;
-  into.master_out = reinterpret_cast<float*>(spare_->master.data());
-  into.exp_avg_out = spare_->exp_avg.data();
-  into.exp_avg_sq_out = spare_->exp_avg_sq.data();
-  into.max_exp_avg_sq_out = spare_->max_exp_avg_sq.data();
-  std::vector<size_t> rest;
-  std::vector<size_t> idle;  // Units with no stepped piece.
-  for (size_t u = 0; u < units_.size(); ++u) {
-    if (st.speculated[u] != 0) continue;
-    bool active = false;
-    ForEachSegment(args, current, plan, units_[u].offset, units_[u].count, 0,
-                   [&](uint64_t, uint64_t, const std::byte*, std::byte*, uint32_t c,
-                       formats::DType) { active |= c != StepPlan::kSkipped; });
-    (active ? rest : idle).push_back(u);
-  }
-  StepArgs unchecked = args;
-  unchecked.check_finite = false;
-  StepPlan rest_plan = plan;
-  rest_plan.continues = true;  // After the speculated batches of this step.
-  std::vector<bool> done(units_.size(), true);
-  for (size_t u : rest) done[u] = false;
-  std::vector<size_t> ready;
-  std::vector<Unit> batch;
-  std::vector<uint32_t> ids;  // A gate's: the batch's unit indices.
-  for (size_t left = rest.size(); left > 0; left -= ready.size()) {
-    ready.clear();
-    if (fence_ != nullptr) {
-      fence_->Acquire(done, &ready);
-    } else {
-      ready = rest;  // In slab order: forward's, for a gate.
-    }
-    batch.clear();
-    ids.clear();
-    for (size_t i : ready) {
-      batch.push_back(units_[i]);
-      ids.push_back(static_cast<uint32_t>(i));
-      done[i] = true;
-    }
-    if (st.gate) rest_plan.unit_ids = ids;
-    CKPT_ASSIGN_OR_RETURN(StepReport part, engine_->Step(unchecked, batch, rest_plan, into, size_));
-    report.done = part.done;
-  }
+  const SlabView into = spare_->Into(current);
+  const auto [rest, idle] = SplitUnspeculated(args, current, plan, units_, st.speculated);
+  CKPT_ASSIGN_OR_RETURN(report.done, StepRest(*engine_, fence_, units_, rest, st.gate, args, plan,
+                                              into, size_));
   if (!idle.empty()) {
     // Nothing of these is queued anywhere in this step; earlier steps' copies may still read
     // or write either side.
     CKPT_RETURN_IF_ERROR(engine_->Synchronize());
-    const size_t mb = moment_bytes();
-    for (size_t u : idle) {
-      const uint64_t at = units_[u].offset, n = units_[u].count;
-      std::memcpy(into.master_out + at, current.master + at, n * 4);
-      std::memcpy(into.exp_avg_out + at * mb, current.exp_avg + at * mb, n * mb);
-      std::memcpy(into.exp_avg_sq_out + at * mb, current.exp_avg_sq + at * mb, n * mb);
-      if (has_max_)
-        std::memcpy(into.max_exp_avg_sq_out + at * mb, current.max_exp_avg_sq + at * mb, n * mb);
-    }
+    CopyIdle(current, into, units_, idle, moment_bytes(), has_max_);
   }
   CKPT_RETURN_IF_ERROR(engine_->Barrier());
   if (st.gate) {
@@ -577,47 +480,6 @@ absl::StatusOr<StepReport> StagedAdamW::FinishOverlap(const StepArgs& args) {
   AdvanceSteps(args);
   report.speculation_held = true;
   return report;
-}
-
-absl::Status StagedAdamW::AwaitPieces(std::span<const uint32_t> pieces, CudaStreamView stream) {
-  for (uint32_t k : pieces) {
-    if (k >= options_.pieces.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("await: piece ", k, " does not exist (",
-                                                     options_.pieces.size(), " pieces)"));
-    }
-  }
-  if (gate_left_ == 0) return absl::OkStatus();
-  for (uint32_t k : pieces) {
-    const uint64_t begin = piece_starts_[k], end = piece_starts_[k + 1];
-    if (begin == end) continue;  // A parameter of no elements: no unit writes it.
-    // The first unit that ends after the piece begins; units lie in slab order.
-    auto u = std::partition_point(units_.begin(), units_.end(), [&](const Unit& unit) {
-      return unit.offset + unit.count <= begin;
-    });
-    for (; u != units_.end() && u->offset < end; ++u) {
-      const size_t i = static_cast<size_t>(u - units_.begin());
-      if (gate_units_[i] == 0) continue;
-      CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterUnit(static_cast<uint32_t>(i), stream));
-      gate_units_[i] = 0;
-      if (--gate_left_ == 0) {
-        gate_units_.clear();
-        return absl::OkStatus();
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status StagedAdamW::AwaitStep(CudaStreamView stream) {
-  if (gate_left_ == 0) return absl::OkStatus();
-  StepArgs args;
-  args.stream = stream;
-  // `done`: recorded by Finish's Barrier after every slot's last kernel, and by nothing since
-  // (what records it again awaits the gate first).
-  CKPT_RETURN_IF_ERROR(engine_->OrderCallerAfterStep(args));
-  gate_left_ = 0;
-  gate_units_.clear();
-  return absl::OkStatus();
 }
 
 }  // namespace ckpt::optimizer

@@ -34,6 +34,60 @@ absl::Status WriteWhole(Env* env, const std::string& dir, const std::string& nam
                          parts, FileOptions{.direct_io = true});
 }
 
+// Each tensor's byte size, from a header of its own (which also validates it);
+// kInvalidArgument for a name that appears twice.
+absl::StatusOr<std::vector<uint64_t>> TensorSizes(const std::vector<HfTensorSpec>& tensors) {
+  std::set<std::string> names;
+  for (const HfTensorSpec& t : tensors) {
+    if (!names.insert(t.name).second)
+      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
+  }
+  std::vector<uint64_t> sizes;
+  for (const HfTensorSpec& t : tensors) {
+    std::vector<formats::SafetensorsTensor> one = {{t.name, t.dtype, t.shape, 0, 0}};
+    CKPT_RETURN_IF_ERROR(formats::EncodeSafetensorsHeader(&one, {}).status());
+    sizes.push_back(one[0].end - one[0].begin);
+  }
+  return sizes;
+}
+
+// Greedy shards of tensors of `sizes` bytes, in the given order: each tensor index in one shard,
+// a new shard begun where the next tensor would take the current past `max_shard_bytes` (0: one
+// shard).
+std::vector<std::vector<size_t>> PlanShards(const std::vector<uint64_t>& sizes,
+                                            uint64_t max_shard_bytes) {
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t current = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const uint64_t bytes = sizes[i];
+    if (max_shard_bytes > 0 && current > 0 && current + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(i);
+    current += bytes;
+  }
+  return shards;
+}
+
+std::string ShardFileName(size_t s, size_t count) {
+  return absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, count);
+}
+
+// Step 1: `dir` created (and its parent synced) unless it is a directory already;
+// kFailedPrecondition when it is something else.
+absl::Status EnsureDirectory(Env* env, const std::string& dir) {
+  absl::StatusOr<std::string> real = env->RealPath(dir);
+  absl::StatusOr<bool> is_dir = real.ok() ? env->IsDirectory(*real) : real.status();
+  if (absl::IsNotFound(is_dir.status())) {
+    CKPT_RETURN_IF_ERROR(env->CreateDir(dir));
+    CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(dir)));
+  } else if (!is_dir.ok() || !*is_dir) {
+    return is_dir.ok() ? absl::FailedPreconditionError(dir + ": not a directory") : is_dir.status();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status WriteHfCheckpoint(const std::string& dir, const std::vector<HfTensorData>& tensors,
@@ -66,31 +120,10 @@ absl::Status WriteHfCheckpointStreaming(const std::string& dir,
                                         const std::vector<HfTensorSpec>& tensors,
                                         const HfTensorFill& fill, const HfWriteOptions& options) {
   Env* env = options.env != nullptr ? options.env : Env::Default();
-  std::set<std::string> names;
-  for (const HfTensorSpec& t : tensors) {
-    if (!names.insert(t.name).second)
-      return absl::InvalidArgumentError(absl::StrCat("tensor \"", t.name, "\" appears twice"));
-  }
-  // Each tensor's byte size, from a header of its own (which also validates it).
-  std::vector<uint64_t> sizes;
-  for (const HfTensorSpec& t : tensors) {
-    std::vector<formats::SafetensorsTensor> one = {{t.name, t.dtype, t.shape, 0, 0}};
-    CKPT_RETURN_IF_ERROR(formats::EncodeSafetensorsHeader(&one, {}).status());
-    sizes.push_back(one[0].end - one[0].begin);
-  }
-  // Plan: greedy shards in the given order.
-  std::vector<std::vector<size_t>> shards(1);
-  uint64_t current = 0, total = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const uint64_t bytes = sizes[i];
-    if (options.max_shard_bytes > 0 && current > 0 && current + bytes > options.max_shard_bytes) {
-      shards.emplace_back();
-      current = 0;
-    }
-    shards.back().push_back(i);
-    current += bytes;
-    total += bytes;
-  }
+  CKPT_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes, TensorSizes(tensors));
+  const std::vector<std::vector<size_t>> shards = PlanShards(sizes, options.max_shard_bytes);
+  uint64_t total = 0;
+  for (uint64_t bytes : sizes) total += bytes;
   const bool sharded = options.max_shard_bytes > 0 && shards.size() > 1;
   // Validate every shard's header before touching the disk.
   std::vector<std::string> headers;
@@ -104,28 +137,19 @@ absl::Status WriteHfCheckpointStreaming(const std::string& dir,
                           formats::EncodeSafetensorsHeader(&entries, options.metadata));
     if (sharded) {
       for (size_t i : shards[s]) {
-        index.weight_map.emplace_back(
-            tensors[i].name, absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size()));
+        index.weight_map.emplace_back(tensors[i].name, ShardFileName(s, shards.size()));
       }
     }
     headers.push_back(std::move(header));
   }
   // Step 1.
-  absl::StatusOr<std::string> real = env->RealPath(dir);
-  absl::StatusOr<bool> is_dir = real.ok() ? env->IsDirectory(*real) : real.status();
-  if (absl::IsNotFound(is_dir.status())) {
-    CKPT_RETURN_IF_ERROR(env->CreateDir(dir));
-    CKPT_RETURN_IF_ERROR(env->SyncDir(Dirname(dir)));
-  } else if (!is_dir.ok() || !*is_dir) {
-    return is_dir.ok() ? absl::FailedPreconditionError(dir + ": not a directory") : is_dir.status();
-  }
+  CKPT_RETURN_IF_ERROR(EnsureDirectory(env, dir));
   // Step 2. One buffer, refilled piece by piece: bounded memory at any model size.
   std::vector<std::byte> buffer;
   uint64_t done = 0;
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string name =
-        sharded ? absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size())
-                : std::string(kHfSingleFileName);
+        sharded ? ShardFileName(s, shards.size()) : std::string(kHfSingleFileName);
     auto write = [&](WritableFile& file) -> absl::Status {
       CKPT_RETURN_IF_ERROR(file.Append(AsBytes(headers[s])));
       for (size_t i : shards[s]) {

@@ -43,6 +43,31 @@ double TimeProducts(uint64_t rows, uint64_t cols, uint32_t ns_steps) {
   return Seconds(start);
 }
 
+// The bench's one group: Muon at lr 0.02 and eps 1e-7.
+optimizer::ParamGroup MuonGroup() {
+  optimizer::ParamGroup g;
+  g.algorithm = optimizer::Algorithm::kMuon;
+  g.lr = 0.02;
+  g.eps = 1e-7;
+  return g;
+}
+
+// `o.matrices` BF16 matrices of o.rows x o.cols in group `g`, each one piece on this rank.
+optimizer::StagedAdamWOptions MuonOptions(const MuonBenchOptions& o,
+                                          const optimizer::ParamGroup& g) {
+  const uint64_t per = o.rows * o.cols;
+  optimizer::StagedAdamWOptions opts;
+  opts.groups = {g};
+  opts.threads = o.threads;
+  opts.engine = o.engine;
+  for (int i = 0; i < o.matrices; ++i) {
+    opts.params.push_back({absl::StrCat("layers.", i, ".weight"), {o.rows, o.cols},
+                           formats::DType::kBF16, 0});
+    opts.pieces.push_back({static_cast<uint32_t>(i), 0, per});
+  }
+  return opts;
+}
+
 }  // namespace
 
 absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
@@ -52,20 +77,9 @@ absl::StatusOr<MuonFigures> RunMuonBench(const MuonBenchOptions& o) {
         o.matrices, " of ", o.rows, " x ", o.cols, " and ", o.steps, " steps"));
   }
   const uint64_t per = o.rows * o.cols, n = per * static_cast<uint64_t>(o.matrices);
-  optimizer::StagedAdamWOptions opts;
-  optimizer::ParamGroup g;
-  g.algorithm = optimizer::Algorithm::kMuon;
-  g.lr = 0.02;
-  g.eps = 1e-7;
-  opts.groups = {g};
-  opts.threads = o.threads;
+  const optimizer::ParamGroup g = MuonGroup();
+  const optimizer::StagedAdamWOptions opts = MuonOptions(o, g);
   const bool cuda = o.engine == optimizer::EngineKind::kCuda;
-  opts.engine = o.engine;
-  for (int i = 0; i < o.matrices; ++i) {
-    opts.params.push_back({absl::StrCat("layers.", i, ".weight"), {o.rows, o.cols},
-                           formats::DType::kBF16, 0});
-    opts.pieces.push_back({static_cast<uint32_t>(i), 0, per});
-  }
   std::vector<uint16_t> weights(n, formats::FloatToBf16(0.02f));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<optimizer::StagedAdamW> opt,
                         optimizer::StagedAdamW::Create(opts, std::as_bytes(std::span(weights))));

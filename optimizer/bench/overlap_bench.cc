@@ -108,6 +108,35 @@ absl::Status MeasureBound(const OverlapBenchOptions& o, OverlapFigures* f) {
   return absl::OkStatus();
 }
 
+// One BF16 parameter per bucket (equal layers; the last takes the remainder), each one piece on
+// this rank, in one AdamW group.
+optimizer::StagedAdamWOptions LayerOptions(const OverlapBenchOptions& options) {
+  const uint64_t n = options.params;
+  const auto buckets = static_cast<uint32_t>(options.buckets);
+  optimizer::StagedAdamWOptions o;
+  o.groups = {optimizer::ParamGroup{}};
+  o.engine = options.engine;
+  o.threads = options.threads;
+  o.moment_dtype = options.moments;
+  if (options.unit_bytes != 0) o.unit_bytes = options.unit_bytes;
+  for (uint32_t b = 0; b < buckets; ++b) {
+    const uint64_t count = b + 1 < buckets ? n / buckets : n - (n / buckets) * (buckets - 1);
+    o.params.push_back({absl::StrCat("layers.", b, ".weight"), {count}, formats::DType::kBF16, 0});
+    o.pieces.push_back({b, 0, count});
+  }
+  return o;
+}
+
+// The synthetic backward of `n` parameters for `engine`: on the device for the CUDA engine.
+absl::StatusOr<std::unique_ptr<Backward>> NewBackward(EngineKind engine, uint64_t n) {
+  if (engine == EngineKind::kCuda) {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceStepBuffers> buffers,
+                          NewDeviceStepBuffers(n, 1e-3f));
+    return std::make_unique<DeviceBackward>(std::move(buffers));
+  }
+  return HostBackward::Create(n);
+}
+
 }  // namespace
 
 absl::StatusOr<OverlapFigures> RunOverlapBench(const OverlapBenchOptions& options) {
@@ -117,25 +146,8 @@ absl::StatusOr<OverlapFigures> RunOverlapBench(const OverlapBenchOptions& option
 
   const uint64_t n = options.params;
   const auto buckets = static_cast<uint32_t>(options.buckets);
-  optimizer::StagedAdamWOptions o;
-  o.groups = {optimizer::ParamGroup{}};
-  o.engine = options.engine;
-  o.threads = options.threads;
-  o.moment_dtype = options.moments;
-  if (options.unit_bytes != 0) o.unit_bytes = options.unit_bytes;
-  for (uint32_t b = 0; b < buckets; ++b) {  // Equal layers; the last takes the remainder.
-    const uint64_t count = b + 1 < buckets ? n / buckets : n - (n / buckets) * (buckets - 1);
-    o.params.push_back({absl::StrCat("layers.", b, ".weight"), {count}, formats::DType::kBF16, 0});
-    o.pieces.push_back({b, 0, count});
-  }
-  std::unique_ptr<Backward> backward;
-  if (options.engine == EngineKind::kCuda) {
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<DeviceStepBuffers> buffers,
-                          NewDeviceStepBuffers(n, 1e-3f));
-    backward = std::make_unique<DeviceBackward>(std::move(buffers));
-  } else {
-    CKPT_ASSIGN_OR_RETURN(backward, HostBackward::Create(n));
-  }
+  const optimizer::StagedAdamWOptions o = LayerOptions(options);
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<Backward> backward, NewBackward(options.engine, n));
   std::vector<uint16_t> weights(n, formats::FloatToBf16(0.5f));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<StagedAdamW> opt,
                         StagedAdamW::Create(o, std::as_bytes(std::span(weights))));
