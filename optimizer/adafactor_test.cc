@@ -436,6 +436,38 @@ TEST_F(AdafactorTest, ReshardedOneToThreeToTwoItResumesAtTwoRanksBitForBit) {
   }
 }
 
+// Parameters added after some steps start fresh beside the others, whose masters and factors
+// are kept bit for bit (the aux slab grows, its offsets with it), and every one steps on.
+TEST_F(AdafactorTest, AddedParametersStartFreshAndTheOthersKeepTheirFactors) {
+  auto a = Optimizer(Model(Hyper{}));
+  ASSERT_NE(a, nullptr);
+  for (int s = 0; s < 2; ++s) Step(*a, s);
+  const State before = Of(*a);
+  Hyper h;
+  h.beta2_decay = -0.6;
+  const std::vector<float> w(12, 0.25f);
+  ASSERT_THAT(a->AddParams({{"extra", {3, 4}, DType::kF32, 1}}, {Adafactor(h)}, {{4, 0, 12}},
+                           std::as_bytes(std::span(w))),
+              IsOk());
+  ASSERT_EQ(a->aux().size(), before.aux.size() + 3 + 4);
+  EXPECT_EQ(a->piece_aux_offset(4), before.aux.size());
+  EXPECT_TRUE(std::equal(before.aux.begin(), before.aux.end(), a->aux().begin()));
+  EXPECT_TRUE(std::equal(before.master.begin(), before.master.end(), a->master().begin()));
+  EXPECT_EQ(a->groups()[1].hyper.at("beta2_decay"), -0.6);
+  Step(*a, 2);
+  // The new matrix's factors after its first step: the mean of its squared gradients.
+  const std::vector<float> g = Flat(a->options(), 2);
+  const uint64_t at = a->piece_aux_offset(4);
+  for (uint64_t r = 0; r < 3; ++r) {
+    double sum = 0;
+    for (uint64_t c = 0; c < 4; ++c) {
+      const double x = g[before.master.size() + r * 4 + c];
+      sum += x * x;
+    }
+    EXPECT_NEAR(a->aux()[at + r], sum / 4, 1e-6) << "row " << r;
+  }
+}
+
 TEST_F(AdafactorTest, BadHyperParametersAndParametersAreRefusedByName) {
   auto create = [&](StagedAdamWOptions o) {
     const std::vector<float> w = Flat(o, -1);

@@ -130,6 +130,7 @@ absl::Status StagedAdamW::AddParams(const std::vector<ParamSpec>& params,
   piece_starts_ = std::move(next->piece_starts_);
   piece_dtypes_ = std::move(next->piece_dtypes_);
   piece_bytes_ = std::move(next->piece_bytes_);
+  piece_aux_ = std::move(next->piece_aux_);
   mixed_dtypes_ = next->mixed_dtypes_;
   has_max_ = next->has_max_;
   widest_ = next->widest_;
