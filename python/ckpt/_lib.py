@@ -9,7 +9,7 @@ import ctypes.util
 import enum
 import os
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 
 
@@ -42,9 +42,12 @@ F64, I64, I32, I16, I8, U8, BOOL = 3, 4, 5, 6, 7, 8, 9
 ENGINE_CPU, ENGINE_CUDA = 0, 1
 MOMENTS_F32, MOMENTS_BF16 = 0, 1
 MASTER, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ = 0, 1, 2, 3
+# State shaped unlike its parameter (Adafactor's factors), by aux offsets (ABI 16).
+AUX = 4
 LIFECYCLE = {0: "clean", 1: "loading", 2: "poisoned"}
 # A param group's update rule, and Muon's lr rules (ABI 11).
 ADAMW, MUON = 0, 1
+ADAFACTOR = 2  # ABI 16: its own hyper-parameters by name (ckpt_optimizer_set_hyper).
 MUON_LR_ORIGINAL, MUON_LR_MATCH_RMS_ADAMW = 0, 1
 LOAD_MODEL_IGNORE_UNEXPECTED, LOAD_MODEL_MASTERS = 1, 2
 
@@ -76,6 +79,15 @@ class Group(ctypes.Structure):
                 ("nesterov", ctypes.c_int), ("ns_a", ctypes.c_double), ("ns_b", ctypes.c_double),
                 ("ns_c", ctypes.c_double), ("ns_steps", ctypes.c_uint32),
                 ("adjust_lr", ctypes.c_int)]
+
+
+class State(ctypes.Structure):
+    """ckpt_state (ABI 16): the whole state at once, aux state too."""
+    _fields_ = [("struct_size", ctypes.c_size_t), ("master", ctypes.c_void_p),
+                ("exp_avg", ctypes.c_void_p), ("exp_avg_sq", ctypes.c_void_p),
+                ("max_exp_avg_sq", ctypes.c_void_p), ("count", ctypes.c_uint64),
+                ("param_steps", ctypes.POINTER(ctypes.c_uint64)), ("nparams", ctypes.c_size_t),
+                ("aux", ctypes.c_void_p), ("aux_count", ctypes.c_uint64)]
 
 
 class Piece(ctypes.Structure):
@@ -216,6 +228,14 @@ _sig = {
     # Store steps (ABI 15).
     "ckpt_store_steps": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
                           ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int),
+    "ckpt_optimizer_get_hyper": ([_p, ctypes.c_size_t, ctypes.c_char_p,
+                                  ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int)],
+                                 ctypes.c_int),
+    "ckpt_optimizer_set_hyper": ([_p, ctypes.c_size_t, ctypes.c_char_p,
+                                  ctypes.POINTER(ctypes.c_double)], ctypes.c_int),
+    "ckpt_optimizer_aux_offsets": ([_p, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+                                   ctypes.c_int),
+    "ckpt_optimizer_set_state_with": ([_p, ctypes.POINTER(State)], ctypes.c_int),
     "ckpt_store_latest": ([_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)],
                           ctypes.c_int),
     "ckpt_checkpointer_open": ([_p, _p, ctypes.POINTER(Coordinator), ctypes.c_uint64,
@@ -276,10 +296,12 @@ if lib.ckpt_abi_version() < ABI_VERSION:
 
 # The structs of ckpt.h this table mirrors, by their C names.
 STRUCTS = [("ckpt_param", Param), ("ckpt_group", Group), ("ckpt_piece", Piece),
+           ("ckpt_state", State),
            ("ckpt_optimizer_options", OptimizerOptions), ("ckpt_store_options", StoreOptions),
            ("ckpt_coordinator", Coordinator)]
 CONSTANTS = dict(
     {"CKPT_ABI_VERSION": ABI_VERSION, "CKPT_OK": OK, "CKPT_ADAMW": ADAMW, "CKPT_MUON": MUON,
+     "CKPT_ADAFACTOR": ADAFACTOR, "CKPT_AUX": AUX,
      "CKPT_MUON_LR_ORIGINAL": MUON_LR_ORIGINAL,
      "CKPT_MUON_LR_MATCH_RMS_ADAMW": MUON_LR_MATCH_RMS_ADAMW,
      "CKPT_LOAD_MODEL_IGNORE_UNEXPECTED": LOAD_MODEL_IGNORE_UNEXPECTED,

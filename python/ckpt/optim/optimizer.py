@@ -48,7 +48,8 @@ class _StagedOptimizer(torch.optim.Optimizer):
     mirror, the overlapped step, the sharding (with a process group) and the cached torch views
     of the state; what they share with __dict__ copies is kept in mutable objects (`_layout`,
     the table, the run), never rebound. Subclasses declare an algorithm: `_rule_of(group)`,
-    `_check_group_keys`, `_native_group` and `_from_native`. Not thread-safe: one call at a
+    `_check_group_keys`, `_native_group` and `_from_native` (and, for a rule's own
+    hyper-parameters, `_native_hyper` and `_from_native_hyper`). Not thread-safe: one call at a
     time, as torch's optimizers (backward's hooks take the overlapped step's lock)."""
 
     # The CUDA engine's least compute capability for this optimizer (StagedMuon: 8, BF16 tensor
@@ -104,6 +105,12 @@ class _StagedOptimizer(torch.optim.Optimizer):
                 *[self._native_group(g) for g in self.param_groups]),
             device, moments, threads, unit_bytes)
         self._native = self._slabs.native
+        for gi, g in enumerate(self.param_groups):
+            try:
+                self._slabs.set_hyper(gi, self._native_hyper(g))
+            except BaseException:
+                self.close()
+                raise
         # The state as torch shapes it, made on demand and dropped by anything that changes it
         # (a step, a load); shared by objects that copy this one's __dict__.
         self._torch = sd._TorchState(self._table, self._shards, self._slabs)
@@ -120,6 +127,13 @@ class _StagedOptimizer(torch.optim.Optimizer):
         except (ValueError, NotImplementedError):
             self.close()
             raise
+
+    def _native_hyper(self, g):
+        """A group's hyper-parameters its rule keeps by name (name -> number, or None)."""
+        return {}
+
+    def _from_native_hyper(self, hyper, g):
+        """After a load: those (`hyper`, as _native_hyper names them) into group `g`."""
 
     def _check_group(self, g, index):
         """A param group's hyper-parameters, as torch accepts them, and its implementation
@@ -180,6 +194,9 @@ class _StagedOptimizer(torch.optim.Optimizer):
         cuda = _one_cuda(table.devices + [p.device for p in new])
         new_names, specs = table.describe(new, names, [gi] * len(new))
         self._slabs.add(new, specs, self._native_group(group))
+        # ckpt has the group: a refusal of its own hyper-parameters leaves it at their defaults
+        # (and the caller sees the error, as from any later step).
+        self._slabs.set_hyper(gi, self._native_hyper(group))
         # ckpt has them: the tables follow, in place (shared with __dict__ copies).
         self._max_slab = self._max_slab or bool(group.get("amsgrad", False))
         table.extend(new, new_names)
@@ -365,6 +382,7 @@ class _StagedOptimizer(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             self._check_group(g, gi)
             self._slabs.set_group(gi, self._native_group(g))
+            self._slabs.set_hyper(gi, self._native_hyper(g))
         return handle
 
     def _push_groups(self):
@@ -378,6 +396,8 @@ class _StagedOptimizer(torch.optim.Optimizer):
         """After a load: the checkpoint's hyper-parameters into param_groups."""
         for gi, g in enumerate(self.param_groups):
             self._from_native(self._slabs.group(gi), g)
+            self._from_native_hyper({name: self._slabs.get_hyper(gi, name)
+                                     for name in self._native_hyper(g)}, g)
 
     def _of(self, p, which):
         """Parameter p's slice of one state tensor, as a tensor of its own: only p's elements
@@ -505,7 +525,7 @@ class _StagedOptimizer(torch.optim.Optimizer):
             return
         error = None
         try:
-            new_groups, arrays, steps = self._to_load(state_dict)
+            new_groups, arrays, steps, aux = self._to_load(state_dict)
         except Exception as e:  # Any refusal, on any rank, is every rank's (see below).
             error = e
         # Every rank refuses if any does: a rank that went on would wait forever for the others
@@ -518,11 +538,12 @@ class _StagedOptimizer(torch.optim.Optimizer):
         with _signals.deferred():
             # The state first: it is what can still be refused (an async save in flight); the
             # groups, validated above, then cannot be.
-            self._slabs.set_state(arrays, steps, self._max_slab)
+            self._slabs.set_state(arrays, steps, self._max_slab, aux)
             self._state_changed()
             for gi, (ours, group) in enumerate(zip(self.param_groups, new_groups)):
                 ours.update({k: val for k, val in group.items() if k != "params"})
                 self._slabs.set_group(gi, self._native_group(ours))
+                self._slabs.set_hyper(gi, self._native_hyper(ours))
             self._publish_weights()
 
     def _to_load(self, state_dict):

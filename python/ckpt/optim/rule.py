@@ -16,19 +16,29 @@ SLABS = {_lib.MASTER: "master", _lib.EXP_AVG: "exp_avg", _lib.EXP_AVG_SQ: "exp_a
 class Rule:
     """One algorithm as a staged optimizer's parts see it: its name (for messages), its
     per-parameter state as torch's optimizer keys it (`state`: key -> the ckpt state tensor
-    holding it, in torch's order), the keys torch keeps only in a group with some option on
+    holding it, in torch's order; `aux`: the keys of state shaped unlike the parameter), the keys torch keeps only in a group with some option on
     (`needs`: key -> option; a loaded state may lack them), whether torch's optimizer counts
     each parameter's steps in its state, and whether each parameter stays whole on one rank
     when sharded. Declared once per algorithm class, never changed: safe to share."""
 
-    __slots__ = ("name", "state", "needs", "counts_steps", "whole")
+    __slots__ = ("name", "state", "needs", "counts_steps", "whole", "aux")
 
-    def __init__(self, name, state, needs=None, counts_steps=True, whole=False):
+    def __init__(self, name, state, needs=None, counts_steps=True, whole=False, aux=()):
         self.name = name
         self.state = dict(state)
         self.needs = dict(needs or {})
         self.counts_steps = counts_steps
         self.whole = whole
+        # State shaped unlike its parameter, in ckpt's aux slab (Adafactor's factors): (key,
+        # applies(shape), shape(shape)) in the order the C++ rule declares them, which is the
+        # order of a parameter's aux elements.
+        self.aux = tuple(aux)
+
+    def aux_keys(self, shape):
+        """The aux state of a parameter of `shape`: [(key, its shape)], in slab order."""
+        shape = tuple(shape)
+        return [(key, tuple(shape_of(shape))) for key, applies, shape_of in self.aux
+                if applies(shape)]
 
     def keys(self, group, slabs):
         """The state keys of a parameter of `group`, with their slabs, then the master's: those

@@ -144,14 +144,49 @@ class _Slabs:
             part = values[at:at + k].contiguous()
             check(lib.ckpt_optimizer_set_masters(self.handle, local_at, part.data_ptr(), k))
 
-    def set_state(self, arrays, steps, with_max):
+    def set_state(self, arrays, steps, with_max, aux=None):
         """Every slab of this rank (`arrays`: master, exp_avg, exp_avg_sq, max_exp_avg_sq, the
-        last only `with_max`) and every parameter's step count, at once."""
+        last only `with_max`; `aux`: the aux slab, or None for an optimizer without one) and
+        every parameter's step count, at once."""
         step_array = (ctypes.c_uint64 * len(steps))(*steps)
-        check(lib.ckpt_optimizer_set_param_state(
-            self.handle, arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(),
-            arrays[3].data_ptr() if with_max else None, arrays[0].numel(), step_array,
-            len(steps)))
+        if aux is None:
+            check(lib.ckpt_optimizer_set_param_state(
+                self.handle, arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr(),
+                arrays[3].data_ptr() if with_max else None, arrays[0].numel(), step_array,
+                len(steps)))
+            return
+        state = _lib.State(ctypes.sizeof(_lib.State), arrays[0].data_ptr(), arrays[1].data_ptr(),
+                           arrays[2].data_ptr(), arrays[3].data_ptr() if with_max else None,
+                           arrays[0].numel(), step_array, len(steps),
+                           aux.data_ptr() if aux.numel() else None, aux.numel())
+        check(lib.ckpt_optimizer_set_state_with(self.handle, ctypes.byref(state)))
+
+    def aux_offsets(self):
+        """Where each piece's aux state begins in the aux slab, then its size (ABI 16)."""
+        n = len(self.table.params) if self.shards is None else self.shards.npieces
+        out = (ctypes.c_uint64 * (n + 1))()
+        check(lib.ckpt_optimizer_aux_offsets(self.handle, out, n + 1))
+        return list(out)
+
+    def aux(self):
+        """The aux slab (state shaped unlike its parameter), this rank's, flat FP32."""
+        out = torch.empty(self.aux_offsets()[-1], dtype=torch.float32)
+        check(lib.ckpt_optimizer_read_state(self.handle, _lib.AUX, out.data_ptr(), out.numel()))
+        return out
+
+    def set_hyper(self, index, hyper):
+        """A group's hyper-parameters its rule keeps by name (`hyper`: name -> number, or None
+        to unset an optional one)."""
+        for name, value in hyper.items():
+            v = None if value is None else ctypes.byref(ctypes.c_double(float(value)))
+            check(lib.ckpt_optimizer_set_hyper(self.handle, index, name.encode(), v))
+
+    def get_hyper(self, index, name):
+        """A group's hyper-parameter by name: a float, or None for an optional one unset."""
+        value, present = ctypes.c_double(), ctypes.c_int()
+        check(lib.ckpt_optimizer_get_hyper(self.handle, index, name.encode(),
+                                           ctypes.byref(value), ctypes.byref(present)))
+        return value.value if present.value else None
 
     def write_weights(self, ptrs, device, stream):
         """The masters rounded into each parameter's buffer (`ptrs`, one per parameter, on

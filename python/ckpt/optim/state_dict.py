@@ -5,6 +5,7 @@ slab arrays to load. Which keys a parameter has comes from its algorithm's Rule 
 every function here is told the parameter table, the rules and the arrays it converts.
 """
 import bisect
+import math
 
 import torch
 
@@ -84,15 +85,35 @@ def entry_step(entry, name):
     return int(step)
 
 
-def torch_state(table, steps, full, rules):
+def aux_layout(table, rules):
+    """Where each parameter's aux state (Rule.aux: state shaped unlike it) lies in the aux slab
+    of an optimizer without a process group (its pieces are its parameters, in order): per
+    parameter [(key, shape, offset)], and the aux size; (None, 0) when no rule keeps any."""
+    if not any(rule.aux for rule, _ in rules):
+        return None, 0
+    at, out = 0, []
+    for p, (rule, _) in zip(table.params, rules):
+        keys = []
+        for key, shape in rule.aux_keys(p.shape):
+            keys.append((key, shape, at))
+            at += math.prod(shape)
+        out.append(keys)
+    return out, at
+
+
+def torch_state(table, steps, full, rules, aux=None):
     """{id(param): entry} of the parameters that have been stepped (torch keeps no state before
     a parameter's first step), from `full` (slab -> one whole state tensor over every
-    parameter) and `rules` ((Rule, group) of each parameter)."""
+    parameter), `rules` ((Rule, group) of each parameter) and `aux` ((the aux slab,
+    aux_layout's list), or None)."""
     out = {}
-    for p, (o, n), step, (rule, group) in zip(table.params, table.slices, steps, rules):
+    for i, (p, (o, n), step, (rule, group)) in enumerate(
+            zip(table.params, table.slices, steps, rules)):
         if step == 0:
             continue
         entry = {"step": torch.tensor(float(step))}
+        for key, shape, at in (aux[1][i] if aux is not None else ()):
+            entry[key] = aux[0][at:at + math.prod(shape)].view(shape).clone()
         for key, which in rule.keys(group, full):
             entry[key] = full[which][o:o + n].view(p.shape).clone()
         out[id(p)] = entry
@@ -165,6 +186,8 @@ def whole_arrays(table, saved_ids, state, rules, local_of):
     master = torch.empty(table.total, dtype=torch.float32)
     arrays = _zeroed_arrays(master, table.total)
     steps = [0] * len(table.params)
+    layout, aux_size = aux_layout(table, rules)
+    aux = torch.zeros(aux_size, dtype=torch.float32) if layout is not None else None
     for i, (p, saved_id) in enumerate(zip(table.params, saved_ids)):
         name, (o, n) = table.names[i], table.slices[i]
         with torch.no_grad():
@@ -188,10 +211,18 @@ def whole_arrays(table, saved_ids, state, rules, local_of):
                 raise ValueError(f"{key} of parameter {name} has shape "
                                  f"{list(t.shape)}, the parameter {list(p.shape)}")
             arrays[which][o:o + n].copy_(t.reshape(-1).float().cpu())
+        for key, shape, at in (layout[i] if layout is not None else ()):
+            if key not in entry:
+                raise ValueError(f"the state of parameter {name} has no {key}")
+            t = torch.as_tensor(entry[key]).detach()
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{key} of parameter {name} has shape {list(t.shape)}, "
+                                 f"{rule.name} keeps {list(shape)} for it")
+            aux[at:at + t.numel()].copy_(t.reshape(-1).float().cpu())
         # torch's Muon counts no steps: a parameter with a momentum buffer has taken one.
         steps[i] = entry_step(entry if rule.counts_steps or "step" in entry else {"step": 1},
                               name)
-    return [local_of(arrays[which]) for which in SLABS], steps
+    return [local_of(arrays[which]) for which in SLABS], steps, aux
 
 
 def _shard_steps(shard, table, pieces, rank, world):
@@ -317,7 +348,9 @@ class _TorchState:
             steps = self.slabs.steps()
             refresh()
             full = {which: self.slabs.whole(which) for which in kept}
-            self.cache["torch_state"] = torch_state(self.table, steps, full, rules)
+            layout, _ = aux_layout(self.table, rules)
+            aux = (self.slabs.aux(), layout) if layout is not None else None
+            self.cache["torch_state"] = torch_state(self.table, steps, full, rules, aux)
         return self.cache["torch_state"]
 
     def indexed(self, rules, kept, refresh):
@@ -369,14 +402,16 @@ class _TorchState:
         """A state dict (whole, or this rank's shard) as this rank's arrays, one per slab in
         SLABS order, and every parameter's step count; ValueError for a non-finite value."""
         state = state_dict["state"]
+        aux = None  # Only optimizers without a process group keep aux state (Rule.aux).
         if state_dict.get("shard") is not None:
             rank, world = self._rank_world()
             arrays, steps = shard_arrays(state_dict["shard"], state, self.table, self._pieces(),
                                          rules, rank, world, self._local_of, self.slabs.count)
         else:
             saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-            arrays, steps = whole_arrays(self.table, saved_ids, state, rules, self._local_of)
-        for name, t in zip(SLABS.values(), arrays):
-            if not torch.isfinite(t).all():
+            arrays, steps, aux = whole_arrays(self.table, saved_ids, state, rules,
+                                              self._local_of)
+        for name, t in list(zip(SLABS.values(), arrays)) + [("aux state", aux)]:
+            if t is not None and not torch.isfinite(t).all():
                 raise ValueError(f"the state dict's {name} holds a non-finite value")
-        return arrays, steps
+        return arrays, steps, aux
