@@ -52,7 +52,8 @@ opt::ParamGroup Group(const ckpt_group& g) {
   p.step = g.step;
   p.amsgrad = g.amsgrad != 0;
   auto known = [](int v, int last) { return v >= 0 && v <= last ? v : 255; };
-  p.algorithm = static_cast<opt::Algorithm>(known(g.algorithm, CKPT_ADAFACTOR));
+  p.algorithm =
+      static_cast<opt::Algorithm>(known(g.algorithm, static_cast<int>(opt::kLastAlgorithm)));
   p.muon.momentum = g.momentum;
   p.muon.nesterov = g.nesterov != 0;
   p.muon.ns_a = g.ns_a;

@@ -14,6 +14,10 @@ using ckpt::capi::Done;
 using ckpt::capi::Guard;
 using ckpt::capi::Invalid;
 
+// sizeof(ckpt_state) as ABI 16 laid it out, frozen: later versions only append fields.
+constexpr size_t kStateBytesAbi16 = 80;
+static_assert(sizeof(ckpt_state) >= kStateBytesAbi16);
+
 template <typename T>
 std::span<const T> Span(const T* data, uint64_t count) {
   return data == nullptr ? std::span<const T>() : std::span<const T>(data, count);
@@ -62,9 +66,11 @@ int ckpt_optimizer_aux_offsets(const ckpt_optimizer* o, uint64_t* out, size_t co
 int ckpt_optimizer_set_state_with(ckpt_optimizer* o, const ckpt_state* state) {
   return Guard("ckpt_optimizer_set_state_with", [&]() -> int {
     if (o == nullptr || state == nullptr) return Invalid("optimizer or state is NULL");
-    if (state->struct_size < sizeof(ckpt_state)) {
-      return Invalid(absl::StrCat("ckpt_state of ", state->struct_size, " bytes; this ABI's has ",
-                                  sizeof(ckpt_state)));
+    // ABI 16's ckpt_state is the smallest there will be; a caller built against a later
+    // header may pass a larger one (its fields beyond this ABI's are not read).
+    if (state->struct_size < kStateBytesAbi16) {
+      return Invalid(absl::StrCat("ckpt_state of ", state->struct_size,
+                                  " bytes; ABI 16's has ", kStateBytesAbi16));
     }
     if (state->count > 0 && (state->exp_avg == nullptr || state->exp_avg_sq == nullptr)) {
       return Invalid("exp_avg or exp_avg_sq is NULL");

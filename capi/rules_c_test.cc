@@ -80,14 +80,26 @@ TEST_F(RulesCTest, TheFactorsAreLocatedReadAndReplacedWithTheState) {
   EXPECT_EQ(offsets[1], 7u);   // w: row_var 3, col_var 4.
   EXPECT_EQ(offsets[2], 12u);  // b: variance 5.
   EXPECT_EQ(ckpt_optimizer_aux_offsets(opt_, offsets, 2), CKPT_INVALID_ARGUMENT);
-  std::vector<float> g(17, 0.25f);
+  std::vector<float> g(17);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = 0.1f * static_cast<float>(i + 1);
   ASSERT_EQ(ckpt_optimizer_step(opt_, g.data(), CKPT_F32, 1.0f, w_.data(), 0, nullptr, nullptr),
             CKPT_OK)
       << ckpt_last_error();
   std::vector<float> aux(12);
   ASSERT_EQ(ckpt_optimizer_read_state(opt_, CKPT_AUX, aux.data(), 12), CKPT_OK);
-  // At step 1 the weight is 1^-0.8 = 1: each factor is the mean of the squared gradients.
-  for (float x : aux) EXPECT_FLOAT_EQ(x, 0.0625f);
+  // At step 1 the weight is 1^-0.8 = 1: each factor is the mean of its squared gradients, rows
+  // (3) then columns (4) of w, then b's variance (5): every one tells where it lies.
+  for (int r = 0; r < 3; ++r) {
+    double sum = 0;
+    for (int c = 0; c < 4; ++c) sum += double(g[r * 4 + c]) * g[r * 4 + c];
+    EXPECT_NEAR(aux[r], sum / 4, 1e-5) << "row_var " << r;
+  }
+  for (int c = 0; c < 4; ++c) {
+    double sum = 0;
+    for (int r = 0; r < 3; ++r) sum += double(g[r * 4 + c]) * g[r * 4 + c];
+    EXPECT_NEAR(aux[3 + c], sum / 3, 1e-5) << "col_var " << c;
+  }
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(aux[7 + i], g[12 + i] * g[12 + i], 1e-5) << i;
   float one = 0;
   EXPECT_EQ(ckpt_optimizer_read_state_range(opt_, CKPT_AUX, 11, &one, 1), CKPT_OK);
   EXPECT_EQ(ckpt_optimizer_read_state_range(opt_, CKPT_AUX, 12, &one, 1), CKPT_OUT_OF_RANGE);
@@ -114,9 +126,15 @@ TEST_F(RulesCTest, TheFactorsAreLocatedReadAndReplacedWithTheState) {
   factors[3] = std::nanf("");
   EXPECT_EQ(ckpt_optimizer_set_state_with(opt_, &state), CKPT_INVALID_ARGUMENT);
   ASSERT_EQ(ckpt_optimizer_read_state(opt_, CKPT_AUX, aux.data(), 12), CKPT_OK);
-  EXPECT_FLOAT_EQ(aux[3], 0.0625f);  // Nothing changed.
+  EXPECT_NEAR(aux[3], (0.01 + 0.25 + 0.81) / 3, 1e-5);  // Nothing changed.
   factors[3] = 0.03f;
-  ASSERT_EQ(ckpt_optimizer_set_state_with(opt_, &state), CKPT_OK) << ckpt_last_error();
+  // A caller built against a later header passes a larger struct: what ABI 16 knows is read.
+  struct {
+    ckpt_state state;
+    uint64_t appended_by_a_later_version;
+  } later{state, 7};
+  later.state.struct_size = sizeof(later);
+  ASSERT_EQ(ckpt_optimizer_set_state_with(opt_, &later.state), CKPT_OK) << ckpt_last_error();
   ASSERT_EQ(ckpt_optimizer_read_state(opt_, CKPT_AUX, aux.data(), 12), CKPT_OK);
   EXPECT_EQ(aux, factors);
   uint64_t got_steps[2] = {};

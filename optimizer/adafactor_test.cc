@@ -468,6 +468,95 @@ TEST_F(AdafactorTest, AddedParametersStartFreshAndTheOthersKeepTheirFactors) {
   }
 }
 
+// Past one chunk of the kernel's passes (2^15 elements) and one column block (256): the same
+// reference, and the same bits on one thread as on three.
+TEST_F(AdafactorTest, ALargeMatrixMatchesAndItsBitsDoNotDependOnTheThreads) {
+  StagedAdamWOptions o;
+  o.params = {{"big", {150, 300}, DType::kF32, 0}};
+  o.groups = {Adafactor(Hyper{})};
+  o.pieces = {{0, 0, 45000}};
+  std::vector<std::vector<float>> masters;
+  for (int threads : {1, 3}) {
+    o.threads = threads;
+    auto opt = Optimizer(o);
+    ASSERT_NE(opt, nullptr);
+    Reference ref{{150, 300}, {}, {}, {}, {}, 0};
+    for (float x : Flat(o, -1)) ref.p.push_back(x);
+    for (int s = 0; s < 3; ++s) {
+      Step(*opt, s);
+      const std::vector<float> g = Flat(o, s);
+      ref.Step(std::vector<double>(g.begin(), g.end()), Hyper{});
+    }
+    for (size_t i = 0; i < ref.p.size(); i += 97) {
+      ASSERT_NEAR(opt->master()[i], ref.p[i], 2e-6 * std::max(1.0, std::fabs(ref.p[i]))) << i;
+    }
+    masters.emplace_back(opt->master().begin(), opt->master().end());
+  }
+  EXPECT_EQ(masters[0], masters[1]);
+}
+
+// eps1 None is the machine epsilon of the parameter's dtype, as torch takes it: for a BF16
+// parameter 2^-7, not FP32's.
+TEST_F(AdafactorTest, Eps1NoneIsTheParametersDtypeEpsilon) {
+  std::vector<std::vector<float>> masters;
+  for (double eps1 : {-1.0, 0x1p-7}) {
+    Hyper h;
+    h.eps1 = eps1;
+    StagedAdamWOptions o;
+    o.params = {{"w", {4, 6}, DType::kBF16, 0}};
+    o.groups = {Adafactor(h)};
+    o.pieces = {{0, 0, 24}};
+    std::vector<uint16_t> w(24, 0x3f80);  // 1.0
+    auto opt = StagedAdamW::Create(o, std::as_bytes(std::span(w)));
+    ASSERT_THAT(opt, IsOk());
+    std::vector<float> g(24);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 1e-4f * static_cast<float>(i % 5);
+    std::vector<uint16_t> out(24);
+    ASSERT_THAT((*opt)->Step(StepArgs{g.data(), DType::kF32, 1.0f, out.data()}), IsOk());
+    masters.emplace_back((*opt)->master().begin(), (*opt)->master().end());
+  }
+  EXPECT_EQ(masters[0], masters[1]);
+}
+
+// An optimizer of AdamW and Adafactor groups: async-saved under steps, resharded to two ranks
+// and loaded at one, its masters, AdamW's moments and Adafactor's factors come back bit for bit.
+TEST_F(AdafactorTest, AMixedOptimizerAsyncSavedAndReshardedLoadsBitForBit) {
+  StagedAdamWOptions o = Model(Hyper{});
+  o.params.push_back({"embed", {50}, DType::kF32, 1});
+  o.groups.push_back(ParamGroup{});
+  o.pieces.push_back({4, 0, 50});
+  auto store = Store("/run");
+  auto a = Optimizer(o);
+  ASSERT_NE(a, nullptr);
+  auto ck = Checkpointer::Create(a.get(), store.get(), &coordinator_);
+  ASSERT_THAT(ck, IsOk());
+  for (int s = 0; s < 2; ++s) Step(*a, s);
+  const State at2 = Of(*a);
+  const std::vector<std::byte> exp_avg(a->exp_avg_bytes().begin(), a->exp_avg_bytes().end());
+  auto pending = (*ck)->SaveAsync(2);
+  ASSERT_THAT(pending, IsOk());
+  for (int s = 2; s < 4; ++s) Step(*a, s);
+  ASSERT_THAT((*pending)->Finalize(), IsOk());
+  {
+    auto source = store->OpenStep(2);
+    ASSERT_THAT(source, IsOk());
+    ReshardOptions ro;
+    ro.store.env = env_.get();
+    ro.store.chunk_bytes = 96;
+    ro.dp = 2;
+    ro.buckets.bucket_elems = 16;  // The AdamW embedding cut across the ranks.
+    ASSERT_THAT(Reshard(**source, "/dp2", ro), IsOk());
+  }
+  auto dp2 = Store("/dp2");
+  auto b = Optimizer(o);
+  ASSERT_NE(b, nullptr);
+  auto ck_b = Checkpointer::Create(b.get(), dp2.get(), &coordinator_);
+  ASSERT_THAT(ck_b, IsOk());
+  ASSERT_THAT((*ck_b)->Load(2), IsOk());
+  EXPECT_EQ(Of(*b), at2);
+  EXPECT_TRUE(std::equal(exp_avg.begin(), exp_avg.end(), b->exp_avg_bytes().begin()));
+}
+
 TEST_F(AdafactorTest, BadHyperParametersAndParametersAreRefusedByName) {
   auto create = [&](StagedAdamWOptions o) {
     const std::vector<float> w = Flat(o, -1);

@@ -109,7 +109,7 @@ absl::Status StagedAdamW::SetGroup(size_t index, const ParamGroup& group) {
   }
   if (group.algorithm != options_.groups[index].algorithm) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "param group ", index, ": its algorithm (AdamW or Muon) is fixed when it is added"));
+        "param group ", index, ": its algorithm (its update rule) is fixed when it is added"));
   }
   ++state_version_;
   ParamGroup& g = options_.groups[index];

@@ -115,9 +115,6 @@ class StateLayout {
 std::vector<std::string> StateTensorNames(const UpdateRule& rule, absl::string_view name,
                                           std::span<const uint64_t> shape, bool max_slab);
 
-// The algorithm an optimizer record's group was saved with.
-Algorithm RecordAlgorithm(const formats::OptimizerRecordGroup& group);
-
 // The optimizer record (formats/optimizer_record.h) of the state saved by `world_size` ranks:
 // the parameters (name, shape, model dtype, group, and each one's step count when some differs
 // from its group's), the groups (hyper-parameters in double, step counters, and Muon's when the

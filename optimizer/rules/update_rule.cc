@@ -65,6 +65,7 @@ uint64_t StateElements(const StateDecl& d, std::span<const uint64_t> shape) {
 uint64_t AuxElements(const UpdateRule& rule, std::span<const uint64_t> shape) {
   uint64_t n = 0;
   for (const StateDecl& d : rule.states()) {
+    assert(!(d.slab == Slab::kAux && d.only_with_max_slab) && "see StateDecl");
     if (d.slab == Slab::kAux && StateApplies(d, shape)) n += StateElements(d, shape);
   }
   return n;
@@ -113,7 +114,8 @@ absl::Status UpdateRule::Validate(const ParamGroup& group, size_t index) const {
 }
 
 absl::StatusOr<const UpdateRule*> FindRule(Algorithm algorithm) {
-  // One line per rule: the only place that lists them.
+  // One line per rule: the only place that maps an Algorithm to its rule (-Wswitch names a
+  // value left out; the others go 0 to kLastAlgorithm).
   switch (algorithm) {
     case Algorithm::kAdamW:
       return &AdamWRule();
@@ -127,8 +129,8 @@ absl::StatusOr<const UpdateRule*> FindRule(Algorithm algorithm) {
 }
 
 absl::StatusOr<const UpdateRule*> FindRuleByKey(absl::string_view key) {
-  for (Algorithm a : {Algorithm::kAdamW, Algorithm::kMuon, Algorithm::kAdafactor}) {
-    const UpdateRule& rule = RuleFor(a);
+  for (int a = 0; a <= static_cast<int>(kLastAlgorithm); ++a) {
+    const UpdateRule& rule = RuleFor(static_cast<Algorithm>(a));
     if (rule.key() == key) return &rule;
   }
   return absl::NotFoundError(absl::StrCat("no update rule is called \"", key, "\""));

@@ -45,7 +45,8 @@ struct StateDecl {
   absl::string_view key;
   Slab slab;
   // Kept only while the optimizer holds AMSGrad's slab (StagedAdamW::has_max_exp_avg_sq()):
-  // then for every parameter of the rule, whether or not its group asks for amsgrad.
+  // then for every parameter of the rule, whether or not its group asks for amsgrad. Never
+  // for a kAux state (its offsets do not depend on the optimizer's slabs).
   bool only_with_max_slab = false;
   // The state's shape for a parameter of `shape`; null: the parameter's own. Only kAux states
   // may be shaped unlike their parameter.

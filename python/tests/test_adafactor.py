@@ -145,6 +145,33 @@ def test_a_checkpoint_resumes_bit_for_bit_with_its_hyper_parameters(tmp_path):
     ck_b.close()
 
 
+def test_a_local_state_dict_round_trip_keeps_the_factors():
+    a, b = make_params(7), make_params(8)
+    opt_a = ckpt.torch.StagedAdafactor(a)
+    opt_b = ckpt.torch.StagedAdafactor(b, lr=0.3)
+    for s in range(3):
+        for p, g in zip(a, grads(s)):
+            p.grad = g
+        opt_a.step()
+    shard = opt_a.local_state_dict()
+    assert shard["state"][0]["row_var"].shape == (6,)  # 1-D, as a shard's tensors are.
+    opt_b.load_state_dict(shard)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key, value in opt_a.factors(p).items():
+            assert torch.equal(value, opt_b.factors(q)[key]), key
+    del shard["state"][1]["col_var"]
+    with pytest.raises(ValueError, match="has no col_var"):
+        opt_b.load_state_dict(shard)
+    for s in range(3, 5):
+        for p, q, g in zip(a, b, grads(s)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
 def test_refusals_name_what_is_wrong():
     p = make_params(5)
     for kwargs, what in [({"d": 0.5}, "d"), ({"beta2_decay": 0.1}, "beta2_decay"),

@@ -43,11 +43,11 @@ extern "C" {
  * ckpt_optimizer_await_step): a library of 12 serves callers of 11. 13 only adds
  * ckpt_optimizer_step_gated: a library of 13 serves callers of 12. 14 only adds
  * ckpt_optimizer_read_state_range: a library of 14 serves callers of 13. 15 only adds
- * ckpt_store_steps. 16 only adds update rules without new structs (CKPT_ADAFACTOR; a rule's
- * own hyper-parameters by name: ckpt_optimizer_set_hyper, ckpt_optimizer_get_hyper; its state
- * shaped unlike its parameter: CKPT_AUX, ckpt_optimizer_aux_offsets, ckpt_optimizer_set_state_with
- * and its ckpt_state): a library of 16 serves callers of 15, and a later rule needs no new
- * version. */
+ * ckpt_store_steps. 16 only adds what update rules need, no struct of earlier versions changed
+ * (CKPT_ADAFACTOR; a rule's own hyper-parameters by name: ckpt_optimizer_set_hyper,
+ * ckpt_optimizer_get_hyper; its state shaped unlike its parameter: CKPT_AUX,
+ * ckpt_optimizer_aux_offsets, and ckpt_optimizer_set_state_with with the new struct_size struct
+ * ckpt_state): a library of 16 serves callers of 15, and a later rule needs no new version. */
 #define CKPT_ABI_VERSION 16
 
 /* The library exports these functions (and nothing of its C++ internals). */
@@ -340,7 +340,8 @@ CKPT_C_EXPORT int ckpt_optimizer_aux_offsets(const ckpt_optimizer* opt, uint64_t
                                              size_t count);
 /* (ABI 16) The whole state at once (ckpt_optimizer_set_param_state's contract), aux state too.
  * struct_size = sizeof(ckpt_state) as the caller compiled it: later versions may append fields,
- * which a caller that does not know them leaves at their zero meaning. NULL arrays: the masters
+ * which a library reads only from callers whose struct_size holds them (others get their zero
+ * meaning), and a library refuses only a size smaller than ABI 16's. NULL arrays: the masters
  * stay (master); zero (max_exp_avg_sq, aux). */
 typedef struct {
   size_t struct_size;

@@ -5,7 +5,7 @@
 //             v = row_var @ col_var / max(mean(row_var, -2), eps1)
 //   vectors:  variance.lerp_(g^2, w); v = variance
 //   u = rsqrt(max(v, eps1^2)) * g;  p += u * -(alpha / max(1, ||u|| / (sqrt(numel) * d)))
-// (g = -grad with maximize; eps1 None: FP32's machine epsilon, the masters' dtype). Scalars in
+// (g = -grad with maximize; eps1 None: the machine epsilon of the parameter's dtype). Scalars in
 // double as torch keeps Python floats, rounded to float where torch's kernels take them. Sums
 // (the norms, the factors' means) are accumulated in double over chunks of a fixed size, so the
 // result does not depend on the threads; torch accumulates in float, hence the tolerance of
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -60,6 +61,21 @@ constexpr HyperParam kSchema[] = {
 
 // StepConstants::values, as SetConstants fills them.
 enum Value { kW, kRho, kDecay, kHasDecay, kEps1, kEps2, kD, kMaximize };
+
+// eps1 as torch takes it: the group's, or (None, NaN here) the machine epsilon of the
+// parameter's dtype, torch.finfo(param.dtype).eps (torch takes its group's first parameter's
+// for the whole group; ckpt each parameter's own, the same unless a group mixes dtypes).
+double Eps1(double value, DType param_dtype) {
+  if (!std::isnan(value)) return value;
+  switch (param_dtype) {
+    case DType::kBF16:
+      return 0x1p-7;
+    case DType::kF16:
+      return 0x1p-10;
+    default:
+      return static_cast<double>(FLT_EPSILON);  // 2^-23.
+  }
+}
 
 // Elements per chunk of a pass (a fixed cut: sums do not depend on the threads).
 constexpr uint64_t kChunk = uint64_t{1} << 15;
@@ -125,7 +141,8 @@ class Adafactor final : public UpdateRule {
     c.values[kRho] = std::min(g.lr, 1.0 / std::sqrt(step));
     c.values[kDecay] = 1.0 - g.lr * g.weight_decay;
     c.values[kHasDecay] = g.weight_decay != 0 ? 1 : 0;
-    c.values[kEps1] = eps1.has_value() ? *eps1 : static_cast<double>(FLT_EPSILON);
+    // None: the parameter's dtype decides, at its step (Eps1).
+    c.values[kEps1] = eps1.has_value() ? *eps1 : std::numeric_limits<double>::quiet_NaN();
     c.values[kEps2] = *HyperValue(kSchema[kEps2Param], g);
     c.values[kD] = *HyperValue(kSchema[kDParam], g);
     c.values[kMaximize] = *HyperValue(kSchema[kMaximizeParam], g);
@@ -141,10 +158,10 @@ class Adafactor final : public UpdateRule {
  private:
   // Update the factors (or the variance) from the gradients in s.g, then replace s.g with the
   // update u = rsqrt(max(v, eps1^2)) * g.
-  static void FactoredUpdate(const WholeParamStep& w, const StepConstants& c, Scratch& s,
-                             const ParallelFor& parallel);
-  static void UnfactoredUpdate(const WholeParamStep& w, const StepConstants& c, Scratch& s,
-                               const ParallelFor& parallel);
+  static void FactoredUpdate(const WholeParamStep& w, const StepConstants& c, double eps1,
+                             Scratch& s, const ParallelFor& parallel);
+  static void UnfactoredUpdate(const WholeParamStep& w, const StepConstants& c, double eps1,
+                               Scratch& s, const ParallelFor& parallel);
 };
 
 void Adafactor::StepWholeCpu(const WholeParamStep& w, const StepConstants& c,
@@ -166,10 +183,11 @@ void Adafactor::StepWholeCpu(const WholeParamStep& w, const StepConstants& c,
   const double p_norm = static_cast<float>(std::sqrt(SumOfSquares(parallel, w.master, n)));
   const double alpha =
       std::max(c.values[kEps2], p_norm / std::sqrt(static_cast<double>(n))) * c.values[kRho];
+  const double eps1 = Eps1(c.values[kEps1], w.param_dtype);
   if (w.shape.size() >= 2) {
-    FactoredUpdate(w, c, s, parallel);
+    FactoredUpdate(w, c, eps1, s, parallel);
   } else {
-    UnfactoredUpdate(w, c, s, parallel);
+    UnfactoredUpdate(w, c, eps1, s, parallel);
   }
   const double u_norm = static_cast<float>(std::sqrt(SumOfSquares(parallel, s.g.data(), n)));
   const double denom =
@@ -189,8 +207,8 @@ void Adafactor::StepWholeCpu(const WholeParamStep& w, const StepConstants& c,
   });
 }
 
-void Adafactor::FactoredUpdate(const WholeParamStep& w, const StepConstants& c, Scratch& s,
-                               const ParallelFor& parallel) {
+void Adafactor::FactoredUpdate(const WholeParamStep& w, const StepConstants& c, double eps1_d,
+                               Scratch& s, const ParallelFor& parallel) {
   // (batches, R, C): the last two dimensions factored, the others batched.
   const uint64_t cols = w.shape.back();
   const uint64_t rows_per = w.shape[w.shape.size() - 2];
@@ -199,8 +217,8 @@ void Adafactor::FactoredUpdate(const WholeParamStep& w, const StepConstants& c, 
   float* row_var = w.aux;         // batches * rows_per
   float* col_var = w.aux + rows;  // batches * cols
   const auto weight = static_cast<float>(c.values[kW]);
-  const auto eps1 = static_cast<float>(c.values[kEps1]);
-  const auto eps1_sq = static_cast<float>(c.values[kEps1] * c.values[kEps1]);
+  const auto eps1 = static_cast<float>(eps1_d);
+  const auto eps1_sq = static_cast<float>(eps1_d * eps1_d);
   float* g = s.g.data();
   const uint64_t row_chunk = std::max<uint64_t>(1, kChunk / cols);
   const auto row_chunks = static_cast<size_t>((rows + row_chunk - 1) / row_chunk);
@@ -250,10 +268,10 @@ void Adafactor::FactoredUpdate(const WholeParamStep& w, const StepConstants& c, 
   });
 }
 
-void Adafactor::UnfactoredUpdate(const WholeParamStep& w, const StepConstants& c, Scratch& s,
-                                 const ParallelFor& parallel) {
+void Adafactor::UnfactoredUpdate(const WholeParamStep& w, const StepConstants& c, double eps1,
+                                 Scratch& s, const ParallelFor& parallel) {
   const auto weight = static_cast<float>(c.values[kW]);
-  const auto eps1_sq = static_cast<float>(c.values[kEps1] * c.values[kEps1]);
+  const auto eps1_sq = static_cast<float>(eps1 * eps1);
   float* variance = w.aux;
   const uint64_t n = w.count;
   ForChunks(parallel, static_cast<size_t>((n + kChunk - 1) / kChunk), [&](size_t ch) {

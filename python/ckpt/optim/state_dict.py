@@ -270,6 +270,34 @@ def shard_arrays(shard, state, table, pieces, rules, rank, world, local_of, loca
     return [arrays[which] for which in SLABS], steps
 
 
+def shard_aux(state, layout, aux):
+    """local_state_dict()'s entries (`state`, by index) with their parameters' aux state (as
+    aux_layout lays it out in `aux`), each key 1-D as the shard's tensors are."""
+    for i, entry in state.items():
+        for key, shape, at in layout[i]:
+            entry[key] = aux[at:at + math.prod(shape)].clone()
+
+
+def shard_aux_array(state, table, layout, size):
+    """The aux slab a shard's entries (`state`, by index) hold; ValueError naming the parameter
+    and key missing or of the wrong size."""
+    aux = torch.zeros(size, dtype=torch.float32)
+    for i, keys in enumerate(layout):
+        entry = state.get(i)
+        if not entry:
+            continue
+        for key, shape, at in keys:
+            if key not in entry:
+                raise ValueError(f"the shard of parameter {table.names[i]} has no {key}")
+            t = torch.as_tensor(entry[key]).detach().reshape(-1).float().cpu()
+            if t.numel() != math.prod(shape):
+                raise ValueError(f"{key} of parameter {table.names[i]} has {t.numel()} "
+                                 f"elements in the shard, its shape {list(shape)} "
+                                 f"{math.prod(shape)}")
+            aux[at:at + t.numel()].copy_(t)
+    return aux
+
+
 def indexed_groups(param_groups):
     """param_groups as a state dict has them: hyper-parameters, and the parameters' indices
     (numbered in group order, as torch numbers them)."""
@@ -393,7 +421,11 @@ class _TorchState:
         steps = self.slabs.steps()
         pieces = self._pieces()
         rank, world = self._rank_world()
-        return {"state": shard_state(steps, local, pieces, rules), "param_groups": groups,
+        state = shard_state(steps, local, pieces, rules)
+        layout, _ = aux_layout(self.table, rules)
+        if layout is not None:
+            shard_aux(state, layout, self.slabs.aux())
+        return {"state": state, "param_groups": groups,
                 "shard": {"rank": rank, "world_size": world,
                           "pieces": [[i, b, n] for i, b, n, _ in pieces],
                           "param_steps": steps}}
@@ -407,6 +439,9 @@ class _TorchState:
             rank, world = self._rank_world()
             arrays, steps = shard_arrays(state_dict["shard"], state, self.table, self._pieces(),
                                          rules, rank, world, self._local_of, self.slabs.count)
+            layout, size = aux_layout(self.table, rules)
+            if layout is not None:
+                aux = shard_aux_array(state, self.table, layout, size)
         else:
             saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
             arrays, steps, aux = whole_arrays(self.table, saved_ids, state, rules,

@@ -30,6 +30,8 @@ enum class Algorithm : uint8_t {
   kMuon,       // torch.optim.Muon: 2-D parameters only, each stepped whole.
   kAdafactor,  // torch.optim.Adafactor: each parameter stepped whole (docs/design/adafactor.md).
 };
+// The last Algorithm: they are numbered 0 to this, each with its rule (optimizer/rules/).
+inline constexpr Algorithm kLastAlgorithm = Algorithm::kAdafactor;
 
 // Muon's learning-rate adjustment by matrix shape (torch's adjust_lr_fn), for an A x B matrix:
 // lr * sqrt(max(1, A / B)) ("original", torch's default) or lr * 0.2 * sqrt(max(A, B))
