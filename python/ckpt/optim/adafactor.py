@@ -47,7 +47,7 @@ class StagedAdafactor(_StagedOptimizer):
     """torch.optim.Adafactor with ckpt's staged state (docs/design/adafactor.md).
 
     Its constructor is torch.optim.Adafactor's: lr (default 1e-2), beta2_decay (-0.8),
-    eps=(eps1, eps2) ((None, 1e-3); eps1 None is FP32's machine epsilon, the masters' dtype),
+    eps=(eps1, eps2) ((None, 1e-3); eps1 None is the machine epsilon of the parameter's dtype),
     d (1.0), weight_decay (0.0), and foreach (accepted, any value) and maximize; each group may
     have its own. A parameter of two or more dimensions keeps its second moment as a row and
     a column factor (torch's row_var and col_var, of its shape with the last, and the second
